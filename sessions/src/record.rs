@@ -1,0 +1,60 @@
+//! The stored unit (one response and its delta of items) and the options shared by all backends.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// One stored response: its own delta plus the Response object clients GET.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ResponseRecord {
+    /// The response id (`resp_...`).
+    pub id: String,
+    /// The team that created it; other teams cannot see it.
+    pub team: String,
+    /// The response this one continues, if any.
+    pub previous_response_id: Option<String>,
+    /// This turn's new input items (each has an "id").
+    pub input_items: Vec<Value>,
+    /// This turn's output items.
+    pub output_items: Vec<Value>,
+    /// The full Response object (has "status").
+    pub response: Value,
+}
+
+impl ResponseRecord {
+    /// The `status` field of the stored Response object, or "" if it has none.
+    pub fn status(&self) -> &str {
+        response_status(&self.response)
+    }
+}
+
+/// The `status` field of a Response object, or "" if it has none.
+pub fn response_status(response: &Value) -> &str {
+    response.get("status").and_then(Value::as_str).unwrap_or("")
+}
+
+/// Whether a Response status still allows [`crate::Store::update_if_active`] to replace it.
+pub fn is_active_status(status: &str) -> bool {
+    status == "queued" || status == "in_progress"
+}
+
+/// Settings shared by every backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// How long a response stays stored after it was last written or used in a history load.
+    pub ttl: Duration,
+    /// Prefix of every Redis key this store writes.
+    pub key_prefix: String,
+}
+
+/// Default time a stored response is kept: 30 days.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(30 * 24 * 60 * 60);
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            ttl: DEFAULT_TTL,
+            key_prefix: "agentgate:".to_string(),
+        }
+    }
+}

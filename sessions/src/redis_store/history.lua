@@ -1,0 +1,46 @@
+-- Load the item history of the chain ending at KEYS[1], oldest first, in one call.
+-- KEYS[1]: hash of the newest response
+-- ARGV[1]: team that must own every response walked
+-- ARGV[2]: key prefix of response hashes (predecessor key = ARGV[2] .. prev)
+-- ARGV[3]: TTL in milliseconds, refreshed on every response walked
+-- ARGV[4]: longest chain accepted; longer means a cycle
+-- Returns nil if KEYS[1] is missing or another team's; otherwise a flat array of JSON blobs
+-- [input_1, output_1, ..., input_n, output_n]. The walk stops at the first predecessor that is
+-- missing (expired or deleted) or owned by another team.
+local team = ARGV[1]
+local prefix = ARGV[2]
+local ttl = ARGV[3]
+local max_len = tonumber(ARGV[4])
+
+local key = KEYS[1]
+local fields = redis.call('HMGET', key, 'team', 'prev', 'input', 'output')
+if fields[1] ~= team then
+  return false
+end
+
+local reversed = {}
+local walked = 0
+while true do
+  walked = walked + 1
+  if walked > max_len then
+    return redis.error_reply('previous_response_id chain longer than ' .. max_len .. ' (a cycle?)')
+  end
+  reversed[#reversed + 1] = fields[4]
+  reversed[#reversed + 1] = fields[3]
+  redis.call('PEXPIRE', key, ttl)
+  local prev = fields[2]
+  if not prev or prev == '' then
+    break
+  end
+  key = prefix .. prev
+  fields = redis.call('HMGET', key, 'team', 'prev', 'input', 'output')
+  if fields[1] ~= team then
+    break
+  end
+end
+
+local blobs = {}
+for i = #reversed, 1, -1 do
+  blobs[#blobs + 1] = reversed[i]
+end
+return blobs

@@ -1,0 +1,348 @@
+//! `RedisStore`: the shared backend, so every gateway replica sees every stored response.
+//!
+//! Each response is one hash `{prefix}resp:{id}` with fields `team`, `prev` (predecessor id or
+//! ""), `input` and `output` (JSON arrays of this turn's items), `response` (the Response
+//! object), `status` (copied out of the Response for the scripts) and `shared` ("1" when the
+//! Response's `output` equals the output items and is stored once, in `output`). Every write
+//! sets the TTL. Reads that need several keys or a check-then-write run as Lua scripts, sent with
+//! EVALSHA and falling back to EVAL when the server does not have the script cached.
+//!
+//! The history script reads predecessor keys it derives itself, so it needs a standalone Redis
+//! (or a primary with replicas), not Redis Cluster.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::{Cmd, ErrorKind, FromRedisValue, ServerErrorKind};
+use serde_json::Value;
+
+use crate::record::response_status;
+use crate::{ResponseRecord, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
+
+/// A Lua script with its SHA1, ready for EVALSHA.
+struct LuaScript {
+    source: &'static str,
+    sha: String,
+}
+
+impl LuaScript {
+    fn new(source: &'static str) -> Self {
+        let sha = ::redis::Script::new(source).get_hash().to_string();
+        LuaScript { source, sha }
+    }
+}
+
+/// Store backed by a Redis server.
+pub struct RedisStore {
+    conn: ConnectionManager,
+    ttl_ms: u64,
+    resp_prefix: String,
+    round_trips: AtomicU64,
+    history_script: LuaScript,
+    update_script: LuaScript,
+    delete_script: LuaScript,
+}
+
+/// How long to wait for a TCP connection to Redis.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long to wait for a reply; generous because a long history is one large reply.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connection attempts after a connection loss before a request fails (the next request tries
+/// again), so requests fail within a few seconds while Redis is down instead of hanging.
+const RECONNECT_ATTEMPTS: usize = 3;
+/// Longest pause between two connection attempts.
+const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
+
+impl RedisStore {
+    /// Connect to `url` (`redis://host:port/db`); reconnects by itself after connection loss.
+    pub async fn connect(url: &str, opts: StoreOptions) -> Result<Self, StoreError> {
+        let client = ::redis::Client::open(url)
+            .map_err(|e| StoreError::InvalidUrl(format!("{url}: {e}")))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_response_timeout(Some(RESPONSE_TIMEOUT))
+            .set_number_of_retries(RECONNECT_ATTEMPTS)
+            .set_max_delay(RECONNECT_MAX_DELAY);
+        let conn = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(|e| StoreError::Backend(format!("cannot connect to {url}: {e}")))?;
+        let store = RedisStore {
+            conn,
+            ttl_ms: u64::try_from(opts.ttl.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
+            resp_prefix: format!("{}resp:", opts.key_prefix),
+            round_trips: AtomicU64::new(0),
+            history_script: LuaScript::new(include_str!("history.lua")),
+            update_script: LuaScript::new(include_str!("update_if_active.lua")),
+            delete_script: LuaScript::new(include_str!("delete.lua")),
+        };
+        store.load_scripts().await?;
+        Ok(store)
+    }
+
+    /// The Redis key of response `id`.
+    pub fn response_key(&self, id: &str) -> String {
+        format!("{}{id}", self.resp_prefix)
+    }
+
+    /// Cache all scripts on the server so the first calls need no EVAL fallback.
+    async fn load_scripts(&self) -> Result<(), StoreError> {
+        let mut pipe = ::redis::pipe();
+        for script in [
+            &self.history_script,
+            &self.update_script,
+            &self.delete_script,
+        ] {
+            pipe.cmd("SCRIPT").arg("LOAD").arg(script.source).ignore();
+        }
+        self.count_round_trip();
+        pipe.query_async::<()>(&mut self.conn.clone()).await?;
+        Ok(())
+    }
+
+    fn count_round_trip(&self) {
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+    }
+
+    async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        self.count_round_trip();
+        Ok(cmd.query_async(&mut self.conn.clone()).await?)
+    }
+
+    /// Run `script` with EVALSHA, falling back to EVAL if the server lost its script cache.
+    async fn run_script<T: FromRedisValue>(
+        &self,
+        script: &LuaScript,
+        key: &str,
+        args: &[&[u8]],
+    ) -> Result<T, StoreError> {
+        let build = |verb: &str, body: &str| {
+            let mut cmd = ::redis::cmd(verb);
+            cmd.arg(body).arg(1).arg(key);
+            for arg in args {
+                cmd.arg(*arg);
+            }
+            cmd
+        };
+        self.count_round_trip();
+        match build("EVALSHA", &script.sha)
+            .query_async(&mut self.conn.clone())
+            .await
+        {
+            Ok(value) => Ok(value),
+            Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.query(&build("EVAL", script.source)).await
+            }
+            Err(err) => Err(err.into()),
+        }
+    }
+}
+
+/// Serialize a JSON value that came from `serde_json::Value` (cannot fail).
+fn to_json(value: &impl serde::Serialize) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|e| StoreError::Backend(format!("encode JSON: {e}")))
+}
+
+/// The Response object as stored, and whether its `output` was replaced by a null placeholder
+/// because it equals `output_items` (stored once, in the `output` field).
+fn pack_response(response: &Value, output_items: &[Value]) -> Result<(String, bool), StoreError> {
+    let shares_output = !output_items.is_empty()
+        && response
+            .get("output")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            == Some(output_items);
+    if !shares_output {
+        return Ok((to_json(response)?, false));
+    }
+    let mut packed = response.clone();
+    if let Some(output) = packed.get_mut("output") {
+        *output = Value::Null;
+    }
+    Ok((to_json(&packed)?, true))
+}
+
+fn decode<T: serde::de::DeserializeOwned>(
+    id: &str,
+    what: &str,
+    bytes: &[u8],
+) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt {
+        id: id.to_string(),
+        reason: format!("field {what}: {e}"),
+    })
+}
+
+impl Store for RedisStore {
+    async fn put(&self, rec: &ResponseRecord) -> Result<(), StoreError> {
+        let (response, shared) = pack_response(&rec.response, &rec.output_items)?;
+        let key = self.response_key(&rec.id);
+        let fields: [(&str, String); 7] = [
+            ("team", rec.team.clone()),
+            ("prev", rec.previous_response_id.clone().unwrap_or_default()),
+            ("input", to_json(&rec.input_items)?),
+            ("output", to_json(&rec.output_items)?),
+            ("response", response),
+            ("status", response_status(&rec.response).to_string()),
+            ("shared", if shared { "1" } else { "0" }.to_string()),
+        ];
+        let mut pipe = ::redis::pipe();
+        pipe.atomic()
+            .hset_multiple(&key, &fields)
+            .ignore()
+            .pexpire(&key, i64::try_from(self.ttl_ms).unwrap_or(i64::MAX))
+            .ignore();
+        self.count_round_trip();
+        pipe.query_async::<()>(&mut self.conn.clone()).await?;
+        Ok(())
+    }
+
+    async fn get(&self, team: &str, id: &str) -> Result<Option<ResponseRecord>, StoreError> {
+        let mut cmd = ::redis::cmd("HMGET");
+        cmd.arg(self.response_key(id))
+            .arg(&["team", "prev", "input", "output", "response", "shared"]);
+        let fields: Vec<Option<Vec<u8>>> = self.query(&cmd).await?;
+        let [stored_team, prev, input, output, response, shared] = fields.as_slice() else {
+            return Err(StoreError::Backend(format!(
+                "HMGET returned {} fields, expected 6",
+                fields.len()
+            )));
+        };
+        if stored_team.as_deref() != Some(team.as_bytes()) {
+            return Ok(None);
+        }
+        let missing = |what: &str| StoreError::Corrupt {
+            id: id.to_string(),
+            reason: format!("field {what} is missing"),
+        };
+        let input_items: Vec<Value> = decode(
+            id,
+            "input",
+            input.as_deref().ok_or_else(|| missing("input"))?,
+        )?;
+        let output_items: Vec<Value> = decode(
+            id,
+            "output",
+            output.as_deref().ok_or_else(|| missing("output"))?,
+        )?;
+        let mut response: Value = decode(
+            id,
+            "response",
+            response.as_deref().ok_or_else(|| missing("response"))?,
+        )?;
+        if shared.as_deref() == Some(b"1") {
+            if let Some(slot) = response.get_mut("output") {
+                *slot = Value::Array(output_items.clone());
+            }
+        }
+        let previous_response_id = match prev.as_deref() {
+            None | Some(b"") => None,
+            Some(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        };
+        Ok(Some(ResponseRecord {
+            id: id.to_string(),
+            team: team.to_string(),
+            previous_response_id,
+            input_items,
+            output_items,
+            response,
+        }))
+    }
+
+    async fn history(&self, team: &str, id: &str) -> Result<Option<Vec<Value>>, StoreError> {
+        let ttl = self.ttl_ms.to_string();
+        let max_len = MAX_CHAIN_LEN.to_string();
+        let blobs: Option<Vec<Vec<u8>>> = self
+            .run_script(
+                &self.history_script,
+                &self.response_key(id),
+                &[
+                    team.as_bytes(),
+                    self.resp_prefix.as_bytes(),
+                    ttl.as_bytes(),
+                    max_len.as_bytes(),
+                ],
+            )
+            .await?;
+        let Some(blobs) = blobs else {
+            return Ok(None);
+        };
+        let mut items = Vec::new();
+        for blob in &blobs {
+            let part: Vec<Value> = decode(id, "input/output of a predecessor", blob)?;
+            items.extend(part);
+        }
+        Ok(Some(items))
+    }
+
+    async fn update_if_active(
+        &self,
+        team: &str,
+        id: &str,
+        response: &Value,
+        output_items: &[Value],
+    ) -> Result<bool, StoreError> {
+        let (packed, shared) = pack_response(response, output_items)?;
+        let output = to_json(&output_items)?;
+        let ttl = self.ttl_ms.to_string();
+        let applied: i64 = self
+            .run_script(
+                &self.update_script,
+                &self.response_key(id),
+                &[
+                    team.as_bytes(),
+                    packed.as_bytes(),
+                    output.as_bytes(),
+                    response_status(response).as_bytes(),
+                    if shared { b"1" } else { b"0" },
+                    ttl.as_bytes(),
+                ],
+            )
+            .await?;
+        Ok(applied == 1)
+    }
+
+    async fn delete(&self, team: &str, id: &str) -> Result<bool, StoreError> {
+        let deleted: i64 = self
+            .run_script(
+                &self.delete_script,
+                &self.response_key(id),
+                &[team.as_bytes()],
+            )
+            .await?;
+        Ok(deleted == 1)
+    }
+
+    fn round_trips(&self) -> u64 {
+        self.round_trips.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn response_output_equal_to_output_items_is_stored_once() {
+        let items = vec![json!({"id": "msg_1", "type": "message"})];
+        let response = json!({"id": "resp_1", "output": items, "status": "completed"});
+        let (packed, shared) = pack_response(&response, &items).unwrap();
+        assert!(shared);
+        assert_eq!(
+            packed,
+            r#"{"id":"resp_1","output":null,"status":"completed"}"#
+        );
+    }
+
+    #[test]
+    fn response_output_differing_from_output_items_is_stored_as_is() {
+        let items = vec![json!({"id": "msg_1"})];
+        let response = json!({"id": "resp_1", "output": [], "status": "in_progress"});
+        let (packed, shared) = pack_response(&response, &items).unwrap();
+        assert!(!shared);
+        assert_eq!(packed, response.to_string());
+    }
+}

@@ -1,0 +1,141 @@
+//! The `Store` trait every backend implements, and `AnyStore`, the enum the gateway holds.
+
+use std::future::Future;
+
+use serde_json::Value;
+
+use crate::{MemoryStore, RedisStore, ResponseRecord, StoreError, StoreOptions};
+
+/// Stored responses and the conversation histories they form.
+pub trait Store: Send + Sync + 'static {
+    /// Create or overwrite a record (and refresh its TTL).
+    fn put(&self, rec: &ResponseRecord) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The record, if it exists and belongs to `team`.
+    fn get(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<ResponseRecord>, StoreError>> + Send;
+
+    /// All items of the chain ending at `id`, oldest first: for each response from the root to
+    /// `id`, its input_items then its output_items. `None` if `id` is unknown or not the team's.
+    ///
+    /// One backend round trip however long the chain. The walk stops at the first predecessor
+    /// that no longer exists (expired or deleted) or belongs to another team: the history then
+    /// starts at the response after it. Every response walked gets its TTL refreshed, so a
+    /// conversation in use does not lose its beginning.
+    fn history(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<Vec<Value>>, StoreError>> + Send;
+
+    /// Replace `response` and `output_items` only if the stored `response.status` is still
+    /// "queued" or "in_progress" (atomic compare-and-set; used by background runs and cancel).
+    /// Returns whether it applied; `false` also when `id` is unknown or not the team's.
+    fn update_if_active(
+        &self,
+        team: &str,
+        id: &str,
+        response: &Value,
+        output_items: &[Value],
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Delete; returns whether it existed (for this team).
+    fn delete(&self, team: &str, id: &str)
+        -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Round trips to the backend made so far (Redis commands/scripts sent; 0 for memory).
+    fn round_trips(&self) -> u64;
+}
+
+/// Enum dispatch so the gateway can hold one concrete type.
+pub enum AnyStore {
+    /// In-process store (single gateway replica).
+    Memory(MemoryStore),
+    /// Redis store shared by all gateway replicas.
+    Redis(RedisStore),
+}
+
+impl AnyStore {
+    /// Open a Redis store when `url` is given (`redis://host:port/db`), an in-memory store otherwise.
+    pub async fn open(url: Option<&str>, opts: StoreOptions) -> Result<AnyStore, StoreError> {
+        match url {
+            Some(url) => Ok(AnyStore::Redis(RedisStore::connect(url, opts).await?)),
+            None => Ok(AnyStore::Memory(MemoryStore::new(opts))),
+        }
+    }
+
+    /// Short backend name for logs and metrics: "memory" or "redis".
+    pub fn backend_name(&self) -> &'static str {
+        match self {
+            AnyStore::Memory(_) => "memory",
+            AnyStore::Redis(_) => "redis",
+        }
+    }
+}
+
+impl Store for AnyStore {
+    async fn put(&self, rec: &ResponseRecord) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.put(rec).await,
+            AnyStore::Redis(s) => s.put(rec).await,
+        }
+    }
+
+    async fn get(&self, team: &str, id: &str) -> Result<Option<ResponseRecord>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.get(team, id).await,
+            AnyStore::Redis(s) => s.get(team, id).await,
+        }
+    }
+
+    async fn history(&self, team: &str, id: &str) -> Result<Option<Vec<Value>>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.history(team, id).await,
+            AnyStore::Redis(s) => s.history(team, id).await,
+        }
+    }
+
+    async fn update_if_active(
+        &self,
+        team: &str,
+        id: &str,
+        response: &Value,
+        output_items: &[Value],
+    ) -> Result<bool, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.update_if_active(team, id, response, output_items).await,
+            AnyStore::Redis(s) => s.update_if_active(team, id, response, output_items).await,
+        }
+    }
+
+    async fn delete(&self, team: &str, id: &str) -> Result<bool, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.delete(team, id).await,
+            AnyStore::Redis(s) => s.delete(team, id).await,
+        }
+    }
+
+    fn round_trips(&self) -> u64 {
+        match self {
+            AnyStore::Memory(s) => s.round_trips(),
+            AnyStore::Redis(s) => s.round_trips(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::suite;
+
+    #[tokio::test]
+    async fn open_without_url_is_a_memory_store_that_passes_the_suite() {
+        let store = AnyStore::open(None, StoreOptions::default()).await.unwrap();
+        assert_eq!(store.backend_name(), "memory");
+        suite(&store).await;
+        assert_eq!(store.round_trips(), 0);
+    }
+}

@@ -1,0 +1,413 @@
+//! Test support shared by this crate's tests, the gateway's and the end-to-end tests: a
+//! throwaway `redis-server` guard, unique key prefixes, sample records, and the behaviour suite
+//! every [`Store`] backend must pass.
+
+use std::future::Future;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+
+use crate::{ResponseRecord, Store};
+
+/// Environment variable naming an existing Redis to test against instead of starting one.
+pub const TEST_REDIS_URL_ENV: &str = "AGENTGATE_TEST_REDIS_URL";
+
+/// A Redis for tests: the one named by `AGENTGATE_TEST_REDIS_URL`, or a private `redis-server`
+/// on a free 127.0.0.1 port that is killed when this guard drops.
+pub struct TestRedis {
+    url: String,
+    child: Option<Child>,
+}
+
+impl TestRedis {
+    /// Use `AGENTGATE_TEST_REDIS_URL` if set, otherwise start `redis-server` from PATH.
+    /// Panics with instructions if neither is available.
+    pub fn start() -> TestRedis {
+        if let Ok(url) = std::env::var(TEST_REDIS_URL_ENV) {
+            if !url.is_empty() {
+                return TestRedis { url, child: None };
+            }
+        }
+        match Self::spawn_private() {
+            Ok(redis) => redis,
+            Err(reason) => panic!(
+                "cannot start a Redis for tests: {reason}. Run `scripts/test.sh` (it provides one), \
+                 set {TEST_REDIS_URL_ENV}=redis://127.0.0.1:6379/0, or install redis-server \
+                 (e.g. `apt-get install redis-server`)."
+            ),
+        }
+    }
+
+    /// Always start a private `redis-server` (ignoring `AGENTGATE_TEST_REDIS_URL`), for tests
+    /// that stop or restart the server. Panics with instructions if it cannot start.
+    pub fn start_private() -> TestRedis {
+        Self::spawn_private().unwrap_or_else(|reason| {
+            panic!(
+                "cannot start redis-server for tests: {reason}. Run `scripts/test.sh` or install \
+                 redis-server (e.g. `apt-get install redis-server`)."
+            )
+        })
+    }
+
+    /// The URL to connect to (`redis://127.0.0.1:PORT/0`).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Stop the private server (its data is lost); [`TestRedis::restart`] brings it back.
+    /// Panics on a Redis from `AGENTGATE_TEST_REDIS_URL`, which is not ours to stop.
+    pub fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            panic!("only a private redis-server (TestRedis::start_private) can be stopped");
+        };
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// Start the private server again on the same port, empty.
+    pub fn restart(&mut self) {
+        if self.child.is_some() {
+            self.stop();
+        }
+        let port = self
+            .url
+            .rsplit(':')
+            .next()
+            .and_then(|tail| tail.split('/').next())
+            .and_then(|p| p.parse::<u16>().ok())
+            .unwrap_or_else(|| panic!("no port in {}", self.url));
+        let child =
+            spawn_on(port).unwrap_or_else(|reason| panic!("cannot restart redis-server: {reason}"));
+        self.child = Some(child);
+    }
+
+    /// Start a private `redis-server`; retries with another port if one is taken meanwhile.
+    fn spawn_private() -> Result<TestRedis, String> {
+        let mut last_error = String::new();
+        for _ in 0..3 {
+            let port = free_port().map_err(|e| format!("no free port: {e}"))?;
+            match spawn_on(port) {
+                Ok(child) => {
+                    return Ok(TestRedis {
+                        url: format!("redis://127.0.0.1:{port}/0"),
+                        child: Some(child),
+                    })
+                }
+                Err(reason) => last_error = reason,
+            }
+        }
+        Err(last_error)
+    }
+}
+
+/// Start `redis-server` on 127.0.0.1:`port` without persistence and wait until it answers PING.
+fn spawn_on(port: u16) -> Result<Child, String> {
+    let mut child = Command::new("redis-server")
+        .args(["--port", &port.to_string()])
+        .args(["--bind", "127.0.0.1"])
+        .args(["--save", ""])
+        .args(["--appendonly", "no"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("redis-server is not runnable from PATH ({e})"))?;
+    if wait_for_pong(port, Duration::from_secs(10)) {
+        return Ok(child);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    Err(format!("redis-server on port {port} did not answer PING"))
+}
+
+impl Drop for TestRedis {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A port on 127.0.0.1 that was free a moment ago.
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Poll `PING` until the server answers `+PONG` or `timeout` passes.
+fn wait_for_pong(port: u16, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) {
+            let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+            let mut reply = [0u8; 7];
+            if stream.write_all(b"PING\r\n").is_ok()
+                && stream.read_exact(&mut reply).is_ok()
+                && &reply == b"+PONG\r\n"
+            {
+                return true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// A key prefix no other test uses, so tests can share one Redis.
+pub fn unique_prefix(test_name: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("test:{test_name}:{}:{nanos}:{n}:", std::process::id())
+}
+
+/// A completed response `id` continuing `prev`, with one user message in and one assistant
+/// message out, each carrying `text_bytes` of text; the Response's `output` equals its output items.
+pub fn record(team: &str, id: &str, prev: Option<&str>, text_bytes: usize) -> ResponseRecord {
+    let text: String = "lorem ipsum dolor sit amet "
+        .chars()
+        .cycle()
+        .take(text_bytes)
+        .collect();
+    let input_items = vec![json!({
+        "id": format!("{id}_in"),
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": text}],
+    })];
+    let output_items = vec![json!({
+        "id": format!("{id}_out"),
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    })];
+    let response = json!({
+        "id": id,
+        "object": "response",
+        "created_at": 1_700_000_000,
+        "status": "completed",
+        "model": "test-model",
+        "previous_response_id": prev,
+        "output": output_items,
+        "usage": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15},
+    });
+    ResponseRecord {
+        id: id.to_string(),
+        team: team.to_string(),
+        previous_response_id: prev.map(str::to_string),
+        input_items,
+        output_items,
+        response,
+    }
+}
+
+/// The same record with its Response `status` set (and `output` emptied unless completed).
+pub fn with_status(mut rec: ResponseRecord, status: &str) -> ResponseRecord {
+    rec.response["status"] = json!(status);
+    if status != "completed" {
+        rec.response["output"] = json!([]);
+        rec.output_items.clear();
+    }
+    rec
+}
+
+/// The items `history` must return for `records`, oldest first.
+pub fn items_of(records: &[&ResponseRecord]) -> Vec<Value> {
+    records
+        .iter()
+        .flat_map(|r| r.input_items.iter().chain(r.output_items.iter()).cloned())
+        .collect()
+}
+
+/// Await `op` and check it cost the backend at most one round trip.
+pub async fn at_most_one_round_trip<S: Store, T>(
+    store: &S,
+    what: &str,
+    op: impl Future<Output = T>,
+) -> T {
+    let before = store.round_trips();
+    let out = op.await;
+    let spent = store.round_trips() - before;
+    assert!(
+        spent <= 1,
+        "{what} took {spent} round trips, expected at most 1"
+    );
+    out
+}
+
+/// The behaviour every backend must show. Use a fresh store (or a fresh key prefix) per call.
+pub async fn suite<S: Store>(store: &S) {
+    let a = "team-a";
+    let b = "team-b";
+    macro_rules! one {
+        ($what:expr, $op:expr) => {
+            at_most_one_round_trip(store, $what, $op)
+                .await
+                .unwrap_or_else(|e| panic!("{} failed: {e}", $what))
+        };
+    }
+
+    // put / get, byte-exact Response (key order included), team isolation.
+    let r1 = record(a, "resp_1", None, 40);
+    one!("put", store.put(&r1));
+    let got = one!("get", store.get(a, "resp_1")).expect("resp_1 stored");
+    assert_eq!(got, r1);
+    assert_eq!(got.response.to_string(), r1.response.to_string());
+    assert_eq!(one!("get other team", store.get(b, "resp_1")), None);
+    assert_eq!(one!("get unknown", store.get(a, "resp_nope")), None);
+
+    // A linear chain.
+    let r2 = record(a, "resp_2", Some("resp_1"), 40);
+    let r3 = record(a, "resp_3", Some("resp_2"), 40);
+    one!("put", store.put(&r2));
+    one!("put", store.put(&r3));
+    assert_eq!(
+        one!("history", store.history(a, "resp_3")),
+        Some(items_of(&[&r1, &r2, &r3]))
+    );
+    assert_eq!(
+        one!("history root", store.history(a, "resp_1")),
+        Some(items_of(&[&r1]))
+    );
+    assert_eq!(one!("history other team", store.history(b, "resp_3")), None);
+    assert_eq!(one!("history unknown", store.history(a, "resp_nope")), None);
+
+    // A fork: two responses continuing resp_1 each see their own branch.
+    let r2_fork = record(a, "resp_2_fork", Some("resp_1"), 40);
+    one!("put", store.put(&r2_fork));
+    assert_eq!(
+        one!("history fork", store.history(a, "resp_2_fork")),
+        Some(items_of(&[&r1, &r2_fork]))
+    );
+    assert_eq!(
+        one!("history", store.history(a, "resp_3")),
+        Some(items_of(&[&r1, &r2, &r3]))
+    );
+
+    // Overwrite replaces the record.
+    let mut r3_new = record(a, "resp_3", Some("resp_2"), 40);
+    r3_new.output_items = vec![
+        json!({"id": "fc_1", "type": "function_call", "call_id": "call_1", "name": "ls", "arguments": "{}"}),
+    ];
+    r3_new.response["output"] = Value::Array(r3_new.output_items.clone());
+    one!("put overwrite", store.put(&r3_new));
+    assert_eq!(one!("get", store.get(a, "resp_3")), Some(r3_new.clone()));
+    assert_eq!(
+        one!("history", store.history(a, "resp_3")),
+        Some(items_of(&[&r1, &r2, &r3_new]))
+    );
+
+    // A record whose Response output differs from its output items round-trips unchanged.
+    let mut odd = record(a, "resp_odd", None, 10);
+    odd.response["output"] = json!([{"id": "something_else"}]);
+    one!("put", store.put(&odd));
+    assert_eq!(one!("get", store.get(a, "resp_odd")), Some(odd.clone()));
+    let mut empty = record(a, "resp_empty", None, 0);
+    empty.input_items.clear();
+    empty.output_items.clear();
+    empty.response["output"] = json!([]);
+    one!("put", store.put(&empty));
+    assert_eq!(one!("get", store.get(a, "resp_empty")), Some(empty.clone()));
+    assert_eq!(
+        one!("history", store.history(a, "resp_empty")),
+        Some(Vec::new())
+    );
+
+    // Another team continuing team A's response sees only its own items.
+    let foreign = record(b, "resp_b", Some("resp_1"), 40);
+    one!("put", store.put(&foreign));
+    assert_eq!(
+        one!("history foreign chain", store.history(b, "resp_b")),
+        Some(items_of(&[&foreign]))
+    );
+
+    // update_if_active: applies while queued / in_progress, then never again.
+    let running = with_status(record(a, "resp_bg", Some("resp_3"), 40), "queued");
+    one!("put", store.put(&running));
+    let mut progress = running.response.clone();
+    progress["status"] = json!("in_progress");
+    assert!(one!(
+        "update queued",
+        store.update_if_active(a, "resp_bg", &progress, &[])
+    ));
+    let finished_items = record(a, "resp_bg", None, 40).output_items;
+    let mut finished = progress.clone();
+    finished["status"] = json!("completed");
+    finished["output"] = Value::Array(finished_items.clone());
+    assert!(!one!(
+        "update other team",
+        store.update_if_active(b, "resp_bg", &finished, &finished_items)
+    ));
+    assert!(!one!(
+        "update unknown",
+        store.update_if_active(a, "resp_nope", &finished, &finished_items)
+    ));
+    assert!(one!(
+        "update in_progress",
+        store.update_if_active(a, "resp_bg", &finished, &finished_items)
+    ));
+    let got = one!("get", store.get(a, "resp_bg")).expect("resp_bg stored");
+    assert_eq!(got.response, finished);
+    assert_eq!(got.response.to_string(), finished.to_string());
+    assert_eq!(got.output_items, finished_items);
+    assert_eq!(got.input_items, running.input_items);
+    assert_eq!(got.previous_response_id.as_deref(), Some("resp_3"));
+    let mut cancelled = finished.clone();
+    cancelled["status"] = json!("cancelled");
+    assert!(!one!(
+        "update completed",
+        store.update_if_active(a, "resp_bg", &cancelled, &[])
+    ));
+    assert_eq!(
+        one!("get", store.get(a, "resp_bg")).map(|r| r.response),
+        Some(finished.clone())
+    );
+    let mut bg_history = items_of(&[&r1, &r2, &r3_new]);
+    bg_history.extend(running.input_items.iter().cloned());
+    bg_history.extend(finished_items.iter().cloned());
+    assert_eq!(
+        one!("history after update", store.history(a, "resp_bg")),
+        Some(bg_history)
+    );
+
+    // delete: only by the owner; a deleted predecessor cuts the chain there.
+    assert!(!one!("delete other team", store.delete(b, "resp_2")));
+    assert!(one!("get", store.get(a, "resp_2")).is_some());
+    assert!(one!("delete", store.delete(a, "resp_2")));
+    assert_eq!(one!("get deleted", store.get(a, "resp_2")), None);
+    assert!(!one!("delete again", store.delete(a, "resp_2")));
+    assert_eq!(
+        one!("history past deleted", store.history(a, "resp_3")),
+        Some(items_of(&[&r3_new]))
+    );
+    assert_eq!(
+        one!("history fork", store.history(a, "resp_2_fork")),
+        Some(items_of(&[&r1, &r2_fork]))
+    );
+
+    // A 100-turn conversation: full history, oldest first, in one round trip.
+    let mut chain: Vec<ResponseRecord> = Vec::new();
+    for turn in 0..100 {
+        let prev = chain.last().map(|r| r.id.clone());
+        let rec = record(a, &format!("resp_long_{turn}"), prev.as_deref(), 200);
+        one!("put", store.put(&rec));
+        chain.push(rec);
+    }
+    let all: Vec<&ResponseRecord> = chain.iter().collect();
+    let history = one!("history of 100 turns", store.history(a, "resp_long_99"))
+        .expect("resp_long_99 stored");
+    assert_eq!(history.len(), 200);
+    assert_eq!(history, items_of(&all));
+    assert_eq!(history[0]["id"], "resp_long_0_in");
+    assert_eq!(history[199]["id"], "resp_long_99_out");
+    let halfway =
+        one!("history of 50 turns", store.history(a, "resp_long_49")).expect("resp_long_49 stored");
+    assert_eq!(halfway, items_of(&all[..50]));
+}

@@ -1,0 +1,333 @@
+//! The Redis backend against a real `redis-server`: the shared store suite, round-trip counts,
+//! TTLs, script-cache loss, connection errors, and the memory one conversation costs.
+
+use std::time::Duration;
+
+use agentgate_sessions::testing::{record, suite, unique_prefix, TestRedis};
+use agentgate_sessions::{AnyStore, RedisStore, ResponseRecord, Store, StoreError, StoreOptions};
+use redis::aio::MultiplexedConnection;
+
+/// TTL for test keys: long enough for any test, short enough not to pile up in a shared Redis.
+const TEST_TTL: Duration = Duration::from_secs(3600);
+
+async fn store(redis: &TestRedis, test_name: &str) -> RedisStore {
+    store_with_ttl(redis, test_name, TEST_TTL).await
+}
+
+async fn store_with_ttl(redis: &TestRedis, test_name: &str, ttl: Duration) -> RedisStore {
+    let opts = StoreOptions {
+        ttl,
+        key_prefix: unique_prefix(test_name),
+    };
+    RedisStore::connect(redis.url(), opts)
+        .await
+        .expect("connect to the test Redis")
+}
+
+async fn raw(redis: &TestRedis) -> MultiplexedConnection {
+    redis::Client::open(redis.url())
+        .expect("valid URL")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection to the test Redis")
+}
+
+async fn pttl(conn: &mut MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("PTTL")
+}
+
+/// Store a linear chain of `turns` responses, each with `text_bytes` of text per item.
+async fn put_chain<S: Store>(
+    store: &S,
+    team: &str,
+    stem: &str,
+    turns: usize,
+    text_bytes: usize,
+) -> Vec<ResponseRecord> {
+    let mut chain: Vec<ResponseRecord> = Vec::new();
+    for turn in 0..turns {
+        let prev = chain.last().map(|r| r.id.clone());
+        let rec = record(team, &format!("{stem}_{turn}"), prev.as_deref(), text_bytes);
+        store.put(&rec).await.expect("put");
+        chain.push(rec);
+    }
+    chain
+}
+
+#[tokio::test]
+async fn passes_the_store_suite() {
+    let redis = TestRedis::start();
+    let store = store(&redis, "suite").await;
+    suite(&store).await;
+    assert!(store.round_trips() > 0, "Redis operations must be counted");
+}
+
+#[tokio::test]
+async fn any_store_on_redis_passes_the_store_suite() {
+    let redis = TestRedis::start();
+    let opts = StoreOptions {
+        ttl: TEST_TTL,
+        key_prefix: unique_prefix("any"),
+    };
+    let store = AnyStore::open(Some(redis.url()), opts).await.expect("open");
+    assert_eq!(store.backend_name(), "redis");
+    suite(&store).await;
+}
+
+#[tokio::test]
+async fn history_of_a_long_chain_is_exactly_one_round_trip() {
+    let redis = TestRedis::start();
+    let store = store(&redis, "one_trip").await;
+    let chain = put_chain(&store, "t", "resp", 300, 100).await;
+    for last in [0usize, 1, 150, 299] {
+        let before = store.round_trips();
+        let history = store
+            .history("t", &chain[last].id)
+            .await
+            .expect("history")
+            .expect("chain stored");
+        assert_eq!(store.round_trips() - before, 1);
+        assert_eq!(history.len(), 2 * (last + 1));
+    }
+}
+
+#[tokio::test]
+async fn every_key_gets_the_ttl_and_history_refreshes_it() {
+    let redis = TestRedis::start();
+    let store = store(&redis, "ttl").await;
+    let mut conn = raw(&redis).await;
+    let chain = put_chain(&store, "t", "resp", 3, 10).await;
+    for rec in &chain {
+        let left = pttl(&mut conn, &store.response_key(&rec.id)).await;
+        assert!(left > 0 && left <= 3_600_000, "PTTL {left}");
+    }
+
+    let root_key = store.response_key(&chain[0].id);
+    let _: () = redis::cmd("PEXPIRE")
+        .arg(&root_key)
+        .arg(10_000)
+        .query_async(&mut conn)
+        .await
+        .expect("PEXPIRE");
+    store.history("t", &chain[2].id).await.expect("history");
+    assert!(pttl(&mut conn, &root_key).await > 10_000);
+
+    let _: () = redis::cmd("PEXPIRE")
+        .arg(store.response_key(&chain[2].id))
+        .arg(10_000)
+        .query_async(&mut conn)
+        .await
+        .expect("PEXPIRE");
+    let mut running = chain[2].response.clone();
+    running["status"] = "in_progress".into();
+    store
+        .put(&ResponseRecord {
+            response: running.clone(),
+            ..chain[2].clone()
+        })
+        .await
+        .expect("put");
+    assert!(pttl(&mut conn, &store.response_key(&chain[2].id)).await > 10_000);
+}
+
+#[tokio::test]
+async fn expired_responses_disappear_and_cut_the_chain() {
+    let redis = TestRedis::start();
+    let short = store_with_ttl(&redis, "expiry", Duration::from_millis(100)).await;
+    short
+        .put(&record("t", "gone", None, 10))
+        .await
+        .expect("put");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(short.get("t", "gone").await.expect("get"), None);
+    assert_eq!(short.history("t", "gone").await.expect("history"), None);
+}
+
+#[tokio::test]
+async fn scripts_still_run_after_the_server_forgets_them() {
+    let redis = TestRedis::start();
+    let store = store(&redis, "noscript").await;
+    let chain = put_chain(&store, "t", "resp", 3, 10).await;
+    let mut conn = raw(&redis).await;
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .expect("SCRIPT FLUSH");
+
+    let before = store.round_trips();
+    let history = store.history("t", &chain[2].id).await.expect("history");
+    assert_eq!(history.map(|h| h.len()), Some(6));
+    assert_eq!(store.round_trips() - before, 2, "EVALSHA, then EVAL");
+
+    let before = store.round_trips();
+    store.history("t", &chain[2].id).await.expect("history");
+    assert_eq!(store.round_trips() - before, 1, "EVAL cached the script");
+
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .expect("SCRIPT FLUSH");
+    assert!(store.delete("t", &chain[2].id).await.expect("delete"));
+    let mut running = chain[1].clone();
+    running.response["status"] = "queued".into();
+    store.put(&running).await.expect("put");
+    assert!(store
+        .update_if_active(
+            "t",
+            &chain[1].id,
+            &chain[1].response,
+            &chain[1].output_items
+        )
+        .await
+        .expect("update"));
+}
+
+#[tokio::test]
+async fn unreachable_or_malformed_urls_are_reported() {
+    let err = AnyStore::open(Some("not a url"), StoreOptions::default())
+        .await
+        .err()
+        .expect("malformed URL must fail");
+    assert!(matches!(err, StoreError::InvalidUrl(_)), "{err}");
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let err = RedisStore::connect(
+        &format!("redis://127.0.0.1:{port}/0"),
+        StoreOptions::default(),
+    )
+    .await
+    .err()
+    .expect("nothing listens there");
+    assert!(matches!(err, StoreError::Backend(_)), "{err}");
+    assert!(err.to_string().contains("Redis"), "{err}");
+}
+
+#[tokio::test]
+async fn corrupt_records_are_reported_not_panicked_on() {
+    let redis = TestRedis::start();
+    let store = store(&redis, "corrupt").await;
+    store.put(&record("t", "bad", None, 10)).await.expect("put");
+    let mut conn = raw(&redis).await;
+    let _: () = redis::cmd("HSET")
+        .arg(store.response_key("bad"))
+        .arg("input")
+        .arg("{not json")
+        .query_async(&mut conn)
+        .await
+        .expect("HSET");
+    let err = store.get("t", "bad").await.expect_err("get must fail");
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+    let err = store
+        .history("t", "bad")
+        .await
+        .expect_err("history must fail");
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+}
+
+/// Prints the Redis memory one 100-turn conversation takes (~2 KB of text per turn: 1 KB in,
+/// 1 KB out). Informational; run with `--nocapture` to see the numbers.
+#[tokio::test]
+async fn memory_used_by_a_100_turn_conversation() {
+    let redis = TestRedis::start();
+    let store = store(&redis, "memory").await;
+    let mut conn = raw(&redis).await;
+    let used_memory = |info: String| -> i64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let before: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut conn)
+        .await
+        .expect("INFO");
+    let chain = put_chain(&store, "t", "resp", 100, 1024).await;
+    let after: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut conn)
+        .await
+        .expect("INFO");
+
+    let mut key_bytes: i64 = 0;
+    for rec in &chain {
+        let usage: Option<i64> = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(store.response_key(&rec.id))
+            .arg("SAMPLES")
+            .arg(0)
+            .query_async(&mut conn)
+            .await
+            .expect("MEMORY USAGE");
+        key_bytes += usage.expect("key exists");
+    }
+    let json_bytes: usize = chain
+        .iter()
+        .map(|r| serde_json::to_string(r).map(|s| s.len()).unwrap_or(0))
+        .sum();
+    let history = store
+        .history("t", "resp_99")
+        .await
+        .expect("history")
+        .expect("stored");
+    assert_eq!(history.len(), 200);
+    let history_bytes = serde_json::to_string(&history)
+        .map(|s| s.len())
+        .unwrap_or(0);
+    println!(
+        "100-turn conversation, ~2 KB text/turn: MEMORY USAGE sum = {key_bytes} bytes \
+         ({} bytes/turn); used_memory delta = {} bytes; records as JSON = {json_bytes} bytes; \
+         full history as JSON = {history_bytes} bytes",
+        key_bytes / 100,
+        used_memory(after) - used_memory(before),
+    );
+    assert!(key_bytes > 0);
+}
+
+#[tokio::test]
+async fn reconnects_after_redis_restarts() {
+    let mut redis = TestRedis::start_private();
+    let store = store(&redis, "reconnect").await;
+    store
+        .put(&record("t", "before", None, 10))
+        .await
+        .expect("put");
+
+    redis.stop();
+    let err = store
+        .get("t", "before")
+        .await
+        .expect_err("Redis is down, get must fail");
+    assert!(matches!(err, StoreError::Backend(_)), "{err}");
+
+    redis.restart();
+    // The first request after the restart may still see the broken connection.
+    let mut result = store.put(&record("t", "after", None, 10)).await;
+    for _ in 0..20 {
+        if result.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        result = store.put(&record("t", "after", None, 10)).await;
+    }
+    result.expect("put after restart");
+    assert!(store.get("t", "after").await.expect("get").is_some());
+    assert_eq!(
+        store
+            .history("t", "after")
+            .await
+            .expect("history")
+            .map(|h| h.len()),
+        Some(2),
+        "scripts work again although the restarted server lost its script cache"
+    );
+}
