@@ -1,0 +1,237 @@
+//! Error types: [`ApiError`] for client-facing failures (HTTP status + OpenAI error fields) and
+//! [`UpstreamError`] for failures talking to an engine.
+
+use serde_json::{json, Value};
+use std::fmt;
+
+/// A client-facing error: HTTP status + OpenAI error fields.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status code to answer with.
+    pub status: u16,
+    /// Human-readable message that says what to change.
+    pub message: String,
+    /// OpenAI error type (`invalid_request_error`, `server_error`, ...).
+    pub r#type: String,
+    /// The request parameter at fault, e.g. `input[3].call_id`.
+    pub param: Option<String>,
+    /// Machine-readable error code.
+    pub code: Option<String>,
+}
+
+impl ApiError {
+    /// A 400 `invalid_request_error` naming the offending parameter.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError {
+            status: 400,
+            message: message.into(),
+            r#type: "invalid_request_error".to_string(),
+            param: Some(param.into()),
+            code: None,
+        }
+    }
+
+    /// Sets the machine-readable error code.
+    pub fn with_code(mut self, code: impl Into<String>) -> Self {
+        self.code = Some(code.into());
+        self
+    }
+
+    /// The OpenAI error body: `{"error": {"message", "type", "param", "code"}}`.
+    pub fn to_body(&self) -> Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.r#type,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.param {
+            Some(param) => write!(f, "{} ({}): {}", self.status, param, self.message),
+            None => write!(f, "{}: {}", self.status, self.message),
+        }
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+/// A failure talking to an engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UpstreamError {
+    /// The TCP/HTTP connection could not be made or broke.
+    Connect(String),
+    /// The engine did not answer (or stopped streaming) within the configured timeout.
+    Timeout(String),
+    /// The engine answered with a non-2xx status; `body` is its error text, kept for logs.
+    Status {
+        /// HTTP status the engine returned.
+        status: u16,
+        /// Response body (truncated), usually the engine's JSON error.
+        body: String,
+    },
+    /// The engine's answer could not be understood (bad SSE framing, bad JSON).
+    Protocol(String),
+}
+
+impl UpstreamError {
+    /// A short machine-readable kind, for metrics labels and log fields.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            UpstreamError::Connect(_) => "connect",
+            UpstreamError::Timeout(_) => "timeout",
+            UpstreamError::Status { .. } => "status",
+            UpstreamError::Protocol(_) => "protocol",
+        }
+    }
+}
+
+impl UpstreamError {
+    /// The client-facing error for this failure when it happens before any output was streamed.
+    ///
+    /// Engine 400/413/422 answers are the client's fault (bad schema, prompt too long) and keep
+    /// the engine's message as a 400 `invalid_request_error`; a prompt over the context window
+    /// gets code `context_length_exceeded` (Codex compacts its history on that code). Timeouts
+    /// are 504, everything else 502 `server_error`.
+    pub fn to_api_error(&self) -> ApiError {
+        match self {
+            UpstreamError::Status {
+                status: 400 | 413 | 422,
+                body,
+            } => {
+                let message = engine_error_text(body);
+                let code = if is_context_overflow(&message) {
+                    "context_length_exceeded"
+                } else {
+                    "invalid_request"
+                };
+                ApiError {
+                    status: 400,
+                    message,
+                    r#type: "invalid_request_error".into(),
+                    param: None,
+                    code: Some(code.into()),
+                }
+            }
+            UpstreamError::Timeout(_) => ApiError {
+                status: 504,
+                message: format!(
+                    "{self}; retry, or raise the engine timeouts if prompts are very long"
+                ),
+                r#type: "server_error".into(),
+                param: None,
+                code: Some("engine_timeout".into()),
+            },
+            _ => ApiError {
+                status: 502,
+                message: format!("{self}; retry the request"),
+                r#type: "server_error".into(),
+                param: None,
+                code: Some("server_error".into()),
+            },
+        }
+    }
+
+    /// The `error.code` for `response.failed` when this failure interrupts a stream.
+    pub fn failure_code(&self) -> &'static str {
+        match self {
+            UpstreamError::Status { body, .. } if is_context_overflow(body) => {
+                "context_length_exceeded"
+            }
+            _ => "server_error",
+        }
+    }
+}
+
+/// The `message` of an engine JSON error body (`{"message"}`, `{"error": {"message"}}` or
+/// `{"detail"}`), else the body itself.
+fn engine_error_text(body: &str) -> String {
+    let parsed: Option<Value> = serde_json::from_str(body).ok();
+    parsed
+        .as_ref()
+        .and_then(|v| {
+            v.get("message")
+                .or_else(|| v.get("error").and_then(|e| e.get("message")))
+                .or_else(|| v.get("detail"))
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| body.to_string())
+}
+
+/// True when an engine message says the prompt does not fit the context window
+/// (vLLM: "maximum context length is N tokens", SGLang: "longer than the model's context length").
+fn is_context_overflow(message: &str) -> bool {
+    let lower = message.to_ascii_lowercase();
+    lower.contains("context length")
+        || lower.contains("context window")
+        || lower.contains("maximum context")
+}
+
+impl fmt::Display for UpstreamError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            UpstreamError::Connect(m) => write!(f, "engine connection failed: {m}"),
+            UpstreamError::Timeout(m) => write!(f, "engine timed out: {m}"),
+            UpstreamError::Status { status, body } => {
+                write!(f, "engine answered HTTP {status}: {body}")
+            }
+            UpstreamError::Protocol(m) => write!(f, "engine sent an unreadable answer: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for UpstreamError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_errors_map_to_client_errors() {
+        let overflow = UpstreamError::Status {
+            status: 400,
+            body: r#"{"object":"error","message":"This model's maximum context length is 4096 tokens. However, you requested 5000 tokens.","type":"BadRequestError","code":400}"#.into(),
+        };
+        let api = overflow.to_api_error();
+        assert_eq!(
+            (api.status, api.code.as_deref()),
+            (400, Some("context_length_exceeded"))
+        );
+        assert!(api
+            .message
+            .starts_with("This model's maximum context length"));
+        assert_eq!(overflow.failure_code(), "context_length_exceeded");
+
+        let bad = UpstreamError::Status {
+            status: 422,
+            body: r#"{"error":{"message":"bad schema"}}"#.into(),
+        };
+        assert_eq!(bad.to_api_error().message, "bad schema");
+        assert_eq!(bad.failure_code(), "server_error");
+
+        let down = UpstreamError::Status {
+            status: 503,
+            body: "overloaded".into(),
+        };
+        assert_eq!(down.to_api_error().status, 502);
+        assert_eq!(
+            UpstreamError::Timeout("t".into()).to_api_error().status,
+            504
+        );
+        assert_eq!(
+            UpstreamError::Connect("c".into()).to_api_error().r#type,
+            "server_error"
+        );
+        let body = ApiError::invalid("input[0]", "m").to_body();
+        assert_eq!(
+            body,
+            json!({"error": {"message": "m", "type": "invalid_request_error", "param": "input[0]", "code": null}})
+        );
+    }
+}

@@ -1,0 +1,271 @@
+//! Normalization of the Responses `input` field into a list of items with ids.
+//!
+//! A string becomes one user message; every item gets an `id` when it lacks one; message content
+//! given as a string becomes a one-part array; item shapes are checked and errors name the
+//! offending parameter (e.g. `input[3].call_id`). Item types this gateway cannot translate
+//! (hosted-tool calls such as `web_search_call`) are kept as they are and skipped at translation.
+
+use crate::error::ApiError;
+use crate::ids::new_item_id;
+use serde_json::{json, Map, Value};
+
+/// Input (string or array) -> items, each with an `id`; see the module doc for the rules.
+pub fn normalize_input(input: &Value) -> Result<Vec<Value>, ApiError> {
+    match input {
+        Value::String(text) => Ok(vec![json!({
+            "id": new_item_id("msg_"),
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": text}],
+        })]),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .map(|(index, item)| normalize_item(item, &format!("input[{index}]")))
+            .collect(),
+        Value::Null => Ok(Vec::new()),
+        _ => Err(ApiError::invalid(
+            "input",
+            "`input` must be a string or an array of input items",
+        )),
+    }
+}
+
+fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
+    let Some(object) = item.as_object() else {
+        return Err(ApiError::invalid(
+            param,
+            format!("{param} must be an object (an input item such as a message or function_call_output)"),
+        ));
+    };
+    let mut object = object.clone();
+    let kind = match object.get("type") {
+        Some(Value::String(kind)) => kind.clone(),
+        None if object.contains_key("role") => {
+            object.insert("type".into(), json!("message"));
+            "message".to_string()
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                format!("{param}.type"),
+                format!("{param}.type is required: use \"message\", \"function_call\", \"function_call_output\" or \"reasoning\""),
+            ))
+        }
+    };
+    let prefix = match kind.as_str() {
+        "message" => {
+            normalize_message(&mut object, param)?;
+            "msg_"
+        }
+        "function_call" => {
+            require_string(&object, "call_id", param)?;
+            require_string(&object, "name", param)?;
+            match object.get("arguments") {
+                Some(Value::String(_)) => {}
+                None | Some(Value::Null) => {
+                    object.insert("arguments".into(), json!(""));
+                }
+                Some(other) if other.is_object() => {
+                    let text = other.to_string();
+                    object.insert("arguments".into(), json!(text));
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        format!("{param}.arguments"),
+                        format!("{param}.arguments must be a JSON-encoded string"),
+                    ))
+                }
+            }
+            "fc_"
+        }
+        "function_call_output" | "custom_tool_call_output" => {
+            require_string(&object, "call_id", param)?;
+            match object.get("output") {
+                Some(Value::String(_)) | Some(Value::Array(_)) => {}
+                _ => {
+                    return Err(ApiError::invalid(
+                        format!("{param}.output"),
+                        format!("{param}.output must be a string or an array of content parts"),
+                    ))
+                }
+            }
+            if kind == "function_call_output" {
+                "fco_"
+            } else {
+                "ctco_"
+            }
+        }
+        "custom_tool_call" => {
+            require_string(&object, "call_id", param)?;
+            require_string(&object, "name", param)?;
+            require_string(&object, "input", param)?;
+            "ctc_"
+        }
+        "reasoning" => {
+            match object.get("summary") {
+                Some(Value::Array(_)) => {}
+                None | Some(Value::Null) => {
+                    object.insert("summary".into(), json!([]));
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        format!("{param}.summary"),
+                        format!("{param}.summary must be an array of summary_text parts"),
+                    ))
+                }
+            }
+            "rs_"
+        }
+        "item_reference" => {
+            require_string(&object, "id", param)?;
+            "ref_"
+        }
+        _ => "item_",
+    };
+    let has_id = matches!(object.get("id"), Some(Value::String(id)) if !id.is_empty());
+    if !has_id {
+        object.insert("id".into(), json!(new_item_id(prefix)));
+    }
+    Ok(Value::Object(object))
+}
+
+fn normalize_message(object: &mut Map<String, Value>, param: &str) -> Result<(), ApiError> {
+    let role = match object.get("role") {
+        Some(Value::String(role)) => role.clone(),
+        _ => {
+            return Err(ApiError::invalid(
+                format!("{param}.role"),
+                format!("{param}.role is required: one of user, assistant, system, developer"),
+            ))
+        }
+    };
+    if !matches!(role.as_str(), "user" | "assistant" | "system" | "developer") {
+        return Err(ApiError::invalid(
+            format!("{param}.role"),
+            format!("{param}.role \"{role}\" is not supported; use user, assistant, system or developer"),
+        ));
+    }
+    let text_part_type = if role == "assistant" {
+        "output_text"
+    } else {
+        "input_text"
+    };
+    match object.get("content") {
+        Some(Value::String(text)) => {
+            let part = if role == "assistant" {
+                json!({"type": "output_text", "text": text, "annotations": []})
+            } else {
+                json!({"type": text_part_type, "text": text})
+            };
+            object.insert("content".into(), json!([part]));
+        }
+        Some(Value::Array(parts)) => {
+            for (index, part) in parts.iter().enumerate() {
+                let part_param = format!("{param}.content[{index}]");
+                let kind = part.get("type").and_then(Value::as_str).ok_or_else(|| {
+                    ApiError::invalid(
+                        format!("{part_param}.type"),
+                        format!("{part_param}.type is required (input_text, output_text, input_image, ...)"),
+                    )
+                })?;
+                if matches!(kind, "input_text" | "output_text" | "text" | "summary_text")
+                    && !part.get("text").is_some_and(Value::is_string)
+                {
+                    return Err(ApiError::invalid(
+                        format!("{part_param}.text"),
+                        format!("{part_param}.text must be a string"),
+                    ));
+                }
+                if kind == "refusal" && !part.get("refusal").is_some_and(Value::is_string) {
+                    return Err(ApiError::invalid(
+                        format!("{part_param}.refusal"),
+                        format!("{part_param}.refusal must be a string"),
+                    ));
+                }
+            }
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                format!("{param}.content"),
+                format!("{param}.content must be a string or an array of content parts"),
+            ))
+        }
+    }
+    Ok(())
+}
+
+fn require_string(object: &Map<String, Value>, field: &str, param: &str) -> Result<(), ApiError> {
+    match object.get(field) {
+        Some(Value::String(_)) => Ok(()),
+        _ => Err(ApiError::invalid(
+            format!("{param}.{field}"),
+            format!("{param}.{field} is required and must be a string"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn string_input_becomes_one_user_message() {
+        let items = normalize_input(&json!("hello")).unwrap();
+        assert_eq!(items.len(), 1);
+        let item = &items[0];
+        assert_eq!(item["type"], "message");
+        assert_eq!(item["role"], "user");
+        assert_eq!(
+            item["content"],
+            json!([{"type": "input_text", "text": "hello"}])
+        );
+        assert!(item["id"].as_str().unwrap().starts_with("msg_"));
+    }
+
+    #[test]
+    fn items_get_ids_by_kind_and_keep_existing_ids() {
+        let items = normalize_input(&json!([
+            {"role": "user", "content": "hi"},
+            {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+            {"type": "reasoning", "summary": []},
+            {"type": "message", "id": "msg_keep", "role": "assistant", "content": "done"},
+            {"type": "web_search_call", "status": "completed"},
+        ]))
+        .unwrap();
+        let ids: Vec<&str> = items.iter().map(|i| i["id"].as_str().unwrap()).collect();
+        assert!(ids[0].starts_with("msg_"));
+        assert!(ids[1].starts_with("fc_"));
+        assert!(ids[2].starts_with("fco_"));
+        assert!(ids[3].starts_with("rs_"));
+        assert_eq!(ids[4], "msg_keep");
+        assert!(ids[5].starts_with("item_"));
+        assert_eq!(items[0]["type"], "message");
+        assert_eq!(items[0]["content"][0]["type"], "input_text");
+        assert_eq!(items[4]["content"][0]["type"], "output_text");
+    }
+
+    #[test]
+    fn errors_name_the_parameter() {
+        let err = normalize_input(&json!([
+            {"role": "user", "content": "hi"},
+            {"type": "function_call_output", "output": "x"},
+        ]))
+        .unwrap_err();
+        assert_eq!(err.status, 400);
+        assert_eq!(err.param.as_deref(), Some("input[1].call_id"));
+
+        let err = normalize_input(&json!([{"role": "tool", "content": "x"}])).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("input[0].role"));
+
+        let err = normalize_input(&json!([{"role": "user", "content": [{"type": "input_text"}]}]))
+            .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("input[0].content[0].text"));
+
+        let err = normalize_input(&json!(42)).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("input"));
+
+        let err = normalize_input(&json!([7])).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("input[0]"));
+    }
+}

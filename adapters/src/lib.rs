@@ -1,0 +1,46 @@
+//! Engine protocols for agentgate: translates OpenAI Responses API requests into Chat Completions
+//! bodies for vLLM / SGLang / generic OpenAI-compatible engines, synthesizes Responses streaming
+//! events from the engines' chat chunks, and talks to engines over HTTP.
+//!
+//! Request path: [`normalize_input`] -> [`build_chat_request`] -> [`EngineClient::chat_stream`]
+//! -> [`ResponseStream::on_chunk`] for every chunk -> [`ResponseStream::finish`] (or `fail`).
+
+mod client;
+mod error;
+mod ids;
+mod input;
+mod reasoning_blob;
+mod request;
+mod sse;
+mod stream;
+mod tools;
+
+pub use client::{estimate_prompt_tokens, ChunkStream, ClientOptions, EngineClient};
+pub use error::{ApiError, UpstreamError};
+pub use ids::new_item_id;
+pub use input::normalize_input;
+pub use reasoning_blob::{decode_reasoning_blob, encode_reasoning_blob};
+pub use request::{
+    build_chat_request, includes_encrypted_reasoning, ChatPlan, HostedToolPolicy, TranslateOptions,
+};
+pub use stream::{ResponseStream, SseEvent};
+pub use tools::{ToolName, ToolNameMap};
+
+/// Which engine dialect of Chat Completions an endpoint speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Flavor {
+    /// vLLM's OpenAI-compatible server.
+    Vllm,
+    /// SGLang's OpenAI-compatible server.
+    Sglang,
+    /// Any other OpenAI-compatible Chat Completions server (including api.openai.com).
+    Openai,
+}
+
+impl Flavor {
+    /// True for the self-hosted engines (vLLM, SGLang) that accept engine-specific extensions.
+    pub fn is_self_hosted(self) -> bool {
+        matches!(self, Flavor::Vllm | Flavor::Sglang)
+    }
+}

@@ -1,0 +1,753 @@
+//! Builds the Chat Completions request body for one turn from a Responses request.
+//!
+//! Item translation:
+//! - `instructions` and every `system`/`developer` message that comes before the first
+//!   user/assistant/tool message are merged (blank-line separated, in order) into ONE leading
+//!   `system` message, because many chat templates accept a system message only in first
+//!   position. Later `system`/`developer` messages become `system` messages in place.
+//! - user messages: text parts -> a plain string content (parts joined by `\n`); when an image is
+//!   present, an array of `text` / `image_url` parts. `input_file` and file-id images are rejected.
+//! - assistant messages: `output_text` (and `refusal`) text joined into a string.
+//! - `function_call` -> an assistant `tool_calls` entry; consecutive calls (and calls right after
+//!   an assistant text message) merge into one assistant message. `custom_tool_call` likewise,
+//!   with arguments `{"input": <input>}`.
+//! - `function_call_output` / `custom_tool_call_output` -> a `tool` message with `tool_call_id`
+//!   (array outputs are flattened to their text; images become `[image]`).
+//! - `reasoning` items: for vLLM / SGLang the reasoning text (from `content`, else from this
+//!   gateway's `encrypted_content` blob, else from `summary`) is attached as `reasoning_content` to
+//!   the next assistant message, so templates that re-render thinking (Qwen3, DeepSeek, gpt-oss)
+//!   see it; for the OpenAI flavor reasoning items are dropped from the prompt.
+//! - hosted-tool items (`web_search_call`, ...) are skipped; `item_reference` is rejected (the
+//!   caller resolves references before translating).
+
+use crate::error::ApiError;
+use crate::reasoning_blob::decode_reasoning_blob;
+use crate::tools::{translate_tool_choice, translate_tools, ToolNameMap};
+use crate::Flavor;
+use serde_json::{json, Map, Value};
+
+/// What to do with hosted tools (web_search, file_search, ...) that no engine can run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostedToolPolicy {
+    /// Remove them from the request and log an info line (the default).
+    #[default]
+    Drop,
+    /// Answer 400 with param `tools`.
+    Reject,
+}
+
+/// Per-endpoint translation settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TranslateOptions {
+    /// The engine dialect of the target endpoint.
+    pub flavor: Flavor,
+    /// What to do with hosted tools.
+    pub hosted_tools: HostedToolPolicy,
+}
+
+impl TranslateOptions {
+    /// Options for `flavor` with the default hosted-tool policy (drop).
+    pub fn new(flavor: Flavor) -> Self {
+        TranslateOptions {
+            flavor,
+            hosted_tools: HostedToolPolicy::Drop,
+        }
+    }
+}
+
+/// The Chat Completions body for one turn plus what the stream translator needs to map back.
+#[derive(Clone, Debug)]
+pub struct ChatPlan {
+    /// The body to POST to `/v1/chat/completions` (always streaming, with usage).
+    pub body: Value,
+    /// Engine function name -> client tool name/namespace.
+    pub tool_names: ToolNameMap,
+    /// Labels of hosted tools removed from the request.
+    pub dropped_tools: Vec<String>,
+}
+
+/// Builds the Chat Completions body for one turn (see the module doc for the item rules).
+///
+/// `req` is the raw Responses request, `history` the earlier items (from
+/// `previous_response_id`), `input` this turn's normalized items.
+pub fn build_chat_request(
+    req: &Value,
+    history: &[Value],
+    input: &[Value],
+    opts: &TranslateOptions,
+) -> Result<ChatPlan, ApiError> {
+    let tools = translate_tools(req.get("tools"), opts.flavor, opts.hosted_tools)?;
+    let mut builder = MessageBuilder::new(opts.flavor, &tools.names);
+    match req.get("instructions") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(text)) => builder.push_system(text.clone()),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "instructions",
+                "`instructions` must be a string",
+            ))
+        }
+    }
+    for item in history {
+        builder.push_item(item, "previous_response_id")?;
+    }
+    for (index, item) in input.iter().enumerate() {
+        builder.push_item(item, &format!("input[{index}]"))?;
+    }
+    let messages = builder.finish();
+
+    let mut body = Map::new();
+    if let Some(model) = req.get("model").filter(|m| m.is_string()) {
+        body.insert("model".into(), model.clone());
+    }
+    body.insert("messages".into(), Value::Array(messages));
+    body.insert("stream".into(), json!(true));
+    body.insert("stream_options".into(), json!({"include_usage": true}));
+
+    let tool_choice =
+        translate_tool_choice(req.get("tool_choice"), &tools.names, opts.hosted_tools)?;
+    if !tools.chat_tools.is_empty() {
+        body.insert("tools".into(), Value::Array(tools.chat_tools));
+        if let Some(choice) = tool_choice {
+            body.insert("tool_choice".into(), choice);
+        }
+        if let Some(parallel) = req.get("parallel_tool_calls").filter(|p| p.is_boolean()) {
+            body.insert("parallel_tool_calls".into(), parallel.clone());
+        }
+    }
+
+    match req.get("max_output_tokens") {
+        None | Some(Value::Null) => {}
+        Some(value) => {
+            let Some(limit) = value.as_u64().filter(|n| *n >= 1) else {
+                return Err(ApiError::invalid(
+                    "max_output_tokens",
+                    "max_output_tokens must be a positive integer",
+                ));
+            };
+            let key = if opts.flavor == Flavor::Openai {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            body.insert(key.into(), json!(limit));
+        }
+    }
+    for key in ["temperature", "top_p"] {
+        match req.get(key) {
+            None | Some(Value::Null) => {}
+            Some(value) if value.is_number() => {
+                body.insert(key.into(), value.clone());
+            }
+            Some(_) => {
+                return Err(ApiError::invalid(key, format!("{key} must be a number")));
+            }
+        }
+    }
+    if let Some(user) = req.get("user").filter(|u| u.is_string()) {
+        body.insert("user".into(), user.clone());
+    }
+    if opts.flavor == Flavor::Openai {
+        if let Some(key) = req.get("prompt_cache_key").filter(|k| k.is_string()) {
+            body.insert("prompt_cache_key".into(), key.clone());
+        }
+    }
+    if let Some(format) = req.get("text").and_then(|t| t.get("format")) {
+        if let Some(response_format) = translate_text_format(format)? {
+            body.insert("response_format".into(), response_format);
+        }
+    }
+    if let Some(effort) = req
+        .get("reasoning")
+        .and_then(|r| r.get("effort"))
+        .filter(|e| e.is_string())
+    {
+        body.insert("reasoning_effort".into(), effort.clone());
+    }
+
+    Ok(ChatPlan {
+        body: Value::Object(body),
+        tool_names: tools.names,
+        dropped_tools: tools.dropped,
+    })
+}
+
+/// True when the request's `include` asks for `reasoning.encrypted_content` (pass the answer to
+/// [`crate::ResponseStream::with_encrypted_reasoning`]).
+pub fn includes_encrypted_reasoning(req: &Value) -> bool {
+    req.get("include")
+        .and_then(Value::as_array)
+        .is_some_and(|include| {
+            include
+                .iter()
+                .any(|entry| entry.as_str() == Some("reasoning.encrypted_content"))
+        })
+}
+
+fn translate_text_format(format: &Value) -> Result<Option<Value>, ApiError> {
+    match format.get("type").and_then(Value::as_str) {
+        None | Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "json_object"}))),
+        Some("json_schema") => {
+            let name = format.get("name").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::invalid("text.format.name", "text.format.name is required for json_schema")
+            })?;
+            let schema = format.get("schema").filter(|s| s.is_object()).ok_or_else(|| {
+                ApiError::invalid("text.format.schema", "text.format.schema must be a JSON Schema object")
+            })?;
+            let mut json_schema = Map::new();
+            json_schema.insert("name".into(), json!(name));
+            if let Some(description) = format.get("description").filter(|d| d.is_string()) {
+                json_schema.insert("description".into(), description.clone());
+            }
+            json_schema.insert("schema".into(), schema.clone());
+            if let Some(strict) = format.get("strict").filter(|s| s.is_boolean()) {
+                json_schema.insert("strict".into(), strict.clone());
+            }
+            Ok(Some(json!({"type": "json_schema", "json_schema": json_schema})))
+        }
+        Some(other) => Err(ApiError::invalid(
+            "text.format.type",
+            format!("text.format.type \"{other}\" is not supported; use text, json_object or json_schema"),
+        )),
+    }
+}
+
+/// Accumulates chat messages from Responses items.
+struct MessageBuilder<'a> {
+    flavor: Flavor,
+    names: &'a ToolNameMap,
+    leading_system: Vec<String>,
+    messages: Vec<Value>,
+    pending_reasoning: Option<String>,
+}
+
+impl<'a> MessageBuilder<'a> {
+    fn new(flavor: Flavor, names: &'a ToolNameMap) -> Self {
+        MessageBuilder {
+            flavor,
+            names,
+            leading_system: Vec::new(),
+            messages: Vec::new(),
+            pending_reasoning: None,
+        }
+    }
+
+    fn push_system(&mut self, text: String) {
+        if self.messages.is_empty() {
+            if !text.is_empty() {
+                self.leading_system.push(text);
+            }
+        } else {
+            self.messages
+                .push(json!({"role": "system", "content": text}));
+        }
+    }
+
+    fn push_item(&mut self, item: &Value, param: &str) -> Result<(), ApiError> {
+        let kind =
+            item.get("type")
+                .and_then(Value::as_str)
+                .unwrap_or(if item.get("role").is_some() {
+                    "message"
+                } else {
+                    ""
+                });
+        match kind {
+            "message" => self.push_message(item, param),
+            "function_call" => {
+                let call_id = str_field(item, "call_id");
+                let name = str_field(item, "name");
+                let namespace = item.get("namespace").and_then(Value::as_str);
+                let engine_name = self.names.engine_name(name, namespace);
+                let arguments = match item.get("arguments") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Null) | None => String::new(),
+                    Some(other) => other.to_string(),
+                };
+                self.push_tool_call(call_id, &engine_name, arguments);
+                Ok(())
+            }
+            "custom_tool_call" => {
+                let call_id = str_field(item, "call_id");
+                let engine_name = self.names.engine_name(str_field(item, "name"), None);
+                let arguments = json!({"input": str_field(item, "input")}).to_string();
+                self.push_tool_call(call_id, &engine_name, arguments);
+                Ok(())
+            }
+            "function_call_output" | "custom_tool_call_output" => {
+                let content = output_text(item.get("output"));
+                self.messages.push(json!({
+                    "role": "tool",
+                    "tool_call_id": str_field(item, "call_id"),
+                    "content": content,
+                }));
+                Ok(())
+            }
+            "reasoning" => {
+                if self.flavor.is_self_hosted() {
+                    if let Some(text) = reasoning_text(item) {
+                        match &mut self.pending_reasoning {
+                            Some(existing) => {
+                                existing.push_str("\n\n");
+                                existing.push_str(&text);
+                            }
+                            None => self.pending_reasoning = Some(text),
+                        }
+                    }
+                }
+                Ok(())
+            }
+            "item_reference" => Err(ApiError::invalid(
+                param,
+                format!("{param} is an item_reference; send the referenced item itself or use previous_response_id"),
+            )),
+            other => {
+                tracing::debug!(item_type = %other, "skipping an input item the engines cannot consume");
+                Ok(())
+            }
+        }
+    }
+
+    fn push_message(&mut self, item: &Value, param: &str) -> Result<(), ApiError> {
+        let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
+        match role {
+            "system" | "developer" => {
+                let text = text_of_parts(item.get("content"));
+                self.push_system(text);
+            }
+            "assistant" => {
+                let text = text_of_parts(item.get("content"));
+                let mut message = Map::new();
+                message.insert("role".into(), json!("assistant"));
+                message.insert("content".into(), json!(text));
+                self.attach_reasoning(&mut message);
+                self.messages.push(Value::Object(message));
+            }
+            _ => {
+                let content = user_content(item.get("content"), param)?;
+                self.messages
+                    .push(json!({"role": "user", "content": content}));
+            }
+        }
+        Ok(())
+    }
+
+    fn attach_reasoning(&mut self, message: &mut Map<String, Value>) {
+        attach_reasoning(self.pending_reasoning.take(), message);
+    }
+
+    fn push_tool_call(&mut self, call_id: &str, engine_name: &str, arguments: String) {
+        let call = json!({
+            "id": call_id,
+            "type": "function",
+            "function": {"name": engine_name, "arguments": arguments},
+        });
+        let pending = self.pending_reasoning.take();
+        if let Some(Value::Object(last)) = self.messages.last_mut() {
+            if last.get("role").and_then(Value::as_str) == Some("assistant") {
+                match last.get_mut("tool_calls") {
+                    Some(Value::Array(calls)) => calls.push(call),
+                    _ => {
+                        last.insert("tool_calls".into(), json!([call]));
+                    }
+                }
+                attach_reasoning(pending, last);
+                return;
+            }
+        }
+        let empty_content = if self.flavor == Flavor::Openai {
+            Value::Null
+        } else {
+            json!("")
+        };
+        let mut message = Map::new();
+        message.insert("role".into(), json!("assistant"));
+        message.insert("content".into(), empty_content);
+        message.insert("tool_calls".into(), json!([call]));
+        attach_reasoning(pending, &mut message);
+        self.messages.push(Value::Object(message));
+    }
+
+    fn finish(mut self) -> Vec<Value> {
+        if !self.leading_system.is_empty() {
+            let text = self.leading_system.join("\n\n");
+            self.messages
+                .insert(0, json!({"role": "system", "content": text}));
+        }
+        self.messages
+    }
+}
+
+/// Adds `reasoning` as `reasoning_content` on an assistant message (appending to any already there).
+fn attach_reasoning(reasoning: Option<String>, message: &mut Map<String, Value>) {
+    let Some(reasoning) = reasoning else {
+        return;
+    };
+    match message.get_mut("reasoning_content") {
+        Some(Value::String(existing)) => {
+            existing.push_str("\n\n");
+            existing.push_str(&reasoning);
+        }
+        _ => {
+            message.insert("reasoning_content".into(), json!(reasoning));
+        }
+    }
+}
+
+fn str_field<'v>(item: &'v Value, field: &str) -> &'v str {
+    item.get(field).and_then(Value::as_str).unwrap_or("")
+}
+
+/// Text of a message's content (string, or the text of its text/refusal parts joined by `\n`).
+fn text_of_parts(content: Option<&Value>) -> String {
+    match content {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|part| {
+                part.get("text")
+                    .or_else(|| part.get("refusal"))
+                    .and_then(Value::as_str)
+            })
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+fn user_content(content: Option<&Value>, param: &str) -> Result<Value, ApiError> {
+    let parts = match content {
+        Some(Value::String(text)) => return Ok(json!(text)),
+        Some(Value::Array(parts)) => parts,
+        _ => return Ok(json!("")),
+    };
+    let mut chat_parts = Vec::new();
+    let mut has_image = false;
+    for (index, part) in parts.iter().enumerate() {
+        let part_param = format!("{param}.content[{index}]");
+        match part.get("type").and_then(Value::as_str).unwrap_or("") {
+            "input_text" | "output_text" | "text" => {
+                chat_parts.push(json!({"type": "text", "text": str_field(part, "text")}));
+            }
+            "input_image" => {
+                let url = match part.get("image_url") {
+                    Some(Value::String(url)) => url.clone(),
+                    Some(Value::Object(obj)) => obj
+                        .get("url")
+                        .and_then(Value::as_str)
+                        .unwrap_or("")
+                        .to_string(),
+                    _ => String::new(),
+                };
+                if url.is_empty() {
+                    return Err(ApiError::invalid(
+                        format!("{part_param}.image_url"),
+                        format!("{part_param}: images must be given as image_url (an http(s) or data: URL); file_id images are not supported"),
+                    ));
+                }
+                let mut image_url = Map::new();
+                image_url.insert("url".into(), json!(url));
+                if let Some(detail) = part.get("detail").filter(|d| d.is_string()) {
+                    image_url.insert("detail".into(), detail.clone());
+                }
+                chat_parts.push(json!({"type": "image_url", "image_url": image_url}));
+                has_image = true;
+            }
+            "input_file" | "input_audio" => {
+                return Err(ApiError::invalid(
+                    format!("{part_param}.type"),
+                    format!("{part_param}: file and audio inputs are not supported by this gateway; send the content as input_text"),
+                ))
+            }
+            _ => {}
+        }
+    }
+    if has_image {
+        return Ok(Value::Array(chat_parts));
+    }
+    let text = chat_parts
+        .iter()
+        .filter_map(|p| p.get("text").and_then(Value::as_str))
+        .collect::<Vec<_>>()
+        .join("\n");
+    Ok(json!(text))
+}
+
+fn output_text(output: Option<&Value>) -> String {
+    match output {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(|part| match part.get("text").and_then(Value::as_str) {
+                Some(text) => text.to_string(),
+                None => "[image]".to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+fn reasoning_text(item: &Value) -> Option<String> {
+    let joined = |parts: Option<&Value>| -> Option<String> {
+        let parts = parts?.as_array()?;
+        let texts: Vec<&str> = parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect();
+        if texts.is_empty() {
+            None
+        } else {
+            Some(texts.join("\n"))
+        }
+    };
+    joined(item.get("content"))
+        .or_else(|| {
+            item.get("encrypted_content")
+                .and_then(Value::as_str)
+                .and_then(decode_reasoning_blob)
+        })
+        .or_else(|| joined(item.get("summary")))
+        .filter(|text| !text.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::input::normalize_input;
+    use crate::reasoning_blob::encode_reasoning_blob;
+
+    fn vllm() -> TranslateOptions {
+        TranslateOptions::new(Flavor::Vllm)
+    }
+
+    #[test]
+    fn instructions_and_leading_developer_messages_merge_into_one_system_message() {
+        let req = json!({"model": "m", "instructions": "be brief"});
+        let input = normalize_input(&json!([
+            {"role": "developer", "content": "sandbox: read-only"},
+            {"role": "system", "content": [{"type": "input_text", "text": "policy"}]},
+            {"role": "user", "content": "hi"},
+            {"role": "developer", "content": "late note"},
+        ]))
+        .unwrap();
+        let plan = build_chat_request(&req, &[], &input, &vllm()).unwrap();
+        assert_eq!(
+            plan.body["messages"],
+            json!([
+                {"role": "system", "content": "be brief\n\nsandbox: read-only\n\npolicy"},
+                {"role": "user", "content": "hi"},
+                {"role": "system", "content": "late note"},
+            ])
+        );
+        assert_eq!(plan.body["model"], "m");
+        assert_eq!(plan.body["stream"], true);
+        assert_eq!(plan.body["stream_options"], json!({"include_usage": true}));
+    }
+
+    #[test]
+    fn every_item_kind_translates() {
+        let blob = encode_reasoning_blob("think about ls");
+        let history = normalize_input(&json!([
+            {"role": "user", "content": "list files"},
+            {"type": "reasoning", "summary": [], "encrypted_content": blob},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Sure.", "annotations": []}]},
+            {"type": "function_call", "call_id": "call_a", "name": "shell", "arguments": "{\"cmd\":\"ls\"}"},
+            {"type": "function_call", "call_id": "call_b", "name": "search", "namespace": "mcp__docs",
+             "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_a", "output": "a.txt"},
+            {"type": "function_call_output", "call_id": "call_b",
+             "output": [{"type": "input_text", "text": "doc"}, {"type": "input_image", "image_url": "data:x"}]},
+            {"type": "web_search_call", "status": "completed"},
+        ]))
+        .unwrap();
+        let input = normalize_input(&json!([
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "sum"}],
+             "content": [{"type": "reasoning_text", "text": "raw thought"}]},
+            {"type": "custom_tool_call", "call_id": "call_c", "name": "apply_patch", "input": "*** Begin"},
+            {"type": "custom_tool_call_output", "call_id": "call_c", "output": "patched"},
+            {"role": "user", "content": [
+                {"type": "input_text", "text": "look"},
+                {"type": "input_image", "image_url": "https://x/y.png", "detail": "low"}]},
+        ]))
+        .unwrap();
+        let req = json!({"tools": [
+            {"type": "function", "name": "shell"},
+            {"type": "namespace", "name": "mcp__docs", "tools": [{"type": "function", "name": "search"}]},
+        ]});
+        let plan = build_chat_request(&req, &history, &input, &vllm()).unwrap();
+        assert_eq!(
+            plan.body["messages"],
+            json!([
+                {"role": "user", "content": "list files"},
+                {"role": "assistant", "content": "Sure.", "reasoning_content": "think about ls",
+                 "tool_calls": [
+                    {"id": "call_a", "type": "function", "function": {"name": "shell", "arguments": "{\"cmd\":\"ls\"}"}},
+                    {"id": "call_b", "type": "function", "function": {"name": "mcp__docs__search", "arguments": "{}"}},
+                 ]},
+                {"role": "tool", "tool_call_id": "call_a", "content": "a.txt"},
+                {"role": "tool", "tool_call_id": "call_b", "content": "doc\n[image]"},
+                {"role": "assistant", "content": "", "reasoning_content": "raw thought", "tool_calls": [
+                    {"id": "call_c", "type": "function",
+                     "function": {"name": "apply_patch", "arguments": "{\"input\":\"*** Begin\"}"}},
+                ]},
+                {"role": "tool", "tool_call_id": "call_c", "content": "patched"},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "look"},
+                    {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}},
+                ]},
+            ])
+        );
+    }
+
+    #[test]
+    fn openai_flavor_drops_reasoning_and_uses_max_completion_tokens() {
+        let input = normalize_input(&json!([
+            {"role": "user", "content": "q"},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        ]))
+        .unwrap();
+        let req = json!({"max_output_tokens": 64, "prompt_cache_key": "thread-1"});
+        let plan =
+            build_chat_request(&req, &[], &input, &TranslateOptions::new(Flavor::Openai)).unwrap();
+        assert_eq!(
+            plan.body["messages"][1],
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
+        );
+        assert_eq!(plan.body["max_completion_tokens"], 64);
+        assert_eq!(plan.body["prompt_cache_key"], "thread-1");
+        assert!(plan.body.get("max_tokens").is_none());
+        let plan = build_chat_request(&req, &[], &input, &vllm()).unwrap();
+        assert_eq!(plan.body["max_tokens"], 64);
+        assert!(plan.body.get("prompt_cache_key").is_none());
+    }
+
+    #[test]
+    fn sampling_format_reasoning_and_tools_map() {
+        let req = json!({
+            "model": "qwen", "temperature": 0.2, "top_p": 0.9, "user": "u1",
+            "text": {"format": {"type": "json_schema", "name": "answer", "strict": true,
+                                "schema": {"type": "object"}}},
+            "reasoning": {"effort": "high", "summary": "auto"},
+            "tools": [{"type": "function", "name": "f"}, {"type": "web_search"}],
+            "tool_choice": "required", "parallel_tool_calls": false,
+        });
+        let input = normalize_input(&json!("hi")).unwrap();
+        let plan = build_chat_request(&req, &[], &input, &vllm()).unwrap();
+        let body = &plan.body;
+        assert_eq!(body["temperature"], 0.2);
+        assert_eq!(body["top_p"], 0.9);
+        assert_eq!(body["user"], "u1");
+        assert_eq!(
+            body["response_format"],
+            json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": true}})
+        );
+        assert_eq!(body["reasoning_effort"], "high");
+        assert_eq!(body["tool_choice"], "required");
+        assert_eq!(body["parallel_tool_calls"], false);
+        assert_eq!(body["tools"].as_array().map(Vec::len), Some(1));
+        assert_eq!(plan.dropped_tools, vec!["web_search"]);
+
+        let req = json!({"text": {"format": {"type": "json_object"}}, "tools": [{"type": "web_search"}],
+                         "tool_choice": "auto"});
+        let plan = build_chat_request(&req, &[], &input, &vllm()).unwrap();
+        assert_eq!(plan.body["response_format"], json!({"type": "json_object"}));
+        assert!(plan.body.get("tools").is_none());
+        assert!(plan.body.get("tool_choice").is_none());
+    }
+
+    #[test]
+    fn later_turns_extend_earlier_prompts_without_rewriting_them() {
+        let blob = encode_reasoning_blob("plan");
+        let items = normalize_input(&json!([
+            {"role": "developer", "content": "perms"},
+            {"role": "user", "content": "ctx"},
+            {"role": "user", "content": "fix the bug"},
+            {"type": "reasoning", "summary": [], "encrypted_content": blob},
+            {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+            {"role": "developer", "content": "mode changed"},
+            {"type": "message", "role": "assistant", "content": "done"},
+            {"role": "user", "content": "thanks"},
+        ]))
+        .unwrap();
+        let req = json!({"instructions": "base"});
+        let full = build_chat_request(&req, &items, &[], &vllm()).unwrap().body["messages"].clone();
+        // Turn boundaries: after each user message or tool output.
+        for cut in [2, 3, 6, 9] {
+            let (history, input) = items.split_at(cut);
+            let earlier = build_chat_request(&req, &[], history, &vllm())
+                .unwrap()
+                .body["messages"]
+                .clone();
+            let earlier = earlier.as_array().unwrap();
+            assert_eq!(
+                &full.as_array().unwrap()[..earlier.len()],
+                earlier.as_slice(),
+                "cut at {cut}"
+            );
+            let split = build_chat_request(&req, history, input, &vllm())
+                .unwrap()
+                .body["messages"]
+                .clone();
+            assert_eq!(split, full, "history/input split does not matter");
+        }
+    }
+
+    #[test]
+    fn include_flag_detects_encrypted_reasoning() {
+        assert!(includes_encrypted_reasoning(
+            &json!({"include": ["reasoning.encrypted_content"]})
+        ));
+        assert!(!includes_encrypted_reasoning(
+            &json!({"include": ["message.output_text.logprobs"]})
+        ));
+        assert!(!includes_encrypted_reasoning(&json!({})));
+    }
+
+    #[test]
+    fn hosted_tool_reject_policy_answers_400() {
+        let req = json!({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]});
+        let opts = TranslateOptions {
+            flavor: Flavor::Vllm,
+            hosted_tools: HostedToolPolicy::Reject,
+        };
+        let err = build_chat_request(&req, &[], &[], &opts).unwrap_err();
+        assert_eq!((err.status, err.param.as_deref()), (400, Some("tools")));
+    }
+
+    #[test]
+    fn invalid_fields_name_their_parameter() {
+        let input = normalize_input(&json!("hi")).unwrap();
+        for (req, param) in [
+            (json!({"max_output_tokens": 0}), "max_output_tokens"),
+            (json!({"temperature": "hot"}), "temperature"),
+            (json!({"instructions": 5}), "instructions"),
+            (
+                json!({"text": {"format": {"type": "json_schema", "schema": {}}}}),
+                "text.format.name",
+            ),
+            (
+                json!({"text": {"format": {"type": "grammar"}}}),
+                "text.format.type",
+            ),
+        ] {
+            let err = build_chat_request(&req, &[], &input, &vllm()).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(param), "{req}");
+        }
+        let input = normalize_input(&json!([{"type": "item_reference", "id": "msg_1"}])).unwrap();
+        let err = build_chat_request(&json!({}), &[], &input, &vllm()).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("input[0]"));
+        let input = normalize_input(
+            &json!([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]),
+        )
+        .unwrap();
+        let err = build_chat_request(&json!({}), &[], &input, &vllm()).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("input[0].content[0].type"));
+    }
+}

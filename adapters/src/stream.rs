@@ -1,0 +1,1077 @@
+//! Synthesis of Responses API streaming events from Chat Completions chunks.
+//!
+//! [`ResponseStream`] consumes engine chunks (vLLM / SGLang / OpenAI shapes) and produces the exact
+//! Responses event sequence the official SDKs and Codex expect, with a gapless `sequence_number`
+//! from 0 and consistent `output_index` / `content_index` / `item_id`:
+//!
+//! ```text
+//! response.created, response.in_progress
+//! per reasoning item:  output_item.added, content_part.added (reasoning_text),
+//!                      reasoning_text.delta*, reasoning_text.done, content_part.done, output_item.done
+//! per message item:    output_item.added, content_part.added (output_text),
+//!                      output_text.delta*, output_text.done, content_part.done, output_item.done
+//! per tool call:       output_item.added (function_call), function_call_arguments.delta*,
+//!                      function_call_arguments.done, output_item.done
+//! response.completed | response.incomplete | response.failed   (always last)
+//! ```
+//!
+//! Reasoning comes from `delta.reasoning_content` (vLLM < 0.11, SGLang) or `delta.reasoning`
+//! (vLLM >= 0.11). A reasoning or text item stays open until a delta of another kind arrives;
+//! tool calls (one item per chat `tool_calls[].index`) stay open until text/reasoning arrives or
+//! the stream ends, so interleaved argument deltas of parallel calls are all delivered.
+//! `finish_reason: "length"` ends as `incomplete` with `incomplete_details.reason =
+//! "max_output_tokens"` (`content_filter` -> `"content_filter"`); items still open then get status
+//! `incomplete`. When the engine reports no `completion_tokens_details.reasoning_tokens`, the
+//! number of reasoning deltas is used as the count.
+
+use crate::ids::new_item_id;
+use crate::reasoning_blob::encode_reasoning_blob;
+use crate::tools::ToolNameMap;
+use serde_json::{json, Map, Value};
+use std::collections::HashMap;
+
+/// One server-sent event: `event: <event>` and `data: <data>` (data carries `type` == event and
+/// `sequence_number`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SseEvent {
+    /// The event name (same as `data.type`).
+    pub event: String,
+    /// The JSON payload.
+    pub data: Value,
+}
+
+impl SseEvent {
+    /// The event framed for the wire: `event: ...\ndata: ...\n\n`.
+    pub fn to_sse_frame(&self) -> String {
+        format!("event: {}\ndata: {}\n\n", self.event, self.data)
+    }
+}
+
+/// The text-like item currently being streamed.
+#[derive(Debug)]
+enum OpenItem {
+    Reasoning {
+        output_index: usize,
+        item_id: String,
+        text: String,
+    },
+    Message {
+        output_index: usize,
+        item_id: String,
+        text: String,
+    },
+}
+
+/// A function call being streamed (keyed by the chat `tool_calls[].index`).
+#[derive(Debug)]
+struct OpenCall {
+    output_index: Option<usize>,
+    item_id: String,
+    call_id: String,
+    engine_name: String,
+    arguments: String,
+    closed: bool,
+}
+
+/// Chat chunks -> Responses events for one response (see the module doc).
+#[derive(Debug)]
+pub struct ResponseStream {
+    response: Value,
+    tool_names: ToolNameMap,
+    encrypted_reasoning: bool,
+    next_sequence: u64,
+    output: Vec<Value>,
+    current: Option<OpenItem>,
+    calls: Vec<OpenCall>,
+    call_by_index: HashMap<u64, usize>,
+    finish_reason: Option<String>,
+    engine_usage: Option<Value>,
+    reasoning_deltas: u64,
+    started: bool,
+    ended: bool,
+}
+
+impl ResponseStream {
+    /// `response` is the Response object skeleton (every key present, status "in_progress",
+    /// output [], usage null); the stream fills output, usage, status, incomplete_details, error.
+    pub fn new(response: Value, tool_names: ToolNameMap) -> Self {
+        let mut response = match response {
+            Value::Object(map) => Value::Object(map),
+            _ => json!({}),
+        };
+        if let Some(object) = response.as_object_mut() {
+            object.insert("status".into(), json!("in_progress"));
+            object.insert("output".into(), json!([]));
+        }
+        ResponseStream {
+            response,
+            tool_names,
+            encrypted_reasoning: false,
+            next_sequence: 0,
+            output: Vec::new(),
+            current: None,
+            calls: Vec::new(),
+            call_by_index: HashMap::new(),
+            finish_reason: None,
+            engine_usage: None,
+            reasoning_deltas: 0,
+            started: false,
+            ended: false,
+        }
+    }
+
+    /// Fill reasoning items' `encrypted_content` with the round-trip blob (set when the request's
+    /// `include` lists `reasoning.encrypted_content`); otherwise it is `null`.
+    pub fn with_encrypted_reasoning(mut self, enabled: bool) -> Self {
+        self.encrypted_reasoning = enabled;
+        self
+    }
+
+    /// `response.created` and `response.in_progress` (empty if already started).
+    pub fn start(&mut self) -> Vec<SseEvent> {
+        let mut events = Vec::new();
+        self.start_into(&mut events);
+        events
+    }
+
+    fn start_into(&mut self, events: &mut Vec<SseEvent>) {
+        if self.started {
+            return;
+        }
+        self.started = true;
+        let snapshot = self.response.clone();
+        self.emit(events, "response.created", json!({"response": snapshot}));
+        let snapshot = self.response.clone();
+        self.emit(
+            events,
+            "response.in_progress",
+            json!({"response": snapshot}),
+        );
+    }
+
+    /// Translates one engine chunk; an error chunk ends the stream with `response.failed`.
+    pub fn on_chunk(&mut self, chunk: &Value) -> Vec<SseEvent> {
+        let mut events = Vec::new();
+        if self.ended {
+            return events;
+        }
+        self.start_into(&mut events);
+        if let Some(message) = engine_error_message(chunk) {
+            events.extend(self.fail("server_error", &message));
+            return events;
+        }
+        if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
+            self.engine_usage = Some(usage.clone());
+        }
+        let choice = chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .and_then(|choices| {
+                choices
+                    .iter()
+                    .find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0)
+            });
+        let Some(choice) = choice else {
+            return events;
+        };
+        if let Some(delta) = choice.get("delta") {
+            let reasoning = delta
+                .get("reasoning_content")
+                .and_then(Value::as_str)
+                .or_else(|| delta.get("reasoning").and_then(Value::as_str))
+                .filter(|s| !s.is_empty());
+            if let Some(text) = reasoning {
+                self.reasoning_delta(text, &mut events);
+            }
+            if let Some(text) = delta
+                .get("content")
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+            {
+                self.text_delta(text, &mut events);
+            }
+            if let Some(calls) = delta.get("tool_calls").and_then(Value::as_array) {
+                for (position, call) in calls.iter().enumerate() {
+                    self.tool_call_delta(call, position as u64, &mut events);
+                }
+            }
+        }
+        if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+            self.finish_reason = Some(reason.to_string());
+        }
+        events
+    }
+
+    /// Closes open parts/items and ends with `response.completed`, or `response.incomplete`
+    /// when the engine stopped for length or content filtering.
+    pub fn finish(&mut self) -> Vec<SseEvent> {
+        let mut events = Vec::new();
+        if self.ended {
+            return events;
+        }
+        self.start_into(&mut events);
+        let incomplete_reason = match self.finish_reason.as_deref() {
+            Some("length") => Some("max_output_tokens"),
+            Some("content_filter") => Some("content_filter"),
+            _ => None,
+        };
+        let item_status = if incomplete_reason.is_some() {
+            "incomplete"
+        } else {
+            "completed"
+        };
+        self.close_all(item_status, &mut events);
+        self.ended = true;
+        self.finalize_response();
+        let (event, status) = match incomplete_reason {
+            Some(reason) => {
+                self.set_field("incomplete_details", json!({"reason": reason}));
+                ("response.incomplete", "incomplete")
+            }
+            None => ("response.completed", "completed"),
+        };
+        self.set_field("status", json!(status));
+        let snapshot = self.response.clone();
+        self.emit(&mut events, event, json!({"response": snapshot}));
+        events
+    }
+
+    /// Ends the stream with `response.failed` (`error: {code, message}`) as the last event; items
+    /// still open are closed first with status `incomplete` so the event log stays consistent.
+    pub fn fail(&mut self, code: &str, message: &str) -> Vec<SseEvent> {
+        let mut events = Vec::new();
+        if self.ended {
+            return events;
+        }
+        self.start_into(&mut events);
+        self.close_all("incomplete", &mut events);
+        self.ended = true;
+        self.finalize_response();
+        self.set_field("status", json!("failed"));
+        self.set_field("error", json!({"code": code, "message": message}));
+        let snapshot = self.response.clone();
+        self.emit(
+            &mut events,
+            "response.failed",
+            json!({"response": snapshot}),
+        );
+        events
+    }
+
+    /// The Response object as it stands (final after `finish`/`fail`).
+    pub fn response(&self) -> &Value {
+        &self.response
+    }
+
+    /// Output items so far (in-progress items as last announced, finished items complete).
+    pub fn output_items(&self) -> &[Value] {
+        &self.output
+    }
+
+    /// True once `finish` or `fail` has produced the terminal event.
+    pub fn is_finished(&self) -> bool {
+        self.ended
+    }
+
+    fn emit(&mut self, events: &mut Vec<SseEvent>, kind: &str, fields: Value) {
+        let mut data = Map::new();
+        data.insert("type".into(), json!(kind));
+        if let Value::Object(fields) = fields {
+            data.extend(fields);
+        }
+        data.insert("sequence_number".into(), json!(self.next_sequence));
+        self.next_sequence += 1;
+        events.push(SseEvent {
+            event: kind.to_string(),
+            data: Value::Object(data),
+        });
+    }
+
+    fn set_field(&mut self, key: &str, value: Value) {
+        if let Some(object) = self.response.as_object_mut() {
+            object.insert(key.into(), value);
+        }
+    }
+
+    fn reasoning_delta(&mut self, text: &str, events: &mut Vec<SseEvent>) {
+        self.reasoning_deltas += 1;
+        if !matches!(self.current, Some(OpenItem::Reasoning { .. })) {
+            self.close_current("completed", events);
+            self.close_calls("completed", events);
+            let output_index = self.output.len();
+            let item_id = new_item_id("rs_");
+            let item = json!({
+                "id": item_id, "type": "reasoning", "summary": [], "content": [],
+                "encrypted_content": null, "status": "in_progress",
+            });
+            self.output.push(item.clone());
+            self.emit(
+                events,
+                "response.output_item.added",
+                json!({"output_index": output_index, "item": item}),
+            );
+            self.emit(
+                events,
+                "response.content_part.added",
+                json!({
+                    "item_id": item_id, "output_index": output_index, "content_index": 0,
+                    "part": {"type": "reasoning_text", "text": ""},
+                }),
+            );
+            self.current = Some(OpenItem::Reasoning {
+                output_index,
+                item_id,
+                text: String::new(),
+            });
+        }
+        if let Some(OpenItem::Reasoning {
+            output_index,
+            item_id,
+            text: buffer,
+        }) = &mut self.current
+        {
+            buffer.push_str(text);
+            let fields = json!({
+                "item_id": item_id, "output_index": *output_index, "content_index": 0, "delta": text,
+            });
+            self.emit(events, "response.reasoning_text.delta", fields);
+        }
+    }
+
+    fn text_delta(&mut self, text: &str, events: &mut Vec<SseEvent>) {
+        if !matches!(self.current, Some(OpenItem::Message { .. })) {
+            self.close_current("completed", events);
+            self.close_calls("completed", events);
+            let output_index = self.output.len();
+            let item_id = new_item_id("msg_");
+            let item = json!({
+                "id": item_id, "type": "message", "status": "in_progress", "role": "assistant",
+                "content": [],
+            });
+            self.output.push(item.clone());
+            self.emit(
+                events,
+                "response.output_item.added",
+                json!({"output_index": output_index, "item": item}),
+            );
+            self.emit(
+                events,
+                "response.content_part.added",
+                json!({
+                    "item_id": item_id, "output_index": output_index, "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                }),
+            );
+            self.current = Some(OpenItem::Message {
+                output_index,
+                item_id,
+                text: String::new(),
+            });
+        }
+        if let Some(OpenItem::Message {
+            output_index,
+            item_id,
+            text: buffer,
+        }) = &mut self.current
+        {
+            buffer.push_str(text);
+            let fields = json!({
+                "item_id": item_id, "output_index": *output_index, "content_index": 0,
+                "delta": text, "logprobs": [],
+            });
+            self.emit(events, "response.output_text.delta", fields);
+        }
+    }
+
+    fn tool_call_delta(&mut self, call: &Value, position: u64, events: &mut Vec<SseEvent>) {
+        self.close_current("completed", events);
+        let index = call
+            .get("index")
+            .and_then(Value::as_u64)
+            .unwrap_or(position);
+        let function = call.get("function");
+        let name = function
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty());
+        let arguments = function
+            .and_then(|f| f.get("arguments"))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let slot = match self.call_by_index.get(&index) {
+            Some(slot) => *slot,
+            None => {
+                let call_id = call
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .filter(|id| !id.is_empty())
+                    .map(str::to_string)
+                    .unwrap_or_else(|| new_item_id("call_"));
+                self.calls.push(OpenCall {
+                    output_index: None,
+                    item_id: new_item_id("fc_"),
+                    call_id,
+                    engine_name: String::new(),
+                    arguments: String::new(),
+                    closed: false,
+                });
+                self.call_by_index.insert(index, self.calls.len() - 1);
+                self.calls.len() - 1
+            }
+        };
+        let Some(open) = self.calls.get_mut(slot) else {
+            return;
+        };
+        if open.closed {
+            tracing::warn!(
+                tool_call_index = index,
+                "engine sent tool-call arguments after the call was closed; ignoring them"
+            );
+            return;
+        }
+        if let Some(name) = name {
+            if open.engine_name.is_empty() {
+                open.engine_name = name.to_string();
+            }
+        }
+        if open.output_index.is_none() {
+            // Announce the item once the name is known; arguments seen before are replayed.
+            open.arguments.push_str(arguments);
+            if open.engine_name.is_empty() {
+                return;
+            }
+            let output_index = self.output.len();
+            open.output_index = Some(output_index);
+            let buffered = open.arguments.clone();
+            let item_id = open.item_id.clone();
+            let item = self.function_call_item(slot, "in_progress", "");
+            self.output.push(item.clone());
+            self.emit(
+                events,
+                "response.output_item.added",
+                json!({"output_index": output_index, "item": item}),
+            );
+            if !buffered.is_empty() {
+                self.emit(
+                    events,
+                    "response.function_call_arguments.delta",
+                    json!({
+                        "item_id": item_id, "output_index": output_index, "delta": buffered,
+                    }),
+                );
+            }
+            return;
+        }
+        if arguments.is_empty() {
+            return;
+        }
+        open.arguments.push_str(arguments);
+        let fields = json!({
+            "item_id": open.item_id, "output_index": open.output_index, "delta": arguments,
+        });
+        self.emit(events, "response.function_call_arguments.delta", fields);
+    }
+
+    fn function_call_item(&self, slot: usize, status: &str, arguments: &str) -> Value {
+        let Some(call) = self.calls.get(slot) else {
+            return Value::Null;
+        };
+        let tool = self.tool_names.resolve(&call.engine_name);
+        let mut item = Map::new();
+        item.insert("id".into(), json!(call.item_id));
+        item.insert("type".into(), json!("function_call"));
+        item.insert("status".into(), json!(status));
+        item.insert("call_id".into(), json!(call.call_id));
+        item.insert("name".into(), json!(tool.name));
+        if let Some(namespace) = tool.namespace {
+            item.insert("namespace".into(), json!(namespace));
+        }
+        item.insert("arguments".into(), json!(arguments));
+        Value::Object(item)
+    }
+
+    fn close_current(&mut self, status: &str, events: &mut Vec<SseEvent>) {
+        match self.current.take() {
+            None => {}
+            Some(OpenItem::Reasoning {
+                output_index,
+                item_id,
+                text,
+            }) => {
+                self.emit(events, "response.reasoning_text.done", json!({
+                    "item_id": item_id, "output_index": output_index, "content_index": 0, "text": text,
+                }));
+                let part = json!({"type": "reasoning_text", "text": text});
+                self.emit(events, "response.content_part.done", json!({
+                    "item_id": item_id, "output_index": output_index, "content_index": 0, "part": part,
+                }));
+                let encrypted = if self.encrypted_reasoning {
+                    json!(encode_reasoning_blob(&text))
+                } else {
+                    Value::Null
+                };
+                let item = json!({
+                    "id": item_id, "type": "reasoning", "summary": [], "content": [part],
+                    "encrypted_content": encrypted, "status": status,
+                });
+                self.store_item(output_index, item.clone());
+                self.emit(
+                    events,
+                    "response.output_item.done",
+                    json!({"output_index": output_index, "item": item}),
+                );
+            }
+            Some(OpenItem::Message {
+                output_index,
+                item_id,
+                text,
+            }) => {
+                self.emit(
+                    events,
+                    "response.output_text.done",
+                    json!({
+                        "item_id": item_id, "output_index": output_index, "content_index": 0,
+                        "text": text, "logprobs": [],
+                    }),
+                );
+                let part =
+                    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+                self.emit(events, "response.content_part.done", json!({
+                    "item_id": item_id, "output_index": output_index, "content_index": 0, "part": part,
+                }));
+                let item = json!({
+                    "id": item_id, "type": "message", "status": status, "role": "assistant",
+                    "content": [part],
+                });
+                self.store_item(output_index, item.clone());
+                self.emit(
+                    events,
+                    "response.output_item.done",
+                    json!({"output_index": output_index, "item": item}),
+                );
+            }
+        }
+    }
+
+    fn close_calls(&mut self, status: &str, events: &mut Vec<SseEvent>) {
+        for slot in 0..self.calls.len() {
+            let Some(call) = self.calls.get_mut(slot) else {
+                continue;
+            };
+            if call.closed {
+                continue;
+            }
+            call.closed = true;
+            let Some(output_index) = call.output_index else {
+                tracing::warn!(call_id = %call.call_id, "engine sent a tool call without a function name; dropping it");
+                continue;
+            };
+            let arguments = call.arguments.clone();
+            let item_id = call.item_id.clone();
+            let item = self.function_call_item(slot, status, &arguments);
+            let name = item.get("name").cloned().unwrap_or(Value::Null);
+            self.emit(events, "response.function_call_arguments.done", json!({
+                "item_id": item_id, "output_index": output_index, "name": name, "arguments": arguments,
+            }));
+            self.store_item(output_index, item.clone());
+            self.emit(
+                events,
+                "response.output_item.done",
+                json!({"output_index": output_index, "item": item}),
+            );
+        }
+    }
+
+    fn close_all(&mut self, status: &str, events: &mut Vec<SseEvent>) {
+        self.close_current(status, events);
+        self.close_calls(status, events);
+    }
+
+    fn store_item(&mut self, output_index: usize, item: Value) {
+        if let Some(slot) = self.output.get_mut(output_index) {
+            *slot = item;
+        }
+    }
+
+    fn finalize_response(&mut self) {
+        let output = Value::Array(self.output.clone());
+        self.set_field("output", output);
+        let usage = self.usage();
+        self.set_field("usage", usage);
+    }
+
+    fn usage(&self) -> Value {
+        let usage = self.engine_usage.as_ref();
+        let number = |path: &[&str]| -> Option<u64> {
+            let mut value = usage?;
+            for key in path {
+                value = value.get(*key)?;
+            }
+            value.as_u64()
+        };
+        let input = number(&["prompt_tokens"]).unwrap_or(0);
+        let output = number(&["completion_tokens"]).unwrap_or(0);
+        let cached = number(&["prompt_tokens_details", "cached_tokens"]).unwrap_or(0);
+        let reasoning = number(&["completion_tokens_details", "reasoning_tokens"])
+            .unwrap_or(self.reasoning_deltas)
+            .min(output.max(self.reasoning_deltas));
+        let total = number(&["total_tokens"]).unwrap_or(input + output);
+        json!({
+            "input_tokens": input,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": total,
+        })
+    }
+}
+
+/// The message of an engine error delivered inside the stream (`{"error": {...}}` or
+/// `{"object": "error", "message": ...}`), if this chunk is one.
+fn engine_error_message(chunk: &Value) -> Option<String> {
+    if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
+        let message = error
+            .get("message")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .unwrap_or_else(|| error.to_string());
+        return Some(message);
+    }
+    if chunk.get("object").and_then(Value::as_str) == Some("error") {
+        let message = chunk
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or("engine reported an error")
+            .to_string();
+        return Some(message);
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tools::ToolName;
+
+    fn skeleton() -> Value {
+        json!({
+            "id": "resp_1", "object": "response", "created_at": 1, "status": "in_progress",
+            "error": null, "incomplete_details": null, "instructions": null, "model": "m",
+            "output": [], "parallel_tool_calls": true, "tool_choice": "auto", "tools": [],
+            "usage": null,
+        })
+    }
+
+    fn chunk(delta: Value, finish: Option<&str>) -> Value {
+        json!({
+            "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+        })
+    }
+
+    fn usage_chunk(prompt: u64, completion: u64, cached: u64) -> Value {
+        json!({
+            "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                      "total_tokens": prompt + completion,
+                      "prompt_tokens_details": {"cached_tokens": cached}},
+        })
+    }
+
+    fn run(stream: &mut ResponseStream, chunks: &[Value]) -> Vec<SseEvent> {
+        let mut events = stream.start();
+        for chunk in chunks {
+            events.extend(stream.on_chunk(chunk));
+        }
+        events.extend(stream.finish());
+        events
+    }
+
+    /// Rebuilds the output the way an SDK client does and checks every structural invariant;
+    /// returns the rebuilt output items.
+    fn replay(events: &[SseEvent]) -> Vec<Value> {
+        assert!(events.len() >= 3);
+        for (n, event) in events.iter().enumerate() {
+            assert_eq!(
+                event.data["sequence_number"],
+                json!(n),
+                "gapless sequence at {n}"
+            );
+            assert_eq!(event.data["type"], json!(event.event));
+        }
+        assert_eq!(events[0].event, "response.created");
+        assert_eq!(events[1].event, "response.in_progress");
+        let terminal = [
+            "response.completed",
+            "response.incomplete",
+            "response.failed",
+        ];
+        for event in &events[..events.len() - 1] {
+            assert!(
+                !terminal.contains(&event.event.as_str()),
+                "terminal event before the end"
+            );
+        }
+        let last = events.last().unwrap();
+        assert!(terminal.contains(&last.event.as_str()));
+
+        let mut output: Vec<Value> = Vec::new();
+        let mut done: Vec<bool> = Vec::new();
+        for event in &events[2..events.len() - 1] {
+            let data = &event.data;
+            let index = data["output_index"].as_u64().unwrap() as usize;
+            if event.event == "response.output_item.added" {
+                assert_eq!(index, output.len(), "items are added in output_index order");
+                output.push(data["item"].clone());
+                done.push(false);
+                continue;
+            }
+            assert!(!done[index], "{} after output_item.done", event.event);
+            let item = &mut output[index];
+            if event.event != "response.output_item.done" {
+                assert_eq!(data["item_id"], item["id"], "item_id matches output_index");
+            }
+            match event.event.as_str() {
+                "response.content_part.added" => {
+                    let parts = item["content"].as_array_mut().unwrap();
+                    assert_eq!(data["content_index"], json!(parts.len()));
+                    parts.push(data["part"].clone());
+                }
+                "response.output_text.delta" | "response.reasoning_text.delta" => {
+                    let ci = data["content_index"].as_u64().unwrap() as usize;
+                    let part = &mut item["content"][ci];
+                    let text = format!(
+                        "{}{}",
+                        part["text"].as_str().unwrap(),
+                        data["delta"].as_str().unwrap()
+                    );
+                    part["text"] = json!(text);
+                }
+                "response.output_text.done" | "response.reasoning_text.done" => {
+                    let ci = data["content_index"].as_u64().unwrap() as usize;
+                    assert_eq!(item["content"][ci]["text"], data["text"]);
+                }
+                "response.content_part.done" => {
+                    let ci = data["content_index"].as_u64().unwrap() as usize;
+                    assert_eq!(item["content"][ci], data["part"]);
+                }
+                "response.function_call_arguments.delta" => {
+                    let text = format!(
+                        "{}{}",
+                        item["arguments"].as_str().unwrap(),
+                        data["delta"].as_str().unwrap()
+                    );
+                    item["arguments"] = json!(text);
+                }
+                "response.function_call_arguments.done" => {
+                    assert_eq!(item["arguments"], data["arguments"]);
+                    assert_eq!(item["name"], data["name"]);
+                }
+                "response.output_item.done" => {
+                    let final_item = &data["item"];
+                    let mut built = item.clone();
+                    built["status"] = final_item["status"].clone();
+                    if final_item.get("encrypted_content").is_some() {
+                        built["encrypted_content"] = final_item["encrypted_content"].clone();
+                    }
+                    assert_eq!(&built, final_item, "deltas add up to the finished item");
+                    *item = final_item.clone();
+                    done[index] = true;
+                }
+                other => panic!("unexpected event {other}"),
+            }
+        }
+        assert!(
+            done.iter().all(|d| *d),
+            "every item is closed before the terminal event"
+        );
+        assert_eq!(
+            last.data["response"]["output"],
+            json!(output),
+            "final response matches the events"
+        );
+        output
+    }
+
+    #[test]
+    fn plain_text_stream() {
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = run(
+            &mut stream,
+            &[
+                chunk(json!({"role": "assistant", "content": ""}), None),
+                chunk(json!({"content": "Hel"}), None),
+                chunk(json!({"content": "lo"}), None),
+                chunk(json!({"content": ""}), Some("stop")),
+                usage_chunk(10, 2, 8),
+            ],
+        );
+        let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        assert_eq!(events[0].data["response"]["status"], "in_progress");
+        assert_eq!(events[0].data["response"]["output"], json!([]));
+        assert_eq!(events[4].data["logprobs"], json!([]));
+        let output = replay(&events);
+        assert_eq!(output.len(), 1);
+        assert_eq!(output[0]["type"], "message");
+        assert_eq!(output[0]["status"], "completed");
+        assert_eq!(
+            output[0]["content"][0],
+            json!({"type": "output_text", "text": "Hello", "annotations": [], "logprobs": []})
+        );
+        let response = stream.response();
+        assert_eq!(response["status"], "completed");
+        assert_eq!(
+            response["usage"],
+            json!({
+                "input_tokens": 10, "input_tokens_details": {"cached_tokens": 8},
+                "output_tokens": 2, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 12,
+            })
+        );
+        assert_eq!(response, &events.last().unwrap().data["response"]);
+        assert_eq!(stream.output_items(), output.as_slice());
+        assert!(stream.finish().is_empty(), "finish is idempotent");
+    }
+
+    #[test]
+    fn reasoning_then_text_with_encrypted_content() {
+        let mut stream =
+            ResponseStream::new(skeleton(), ToolNameMap::new()).with_encrypted_reasoning(true);
+        let events = run(
+            &mut stream,
+            &[
+                chunk(json!({"role": "assistant", "content": ""}), None),
+                chunk(json!({"reasoning_content": "Let me "}), None),
+                chunk(json!({"reasoning": "think."}), None),
+                chunk(json!({"content": "Answer"}), None),
+                chunk(json!({}), Some("stop")),
+                json!({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}}),
+            ],
+        );
+        let output = replay(&events);
+        assert_eq!(output.len(), 2);
+        assert_eq!(output[0]["type"], "reasoning");
+        assert_eq!(
+            output[0]["content"],
+            json!([{"type": "reasoning_text", "text": "Let me think."}])
+        );
+        assert_eq!(output[0]["summary"], json!([]));
+        let blob = output[0]["encrypted_content"].as_str().unwrap();
+        assert_eq!(
+            crate::decode_reasoning_blob(blob).as_deref(),
+            Some("Let me think.")
+        );
+        assert_eq!(output[1]["content"][0]["text"], "Answer");
+        assert_eq!(
+            events
+                .iter()
+                .filter(|e| e.event == "response.reasoning_text.delta")
+                .count(),
+            2
+        );
+        let usage = &stream.response()["usage"];
+        assert_eq!(
+            usage["output_tokens_details"]["reasoning_tokens"], 2,
+            "counted from deltas"
+        );
+        assert_eq!(
+            usage["input_tokens_details"]["cached_tokens"], 0,
+            "0 when absent"
+        );
+    }
+
+    #[test]
+    fn parallel_tool_calls_with_namespace_round_trip() {
+        let mut names = ToolNameMap::new();
+        names.insert(ToolName::plain("get_weather"));
+        names.insert(ToolName::namespaced("mcp__docs", "search"));
+        let mut stream = ResponseStream::new(skeleton(), names);
+        let events = run(
+            &mut stream,
+            &[
+                chunk(json!({"role": "assistant", "content": ""}), None),
+                chunk(json!({"content": "Checking."}), None),
+                chunk(
+                    json!({"tool_calls": [{"id": "chatcmpl-tool-a", "type": "function", "index": 0,
+                                         "function": {"name": "get_weather", "arguments": ""}}]}),
+                    None,
+                ),
+                chunk(
+                    json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\": \""}}]}),
+                    None,
+                ),
+                chunk(
+                    json!({"tool_calls": [{"index": 0, "function": {"arguments": "Paris\"}"}}]}),
+                    None,
+                ),
+                chunk(
+                    json!({"tool_calls": [{"id": "chatcmpl-tool-b", "type": "function", "index": 1,
+                                         "function": {"name": "mcp__docs__search"}}]}),
+                    None,
+                ),
+                chunk(
+                    json!({"tool_calls": [{"index": 1, "function": {"arguments": "{\"q\": 1}"}}]}),
+                    None,
+                ),
+                chunk(
+                    json!({"tool_calls": [{"index": 0, "function": {"arguments": " "}}]}),
+                    None,
+                ),
+                chunk(json!({}), Some("tool_calls")),
+                usage_chunk(100, 20, 96),
+            ],
+        );
+        let output = replay(&events);
+        assert_eq!(output.len(), 3);
+        assert_eq!(output[0]["type"], "message");
+        assert_eq!(
+            output[1],
+            json!({
+                "id": output[1]["id"], "type": "function_call", "status": "completed",
+                "call_id": "chatcmpl-tool-a", "name": "get_weather", "arguments": "{\"city\": \"Paris\"} ",
+            })
+        );
+        assert_eq!(output[2]["name"], "search");
+        assert_eq!(output[2]["namespace"], "mcp__docs");
+        assert_eq!(output[2]["call_id"], "chatcmpl-tool-b");
+        assert_eq!(output[2]["arguments"], "{\"q\": 1}");
+        assert!(output[1]["id"].as_str().unwrap().starts_with("fc_"));
+        assert_eq!(stream.response()["status"], "completed");
+        assert_eq!(
+            stream.response()["usage"]["input_tokens_details"]["cached_tokens"],
+            96
+        );
+    }
+
+    #[test]
+    fn tool_call_name_arriving_after_arguments_is_announced_with_them() {
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = run(
+            &mut stream,
+            &[
+                chunk(
+                    json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\""}}]}),
+                    None,
+                ),
+                chunk(
+                    json!({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": ":1}"}}]}),
+                    None,
+                ),
+                chunk(json!({}), Some("tool_calls")),
+            ],
+        );
+        let output = replay(&events);
+        assert_eq!(output[0]["arguments"], "{\"a\":1}");
+        assert_eq!(output[0]["name"], "f");
+        assert!(
+            output[0]["call_id"].as_str().unwrap().starts_with("call_"),
+            "first chunk had no id"
+        );
+    }
+
+    #[test]
+    fn length_finish_is_incomplete() {
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = run(
+            &mut stream,
+            &[
+                chunk(json!({"content": "partial"}), None),
+                chunk(json!({"content": " text"}), Some("length")),
+                usage_chunk(3, 2, 0),
+            ],
+        );
+        let output = replay(&events);
+        assert_eq!(events.last().unwrap().event, "response.incomplete");
+        assert_eq!(output[0]["status"], "incomplete");
+        let response = stream.response();
+        assert_eq!(response["status"], "incomplete");
+        assert_eq!(
+            response["incomplete_details"],
+            json!({"reason": "max_output_tokens"})
+        );
+    }
+
+    #[test]
+    fn failure_mid_stream_ends_with_response_failed() {
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let mut events = stream.start();
+        events.extend(stream.on_chunk(&chunk(json!({"reasoning_content": "hmm"}), None)));
+        events.extend(stream.on_chunk(&chunk(json!({"content": "Par"}), None)));
+        events.extend(stream.fail("server_error", "engine connection lost"));
+        assert!(stream
+            .on_chunk(&chunk(json!({"content": "late"}), None))
+            .is_empty());
+        assert!(stream.finish().is_empty());
+        let output = replay(&events);
+        assert_eq!(events.last().unwrap().event, "response.failed");
+        assert_eq!(output[1]["status"], "incomplete");
+        assert_eq!(output[1]["content"][0]["text"], "Par");
+        let response = stream.response();
+        assert_eq!(response["status"], "failed");
+        assert_eq!(
+            response["error"],
+            json!({"code": "server_error", "message": "engine connection lost"})
+        );
+        assert_eq!(response["usage"]["output_tokens"], 0);
+    }
+
+    #[test]
+    fn engine_error_chunk_fails_the_stream() {
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = {
+            let mut events = stream.start();
+            events.extend(stream.on_chunk(&chunk(json!({"content": "x"}), None)));
+            events.extend(
+                stream.on_chunk(&json!({"error": {"message": "CUDA out of memory", "code": 500}})),
+            );
+            events
+        };
+        replay(&events);
+        assert_eq!(stream.response()["error"]["message"], "CUDA out of memory");
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let mut events = stream.start();
+        events
+            .extend(stream.on_chunk(
+                &json!({"object": "error", "message": "bad", "type": "BadRequestError"}),
+            ));
+        replay(&events);
+        assert_eq!(stream.response()["status"], "failed");
+    }
+
+    #[test]
+    fn empty_stream_completes_with_no_output() {
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = run(
+            &mut stream,
+            &[chunk(json!({"role": "assistant"}), Some("stop"))],
+        );
+        let output = replay(&events);
+        assert!(output.is_empty());
+        assert_eq!(stream.response()["status"], "completed");
+        assert_eq!(events[2].data["response"]["usage"]["total_tokens"], 0);
+    }
+
+    #[test]
+    fn on_chunk_before_start_starts_implicitly() {
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let mut events = stream.on_chunk(&chunk(json!({"content": "hi"}), None));
+        assert!(stream.start().is_empty());
+        events.extend(stream.finish());
+        replay(&events);
+    }
+}

@@ -1,0 +1,450 @@
+//! Tool translation: Responses `tools` / `tool_choice` -> Chat Completions `tools` / `tool_choice`,
+//! and the [`ToolNameMap`] that maps engine-visible function names back to the client's
+//! `(name, namespace)`.
+//!
+//! Function tools pass through. `namespace` groups (Codex sends MCP tools this way:
+//! `{type: "namespace", name, description, tools: [{type: "function", name, ...}]}`) are flattened
+//! to one function per member named `<namespace>__<name>` (or `<namespace><name>` when the
+//! namespace already ends in `_`), with characters outside `[A-Za-z0-9_-]` replaced by `_` and a
+//! numeric suffix on collision. Output `function_call` items carry the original `name` and
+//! `namespace` again. Hosted tools that no engine can run (web_search, file_search, computer use,
+//! code_interpreter, image_generation, mcp, local_shell, custom/freeform, tool_search, ...) are
+//! dropped with an info log line, or rejected with a 400 under [`HostedToolPolicy::Reject`].
+
+use crate::error::ApiError;
+use crate::request::HostedToolPolicy;
+use crate::Flavor;
+use serde_json::{json, Map, Value};
+use std::collections::HashMap;
+
+/// The client-facing identity of a tool: its name and, for namespace members, the namespace.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ToolName {
+    /// The function name as the client declared it.
+    pub name: String,
+    /// The namespace group the function belongs to, if any.
+    pub namespace: Option<String>,
+}
+
+impl ToolName {
+    /// A tool outside any namespace.
+    pub fn plain(name: impl Into<String>) -> Self {
+        ToolName {
+            name: name.into(),
+            namespace: None,
+        }
+    }
+
+    /// A tool inside a namespace group.
+    pub fn namespaced(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        ToolName {
+            name: name.into(),
+            namespace: Some(namespace.into()),
+        }
+    }
+}
+
+/// Two-way map between engine-visible function names and client tool names for one request.
+#[derive(Clone, Debug, Default)]
+pub struct ToolNameMap {
+    by_engine_name: HashMap<String, ToolName>,
+    by_tool: HashMap<ToolName, String>,
+}
+
+impl ToolNameMap {
+    /// An empty map (every engine name resolves to itself).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a tool and returns the unique engine-visible name assigned to it.
+    pub fn insert(&mut self, tool: ToolName) -> String {
+        if let Some(existing) = self.by_tool.get(&tool) {
+            return existing.clone();
+        }
+        let base = flattened_name(&tool);
+        let mut candidate = base.clone();
+        let mut suffix = 2;
+        while self.by_engine_name.contains_key(&candidate) {
+            candidate = format!("{base}_{suffix}");
+            suffix += 1;
+        }
+        self.by_engine_name.insert(candidate.clone(), tool.clone());
+        self.by_tool.insert(tool, candidate.clone());
+        candidate
+    }
+
+    /// The client tool for an engine-visible name; unknown names resolve to a plain tool of that name.
+    pub fn resolve(&self, engine_name: &str) -> ToolName {
+        self.by_engine_name
+            .get(engine_name)
+            .cloned()
+            .unwrap_or_else(|| ToolName::plain(engine_name))
+    }
+
+    /// The engine-visible name for a client tool; tools not declared this turn get the
+    /// deterministic flattened name (used for calls in the history).
+    pub fn engine_name(&self, name: &str, namespace: Option<&str>) -> String {
+        let tool = ToolName {
+            name: name.to_string(),
+            namespace: namespace.map(str::to_string),
+        };
+        self.by_tool
+            .get(&tool)
+            .cloned()
+            .unwrap_or_else(|| flattened_name(&tool))
+    }
+
+    /// Number of registered tools.
+    pub fn len(&self) -> usize {
+        self.by_tool.len()
+    }
+
+    /// True when no tool is registered.
+    pub fn is_empty(&self) -> bool {
+        self.by_tool.is_empty()
+    }
+}
+
+fn flattened_name(tool: &ToolName) -> String {
+    let joined = match &tool.namespace {
+        None => return tool.name.clone(),
+        Some(ns) if ns.ends_with('_') => format!("{ns}{}", tool.name),
+        Some(ns) => format!("{ns}__{}", tool.name),
+    };
+    joined
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The result of translating a request's `tools`.
+#[derive(Debug, Default)]
+pub(crate) struct TranslatedTools {
+    pub chat_tools: Vec<Value>,
+    pub names: ToolNameMap,
+    pub dropped: Vec<String>,
+}
+
+/// Translates the Responses `tools` array (see the module doc).
+pub(crate) fn translate_tools(
+    tools: Option<&Value>,
+    flavor: Flavor,
+    policy: HostedToolPolicy,
+) -> Result<TranslatedTools, ApiError> {
+    let mut out = TranslatedTools::default();
+    let tools = match tools {
+        None | Some(Value::Null) => return Ok(out),
+        Some(Value::Array(tools)) => tools,
+        Some(_) => return Err(ApiError::invalid("tools", "`tools` must be an array")),
+    };
+    for (index, tool) in tools.iter().enumerate() {
+        let param = format!("tools[{index}]");
+        let kind = tool.get("type").and_then(Value::as_str).unwrap_or("");
+        match kind {
+            "function" => {
+                let name = required_name(tool, &param)?;
+                let engine_name = out.names.insert(ToolName::plain(name));
+                out.chat_tools
+                    .push(chat_function_tool(tool, &engine_name, flavor));
+            }
+            "namespace" => {
+                let namespace = required_name(tool, &param)?;
+                let members = tool.get("tools").and_then(Value::as_array).ok_or_else(|| {
+                    ApiError::invalid(
+                        format!("{param}.tools"),
+                        format!("{param}.tools must be an array of function tools"),
+                    )
+                })?;
+                for (member_index, member) in members.iter().enumerate() {
+                    let member_param = format!("{param}.tools[{member_index}]");
+                    let member_kind = member.get("type").and_then(Value::as_str);
+                    if !matches!(member_kind, None | Some("function")) {
+                        let label = format!("{namespace}.{}", member_kind.unwrap_or("unknown"));
+                        handle_hosted(&label, policy, &mut out.dropped)?;
+                        continue;
+                    }
+                    let name = required_name(member, &member_param)?;
+                    let engine_name = out.names.insert(ToolName::namespaced(namespace, name));
+                    out.chat_tools
+                        .push(chat_function_tool(member, &engine_name, flavor));
+                }
+            }
+            "" => {
+                return Err(ApiError::invalid(
+                    format!("{param}.type"),
+                    format!("{param}.type is required (\"function\" or \"namespace\")"),
+                ))
+            }
+            hosted => {
+                let label = match tool.get("name").and_then(Value::as_str) {
+                    Some(name) => format!("{hosted}:{name}"),
+                    None => hosted.to_string(),
+                };
+                handle_hosted(&label, policy, &mut out.dropped)?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn handle_hosted(
+    label: &str,
+    policy: HostedToolPolicy,
+    dropped: &mut Vec<String>,
+) -> Result<(), ApiError> {
+    match policy {
+        HostedToolPolicy::Drop => {
+            tracing::info!(tool = %label, "dropping hosted tool: the engines behind this gateway cannot run it");
+            dropped.push(label.to_string());
+            Ok(())
+        }
+        HostedToolPolicy::Reject => Err(ApiError::invalid(
+            "tools",
+            format!("tool `{label}` is a hosted tool that this gateway's engines cannot run; remove it or declare it as a function tool"),
+        )
+        .with_code("unsupported_tool")),
+    }
+}
+
+fn required_name<'a>(tool: &'a Value, param: &str) -> Result<&'a str, ApiError> {
+    match tool.get("name").and_then(Value::as_str) {
+        Some(name) if !name.is_empty() => Ok(name),
+        _ => Err(ApiError::invalid(
+            format!("{param}.name"),
+            format!("{param}.name is required and must be a non-empty string"),
+        )),
+    }
+}
+
+fn chat_function_tool(tool: &Value, engine_name: &str, flavor: Flavor) -> Value {
+    let mut function = Map::new();
+    function.insert("name".into(), json!(engine_name));
+    if let Some(description) = tool.get("description").filter(|d| d.is_string()) {
+        function.insert("description".into(), description.clone());
+    }
+    let parameters = match tool.get("parameters") {
+        Some(p) if p.is_object() => p.clone(),
+        _ => json!({"type": "object", "properties": {}}),
+    };
+    function.insert("parameters".into(), parameters);
+    if flavor == Flavor::Openai {
+        if let Some(strict) = tool.get("strict").filter(|s| s.is_boolean()) {
+            function.insert("strict".into(), strict.clone());
+        }
+    }
+    json!({"type": "function", "function": function})
+}
+
+/// Maps the Responses `tool_choice` to the Chat Completions one; `None` means "leave it out".
+pub(crate) fn translate_tool_choice(
+    choice: Option<&Value>,
+    names: &ToolNameMap,
+    policy: HostedToolPolicy,
+) -> Result<Option<Value>, ApiError> {
+    let Some(choice) = choice else {
+        return Ok(None);
+    };
+    match choice {
+        Value::Null => Ok(None),
+        Value::String(mode) => match mode.as_str() {
+            "none" => Ok(Some(json!("none"))),
+            "auto" | "required" if !names.is_empty() => Ok(Some(json!(mode))),
+            "auto" | "required" => Ok(None),
+            other => Err(ApiError::invalid(
+                "tool_choice",
+                format!("tool_choice \"{other}\" is not supported; use auto, none, required or {{\"type\": \"function\", \"name\": ...}}"),
+            )),
+        },
+        Value::Object(object) => {
+            let kind = object.get("type").and_then(Value::as_str).unwrap_or("");
+            match kind {
+                "function" => {
+                    let name = object.get("name").and_then(Value::as_str).ok_or_else(|| {
+                        ApiError::invalid("tool_choice.name", "tool_choice.name is required for type \"function\"")
+                    })?;
+                    let namespace = object.get("namespace").and_then(Value::as_str);
+                    let engine_name = names.engine_name(name, namespace);
+                    Ok(Some(json!({"type": "function", "function": {"name": engine_name}})))
+                }
+                "allowed_tools" => {
+                    let mode = object.get("mode").and_then(Value::as_str).unwrap_or("auto");
+                    if names.is_empty() {
+                        Ok(None)
+                    } else {
+                        Ok(Some(json!(if mode == "required" { "required" } else { "auto" })))
+                    }
+                }
+                "" => Err(ApiError::invalid("tool_choice.type", "tool_choice.type is required")),
+                hosted => match policy {
+                    HostedToolPolicy::Drop => {
+                        tracing::info!(tool_choice = %hosted, "ignoring tool_choice for a hosted tool the engines cannot run");
+                        Ok(None)
+                    }
+                    HostedToolPolicy::Reject => Err(ApiError::invalid(
+                        "tool_choice",
+                        format!("tool_choice `{hosted}` names a hosted tool this gateway's engines cannot run"),
+                    )
+                    .with_code("unsupported_tool")),
+                },
+            }
+        }
+        _ => Err(ApiError::invalid("tool_choice", "tool_choice must be a string or an object")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn name_map_round_trips_and_avoids_collisions() {
+        let mut map = ToolNameMap::new();
+        let a = map.insert(ToolName::namespaced("mcp__github", "create_issue"));
+        let b = map.insert(ToolName::plain("mcp__github__create_issue"));
+        let c = map.insert(ToolName::namespaced("mcp__fs_", "read"));
+        let d = map.insert(ToolName::namespaced("my server", "do.it"));
+        assert_eq!(a, "mcp__github__create_issue");
+        assert_eq!(b, "mcp__github__create_issue_2");
+        assert_eq!(c, "mcp__fs_read");
+        assert_eq!(d, "my_server__do_it");
+        assert_eq!(
+            map.resolve(&a),
+            ToolName::namespaced("mcp__github", "create_issue")
+        );
+        assert_eq!(
+            map.resolve(&b),
+            ToolName::plain("mcp__github__create_issue")
+        );
+        assert_eq!(map.resolve(&d), ToolName::namespaced("my server", "do.it"));
+        assert_eq!(map.resolve("unknown"), ToolName::plain("unknown"));
+        assert_eq!(map.engine_name("create_issue", Some("mcp__github")), a);
+        assert_eq!(map.engine_name("x", Some("ns")), "ns__x");
+        assert_eq!(map.len(), 4);
+    }
+
+    #[test]
+    fn function_and_namespace_tools_translate() {
+        let tools = json!([
+            {"type": "function", "name": "shell", "description": "run", "strict": false,
+             "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}},
+            {"type": "namespace", "name": "mcp__docs", "description": "Docs server",
+             "tools": [{"type": "function", "name": "search", "description": "find",
+                        "strict": false, "parameters": {"type": "object"}}]},
+        ]);
+        let out = translate_tools(Some(&tools), Flavor::Vllm, HostedToolPolicy::Drop).unwrap();
+        assert_eq!(
+            out.chat_tools,
+            vec![
+                json!({"type": "function", "function": {"name": "shell", "description": "run",
+                       "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}),
+                json!({"type": "function", "function": {"name": "mcp__docs__search", "description": "find",
+                       "parameters": {"type": "object"}}}),
+            ]
+        );
+        assert_eq!(
+            out.names.resolve("mcp__docs__search"),
+            ToolName::namespaced("mcp__docs", "search")
+        );
+        let openai = translate_tools(Some(&tools), Flavor::Openai, HostedToolPolicy::Drop).unwrap();
+        assert_eq!(openai.chat_tools[0]["function"]["strict"], json!(false));
+    }
+
+    #[test]
+    fn hosted_tools_drop_or_reject() {
+        let tools = json!([
+            {"type": "web_search"},
+            {"type": "function", "name": "f"},
+            {"type": "custom", "name": "apply_patch"},
+            {"type": "local_shell"},
+        ]);
+        let out = translate_tools(Some(&tools), Flavor::Sglang, HostedToolPolicy::Drop).unwrap();
+        assert_eq!(out.chat_tools.len(), 1);
+        assert_eq!(
+            out.dropped,
+            vec!["web_search", "custom:apply_patch", "local_shell"]
+        );
+        let err =
+            translate_tools(Some(&tools), Flavor::Sglang, HostedToolPolicy::Reject).unwrap_err();
+        assert_eq!(err.status, 400);
+        assert_eq!(err.param.as_deref(), Some("tools"));
+        assert!(err.message.contains("web_search"));
+    }
+
+    #[test]
+    fn tool_errors_name_the_parameter() {
+        let err = translate_tools(
+            Some(&json!([{"type": "function"}])),
+            Flavor::Vllm,
+            HostedToolPolicy::Drop,
+        )
+        .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("tools[0].name"));
+        let err = translate_tools(
+            Some(&json!([{"name": "x"}])),
+            Flavor::Vllm,
+            HostedToolPolicy::Drop,
+        )
+        .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("tools[0].type"));
+    }
+
+    #[test]
+    fn tool_choice_maps_every_form() {
+        let mut names = ToolNameMap::new();
+        names.insert(ToolName::namespaced("ns", "f"));
+        let drop = HostedToolPolicy::Drop;
+        assert_eq!(
+            translate_tool_choice(Some(&json!("auto")), &names, drop).unwrap(),
+            Some(json!("auto"))
+        );
+        assert_eq!(
+            translate_tool_choice(Some(&json!("none")), &names, drop).unwrap(),
+            Some(json!("none"))
+        );
+        assert_eq!(
+            translate_tool_choice(Some(&json!("required")), &names, drop).unwrap(),
+            Some(json!("required"))
+        );
+        assert_eq!(
+            translate_tool_choice(
+                Some(&json!({"type": "function", "name": "f", "namespace": "ns"})),
+                &names,
+                drop
+            )
+            .unwrap(),
+            Some(json!({"type": "function", "function": {"name": "ns__f"}}))
+        );
+        assert_eq!(
+            translate_tool_choice(
+                Some(&json!({"type": "allowed_tools", "mode": "required", "tools": []})),
+                &names,
+                drop
+            )
+            .unwrap(),
+            Some(json!("required"))
+        );
+        assert_eq!(
+            translate_tool_choice(Some(&json!({"type": "web_search_preview"})), &names, drop)
+                .unwrap(),
+            None
+        );
+        assert!(translate_tool_choice(
+            Some(&json!({"type": "web_search_preview"})),
+            &names,
+            HostedToolPolicy::Reject
+        )
+        .is_err());
+        assert_eq!(
+            translate_tool_choice(Some(&json!("auto")), &ToolNameMap::new(), drop).unwrap(),
+            None
+        );
+        assert!(translate_tool_choice(Some(&json!("sometimes")), &names, drop).is_err());
+    }
+}
