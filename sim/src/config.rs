@@ -1,0 +1,125 @@
+//! Simulator configuration: one field per command-line flag, shared by the binary and the library.
+
+use std::net::SocketAddr;
+
+/// Which engine the simulator imitates (HTTP extras, error shape, metric names, P/D protocol).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Flavor {
+    /// vLLM: `vllm:*` metrics, NIXL-style `kv_transfer_params` for P/D.
+    Vllm,
+    /// SGLang: `sglang:*` metrics, bootstrap host/port/room for P/D.
+    Sglang,
+}
+
+/// The part a replica plays in prefill/decode disaggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// Serves whole requests (and may still act as either P/D leg when asked).
+    Both,
+    /// Prefill leg of a disaggregated pair.
+    Prefill,
+    /// Decode leg of a disaggregated pair.
+    Decode,
+}
+
+/// Everything a simulated replica needs; `SimConfig::default()` equals the command-line defaults.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "agentgate-sim",
+    version,
+    about = "Engine simulator speaking vLLM's or SGLang's HTTP API, with a paged prefix-cache model and a timing model"
+)]
+pub struct SimConfig {
+    /// Engine to imitate: HTTP extras, error shape, metric names and P/D protocol.
+    #[arg(long, value_enum, default_value_t = Flavor::Vllm)]
+    pub flavor: Flavor,
+    /// Address to serve HTTP on (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:8100")]
+    pub listen: SocketAddr,
+    /// Served model name; requests naming another model get 404.
+    #[arg(long, default_value = "sim-model")]
+    pub model: String,
+    /// Prefill/decode role of this replica.
+    #[arg(long, value_enum, default_value_t = Role::Both)]
+    pub role: Role,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Number of KV-cache blocks (capacity = kv_blocks * block_size tokens).
+    #[arg(long, default_value_t = 4096)]
+    pub kv_blocks: usize,
+    /// Maximum number of sequences running at once (continuous batching width).
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Prefill throughput: uncached prompt tokens processed per simulated second.
+    #[arg(long, default_value_t = 20000.0)]
+    pub prefill_tokens_per_s: f64,
+    /// Decode time per output token at batch size 1, in simulated milliseconds; grows with the batch.
+    #[arg(long, default_value_t = 20.0)]
+    pub decode_ms_per_token: f64,
+    /// Wall seconds per simulated second: 1.0 real time, 0.01 a hundred times faster, 0 no delays at all.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Publish vLLM KV events over ZMQ PUB to this endpoint (tcp://host:port connects, tcp://*:port binds).
+    #[arg(long)]
+    pub kv_events: Option<String>,
+    /// Topic of the KV-event frames.
+    #[arg(long, default_value = "")]
+    pub kv_events_topic: String,
+    /// Seed for generated text and tool arguments (the same seed and prompt give the same output).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Maximum prompt + output tokens per request; defaults to the KV capacity (kv_blocks * block_size).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Mean number of output tokens when a request sets no max_tokens (actual: 50%..150% of it).
+    #[arg(long, default_value_t = 64)]
+    pub default_output_tokens: usize,
+    /// Largest accepted request body in bytes; larger bodies get 413.
+    #[arg(long, default_value_t = 32 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Simulated KV transfer bandwidth between P/D replicas, in GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    pub kv_transfer_gbps: f64,
+    /// Bytes of KV cache per token (used for the transfer delay).
+    #[arg(long, default_value_t = 131072)]
+    pub kv_bytes_per_token: u64,
+    /// Seconds a prefill replica keeps finished blocks pinned for a decode replica to fetch.
+    #[arg(long, default_value_t = 60.0)]
+    pub kv_transfer_timeout_s: f64,
+    /// SGLang flavor: also serve the bootstrap endpoint on this port (default: the HTTP port serves it).
+    #[arg(long)]
+    pub bootstrap_port: Option<u16>,
+    /// Engine id reported in kv_transfer_params (default: derived from the listen address).
+    #[arg(long)]
+    pub engine_id: Option<String>,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        <SimConfig as clap::Parser>::parse_from(["agentgate-sim"])
+    }
+}
+
+impl SimConfig {
+    /// Maximum prompt + output tokens per request.
+    pub fn effective_max_model_len(&self) -> usize {
+        let capacity = self.kv_blocks.saturating_mul(self.block_size.max(1));
+        self.max_model_len.unwrap_or(capacity).min(capacity)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_matches_cli_defaults() {
+        let config = SimConfig::default();
+        assert_eq!(config.flavor, Flavor::Vllm);
+        assert_eq!(config.block_size, 16);
+        assert_eq!(config.kv_blocks, 4096);
+        assert_eq!(config.effective_max_model_len(), 65536);
+        assert!(config.kv_events.is_none());
+    }
+}

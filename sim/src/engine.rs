@@ -1,0 +1,643 @@
+//! The engine loop: one tokio task owning the KV cache and the scheduler (continuous batching).
+//!
+//! Each iteration takes the new commands, admits waiting sequences in arrival order while fewer
+//! than `max_num_seqs` run and their blocks fit, then runs one *step*: newly admitted sequences
+//! prefill their uncached tokens and emit their first token, running ones decode one token each.
+//! The step lasts `uncached_prefill_tokens / prefill_tokens_per_s + decode_ms_per_token *
+//! (1 + (decoding - 1) / max_num_seqs)` simulated seconds (decode slows down as the batch grows, up
+//! to 2x at a full batch); the loop sleeps `duration * time_scale` before delivering the step's
+//! tokens. When a decoding sequence needs a new block and none is free, the most recently admitted
+//! sequence is preempted (its blocks freed, requeued at the front, recomputed later) and counted.
+//!
+//! With `time_scale == 0` nothing sleeps and each admitted sequence runs to completion inside its
+//! step, delivering all its tokens in one event; timings for the metrics are computed the same way.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::cache::KvCache;
+use crate::faults::FaultState;
+use crate::metrics::Stats;
+
+/// Where a prefill-only sequence leaves its blocks for the decode replica.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Handoff {
+    /// vLLM NIXL style: keyed by the block ids returned in `remote_block_ids`.
+    Blocks,
+    /// SGLang style: keyed by `bootstrap_room`.
+    Room(u64),
+}
+
+/// Key of a set of pinned blocks waiting to be fetched by a decode replica.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum PinKey {
+    /// Block ids, as in `remote_block_ids`.
+    Blocks(Vec<u32>),
+    /// A bootstrap room.
+    Room(u64),
+}
+
+/// A request as the scheduler sees it.
+#[derive(Debug)]
+pub struct SeqRequest {
+    /// Prompt token ids.
+    pub tokens: Vec<u32>,
+    /// Chained hashes of the prompt's full blocks.
+    pub hashes: Vec<u64>,
+    /// Tokens to generate (at least 1).
+    pub output_tokens: usize,
+    /// Leading blocks already transferred from a prefill replica (counted as cached).
+    pub imported_blocks: usize,
+    /// Keep the full blocks pinned for a decode replica instead of freeing them.
+    pub handoff: Option<Handoff>,
+    /// Where the scheduler reports progress.
+    pub events: mpsc::UnboundedSender<SeqEvent>,
+}
+
+/// Progress of one sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SeqEvent {
+    /// `count` more output tokens were generated.
+    Tokens {
+        /// Tokens generated in this step.
+        count: usize,
+    },
+    /// The sequence finished.
+    Done {
+        /// Prompt tokens served from the cache (or transferred) at first admission.
+        cached_tokens: usize,
+        /// Block ids left pinned for a decode replica (prefill-only sequences).
+        handoff_block_ids: Vec<u32>,
+    },
+}
+
+/// Commands from the HTTP side to the engine loop.
+#[derive(Debug)]
+pub enum Command {
+    /// Queue a new sequence.
+    Submit(SeqRequest),
+    /// Unpin a set of handed-off blocks; replies with their hashes, or `None` if unknown.
+    TakePin {
+        /// Which pinned set.
+        key: PinKey,
+        /// Reply channel.
+        reply: oneshot::Sender<Option<Vec<u64>>>,
+    },
+    /// Drop every cached block (refused while any is in use).
+    ResetCache {
+        /// Reply channel: whether the cache was cleared.
+        reply: oneshot::Sender<bool>,
+    },
+}
+
+/// Scheduler parameters.
+#[derive(Debug, Clone)]
+pub struct EngineParams {
+    /// Maximum running sequences.
+    pub max_num_seqs: usize,
+    /// Prefill throughput in tokens per simulated second.
+    pub prefill_tokens_per_s: f64,
+    /// Decode time per token at batch size 1, simulated milliseconds.
+    pub decode_ms_per_token: f64,
+    /// Wall seconds per simulated second (0 = no delays).
+    pub time_scale: f64,
+    /// How long handed-off blocks stay pinned.
+    pub pin_timeout: Duration,
+}
+
+#[derive(Debug)]
+struct Seq {
+    request: SeqRequest,
+    generated: usize,
+    private_blocks: usize,
+    holds_blocks: bool,
+    just_admitted: bool,
+    arrival: f64,
+    first_token_at: Option<f64>,
+    last_token_at: f64,
+    cached_tokens: Option<usize>,
+    counted_prompt: bool,
+}
+
+#[derive(Debug)]
+struct Pin {
+    hashes: Vec<u64>,
+    deadline: Instant,
+}
+
+/// Scheduler and cache state, shared with the HTTP side for metrics and inspection.
+#[derive(Debug)]
+pub struct Core {
+    /// The KV cache.
+    pub cache: KvCache,
+    /// Counters and histograms.
+    pub stats: Stats,
+    params: EngineParams,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    pins: HashMap<PinKey, Vec<Pin>>,
+    clock: f64,
+    started: Instant,
+}
+
+/// What one step produced.
+#[derive(Debug, Default)]
+pub struct StepOutcome {
+    /// Simulated seconds the step lasts.
+    pub duration: f64,
+    /// Events to deliver after the step.
+    pub deliveries: Vec<(mpsc::UnboundedSender<SeqEvent>, SeqEvent)>,
+    /// Whether any sequence was admitted or advanced.
+    pub progressed: bool,
+}
+
+impl Core {
+    /// A scheduler over `cache`.
+    pub fn new(cache: KvCache, params: EngineParams) -> Self {
+        Core {
+            cache,
+            stats: Stats::default(),
+            params,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pins: HashMap::new(),
+            clock: 0.0,
+            started: Instant::now(),
+        }
+    }
+
+    /// Sequences running now.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Sequences waiting for admission.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether a step has anything to do.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Apply one command.
+    pub fn apply(&mut self, command: Command) {
+        match command {
+            Command::Submit(request) => {
+                if self.params.time_scale > 0.0 {
+                    let wall = self.started.elapsed().as_secs_f64() / self.params.time_scale;
+                    self.clock = self.clock.max(wall);
+                }
+                self.waiting.push_back(Seq {
+                    request,
+                    generated: 0,
+                    private_blocks: 0,
+                    holds_blocks: false,
+                    just_admitted: false,
+                    arrival: self.clock,
+                    first_token_at: None,
+                    last_token_at: self.clock,
+                    cached_tokens: None,
+                    counted_prompt: false,
+                });
+            }
+            Command::TakePin { key, reply } => {
+                let taken = self.take_pin(&key);
+                let _ = reply.send(taken);
+            }
+            Command::ResetCache { reply } => {
+                let _ = reply.send(self.cache.reset());
+            }
+        }
+    }
+
+    fn take_pin(&mut self, key: &PinKey) -> Option<Vec<u64>> {
+        let pins = self.pins.get_mut(key)?;
+        let pin = pins.pop();
+        if pins.is_empty() {
+            self.pins.remove(key);
+        }
+        let pin = pin?;
+        self.cache.release(&pin.hashes, 0);
+        Some(pin.hashes)
+    }
+
+    fn expire_pins(&mut self, now: Instant) {
+        if self.pins.is_empty() {
+            return;
+        }
+        let mut expired = Vec::new();
+        self.pins.retain(|_, pins| {
+            pins.retain(|pin| {
+                if pin.deadline <= now {
+                    expired.push(pin.hashes.clone());
+                    false
+                } else {
+                    true
+                }
+            });
+            !pins.is_empty()
+        });
+        for hashes in expired {
+            self.cache.release(&hashes, 0);
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let mut index = 0;
+        while index < self.running.len() {
+            if self.running[index].request.events.is_closed() {
+                let seq = self.running.remove(index);
+                self.release_blocks(&seq);
+            } else {
+                index += 1;
+            }
+        }
+        self.waiting.retain(|seq| !seq.request.events.is_closed());
+    }
+
+    fn release_blocks(&mut self, seq: &Seq) {
+        if seq.holds_blocks {
+            self.cache.release(&seq.request.hashes, seq.private_blocks);
+        }
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.cache.block_size())
+    }
+
+    /// Admit what fits, run one step, and return its duration and events.
+    pub fn step(&mut self, slow_factor: f64) -> StepOutcome {
+        self.drop_cancelled();
+        self.expire_pins(Instant::now());
+        let instant = self.params.time_scale <= 0.0;
+        let block_size = self.cache.block_size();
+        let mut outcome = StepOutcome::default();
+        let mut prefill_tokens = 0usize;
+
+        while self.running.len() < self.params.max_num_seqs.max(1) {
+            let Some(seq) = self.waiting.front() else {
+                break;
+            };
+            let prompt_len = seq.request.tokens.len();
+            let full_blocks = seq.request.hashes.len();
+            let context = prompt_len + seq.generated;
+            let needed_tokens = if instant {
+                prompt_len + seq.request.output_tokens
+            } else {
+                context + 1
+            };
+            let private = self.blocks_for(needed_tokens).saturating_sub(full_blocks);
+            let Some(acquired) =
+                self.cache
+                    .acquire(&seq.request.hashes, &seq.request.tokens, private)
+            else {
+                break;
+            };
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            let hit_blocks = acquired
+                .hit_blocks
+                .max(seq.request.imported_blocks.min(full_blocks));
+            let hit_tokens = (hit_blocks * block_size).min(context);
+            self.stats.prefix_queries += prompt_len as u64;
+            self.stats.prefix_hits += (acquired.hit_blocks * block_size).min(prompt_len) as u64;
+            if !seq.counted_prompt {
+                seq.counted_prompt = true;
+                seq.cached_tokens = Some(hit_tokens.min(prompt_len));
+                self.stats.prompt_tokens += prompt_len as u64;
+            }
+            prefill_tokens += context - hit_tokens;
+            seq.private_blocks = private;
+            seq.holds_blocks = true;
+            seq.just_admitted = true;
+            self.running.push(seq);
+            outcome.progressed = true;
+        }
+
+        let prefill_s = prefill_tokens as f64 / self.params.prefill_tokens_per_s.max(1e-9);
+        let batch = self.running.len();
+        let per_token_s = self.params.decode_ms_per_token / 1000.0
+            * (1.0 + batch.saturating_sub(1) as f64 / self.params.max_num_seqs.max(1) as f64)
+            * slow_factor.max(1.0);
+
+        if instant {
+            let mut longest = 0usize;
+            for seq in std::mem::take(&mut self.running) {
+                let count = seq
+                    .request
+                    .output_tokens
+                    .saturating_sub(seq.generated)
+                    .max(1);
+                longest = longest.max(count);
+                let ttft = self.clock + prefill_s - seq.arrival;
+                self.stats.ttft.observe(ttft.max(0.0), 1);
+                self.stats.itl.observe(per_token_s, (count - 1) as u64);
+                self.stats
+                    .e2e
+                    .observe(ttft.max(0.0) + per_token_s * (count - 1) as f64, 1);
+                self.stats.generation_tokens += count as u64;
+                outcome
+                    .deliveries
+                    .push((seq.request.events.clone(), SeqEvent::Tokens { count }));
+                self.finish(seq, &mut outcome);
+            }
+            outcome.duration = prefill_s + per_token_s * longest.saturating_sub(1) as f64;
+            self.clock += outcome.duration;
+            return outcome;
+        }
+
+        // grow decoding sequences into new blocks, preempting the newest when the cache is full
+        let mut index = 0;
+        while index < self.running.len() {
+            if self.running[index].just_admitted {
+                index += 1;
+                continue;
+            }
+            let seq = &self.running[index];
+            let context = seq.request.tokens.len() + seq.generated + 1;
+            let have = seq.request.hashes.len() + seq.private_blocks;
+            let need = self.blocks_for(context).saturating_sub(have);
+            if need > 0 {
+                loop {
+                    if self.cache.grow_private(need) {
+                        self.running[index].private_blocks += need;
+                        break;
+                    }
+                    let Some(mut victim) = self.running.pop() else {
+                        break;
+                    };
+                    self.release_blocks(&victim);
+                    victim.holds_blocks = false;
+                    victim.private_blocks = 0;
+                    victim.just_admitted = false;
+                    self.waiting.push_front(victim);
+                    self.stats.preemptions += 1;
+                    if self.running.len() <= index {
+                        break;
+                    }
+                }
+            }
+            index += 1;
+        }
+
+        let decoding = self.running.iter().filter(|seq| !seq.just_admitted).count();
+        let decode_s = if decoding > 0 {
+            self.params.decode_ms_per_token / 1000.0
+                * (1.0 + (decoding - 1) as f64 / self.params.max_num_seqs.max(1) as f64)
+        } else {
+            0.0
+        };
+        outcome.duration = (prefill_s + decode_s) * slow_factor.max(1.0);
+        let end = self.clock + outcome.duration;
+        let mut finished = Vec::new();
+        for (index, seq) in self.running.iter_mut().enumerate() {
+            seq.just_admitted = false;
+            seq.generated += 1;
+            outcome.progressed = true;
+            match seq.first_token_at {
+                None => {
+                    seq.first_token_at = Some(end);
+                    self.stats.ttft.observe(end - seq.arrival, 1);
+                }
+                Some(_) => self.stats.itl.observe(end - seq.last_token_at, 1),
+            }
+            seq.last_token_at = end;
+            self.stats.generation_tokens += 1;
+            outcome
+                .deliveries
+                .push((seq.request.events.clone(), SeqEvent::Tokens { count: 1 }));
+            if seq.generated >= seq.request.output_tokens.max(1) {
+                self.stats.e2e.observe(end - seq.arrival, 1);
+                finished.push(index);
+            }
+        }
+        for index in finished.into_iter().rev() {
+            let seq = self.running.remove(index);
+            self.finish(seq, &mut outcome);
+        }
+        self.clock = end;
+        outcome
+    }
+
+    fn finish(&mut self, seq: Seq, outcome: &mut StepOutcome) {
+        let mut handoff_block_ids = Vec::new();
+        match &seq.request.handoff {
+            Some(handoff) if seq.holds_blocks => {
+                self.cache.release(&[], seq.private_blocks);
+                handoff_block_ids = self.cache.slots_of(&seq.request.hashes);
+                let key = match handoff {
+                    Handoff::Blocks => PinKey::Blocks(handoff_block_ids.clone()),
+                    Handoff::Room(room) => PinKey::Room(*room),
+                };
+                let pin = Pin {
+                    hashes: seq.request.hashes.clone(),
+                    deadline: Instant::now() + self.params.pin_timeout,
+                };
+                self.pins.entry(key).or_default().push(pin);
+            }
+            _ => self.release_blocks(&seq),
+        }
+        self.stats.requests_finished += 1;
+        outcome.deliveries.push((
+            seq.request.events,
+            SeqEvent::Done {
+                cached_tokens: seq.cached_tokens.unwrap_or(0),
+                handoff_block_ids,
+            },
+        ));
+    }
+}
+
+/// Run the engine loop until every command sender is dropped.
+pub async fn run(
+    core: Arc<Mutex<Core>>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    faults: Arc<FaultState>,
+    time_scale: f64,
+) {
+    let mut pending = Vec::new();
+    let mut idle = true;
+    loop {
+        if idle {
+            match tokio::time::timeout(Duration::from_millis(200), commands.recv()).await {
+                Ok(Some(command)) => pending.push(command),
+                Ok(None) => break,
+                Err(_) => {}
+            }
+        }
+        while let Ok(command) = commands.try_recv() {
+            pending.push(command);
+        }
+        let outcome = {
+            let Ok(mut core) = core.lock() else { break };
+            for command in pending.drain(..) {
+                core.apply(command);
+            }
+            let outcome = core.step(faults.global_slow_factor());
+            idle = !core.has_work() || !outcome.progressed;
+            outcome
+        };
+        if time_scale > 0.0 && outcome.duration > 0.0 {
+            tokio::time::sleep(Duration::from_secs_f64(outcome.duration * time_scale)).await;
+        } else if !idle {
+            tokio::task::yield_now().await;
+        }
+        for (events, event) in outcome.deliveries {
+            let _ = events.send(event);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::chain_hashes;
+
+    fn params(max_num_seqs: usize, time_scale: f64) -> EngineParams {
+        EngineParams {
+            max_num_seqs,
+            prefill_tokens_per_s: 1000.0,
+            decode_ms_per_token: 10.0,
+            time_scale,
+            pin_timeout: Duration::from_secs(60),
+        }
+    }
+
+    fn request(
+        seed: u32,
+        prompt_len: usize,
+        output: usize,
+    ) -> (SeqRequest, mpsc::UnboundedReceiver<SeqEvent>) {
+        let tokens: Vec<u32> = (0..prompt_len as u32).map(|i| seed * 10_000 + i).collect();
+        let hashes = chain_hashes(&tokens, 4);
+        let (events, rx) = mpsc::unbounded_channel();
+        let request = SeqRequest {
+            tokens,
+            hashes,
+            output_tokens: output,
+            imported_blocks: 0,
+            handoff: None,
+            events,
+        };
+        (request, rx)
+    }
+
+    fn drain(core: &mut Core) -> Vec<(mpsc::UnboundedSender<SeqEvent>, SeqEvent)> {
+        let mut all = Vec::new();
+        for _ in 0..1000 {
+            if !core.has_work() {
+                break;
+            }
+            all.extend(core.step(1.0).deliveries);
+        }
+        all
+    }
+
+    #[test]
+    fn batching_respects_max_num_seqs_and_queues_the_rest() {
+        let mut core = Core::new(KvCache::new(4, 100, None), params(2, 1.0));
+        let mut receivers = Vec::new();
+        for seed in 0..3 {
+            let (req, rx) = request(seed + 1, 8, 3);
+            core.apply(Command::Submit(req));
+            receivers.push(rx);
+        }
+        let first = core.step(1.0);
+        assert_eq!(core.num_running(), 2);
+        assert_eq!(core.num_waiting(), 1);
+        // two prompts of 8 uncached tokens at 1000 tokens/s, no decoding yet
+        assert!((first.duration - 0.016).abs() < 1e-9);
+        let second = core.step(1.0);
+        // two sequences decoding: 10 ms * (1 + 1/2)
+        assert!((second.duration - 0.015).abs() < 1e-9);
+        drain(&mut core);
+        assert_eq!(core.stats.generation_tokens, 9);
+        assert_eq!(core.stats.requests_finished, 3);
+        assert_eq!(core.cache.used_blocks(), 0);
+    }
+
+    #[test]
+    fn prefill_time_counts_only_uncached_tokens() {
+        let mut core = Core::new(KvCache::new(4, 100, None), params(4, 1.0));
+        let (req, _rx1) = request(1, 16, 1);
+        core.apply(Command::Submit(req));
+        let cold = core.step(1.0);
+        let (req, mut rx2) = request(1, 16, 1);
+        core.apply(Command::Submit(req));
+        let warm = core.step(1.0);
+        assert!(warm.duration < cold.duration);
+        for (tx, event) in warm.deliveries {
+            let _ = tx.send(event);
+        }
+        let mut done = None;
+        while let Ok(event) = rx2.try_recv() {
+            if let SeqEvent::Done { cached_tokens, .. } = event {
+                done = Some(cached_tokens);
+            }
+        }
+        assert_eq!(done, Some(16));
+        assert_eq!(core.stats.prefix_hits, 16);
+        assert_eq!(core.stats.prefix_queries, 32);
+    }
+
+    #[test]
+    fn running_out_of_blocks_preempts_the_newest_sequence() {
+        // 4 blocks of 4 tokens; two sequences of 6 prompt tokens each need 2 blocks, then a third
+        let mut core = Core::new(KvCache::new(4, 4, None), params(4, 1.0));
+        let mut receivers = Vec::new();
+        for seed in 1..=2 {
+            let (req, rx) = request(seed, 6, 6);
+            core.apply(Command::Submit(req));
+            receivers.push(rx);
+        }
+        core.step(1.0);
+        assert_eq!(core.num_running(), 2);
+        drain(&mut core);
+        assert!(core.stats.preemptions >= 1);
+        assert_eq!(core.stats.requests_finished, 2);
+        assert_eq!(core.stats.generation_tokens, 12);
+    }
+
+    #[test]
+    fn instant_mode_finishes_in_one_step_and_pins_handoffs() {
+        let mut core = Core::new(KvCache::new(4, 100, None), params(4, 0.0));
+        let (mut req, mut rx) = request(1, 10, 5);
+        req.handoff = Some(Handoff::Room(7));
+        let hashes = req.hashes.clone();
+        core.apply(Command::Submit(req));
+        let outcome = core.step(1.0);
+        assert!(!core.has_work());
+        for (tx, event) in outcome.deliveries {
+            let _ = tx.send(event);
+        }
+        assert_eq!(rx.try_recv().ok(), Some(SeqEvent::Tokens { count: 5 }));
+        assert!(matches!(rx.try_recv(), Ok(SeqEvent::Done { .. })));
+        assert_eq!(
+            core.cache.used_blocks(),
+            2,
+            "the two full blocks stay pinned"
+        );
+        assert_eq!(core.take_pin(&PinKey::Room(7)), Some(hashes));
+        assert_eq!(core.cache.used_blocks(), 0);
+        assert_eq!(core.take_pin(&PinKey::Room(7)), None);
+    }
+
+    #[test]
+    fn cancelled_sequences_release_their_blocks() {
+        let mut core = Core::new(KvCache::new(4, 100, None), params(4, 1.0));
+        let (req, rx) = request(1, 10, 50);
+        core.apply(Command::Submit(req));
+        core.step(1.0);
+        assert!(core.cache.used_blocks() > 0);
+        drop(rx);
+        core.step(1.0);
+        assert_eq!(core.num_running(), 0);
+        assert_eq!(core.cache.used_blocks(), 0);
+    }
+}

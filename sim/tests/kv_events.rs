@@ -1,0 +1,196 @@
+//! End to end: a simulator publishing vLLM KV events over ZMQ to a bound SUB socket; replaying
+//! every received event must reproduce exactly the simulator's cached block set, evictions included.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use agentgate_sim::kv_events::{decode_payload, KvEvent, KvEventBatch};
+use agentgate_sim::SimConfig;
+use futures_util::StreamExt;
+use zeromq::{Socket, SocketEvent, SocketRecv};
+
+/// A decoded frame: its sequence number and payload.
+type Frame = (u64, KvEventBatch);
+
+/// Receive frames in the background so the test can poll without owning the socket.
+fn spawn_receiver(mut sub: zeromq::SubSocket) -> tokio::sync::mpsc::UnboundedReceiver<Frame> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(message) = sub.recv().await {
+            assert_eq!(message.len(), 3, "frames are [topic, seq, payload]");
+            let seq_frame = message.get(1).expect("sequence frame");
+            let seq = u64::from_be_bytes(seq_frame[..].try_into().expect("8-byte sequence"));
+            let batch = decode_payload(message.get(2).expect("payload frame")).expect("decodes");
+            if tx.send((seq, batch)).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Apply one batch to the replayed cache view; returns how many blocks it removed.
+fn replay(cached: &mut HashSet<u64>, batch: &KvEventBatch) -> usize {
+    let mut removed = 0;
+    for event in &batch.events {
+        match event {
+            KvEvent::BlockStored { block_hashes, .. } => cached.extend(block_hashes),
+            KvEvent::BlockRemoved { block_hashes } => {
+                for hash in block_hashes {
+                    removed += usize::from(cached.remove(hash));
+                }
+            }
+            KvEvent::AllBlocksCleared => cached.clear(),
+        }
+    }
+    removed
+}
+
+/// A prompt of `words` distinct-ish words; `family` picks a shared prefix so some requests hit.
+fn prompt(family: usize, variant: usize, words: usize) -> String {
+    (0..words)
+        .map(|i| {
+            if i < words / 2 {
+                format!("fam{family}w{i}")
+            } else {
+                format!("v{variant}w{i}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_events_match_the_cache_exactly() {
+    // The consumer binds; a simulator given a specific tcp://host:port connects, as vLLM does.
+    let mut sub = zeromq::SubSocket::new();
+    let mut sub_events = sub.monitor();
+    let bound = sub
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .expect("bind SUB socket");
+    sub.subscribe("").await.expect("subscribe");
+
+    let config = SimConfig {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        kv_events: Some(bound.to_string()),
+        kv_events_topic: "kv@sim".into(),
+        block_size: 4,
+        kv_blocks: 48,
+        time_scale: 0.0,
+        ..SimConfig::default()
+    };
+    let sim = agentgate_sim::spawn(config).await.expect("spawn simulator");
+    let base_url = format!("http://{}", sim.local_addr());
+
+    // Wait for the publisher to connect before generating events (ZMQ PUB drops frames sent
+    // before a subscriber is attached).
+    let mut attached = false;
+    for _ in 0..200 {
+        match tokio::time::timeout(Duration::from_millis(50), sub_events.next()).await {
+            Ok(Some(SocketEvent::Accepted(..))) => {
+                attached = true;
+                break;
+            }
+            Ok(None) => break,
+            _ => continue,
+        }
+    }
+    assert!(
+        attached,
+        "the simulator's publisher never connected to {bound}"
+    );
+    let mut frames = spawn_receiver(sub);
+
+    let client = reqwest::Client::new();
+    let mut stream = Replay::default();
+    for round in 0..40 {
+        chat(&client, &base_url, &prompt(round % 5, round, 24)).await;
+    }
+    stream.settle(&mut frames, &sim).await;
+    assert!(stream.removed > 0, "the small cache evicted blocks");
+    assert!(!stream.cached.is_empty(), "some blocks stay cached");
+
+    // Clearing the cache publishes AllBlocksCleared; later stores are replayed on top of it.
+    let reset = client
+        .post(format!("{base_url}/reset_prefix_cache"))
+        .send()
+        .await
+        .expect("reset request");
+    assert!(
+        reset.status().is_success(),
+        "reset failed: {}",
+        reset.status()
+    );
+    for round in 0..3 {
+        chat(&client, &base_url, &prompt(9, round, 12)).await;
+    }
+    stream.settle(&mut frames, &sim).await;
+    assert!(stream.cleared, "the reset was published");
+    sim.shutdown().await;
+}
+
+/// Send one small non-streaming chat completion and insist it succeeds.
+async fn chat(client: &reqwest::Client, base_url: &str, content: &str) {
+    let body = serde_json::json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 3,
+    });
+    let response = client
+        .post(format!("{base_url}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("chat request");
+    let status = response.status();
+    let text = response.text().await.expect("chat body");
+    assert!(status.is_success(), "chat request failed: {status} {text}");
+}
+
+/// The cache as seen by a consumer of the event stream.
+#[derive(Default)]
+struct Replay {
+    cached: HashSet<u64>,
+    next_seq: u64,
+    removed: usize,
+    cleared: bool,
+}
+
+impl Replay {
+    /// Consume frames until none arrive for a poll and the replayed set equals the simulator's
+    /// cache (bounded number of polls); fails with the difference otherwise.
+    async fn settle(
+        &mut self,
+        frames: &mut tokio::sync::mpsc::UnboundedReceiver<Frame>,
+        sim: &agentgate_sim::SimHandle,
+    ) {
+        for _ in 0..100 {
+            let mut progressed = false;
+            while let Ok(Some((seq, batch))) =
+                tokio::time::timeout(Duration::from_millis(100), frames.recv()).await
+            {
+                assert_eq!(seq, self.next_seq, "frames arrive in order with no gaps");
+                self.next_seq += 1;
+                self.removed += replay(&mut self.cached, &batch);
+                self.cleared |= batch
+                    .events
+                    .iter()
+                    .any(|e| matches!(e, KvEvent::AllBlocksCleared));
+                progressed = true;
+            }
+            let cached: HashSet<u64> = sim.cached_block_hashes().into_iter().collect();
+            if !progressed && cached == self.cached {
+                return;
+            }
+        }
+        let cached: HashSet<u64> = sim.cached_block_hashes().into_iter().collect();
+        panic!(
+            "replayed {} blocks, cache holds {}; missing {:?}, extra {:?}",
+            self.cached.len(),
+            cached.len(),
+            cached.difference(&self.cached).take(5).collect::<Vec<_>>(),
+            self.cached.difference(&cached).take(5).collect::<Vec<_>>()
+        );
+    }
+}
