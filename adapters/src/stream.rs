@@ -231,6 +231,13 @@ impl ResponseStream {
             None => ("response.completed", "completed"),
         };
         self.set_field("status", json!(status));
+        if status == "completed" && self.response.get("completed_at").is_some() {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            self.set_field("completed_at", json!(now));
+        }
         let snapshot = self.response.clone();
         self.emit(&mut events, event, json!({"response": snapshot}));
         events
