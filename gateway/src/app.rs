@@ -1,0 +1,192 @@
+//! Wiring: the shared [`AppState`], the router with its layers, and the server's start/stop.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::DefaultBodyLimit;
+use axum::http::{Method, Uri};
+use axum::routing::{get, post};
+use axum::Router;
+
+use agentgate_adapters::{ClientOptions, EngineClient, HostedToolPolicy};
+use agentgate_sessions::{AnyStore, StoreOptions};
+
+use crate::auth::KeyRing;
+use crate::config::{Config, HostedTools};
+use crate::error::HttpError;
+use crate::pools::Pools;
+use crate::{handlers, responses};
+
+/// Everything a handler needs, shared by all requests.
+pub struct AppState {
+    /// The loaded configuration.
+    pub config: Config,
+    /// API key -> team.
+    pub keys: KeyRing,
+    /// Conversation state.
+    pub store: AnyStore,
+    /// Engine pools by model.
+    pub pools: Pools,
+    /// HTTP client for engines (connection reuse across requests).
+    pub engines: EngineClient,
+    /// Hosted-tool policy handed to the translator.
+    pub hosted_tools: HostedToolPolicy,
+    /// Background runs in this process, for cancellation.
+    pub background: Mutex<HashMap<String, tokio::task::AbortHandle>>,
+    /// Bounds how many background runs execute at once.
+    pub background_slots: Arc<tokio::sync::Semaphore>,
+}
+
+impl AppState {
+    /// Open the store, start the pools and build the engine client.
+    pub async fn new(config: Config) -> Result<Arc<AppState>, Box<dyn std::error::Error>> {
+        let keys = KeyRing::new(&config.teams);
+        let store = AnyStore::open(
+            config.store.url.as_deref(),
+            StoreOptions {
+                ttl: config.store_ttl(),
+                key_prefix: config.store.key_prefix.clone(),
+            },
+        )
+        .await
+        .map_err(|e| format!("store: {e}"))?;
+        let pools = Pools::start(&config)
+            .await
+            .map_err(|e| format!("starting pools: {e}"))?;
+        let engines = EngineClient::new(ClientOptions {
+            connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
+            first_byte_timeout: Duration::from_secs_f64(config.upstream.first_byte_timeout_s),
+            idle_timeout: Duration::from_secs_f64(config.upstream.idle_timeout_s),
+            ..ClientOptions::default()
+        });
+        let hosted_tools = match config.tools.hosted {
+            HostedTools::Drop => HostedToolPolicy::Drop,
+            HostedTools::Reject => HostedToolPolicy::Reject,
+        };
+        let slots = config.background.max_concurrent;
+        Ok(Arc::new(AppState {
+            config,
+            keys,
+            store,
+            pools,
+            engines,
+            hosted_tools,
+            background: Mutex::new(HashMap::new()),
+            background_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
+        }))
+    }
+}
+
+/// The HTTP routes, one line each; `openapi.rs` documents the same list.
+pub fn router(state: Arc<AppState>) -> Router {
+    let limit = state.config.server.max_body_bytes;
+    Router::new()
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/input_tokens", post(responses::input_tokens))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route(
+            "/v1/responses/{id}/input_items",
+            get(responses::input_items),
+        )
+        .route("/v1/models", get(handlers::list_models))
+        .route("/v1/models/{model}", get(handlers::get_model))
+        .route("/health/live", get(handlers::live))
+        .route("/health/ready", get(handlers::ready))
+        .fallback(unknown_route)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+async fn unknown_route(method: Method, uri: Uri) -> HttpError {
+    HttpError::new(
+        404,
+        "invalid_request_error",
+        format!("Unknown request URL: {method} {}.", uri.path()),
+        None,
+        Some("unknown_url"),
+    )
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> HttpError {
+    HttpError::new(
+        405,
+        "invalid_request_error",
+        format!("Method {method} is not allowed on {}.", uri.path()),
+        None,
+        Some("method_not_allowed"),
+    )
+}
+
+/// A running gateway (for tests, benchmarks and `serve`).
+pub struct Gateway {
+    addr: SocketAddr,
+    state: Arc<AppState>,
+    shutdown: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Gateway {
+    /// Bind `listen` (port 0 picks a free one) and serve until [`Gateway::shutdown`].
+    pub async fn start(
+        config: Config,
+        listen: SocketAddr,
+    ) -> Result<Gateway, Box<dyn std::error::Error>> {
+        let state = AppState::new(config).await?;
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+        let addr = listener.local_addr()?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let app = router(state.clone());
+        // SSE streams are many small writes: disable Nagle so events leave at once.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.await;
+                })
+                .await
+        });
+        Ok(Gateway {
+            addr,
+            state,
+            shutdown: tx,
+            task,
+        })
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ADDR`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The shared state (store, pools) for inspection in tests.
+    pub fn state(&self) -> &Arc<AppState> {
+        &self.state
+    }
+
+    /// Wait until the server stops (it stops on [`Gateway::shutdown`]).
+    pub async fn wait(self) -> std::io::Result<()> {
+        self.task.await.map_err(std::io::Error::other)?
+    }
+
+    /// Stop accepting connections and finish in-flight requests.
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(());
+        let _ = self.task.await;
+    }
+}

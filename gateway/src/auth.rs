@@ -1,0 +1,149 @@
+//! API keys -> teams. Keys are configured as SHA-256 digests and never logged.
+//!
+//! With no `[[teams]]` configured the gateway runs open: every request (any bearer token or
+//! none) belongs to team `default`, and start-up says so. With teams configured, a request needs
+//! `Authorization: Bearer KEY` whose digest a team lists; anything else gets 401 in OpenAI's shape.
+
+use std::collections::HashMap;
+
+use axum::http::{header, HeaderMap};
+use sha2::{Digest, Sha256};
+
+use crate::config::TeamConfig;
+use crate::error::HttpError;
+
+/// The team a request runs as; scopes every stored object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Team(pub String);
+
+/// Name of the team used when the gateway runs open.
+pub const OPEN_TEAM: &str = "default";
+
+/// Maps key digests to team names.
+#[derive(Debug, Clone, Default)]
+pub struct KeyRing {
+    by_digest: HashMap<[u8; 32], String>,
+}
+
+/// SHA-256 of a key, lowercase hex (what `api_key_sha256` holds).
+pub fn hash_key(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn parse_hex32(s: &str) -> Option<[u8; 32]> {
+    let mut out = [0u8; 32];
+    if s.len() != 64 {
+        return None;
+    }
+    for (i, chunk) in s.as_bytes().chunks(2).enumerate() {
+        let hex = std::str::from_utf8(chunk).ok()?;
+        out[i] = u8::from_str_radix(hex, 16).ok()?;
+    }
+    Some(out)
+}
+
+impl KeyRing {
+    /// Build from the `[[teams]]` section (digests were validated with the config).
+    pub fn new(teams: &[TeamConfig]) -> Self {
+        let mut by_digest = HashMap::new();
+        for team in teams {
+            for digest in &team.api_key_sha256 {
+                if let Some(d) = parse_hex32(&digest.to_ascii_lowercase()) {
+                    by_digest.insert(d, team.name.clone());
+                }
+            }
+        }
+        KeyRing { by_digest }
+    }
+
+    /// True when no keys are configured and every request runs as [`OPEN_TEAM`].
+    pub fn is_open(&self) -> bool {
+        self.by_digest.is_empty()
+    }
+
+    /// The team for a request's headers, or 401.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Team, HttpError> {
+        if self.is_open() {
+            return Ok(Team(OPEN_TEAM.to_string()));
+        }
+        let unauthorized = |msg: &str| {
+            HttpError::new(
+                401,
+                "invalid_request_error",
+                msg,
+                None,
+                Some("invalid_api_key"),
+            )
+        };
+        let value = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| {
+                unauthorized(
+                    "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.",
+                )
+            })?;
+        let key = value
+            .strip_prefix("Bearer ")
+            .or_else(|| value.strip_prefix("bearer "))
+            .map(str::trim)
+            .unwrap_or("");
+        let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+        self.by_digest
+            .get(&digest)
+            .map(|name| Team(name.clone()))
+            .ok_or_else(|| unauthorized("Incorrect API key provided."))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ring() -> KeyRing {
+        KeyRing::new(&[TeamConfig {
+            name: "alpha".into(),
+            api_key_sha256: vec![hash_key("sk-alpha")],
+        }])
+    }
+
+    fn bearer(k: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::AUTHORIZATION,
+            format!("Bearer {k}").parse().unwrap(),
+        );
+        h
+    }
+
+    #[test]
+    fn right_key_maps_to_team() {
+        assert_eq!(
+            ring().authenticate(&bearer("sk-alpha")).unwrap(),
+            Team("alpha".into())
+        );
+    }
+
+    #[test]
+    fn wrong_or_missing_key_is_401() {
+        let e = ring().authenticate(&bearer("sk-nope")).unwrap_err();
+        assert_eq!(e.error.status, 401);
+        assert_eq!(e.error.code.as_deref(), Some("invalid_api_key"));
+        assert_eq!(
+            ring()
+                .authenticate(&HeaderMap::new())
+                .unwrap_err()
+                .error
+                .status,
+            401
+        );
+    }
+
+    #[test]
+    fn open_gateway_accepts_anything() {
+        let open = KeyRing::new(&[]);
+        assert!(open.is_open());
+        assert_eq!(open.authenticate(&bearer("whatever")).unwrap().0, OPEN_TEAM);
+    }
+}

@@ -1,0 +1,132 @@
+//! Client-facing errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+//!
+//! Every failure a handler can meet becomes an [`HttpError`] with the right status, a `param`
+//! naming the offending request field where there is one, a string `code`, and `Retry-After` on
+//! rejections a client should retry (Codex does not retry a 429/503 without it).
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use agentgate_adapters::ApiError;
+
+/// An error response: the OpenAI error fields plus optional retry advice.
+#[derive(Debug, Clone)]
+pub struct HttpError {
+    /// Status, message, type, param and code.
+    pub error: ApiError,
+    /// Seconds to put in `Retry-After`.
+    pub retry_after: Option<u64>,
+}
+
+impl HttpError {
+    /// A new error with the given status, OpenAI `type`, message, param and code.
+    pub fn new(
+        status: u16,
+        kind: &str,
+        message: impl Into<String>,
+        param: Option<&str>,
+        code: Option<&str>,
+    ) -> Self {
+        HttpError {
+            error: ApiError {
+                status,
+                message: message.into(),
+                r#type: kind.to_string(),
+                param: param.map(str::to_string),
+                code: code.map(str::to_string),
+            },
+            retry_after: None,
+        }
+    }
+
+    /// 400 `invalid_request_error` about `param`.
+    pub fn invalid(message: impl Into<String>, param: Option<&str>, code: Option<&str>) -> Self {
+        Self::new(400, "invalid_request_error", message, param, code)
+    }
+
+    /// 404 for an object this team cannot see.
+    pub fn not_found(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self::new(
+            404,
+            "invalid_request_error",
+            message,
+            param,
+            Some("not_found"),
+        )
+    }
+
+    /// 500-class server error.
+    pub fn server(status: u16, message: impl Into<String>, code: &str) -> Self {
+        Self::new(status, "server_error", message, None, Some(code))
+    }
+
+    /// Add `Retry-After: secs`.
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+
+    /// The `{"error": {...}}` body.
+    pub fn body(&self) -> serde_json::Value {
+        error_body(&self.error)
+    }
+}
+
+/// The OpenAI error body for an [`ApiError`].
+pub fn error_body(e: &ApiError) -> serde_json::Value {
+    json!({
+        "error": {
+            "message": e.message,
+            "type": e.r#type,
+            "param": e.param,
+            "code": e.code,
+        }
+    })
+}
+
+impl From<ApiError> for HttpError {
+    fn from(error: ApiError) -> Self {
+        HttpError {
+            error,
+            retry_after: None,
+        }
+    }
+}
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.error.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut resp = (status, axum::Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after {
+            if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+                resp.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_has_openai_shape() {
+        let e = HttpError::invalid("bad", Some("input"), Some("invalid_value"));
+        assert_eq!(
+            e.body(),
+            json!({"error": {"message": "bad", "type": "invalid_request_error", "param": "input", "code": "invalid_value"}})
+        );
+    }
+
+    #[test]
+    fn retry_after_header_is_set() {
+        let r = HttpError::server(503, "busy", "overloaded")
+            .with_retry_after(2)
+            .into_response();
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+    }
+}

@@ -1,0 +1,78 @@
+//! Small handlers: models and health.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::Json;
+use serde_json::{json, Value};
+
+use agentgate_sessions::Store;
+
+use crate::app::AppState;
+use crate::error::HttpError;
+
+fn model_object(id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "agentgate"})
+}
+
+/// `GET /v1/models`: every model name (and alias) the pools serve.
+pub async fn list_models(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, HttpError> {
+    state.keys.authenticate(&headers)?;
+    let data: Vec<Value> = state
+        .pools
+        .model_names()
+        .iter()
+        .map(|m| model_object(m))
+        .collect();
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+/// `GET /v1/models/{model}`.
+pub async fn get_model(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, HttpError> {
+    state.keys.authenticate(&headers)?;
+    if state.pools.for_model(&model).is_some() {
+        Ok(Json(model_object(&model)))
+    } else {
+        Err(HttpError::new(
+            404,
+            "invalid_request_error",
+            format!("The model '{model}' does not exist or you do not have access to it."),
+            Some("model"),
+            Some("model_not_found"),
+        ))
+    }
+}
+
+/// `GET /health/live`: the process is up.
+pub async fn live() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// `GET /health/ready`: the store answers and every pool has endpoints.
+pub async fn ready(State(state): State<Arc<AppState>>) -> Result<Json<Value>, HttpError> {
+    state
+        .store
+        .get("", "resp_health_probe")
+        .await
+        .map_err(|e| {
+            HttpError::server(503, format!("store unavailable: {e}"), "store_unavailable")
+                .with_retry_after(1)
+        })?;
+    if let Some(pool) = state.pools.all().iter().find(|p| p.endpoints.is_empty()) {
+        return Err(HttpError::server(
+            503,
+            format!("pool '{}' has no endpoints", pool.name),
+            "no_endpoints",
+        )
+        .with_retry_after(1));
+    }
+    Ok(Json(json!({"status": "ready"})))
+}

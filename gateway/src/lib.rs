@@ -1,0 +1,32 @@
+//! agentgate: an OpenAI Responses API gateway in front of vLLM / SGLang engine fleets.
+//!
+//! This crate owns the HTTP surface and the wiring:
+//!
+//! - [`config`]: the TOML configuration and its validation;
+//! - [`auth`]: API key -> team;
+//! - [`request`]: typed views and validation over raw JSON request bodies;
+//! - [`responses`]: the Responses API handlers (create, retrieve, delete, cancel, input items,
+//!   input tokens); [`turn`] runs one turn against an engine and persists it;
+//! - [`response_object`]: the Response object skeleton and ids;
+//! - [`pools`]: engine pools per model and the `Picker` routing seam (round robin here);
+//! - [`handlers`]: models and health; [`openapi`]: the OpenAPI document of all of the above;
+//! - [`app`]: shared state, router and server start/stop.
+//!
+//! Request path: authenticate -> validate -> load history from the store (one round trip) ->
+//! translate for the engine flavor (`agentgate-adapters`) -> pick an endpoint -> stream chat
+//! chunks back as Responses events -> persist the response as a delta (`agentgate-sessions`).
+
+pub mod app;
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod handlers;
+pub mod openapi;
+pub mod pools;
+pub mod request;
+pub mod response_object;
+pub mod responses;
+pub mod turn;
+
+pub use app::{AppState, Gateway};
+pub use config::Config;

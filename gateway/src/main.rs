@@ -1,0 +1,144 @@
+//! The `agentgate` command: `serve` runs the gateway; `openapi` prints its API description;
+//! `hash-key` prints the digest to put in a team's `api_key_sha256`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use agentgate::{Config, Gateway};
+
+/// OpenAI Responses API gateway for vLLM and SGLang fleets.
+#[derive(Parser, Debug)]
+#[command(name = "agentgate", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the gateway.
+    Serve {
+        /// Configuration file (TOML); see examples/quickstart.toml.
+        #[arg(long)]
+        config: PathBuf,
+        /// Listen address, overriding `[server] listen`.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+        /// Store URL (`redis://host:port/db`), overriding `[store] url`.
+        #[arg(long)]
+        store: Option<String>,
+    },
+    /// Print the OpenAPI document (YAML) of every endpoint the gateway serves.
+    Openapi,
+    /// Print the SHA-256 digest of an API key, for `[[teams]] api_key_sha256`.
+    HashKey {
+        /// The key.
+        key: String,
+    },
+}
+
+fn init_logging() {
+    let filter: tracing_subscriber::filter::Targets = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| "info".parse().unwrap_or_default());
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let _ = tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+        )
+        .with(filter)
+        .try_init();
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+async fn serve(
+    config: PathBuf,
+    listen: Option<SocketAddr>,
+    store: Option<String>,
+) -> Result<(), String> {
+    let mut cfg = Config::load(&config).map_err(|e| format!("{}: {e}", config.display()))?;
+    if let Some(url) = store {
+        cfg.store.url = Some(url);
+    }
+    cfg.validate().map_err(|e| e.to_string())?;
+    let listen = listen.unwrap_or(cfg.server.listen);
+    if cfg.teams.is_empty() {
+        tracing::warn!(
+            "no [[teams]] configured: the gateway runs open, every request is team 'default'"
+        );
+    }
+    let store_desc = cfg
+        .store
+        .url
+        .as_deref()
+        .map(|u| format!("redis ({})", u.split('@').next_back().unwrap_or(u)))
+        .unwrap_or_else(|| "in-memory".into());
+    let gateway = Gateway::start(cfg, listen)
+        .await
+        .map_err(|e| e.to_string())?;
+    tracing::info!(store = %store_desc, "agentgate listening on {}", gateway.base_url());
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    gateway.shutdown().await;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    match cli.command {
+        Command::Openapi => {
+            print!("{}", agentgate::openapi::yaml());
+            ExitCode::SUCCESS
+        }
+        Command::HashKey { key } => {
+            println!("{}", agentgate::auth::hash_key(&key));
+            ExitCode::SUCCESS
+        }
+        Command::Serve {
+            config,
+            listen,
+            store,
+        } => {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("agentgate: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match rt.block_on(serve(config, listen, store)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("agentgate: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,335 @@
+//! The OpenAPI document of every endpoint the gateway serves, generated from [`ROUTES`].
+//!
+//! `agentgate openapi > openapi/openapi.yaml` regenerates the committed file; a test fails when
+//! the file is stale and another checks that every documented route is served by the router.
+
+use serde_json::{json, Map, Value};
+
+/// One documented route.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteDoc {
+    /// HTTP method, lowercase.
+    pub method: &'static str,
+    /// Path with `{param}` placeholders.
+    pub path: &'static str,
+    /// One-line summary.
+    pub summary: &'static str,
+    /// Request body schema name under `components/schemas`, if any.
+    pub request: Option<&'static str>,
+    /// Success response schema name (`text/event-stream` is added for streaming create).
+    pub response: &'static str,
+    /// Documented error statuses.
+    pub errors: &'static [u16],
+    /// Query parameters (name, description).
+    pub query: &'static [(&'static str, &'static str)],
+}
+
+/// Every route the router serves (kept beside `app::router`).
+pub const ROUTES: &[RouteDoc] = &[
+    RouteDoc {
+        method: "post",
+        path: "/v1/responses",
+        summary: "Create a model response (streaming when the body has \"stream\": true).",
+        request: Some("CreateResponse"),
+        response: "Response",
+        errors: &[400, 401, 404, 413, 502, 503],
+        query: &[],
+    },
+    RouteDoc {
+        method: "get",
+        path: "/v1/responses/{id}",
+        summary: "Retrieve a stored response.",
+        request: None,
+        response: "Response",
+        errors: &[401, 404],
+        query: &[],
+    },
+    RouteDoc {
+        method: "delete",
+        path: "/v1/responses/{id}",
+        summary: "Delete a stored response.",
+        request: None,
+        response: "DeletedResponse",
+        errors: &[401, 404],
+        query: &[],
+    },
+    RouteDoc {
+        method: "post",
+        path: "/v1/responses/{id}/cancel",
+        summary: "Cancel a background response.",
+        request: None,
+        response: "Response",
+        errors: &[400, 401, 404],
+        query: &[],
+    },
+    RouteDoc {
+        method: "get",
+        path: "/v1/responses/{id}/input_items",
+        summary: "List the input items of a response.",
+        request: None,
+        response: "InputItemList",
+        errors: &[400, 401, 404],
+        query: &[
+            ("limit", "1-100, default 20"),
+            ("order", "asc or desc (default)"),
+            ("after", "item id to start after"),
+        ],
+    },
+    RouteDoc {
+        method: "post",
+        path: "/v1/responses/input_tokens",
+        summary: "Count the input tokens a create request would use.",
+        request: Some("CreateResponse"),
+        response: "InputTokens",
+        errors: &[400, 401, 404, 502],
+        query: &[],
+    },
+    RouteDoc {
+        method: "get",
+        path: "/v1/models",
+        summary: "List the models the pools serve.",
+        request: None,
+        response: "ModelList",
+        errors: &[401],
+        query: &[],
+    },
+    RouteDoc {
+        method: "get",
+        path: "/v1/models/{model}",
+        summary: "Retrieve one model.",
+        request: None,
+        response: "Model",
+        errors: &[401, 404],
+        query: &[],
+    },
+    RouteDoc {
+        method: "get",
+        path: "/health/live",
+        summary: "Liveness: the process is up.",
+        request: None,
+        response: "Health",
+        errors: &[],
+        query: &[],
+    },
+    RouteDoc {
+        method: "get",
+        path: "/health/ready",
+        summary: "Readiness: the store answers and every pool has endpoints.",
+        request: None,
+        response: "Health",
+        errors: &[503],
+        query: &[],
+    },
+];
+
+fn schema_ref(name: &str) -> Value {
+    json!({"$ref": format!("#/components/schemas/{name}")})
+}
+
+fn components() -> Value {
+    let obj = |props: Value, required: &[&str]| json!({"type": "object", "properties": props, "required": required});
+    json!({
+        "schemas": {
+            "Error": obj(json!({"error": obj(json!({
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": "string", "nullable": true},
+                "code": {"type": "string", "nullable": true}
+            }), &["message", "type", "param", "code"])}), &["error"]),
+            "CreateResponse": {
+                "type": "object",
+                "description": "OpenAI Responses create body. Unknown fields are kept in the stored request.",
+                "required": ["model", "input"],
+                "additionalProperties": true,
+                "properties": {
+                    "model": {"type": "string"},
+                    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+                    "instructions": {"type": "string", "nullable": true},
+                    "previous_response_id": {"type": "string", "nullable": true},
+                    "store": {"type": "boolean", "default": true},
+                    "stream": {"type": "boolean", "default": false},
+                    "background": {"type": "boolean", "default": false},
+                    "tools": {"type": "array", "items": {"type": "object"}},
+                    "tool_choice": {},
+                    "parallel_tool_calls": {"type": "boolean"},
+                    "max_output_tokens": {"type": "integer", "minimum": 16},
+                    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+                    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+                    "text": {"type": "object"},
+                    "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "prompt_cache_key": {"type": "string"},
+                    "user": {"type": "string"},
+                    "safety_identifier": {"type": "string"},
+                    "include": {"type": "array", "items": {"type": "string"}},
+                    "reasoning": {"type": "object"},
+                    "truncation": {"type": "string", "enum": ["auto", "disabled"]}
+                }
+            },
+            "Response": {
+                "type": "object",
+                "description": "OpenAI Response object; every key is present (null where unknown).",
+                "additionalProperties": true,
+                "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "object": {"type": "string", "enum": ["response"]},
+                    "created_at": {"type": "integer"},
+                    "status": {"type": "string", "enum": ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]},
+                    "model": {"type": "string"},
+                    "output": {"type": "array", "items": {"type": "object"}},
+                    "usage": {"type": "object", "nullable": true},
+                    "error": {"type": "object", "nullable": true},
+                    "incomplete_details": {"type": "object", "nullable": true}
+                }
+            },
+            "DeletedResponse": obj(json!({"id": {"type": "string"}, "object": {"type": "string"}, "deleted": {"type": "boolean"}}), &["id", "object", "deleted"]),
+            "InputItemList": obj(json!({
+                "object": {"type": "string", "enum": ["list"]},
+                "data": {"type": "array", "items": {"type": "object"}},
+                "first_id": {"type": "string", "nullable": true},
+                "last_id": {"type": "string", "nullable": true},
+                "has_more": {"type": "boolean"}
+            }), &["object", "data", "has_more"]),
+            "InputTokens": obj(json!({"object": {"type": "string"}, "input_tokens": {"type": "integer"}}), &["object", "input_tokens"]),
+            "Model": obj(json!({"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"}, "owned_by": {"type": "string"}}), &["id", "object"]),
+            "ModelList": obj(json!({"object": {"type": "string"}, "data": {"type": "array", "items": schema_ref("Model")}}), &["object", "data"]),
+            "Health": obj(json!({"status": {"type": "string"}}), &["status"])
+        },
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}
+    })
+}
+
+/// The OpenAPI document as JSON.
+pub fn document() -> Value {
+    let mut paths: Map<String, Value> = Map::new();
+    for r in ROUTES {
+        let mut op = Map::new();
+        op.insert("summary".into(), json!(r.summary));
+        let mut params: Vec<Value> = Vec::new();
+        let mut rest = r.path;
+        while let Some(start) = rest.find('{') {
+            let Some(end) = rest[start..].find('}') else {
+                break;
+            };
+            let name = &rest[start + 1..start + end];
+            params.push(
+                json!({"name": name, "in": "path", "required": true, "schema": {"type": "string"}}),
+            );
+            rest = &rest[start + end + 1..];
+        }
+        for (name, desc) in r.query {
+            params.push(json!({"name": name, "in": "query", "required": false, "description": desc, "schema": {"type": "string"}}));
+        }
+        if !params.is_empty() {
+            op.insert("parameters".into(), Value::Array(params));
+        }
+        if let Some(req) = r.request {
+            op.insert("requestBody".into(), json!({"required": true, "content": {"application/json": {"schema": schema_ref(req)}}}));
+        }
+        let mut content = json!({"application/json": {"schema": schema_ref(r.response)}});
+        if r.path == "/v1/responses" && r.method == "post" {
+            content["text/event-stream"] = json!({"schema": {"type": "string", "description": "Server-sent Responses events (event: TYPE, data: JSON) with gapless sequence_number"}});
+        }
+        let mut responses = Map::new();
+        responses.insert(
+            "200".into(),
+            json!({"description": "OK", "content": content}),
+        );
+        for status in r.errors {
+            responses.insert(status.to_string(), json!({"description": "Error", "content": {"application/json": {"schema": schema_ref("Error")}}}));
+        }
+        op.insert("responses".into(), Value::Object(responses));
+        let entry = paths.entry(r.path.to_string()).or_insert_with(|| json!({}));
+        entry[r.method] = Value::Object(op);
+    }
+    json!({
+        "openapi": "3.0.3",
+        "info": {"title": "agentgate", "version": env!("CARGO_PKG_VERSION"), "description": "OpenAI Responses API gateway for vLLM and SGLang fleets."},
+        "security": [{"bearer": []}],
+        "paths": paths,
+        "components": components(),
+    })
+}
+
+/// The OpenAPI document as YAML (the committed `openapi/openapi.yaml`).
+pub fn yaml() -> String {
+    let mut out = String::from("# Generated by `agentgate openapi`; do not edit by hand.\n");
+    write_yaml(&document(), 0, &mut out);
+    out
+}
+
+fn scalar(v: &Value) -> String {
+    match v {
+        Value::String(s) => serde_json::to_string(s).unwrap_or_default(),
+        other => other.to_string(),
+    }
+}
+
+fn is_block(v: &Value) -> bool {
+    matches!(v, Value::Object(m) if !m.is_empty()) || matches!(v, Value::Array(a) if !a.is_empty())
+}
+
+fn write_yaml(v: &Value, indent: usize, out: &mut String) {
+    let pad = " ".repeat(indent);
+    match v {
+        Value::Object(m) => {
+            for (k, val) in m {
+                let key = scalar(&Value::String(k.clone()));
+                if is_block(val) {
+                    out.push_str(&format!("{pad}{key}:\n"));
+                    write_yaml(val, indent + 2, out);
+                } else {
+                    out.push_str(&format!("{pad}{key}: {}\n", inline(val)));
+                }
+            }
+        }
+        Value::Array(a) => {
+            for val in a {
+                if is_block(val) {
+                    let mut inner = String::new();
+                    write_yaml(val, indent + 2, &mut inner);
+                    let trimmed = inner.get(indent + 2..).unwrap_or("");
+                    out.push_str(&format!("{pad}- {trimmed}"));
+                } else {
+                    out.push_str(&format!("{pad}- {}\n", inline(val)));
+                }
+            }
+        }
+        other => out.push_str(&format!("{pad}{}\n", inline(other))),
+    }
+}
+
+fn inline(v: &Value) -> String {
+    match v {
+        Value::Object(_) => "{}".into(),
+        Value::Array(_) => "[]".into(),
+        other => scalar(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn committed_openapi_is_current() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../openapi/openapi.yaml");
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            committed == yaml(),
+            "openapi/openapi.yaml is stale: run `cargo run -- openapi > openapi/openapi.yaml`"
+        );
+    }
+
+    #[test]
+    fn yaml_lists_every_route() {
+        let y = yaml();
+        for r in ROUTES {
+            assert!(
+                y.contains(&format!("\"{}\":", r.path)),
+                "{} missing",
+                r.path
+            );
+        }
+    }
+}

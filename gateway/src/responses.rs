@@ -1,0 +1,530 @@
+//! The Responses API handlers: create, retrieve, delete, cancel, input items, input tokens.
+//!
+//! `create` resolves the conversation (`previous_response_id` -> the stored history, in one store
+//! round trip), translates the turn for the pool's engine flavor, and hands it to [`crate::turn`].
+//! Every stored object is scoped to the team whose key created it: other teams get 404.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use agentgate_adapters::{
+    build_chat_request, includes_encrypted_reasoning, normalize_input, TranslateOptions,
+};
+use agentgate_sessions::{Store, StoreError};
+
+use crate::app::AppState;
+use crate::auth::Team;
+use crate::error::HttpError;
+use crate::pools::{Endpoint, Pool};
+use crate::request::{parse_json, validate_common, CreateRequest};
+use crate::response_object::{new_id, now_secs, skeleton};
+use crate::turn::{self, Turn};
+
+/// Header naming the endpoint that served a response (for debugging routing).
+pub const ENDPOINT_HEADER: &str = "x-agentgate-endpoint";
+
+fn body_error(rejection: BytesRejection, limit: usize) -> HttpError {
+    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        HttpError::new(
+            413,
+            "invalid_request_error",
+            format!("The request body is larger than this gateway accepts ({limit} bytes)."),
+            None,
+            Some("request_too_large"),
+        )
+    } else {
+        HttpError::invalid(
+            format!("Could not read the request body: {rejection}."),
+            None,
+            Some("invalid_body"),
+        )
+    }
+}
+
+/// 503 for store failures: nothing was lost, the client may retry.
+pub fn store_error(e: StoreError) -> HttpError {
+    tracing::error!("store error: {e}");
+    HttpError::server(
+        503,
+        "The conversation store is unavailable. Retry shortly.",
+        "store_unavailable",
+    )
+    .with_retry_after(1)
+}
+
+fn model_not_found(model: &str) -> HttpError {
+    HttpError::new(
+        404,
+        "invalid_request_error",
+        format!("The model '{model}' does not exist or you do not have access to it."),
+        Some("model"),
+        Some("model_not_found"),
+    )
+}
+
+fn response_not_found(id: &str) -> HttpError {
+    HttpError::not_found(format!("Response with id '{id}' not found."), None)
+}
+
+fn previous_not_found(id: &str) -> HttpError {
+    HttpError::invalid(
+        format!("Previous response with id '{id}' not found."),
+        Some("previous_response_id"),
+        Some("previous_response_not_found"),
+    )
+}
+
+/// Resolve `item_reference` input items. A reference to an item already in the conversation
+/// (the loaded history or earlier in this input) adds nothing new to the context, so it is
+/// dropped rather than duplicated; a reference to an unknown item is a 400.
+fn resolve_item_references(items: Vec<Value>, history: &[Value]) -> Result<Vec<Value>, HttpError> {
+    let mut out: Vec<Value> = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        if item.get("type").and_then(Value::as_str) != Some("item_reference") {
+            out.push(item);
+            continue;
+        }
+        let id = item.get("id").and_then(Value::as_str).unwrap_or_default();
+        let known = history
+            .iter()
+            .chain(out.iter())
+            .any(|h| h.get("id").and_then(Value::as_str) == Some(id));
+        if !known {
+            return Err(HttpError::invalid(
+                format!("Item with id '{id}' not found."),
+                Some(&format!("input[{i}]")),
+                Some("item_not_found"),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// A resolved turn before it runs: pool, history, translated plan.
+struct Prepared {
+    pool: Arc<Pool>,
+    input_items: Vec<Value>,
+    plan: agentgate_adapters::ChatPlan,
+}
+
+async fn prepare(
+    state: &AppState,
+    team: &Team,
+    body: &Value,
+    model: &str,
+    previous: Option<&str>,
+) -> Result<Prepared, HttpError> {
+    let pool = state
+        .pools
+        .for_model(model)
+        .ok_or_else(|| model_not_found(model))?;
+    let input = body.get("input").cloned().unwrap_or_else(|| json!([]));
+    let input_items = normalize_input(&input)?;
+    let history = match previous {
+        Some(prev) => state
+            .store
+            .history(&team.0, prev)
+            .await
+            .map_err(store_error)?
+            .ok_or_else(|| previous_not_found(prev))?,
+        None => Vec::new(),
+    };
+    let input_items = resolve_item_references(input_items, &history)?;
+    if input_items.is_empty() && history.is_empty() {
+        return Err(HttpError::invalid(
+            "'input' must contain at least one item when there is no 'previous_response_id'.",
+            Some("input"),
+            Some("empty_input"),
+        ));
+    }
+    let opts = TranslateOptions {
+        flavor: pool.flavor,
+        hosted_tools: state.hosted_tools,
+    };
+    let mut plan = build_chat_request(body, &history, &input_items, &opts)?;
+    plan.body["model"] = Value::from(pool.model.clone());
+    Ok(Prepared {
+        pool,
+        input_items,
+        plan,
+    })
+}
+
+fn sse_response(rx: mpsc::Receiver<Bytes>, endpoint: Option<&Endpoint>) -> Response {
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    if let Some(ep) = endpoint {
+        if let Ok(v) = HeaderValue::from_str(&ep.name) {
+            h.insert(ENDPOINT_HEADER, v);
+        }
+    }
+    resp
+}
+
+fn json_with_endpoint(value: Value, endpoint: Option<&Endpoint>) -> Response {
+    let mut resp = Json(value).into_response();
+    if let Some(ep) = endpoint {
+        if let Ok(v) = HeaderValue::from_str(&ep.name) {
+            resp.headers_mut().insert(ENDPOINT_HEADER, v);
+        }
+    }
+    resp
+}
+
+/// `POST /v1/responses`.
+pub async fn create(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
+    let req = CreateRequest::from_body(parse_json(&bytes)?)?;
+    let prepared = prepare(
+        &state,
+        &team,
+        &req.body,
+        &req.model,
+        req.previous_response_id.as_deref(),
+    )
+    .await?;
+    let id = new_id("resp");
+    let status = if req.background {
+        "queued"
+    } else {
+        "in_progress"
+    };
+    let turn = Turn {
+        team: team.0,
+        id: id.clone(),
+        previous_response_id: req.previous_response_id.clone(),
+        input_items: prepared.input_items,
+        pool: prepared.pool.clone(),
+        plan: prepared.plan,
+        skeleton: skeleton(&id, now_secs(), &req.body, &req.model, status),
+        store: req.store,
+        background: req.background,
+        encrypted_reasoning: includes_encrypted_reasoning(&req.body),
+    };
+
+    if req.background {
+        state
+            .store
+            .put(&turn::queued_record(&turn))
+            .await
+            .map_err(store_error)?;
+        let queued = turn.skeleton.clone();
+        let (tx, rx) = if req.stream {
+            let (tx, rx) = mpsc::channel(256);
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        {
+            let mut runs = state
+                .background
+                .lock()
+                .map_err(|_| HttpError::server(500, "internal state poisoned", "internal_error"))?;
+            let handle = tokio::spawn(turn::run_background(state.clone(), turn, tx));
+            runs.insert(id, handle.abort_handle());
+        }
+        return Ok(match rx {
+            Some(rx) => sse_response(rx, None),
+            None => Json(queued).into_response(),
+        });
+    }
+
+    let (chunks, endpoint) = turn::open_upstream(&state, &prepared.pool, &turn.plan.body).await?;
+    if req.stream {
+        let (tx, rx) = mpsc::channel(256);
+        tokio::spawn(turn::drive(
+            state.clone(),
+            turn,
+            chunks,
+            endpoint.clone(),
+            Some(tx),
+        ));
+        return Ok(sse_response(rx, Some(&endpoint)));
+    }
+    let task = tokio::spawn(turn::drive(
+        state.clone(),
+        turn,
+        chunks,
+        endpoint.clone(),
+        None,
+    ));
+    let response = task.await.map_err(|e| {
+        HttpError::server(
+            500,
+            format!("the response task failed: {e}"),
+            "internal_error",
+        )
+    })?;
+    if response.get("status").and_then(Value::as_str) == Some("failed") {
+        let message = response
+            .pointer("/error/message")
+            .and_then(Value::as_str)
+            .unwrap_or("The model backend failed.")
+            .to_string();
+        return Err(HttpError::server(502, message, "upstream_error").with_retry_after(1));
+    }
+    Ok(json_with_endpoint(response, Some(&endpoint)))
+}
+
+/// `GET /v1/responses/{id}`.
+pub async fn retrieve(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let rec = state
+        .store
+        .get(&team.0, &id)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| response_not_found(&id))?;
+    Ok(Json(rec.response))
+}
+
+/// `DELETE /v1/responses/{id}`.
+pub async fn delete(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    if !state
+        .store
+        .delete(&team.0, &id)
+        .await
+        .map_err(store_error)?
+    {
+        return Err(response_not_found(&id));
+    }
+    if let Ok(mut runs) = state.background.lock() {
+        if let Some(run) = runs.remove(&id) {
+            run.abort();
+        }
+    }
+    Ok(Json(
+        json!({"id": id, "object": "response", "deleted": true}),
+    ))
+}
+
+/// `POST /v1/responses/{id}/cancel`: stop a background response.
+pub async fn cancel(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let rec = state
+        .store
+        .get(&team.0, &id)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| response_not_found(&id))?;
+    if rec.response.get("background").and_then(Value::as_bool) != Some(true) {
+        return Err(HttpError::invalid(
+            "Only responses created with 'background': true can be cancelled.",
+            None,
+            Some("not_cancellable"),
+        ));
+    }
+    let mut cancelled = rec.response.clone();
+    cancelled["status"] = Value::from("cancelled");
+    let applied = state
+        .store
+        .update_if_active(&team.0, &id, &cancelled, &rec.output_items)
+        .await
+        .map_err(store_error)?;
+    if applied {
+        if let Ok(mut runs) = state.background.lock() {
+            if let Some(run) = runs.remove(&id) {
+                run.abort();
+            }
+        }
+        return Ok(Json(cancelled));
+    }
+    let current = state
+        .store
+        .get(&team.0, &id)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| response_not_found(&id))?;
+    let status = current
+        .response
+        .get("status")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    if status == "cancelled" {
+        return Ok(Json(current.response));
+    }
+    Err(HttpError::invalid(
+        format!("Cannot cancel a response with status '{status}'."),
+        None,
+        Some("not_cancellable"),
+    ))
+}
+
+/// Query of `GET /v1/responses/{id}/input_items`.
+#[derive(Debug, Deserialize)]
+pub struct ListQuery {
+    limit: Option<String>,
+    order: Option<String>,
+    after: Option<String>,
+}
+
+/// `GET /v1/responses/{id}/input_items`: every item the model saw as input for this response
+/// (the earlier turns' inputs and outputs, then this turn's input), paginated.
+pub async fn input_items(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let limit = match q.limit.as_deref() {
+        None => 20,
+        Some(s) => match s.parse::<usize>() {
+            Ok(n) if (1..=100).contains(&n) => n,
+            _ => {
+                return Err(HttpError::invalid(
+                    format!("Invalid 'limit': '{s}'; it must be an integer between 1 and 100."),
+                    Some("limit"),
+                    Some("invalid_value"),
+                ))
+            }
+        },
+    };
+    let descending = match q.order.as_deref() {
+        None | Some("desc") => true,
+        Some("asc") => false,
+        Some(other) => {
+            return Err(HttpError::invalid(
+                format!("Invalid 'order': '{other}'; expected 'asc' or 'desc'."),
+                Some("order"),
+                Some("invalid_value"),
+            ))
+        }
+    };
+    let rec = state
+        .store
+        .get(&team.0, &id)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| response_not_found(&id))?;
+    let mut items = match &rec.previous_response_id {
+        Some(prev) => state
+            .store
+            .history(&team.0, prev)
+            .await
+            .map_err(store_error)?
+            .unwrap_or_default(),
+        None => Vec::new(),
+    };
+    items.extend(rec.input_items);
+    if descending {
+        items.reverse();
+    }
+    let start = match &q.after {
+        None => 0,
+        Some(after) => {
+            let pos = items
+                .iter()
+                .position(|it| it.get("id").and_then(Value::as_str) == Some(after.as_str()))
+                .ok_or_else(|| {
+                    HttpError::invalid(
+                        format!(
+                            "Invalid 'after': no input item with id '{after}' in this response."
+                        ),
+                        Some("after"),
+                        Some("invalid_value"),
+                    )
+                })?;
+            pos + 1
+        }
+    };
+    let rest = items.get(start..).unwrap_or_default();
+    let page: Vec<Value> = rest.iter().take(limit).cloned().collect();
+    let id_of = |v: Option<&Value>| {
+        v.and_then(|it| it.get("id"))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    Ok(Json(json!({
+        "object": "list",
+        "first_id": id_of(page.first()),
+        "last_id": id_of(page.last()),
+        "has_more": rest.len() > page.len(),
+        "data": page,
+    })))
+}
+
+/// `POST /v1/responses/input_tokens`: how many input tokens a create request would use.
+pub async fn input_tokens(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
+    let body = parse_json(&bytes)?;
+    validate_common(&body)?;
+    let model = match body.get("model").and_then(Value::as_str) {
+        Some(m) => m.to_string(),
+        None => state
+            .pools
+            .all()
+            .first()
+            .map(|p| p.model.clone())
+            .ok_or_else(|| model_not_found(""))?,
+    };
+    let previous = body
+        .get("previous_response_id")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let prepared = prepare(&state, &team, &body, &model, previous.as_deref()).await?;
+    let pool = &prepared.pool;
+    let ep = pool
+        .picker
+        .pick(&pool.endpoints, &crate::pools::PickRequest::default())
+        .and_then(|i| pool.endpoints.get(i))
+        .ok_or_else(|| {
+            HttpError::server(503, "no endpoint available", "upstream_unavailable")
+                .with_retry_after(1)
+        })?;
+    let n = state
+        .engines
+        .count_tokens(pool.flavor, &ep.base_url, &prepared.plan.body)
+        .await
+        .map_err(|e| {
+            HttpError::server(
+                502,
+                format!("could not count tokens: {e}"),
+                "upstream_error",
+            )
+        })?;
+    Ok(Json(
+        json!({"object": "response.input_tokens", "input_tokens": n}),
+    ))
+}

@@ -1,0 +1,236 @@
+//! Running one turn: open the engine stream, turn chat chunks into Responses events, persist.
+//!
+//! A turn always runs in its own task, so a client that disconnects never loses a response that
+//! was already being generated: the task drives the engine stream to its end and stores the
+//! result (unless `store: false`). Streaming clients read the task's events through a channel;
+//! non-streaming clients await its final Response object. The terminal event is sent only after
+//! the response is persisted, so a client that saw `response.completed` can chain on it at once.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use agentgate_adapters::{ChatPlan, ChunkStream, ResponseStream, SseEvent, UpstreamError};
+use agentgate_sessions::{ResponseRecord, Store};
+
+use crate::app::AppState;
+use crate::error::HttpError;
+use crate::pools::{Endpoint, PickRequest, Pool};
+
+/// Everything needed to run one turn.
+pub struct Turn {
+    /// Team the response belongs to.
+    pub team: String,
+    /// The response id.
+    pub id: String,
+    /// Predecessor, if chained.
+    pub previous_response_id: Option<String>,
+    /// This turn's input items (ids assigned).
+    pub input_items: Vec<Value>,
+    /// The pool serving the model.
+    pub pool: Arc<Pool>,
+    /// The chat request and tool-name map.
+    pub plan: ChatPlan,
+    /// The Response object skeleton.
+    pub skeleton: Value,
+    /// Persist the result.
+    pub store: bool,
+    /// Background run: the record already exists (status `queued`) and is updated in place.
+    pub background: bool,
+    /// Return reasoning as `encrypted_content` (`include: ["reasoning.encrypted_content"]`).
+    pub encrypted_reasoning: bool,
+}
+
+/// Open a chat stream on one of the pool's endpoints, trying the others when an endpoint is
+/// unreachable or answers 5xx. A 4xx from the engine is the client's problem and returned as 400.
+pub async fn open_upstream(
+    state: &AppState,
+    pool: &Pool,
+    body: &Value,
+) -> Result<(ChunkStream, Endpoint), HttpError> {
+    let mut tried: Vec<usize> = Vec::new();
+    let mut last = String::from("no endpoints");
+    while let Some(i) = pool
+        .picker
+        .pick(&pool.endpoints, &PickRequest { exclude: &tried })
+    {
+        tried.push(i);
+        let ep = &pool.endpoints[i];
+        match state.engines.chat_stream(&ep.base_url, body).await {
+            Ok(stream) => return Ok((stream, ep.clone())),
+            Err(
+                e @ UpstreamError::Status {
+                    status: 400 | 413 | 422,
+                    ..
+                },
+            ) => {
+                let api = e.to_api_error();
+                tracing::info!(endpoint = %ep.name, "engine rejected the request: {}", api.message);
+                return Err(api.into());
+            }
+            Err(e) => {
+                tracing::warn!(endpoint = %ep.name, "engine request failed: {e}");
+                last = e.to_string();
+            }
+        }
+    }
+    Err(HttpError::server(
+        503,
+        format!(
+            "No replica serving model '{}' could take the request ({last}). Retry shortly.",
+            pool.model
+        ),
+        "upstream_unavailable",
+    )
+    .with_retry_after(1))
+}
+
+fn new_stream(turn: &Turn) -> ResponseStream {
+    ResponseStream::new(turn.skeleton.clone(), turn.plan.tool_names.clone())
+        .with_encrypted_reasoning(turn.encrypted_reasoning)
+}
+
+/// Send events to the client if it is still there; a gone client does not stop the turn.
+async fn emit(tx: &Option<mpsc::Sender<Bytes>>, events: Vec<SseEvent>) {
+    if let Some(tx) = tx {
+        for ev in &events {
+            if tx.send(Bytes::from(ev.to_sse_frame())).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Drive an opened engine stream to the end, persist, then send the terminal event.
+/// Returns the final Response object.
+pub async fn drive(
+    state: Arc<AppState>,
+    turn: Turn,
+    mut chunks: ChunkStream,
+    endpoint: Endpoint,
+    tx: Option<mpsc::Sender<Bytes>>,
+) -> Value {
+    let mut rs = new_stream(&turn);
+    emit(&tx, rs.start()).await;
+    let terminal = loop {
+        match chunks.next().await {
+            Some(Ok(chunk)) => {
+                let events = rs.on_chunk(&chunk);
+                emit(&tx, events).await;
+            }
+            Some(Err(e)) => {
+                tracing::warn!(response = %turn.id, endpoint = %endpoint.name, "engine stream failed: {e}");
+                break rs.fail(
+                    e.failure_code(),
+                    &format!("The model backend failed while generating the response: {e}"),
+                );
+            }
+            None => break rs.finish(),
+        }
+    };
+    let response = rs.response().clone();
+    persist(&state, &turn, &response, rs.output_items()).await;
+    let status = response
+        .get("status")
+        .and_then(|s| s.as_str())
+        .unwrap_or("")
+        .to_string();
+    tracing::info!(
+        response = %turn.id,
+        team = %turn.team,
+        endpoint = %endpoint.name,
+        status = %status,
+        "turn finished"
+    );
+    emit(&tx, terminal).await;
+    response
+}
+
+/// Store the finished response (or update the background record in place).
+pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[Value]) {
+    if !turn.store {
+        return;
+    }
+    let result = if turn.background {
+        state
+            .store
+            .update_if_active(&turn.team, &turn.id, response, output)
+            .await
+            .map(|applied| {
+                if !applied {
+                    tracing::info!(response = %turn.id, "background response was cancelled; result discarded");
+                }
+            })
+    } else {
+        let record = ResponseRecord {
+            id: turn.id.clone(),
+            team: turn.team.clone(),
+            previous_response_id: turn.previous_response_id.clone(),
+            input_items: turn.input_items.clone(),
+            output_items: output.to_vec(),
+            response: response.clone(),
+        };
+        state.store.put(&record).await
+    };
+    if let Err(e) = result {
+        tracing::error!(response = %turn.id, "could not store the response: {e}");
+    }
+}
+
+/// The stored record of a background response before it runs.
+pub fn queued_record(turn: &Turn) -> ResponseRecord {
+    ResponseRecord {
+        id: turn.id.clone(),
+        team: turn.team.clone(),
+        previous_response_id: turn.previous_response_id.clone(),
+        input_items: turn.input_items.clone(),
+        output_items: Vec::new(),
+        response: turn.skeleton.clone(),
+    }
+}
+
+/// Run a background turn: wait for a slot, mark it `in_progress`, run it, record the result.
+pub async fn run_background(state: Arc<AppState>, mut turn: Turn, tx: Option<mpsc::Sender<Bytes>>) {
+    let id = turn.id.clone();
+    let _permit = state.background_slots.clone().acquire_owned().await;
+    let mut in_progress = turn.skeleton.clone();
+    in_progress["status"] = Value::from("in_progress");
+    match state
+        .store
+        .update_if_active(&turn.team, &turn.id, &in_progress, &[])
+        .await
+    {
+        Ok(true) => {}
+        Ok(false) => {
+            forget_run(&state, &id);
+            return; // cancelled while queued
+        }
+        Err(e) => tracing::error!(response = %turn.id, "store error starting background run: {e}"),
+    }
+    turn.skeleton = in_progress;
+    match open_upstream(&state, &turn.pool, &turn.plan.body).await {
+        Ok((chunks, ep)) => {
+            drive(state.clone(), turn, chunks, ep, tx).await;
+        }
+        Err(err) => {
+            let mut rs = new_stream(&turn);
+            let mut events = rs.start();
+            events.extend(rs.fail(
+                err.error.code.as_deref().unwrap_or("server_error"),
+                &err.error.message,
+            ));
+            persist(&state, &turn, rs.response(), rs.output_items()).await;
+            emit(&tx, events).await;
+        }
+    }
+    forget_run(&state, &id);
+}
+
+fn forget_run(state: &AppState, id: &str) {
+    if let Ok(mut runs) = state.background.lock() {
+        runs.remove(id);
+    }
+}
