@@ -1,0 +1,54 @@
+//! `agentgate-bench`: command-line entry point; one subcommand per benchmark.
+
+mod duration;
+mod gateway_overhead;
+mod load;
+mod procs;
+mod sim_throughput;
+mod stats;
+
+use clap::{Parser, Subcommand};
+
+/// Benchmarks for agentgate and its engine simulator.
+#[derive(Debug, Parser)]
+#[command(name = "agentgate-bench", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The available benchmarks.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Requests per second one simulator sustains for small non-streaming chat completions.
+    SimThroughput(sim_throughput::Args),
+    /// Latency the gateway adds over calling the engine directly (same client, same concurrency).
+    GatewayOverhead(gateway_overhead::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::SimThroughput(args) => sim_throughput::run(args).await,
+            Command::GatewayOverhead(args) => gateway_overhead::run(args).await,
+        }
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
