@@ -1,0 +1,230 @@
+"""Background responses, cancellation, `store: false`, and the error contract, through the SDK."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from conftest import MODEL, TEAM_A_KEY, TEAM_B_KEY
+
+POLL_DEADLINE_S = 60.0
+
+
+def _poll_until_done(client, response_id):
+    deadline = time.monotonic() + POLL_DEADLINE_S
+    seen = []
+    while time.monotonic() < deadline:
+        r = client.responses.retrieve(response_id)
+        seen.append(r.status)
+        if r.status not in ("queued", "in_progress"):
+            return r, seen
+        time.sleep(0.05)
+    pytest.fail(f"background response {response_id} still {seen[-1]} after "
+                f"{POLL_DEADLINE_S}s (statuses seen: {sorted(set(seen))})")
+
+
+def test_background_response_completes(client):
+    r = client.responses.create(model=MODEL, input="Work on this in the background.",
+                                background=True)
+    assert r.background is True
+    assert r.status in ("queued", "in_progress")
+    assert r.output == [] and r.usage is None
+    done, _ = _poll_until_done(client, r.id)
+    assert done.status == "completed"
+    assert done.background is True
+    assert done.output_text.strip()
+    assert done.usage.output_tokens > 0
+    chained = client.responses.create(model=MODEL, input="and then?",
+                                      previous_response_id=r.id)
+    assert chained.status == "completed"
+
+
+def test_background_requires_store(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", background=True, store=False)
+    assert e.value.param == "background"
+
+
+def test_cancel_background_response(slow_gateway):
+    client = slow_gateway.client()
+    r = client.responses.create(model=MODEL, input="Write a very long story.", background=True,
+                                max_output_tokens=4000)
+    assert r.status in ("queued", "in_progress")
+    cancelled = client.responses.cancel(r.id)
+    assert cancelled.id == r.id
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    # Cancelling again is idempotent.
+    assert client.responses.cancel(r.id).status == "cancelled"
+
+
+def test_cancel_of_foreground_response_is_rejected(client):
+    r = client.responses.create(model=MODEL, input="quick")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(r.id)
+    assert client.responses.retrieve(r.id).status == "completed"
+
+
+def test_cancel_of_unknown_response_is_not_found(client):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_does_not_exist")
+
+
+def test_store_false_is_returned_but_not_kept(client):
+    r = client.responses.create(model=MODEL, input="Do not keep this.", store=False)
+    assert r.status == "completed"
+    assert r.store is False
+    assert r.output_text.strip()
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="next", previous_response_id=r.id)
+    assert e.value.code == "previous_response_not_found"
+    assert e.value.param == "previous_response_id"
+
+
+def test_store_false_stream_is_not_kept(client):
+    with client.responses.stream(model=MODEL, input="stream, do not keep", store=False) as s:
+        final = s.get_final_response()
+    assert final.status == "completed" and final.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(final.id)
+
+
+def test_unknown_previous_response_id(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi",
+                                previous_response_id="resp_0123456789abcdef")
+    err = e.value
+    assert err.status_code == 400
+    assert err.code == "previous_response_not_found"
+    assert err.param == "previous_response_id"
+    assert err.type == "invalid_request_error"
+    assert "resp_0123456789abcdef" in err.message
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="no-such-model", input="hi")
+    assert e.value.code == "model_not_found"
+    assert e.value.param == "model"
+
+
+def test_max_output_tokens_makes_response_incomplete(client):
+    r = client.responses.create(model=MODEL, input="Write a long essay about compilers.",
+                                max_output_tokens=16)
+    assert r.status == "incomplete"
+    assert r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 16
+    assert r.max_output_tokens == 16
+
+
+def test_max_output_tokens_incomplete_when_streamed(client):
+    events = list(client.responses.create(model=MODEL, input="Write a long essay.",
+                                          max_output_tokens=16, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert "response.completed" not in [e.type for e in events]
+
+
+def test_max_output_tokens_below_minimum(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=15)
+    assert e.value.param == "max_output_tokens"
+
+
+def test_invalid_parameters_name_the_field(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", temperature=3)
+    assert e.value.param == "temperature"
+
+
+def test_wrong_api_key_is_rejected(auth_gateway):
+    bad = auth_gateway.client(api_key="sk-wrong")
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.responses.create(model=MODEL, input="hi")
+    assert e.value.status_code == 401
+    assert e.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_right_api_key_is_accepted(auth_gateway):
+    r = auth_gateway.client(api_key=TEAM_A_KEY).responses.create(model=MODEL, input="hi")
+    assert r.status == "completed"
+
+
+def test_team_isolation(auth_gateway):
+    alpha = auth_gateway.client(api_key=TEAM_A_KEY)
+    beta = auth_gateway.client(api_key=TEAM_B_KEY)
+    mine = alpha.responses.create(model=MODEL, input="alpha's secret")
+
+    with pytest.raises(openai.NotFoundError):
+        beta.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        beta.responses.input_items.list(mine.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        beta.responses.create(model=MODEL, input="steal", previous_response_id=mine.id)
+    assert e.value.code == "previous_response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        beta.responses.delete(mine.id)
+
+    # Beta's attempts changed nothing for alpha.
+    assert alpha.responses.retrieve(mine.id).output_text == mine.output_text
+    follow = alpha.responses.create(model=MODEL, input="continue", previous_response_id=mine.id)
+    assert follow.status == "completed"
+
+
+def test_streaming_request_errors_arrive_as_http_errors(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", stream=True,
+                                previous_response_id="resp_0123456789abcdef")
+    assert e.value.code == "previous_response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="no-such-model", input="hi", stream=True)
+
+
+def test_forks_see_their_own_history(client):
+    root = client.responses.create(model=MODEL, input="root turn")
+    left = client.responses.create(model=MODEL, input="left branch", previous_response_id=root.id)
+    right = client.responses.create(model=MODEL, input="right branch",
+                                    previous_response_id=root.id)
+    for branch, text in ((left, "left branch"), (right, "right branch")):
+        items = list(client.responses.input_items.list(branch.id, order="asc"))
+        assert [i.role for i in items] == ["user", "assistant", "user"]
+        assert items[0].content[0].text == "root turn"
+        assert items[1].id == root.output[0].id
+        assert items[2].content[0].text == text
+
+
+def test_completed_response_has_completed_at(client):
+    r = client.responses.create(model=MODEL, input="hi")
+    assert r.completed_at is not None and r.completed_at >= r.created_at
+
+
+def test_turn_finishes_and_is_stored_after_client_disconnects(slow_gateway):
+    client = slow_gateway.client()
+    stream = client.responses.create(model=MODEL, input="Tell me a story.", stream=True,
+                                     max_output_tokens=16)
+    response_id = None
+    for event in stream:
+        if event.type == "response.created":
+            response_id = event.response.id
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()
+    assert response_id is not None
+    deadline = time.monotonic() + POLL_DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            stored = client.responses.retrieve(response_id)
+            break
+        except openai.NotFoundError:
+            time.sleep(0.1)
+    else:
+        pytest.fail(f"{response_id} was never stored after the client disconnected")
+    assert stored.status == "incomplete"
+    assert stored.usage.output_tokens == 16

@@ -1,0 +1,656 @@
+//! End-to-end: the gateway over simulated engines and a real Redis.
+
+use serde_json::{json, Value};
+
+use agentgate_sessions::Store;
+use agentgate_tests::*;
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+async fn create(base: &str, body: Value) -> (u16, Value) {
+    let resp = client()
+        .post(format!("{base}/v1/responses"))
+        .json(&body)
+        .send()
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    (status, resp.json().await.expect("json body"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_turn_conversation_on_redis_costs_constant_store_round_trips() {
+    let redis = TestRedis::start();
+    let sim = start_sim("sim-model").await;
+    let prefix = unique_prefix("hundred_turns");
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        Some((redis.url(), &prefix)),
+        "",
+    ))
+    .await;
+    let base = gw.base_url();
+    let store = &gw.state().store;
+
+    let mut prev: Option<String> = None;
+    let mut trips = Vec::new();
+    let mut last_input_tokens = 0;
+    for turn in 0..100 {
+        let before = store.round_trips();
+        let mut body = json!({"model": "sim-model", "input": format!("turn {turn}: tell me more"), "max_output_tokens": 16});
+        if let Some(p) = &prev {
+            body["previous_response_id"] = json!(p);
+        }
+        let (status, r) = create(&base, body).await;
+        assert_eq!(status, 200, "turn {turn}: {r}");
+        trips.push(store.round_trips() - before);
+        let input_tokens = r["usage"]["input_tokens"].as_u64().unwrap();
+        assert!(
+            input_tokens > last_input_tokens,
+            "turn {turn}: history must grow the prompt"
+        );
+        last_input_tokens = input_tokens;
+        prev = Some(r["id"].as_str().unwrap().to_string());
+    }
+    // Turn 1 writes once; every later turn loads its history in one round trip and writes once.
+    assert_eq!(trips[0], 1, "turn 1 store round trips");
+    assert!(
+        trips[1..].iter().all(|&t| t == 2),
+        "round trips per turn: {trips:?}"
+    );
+    println!(
+        "store round trips: turn 1 = {}, turn 100 = {}",
+        trips[0], trips[99]
+    );
+
+    // The stored chain holds every item: 100 inputs and 100 outputs.
+    let items = store
+        .history("default", prev.as_deref().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(items.len(), 200);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_on_one_redis_serve_alternate_turns_identically() {
+    let redis = TestRedis::start();
+    let sim = start_sim("sim-model").await;
+    let shared = unique_prefix("two_gateways");
+    let a = start_gateway(&config_toml(
+        &[sim.base_url()],
+        Some((redis.url(), &shared)),
+        "",
+    ))
+    .await;
+    let b = start_gateway(&config_toml(
+        &[sim.base_url()],
+        Some((redis.url(), &shared)),
+        "",
+    ))
+    .await;
+    let solo_prefix = unique_prefix("two_gateways_solo");
+    let solo = start_gateway(&config_toml(
+        &[sim.base_url()],
+        Some((redis.url(), &solo_prefix)),
+        "",
+    ))
+    .await;
+
+    let mut alt_prev: Option<String> = None;
+    let mut solo_prev: Option<String> = None;
+    for turn in 0..6 {
+        let text = format!("question {turn} about the build");
+        let gw = if turn % 2 == 0 { &a } else { &b };
+        let mut body = json!({"model": "sim-model", "input": text, "max_output_tokens": 32});
+        if let Some(p) = &alt_prev {
+            body["previous_response_id"] = json!(p);
+        }
+        let (s1, r1) = create(&gw.base_url(), body.clone()).await;
+        assert_eq!(s1, 200, "{r1}");
+        let mut body2 = json!({"model": "sim-model", "input": text, "max_output_tokens": 32});
+        if let Some(p) = &solo_prev {
+            body2["previous_response_id"] = json!(p);
+        }
+        let (s2, r2) = create(&solo.base_url(), body2).await;
+        assert_eq!(s2, 200, "{r2}");
+        assert_eq!(output_text(&r1), output_text(&r2), "turn {turn} differs");
+        assert_eq!(r1["usage"]["input_tokens"], r2["usage"]["input_tokens"]);
+        alt_prev = Some(r1["id"].as_str().unwrap().into());
+        solo_prev = Some(r2["id"].as_str().unwrap().into());
+    }
+    // Either gateway can read what the other stored.
+    let id = alt_prev.unwrap();
+    for gw in [&a, &b] {
+        let r = client()
+            .get(format!("{}/v1/responses/{id}", gw.base_url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    for gw in [a, b, solo] {
+        gw.shutdown().await;
+    }
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forks_see_their_own_history() {
+    let redis = TestRedis::start();
+    let sim = start_sim("sim-model").await;
+    let prefix = unique_prefix("forks");
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        Some((redis.url(), &prefix)),
+        "",
+    ))
+    .await;
+    let base = gw.base_url();
+    let (_, root) = create(
+        &base,
+        json!({"model": "sim-model", "input": "root question"}),
+    )
+    .await;
+    let root_id = root["id"].as_str().unwrap();
+    let (_, left) = create(
+        &base,
+        json!({"model": "sim-model", "input": "left branch", "previous_response_id": root_id}),
+    )
+    .await;
+    let (_, right) = create(&base, json!({"model": "sim-model", "input": "right branch with more words in it", "previous_response_id": root_id})).await;
+    let store = &gw.state().store;
+    let texts = |items: Vec<Value>| -> Vec<String> {
+        items
+            .iter()
+            .filter(|i| i["role"] == "user")
+            .map(|i| i["content"][0]["text"].as_str().unwrap_or("").to_string())
+            .collect()
+    };
+    let l = texts(
+        store
+            .history("default", left["id"].as_str().unwrap())
+            .await
+            .unwrap()
+            .unwrap(),
+    );
+    let r = texts(
+        store
+            .history("default", right["id"].as_str().unwrap())
+            .await
+            .unwrap()
+            .unwrap(),
+    );
+    assert_eq!(l, vec!["root question", "left branch"]);
+    assert_eq!(
+        r,
+        vec!["root question", "right branch with more words in it"]
+    );
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn teams_cannot_see_each_others_responses() {
+    let redis = TestRedis::start();
+    let sim = start_sim("sim-model").await;
+    let prefix = unique_prefix("tenants");
+    let teams = format!(
+        "[[teams]]\nname = \"a\"\napi_key_sha256 = [\"{}\"]\n[[teams]]\nname = \"b\"\napi_key_sha256 = [\"{}\"]\n",
+        agentgate::auth::hash_key("key-a"),
+        agentgate::auth::hash_key("key-b")
+    );
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        Some((redis.url(), &prefix)),
+        &teams,
+    ))
+    .await;
+    let base = gw.base_url();
+    let c = client();
+    let r: Value = c
+        .post(format!("{base}/v1/responses"))
+        .bearer_auth("key-a")
+        .json(&json!({"model": "sim-model", "input": "secret plans"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = r["id"].as_str().unwrap();
+    let get_as = |key: &'static str| {
+        c.get(format!("{base}/v1/responses/{id}"))
+            .bearer_auth(key)
+            .send()
+    };
+    assert_eq!(get_as("key-a").await.unwrap().status(), 200);
+    assert_eq!(get_as("key-b").await.unwrap().status(), 404);
+    let chain = c
+        .post(format!("{base}/v1/responses"))
+        .bearer_auth("key-b")
+        .json(&json!({"model": "sim-model", "input": "and?", "previous_response_id": id}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(chain.status(), 400);
+    let err: Value = chain.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "previous_response_not_found");
+    let del = c
+        .delete(format!("{base}/v1/responses/{id}"))
+        .bearer_auth("key-b")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(del.status(), 404);
+    let wrong = c
+        .get(format!("{base}/v1/responses/{id}"))
+        .bearer_auth("key-c")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let body: Value = wrong.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_api_key");
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_events_are_ordered_and_gapless() {
+    let sim = start_sim("sim-model").await;
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
+    let resp = client()
+        .post(format!("{}/v1/responses", gw.base_url()))
+        .json(&json!({"model": "sim-model", "input": "stream please", "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let events = read_sse(resp).await;
+    let names: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(
+        &names[..4],
+        &[
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added"
+        ]
+    );
+    assert_eq!(names.last(), Some(&"response.completed"));
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.data["sequence_number"], json!(i), "gap at {i}");
+        assert_eq!(e.data["type"], json!(e.event));
+    }
+    let deltas: String = events
+        .iter()
+        .filter(|e| e.event == "response.output_text.delta")
+        .map(|e| e.data["delta"].as_str().unwrap())
+        .collect();
+    let done = events
+        .iter()
+        .find(|e| e.event == "response.output_text.done")
+        .unwrap();
+    assert_eq!(deltas, done.data["text"].as_str().unwrap());
+    let final_resp = &events.last().unwrap().data["response"];
+    assert_eq!(output_text(final_resp), deltas);
+    // The streamed response was stored and can be retrieved.
+    let id = final_resp["id"].as_str().unwrap();
+    let got: Value = client()
+        .get(format!("{}/v1/responses/{id}", gw.base_url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(output_text(&got), deltas);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors() {
+    let sim = start_sim("sim-model").await;
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        None,
+        "[server]\nmax_body_bytes = 4096\n",
+    ))
+    .await;
+    let base = gw.base_url();
+    let c = client();
+    let raw = |body: &'static str| {
+        c.post(format!("{base}/v1/responses"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let r = raw("{not json").await.unwrap();
+    assert_eq!(r.status(), 400);
+    let big = "x".repeat(10_000);
+    let r = c
+        .post(format!("{base}/v1/responses"))
+        .json(&json!({"model": "sim-model", "input": big}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "request_too_large");
+    let (s, e) = create(&base, json!({"model": "nope", "input": "x"})).await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
+    let (s, e) = create(
+        &base,
+        json!({"model": "sim-model", "input": "x", "previous_response_id": "resp_missing"}),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert_eq!(
+        e,
+        json!({"error": {"message": "Previous response with id 'resp_missing' not found.", "type": "invalid_request_error", "param": "previous_response_id", "code": "previous_response_not_found"}})
+    );
+    let (s, e) = create(
+        &base,
+        json!({"model": "sim-model", "input": "x", "background": true, "store": false}),
+    )
+    .await;
+    assert_eq!((s, e["error"]["param"].as_str()), (400, Some("background")));
+    let r = c
+        .get(format!("{base}/v1/responses/resp_nope"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let r = c.get(format!("{base}/v1/nothing")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_false_is_not_retrievable_or_chainable() {
+    let sim = start_sim("sim-model").await;
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
+    let base = gw.base_url();
+    let (s, r) = create(
+        &base,
+        json!({"model": "sim-model", "input": "ephemeral", "store": false}),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(r["store"], false);
+    let id = r["id"].as_str().unwrap();
+    assert_eq!(
+        client()
+            .get(format!("{base}/v1/responses/{id}"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    let (s, e) = create(
+        &base,
+        json!({"model": "sim-model", "input": "more", "previous_response_id": id}),
+    )
+    .await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (400, Some("previous_response_not_found"))
+    );
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_engine_is_503_with_retry_after() {
+    // Bind and drop a listener to get a port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let gw = start_gateway(&config_toml(
+        &[format!("http://127.0.0.1:{port}")],
+        None,
+        "",
+    ))
+    .await;
+    let resp = client()
+        .post(format!("{}/v1/responses", gw.base_url()))
+        .json(&json!({"model": "sim-model", "input": "anyone?"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    assert!(resp.headers().contains_key("retry-after"));
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upstream_unavailable");
+    gw.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_items_paginate_over_the_whole_conversation() {
+    let sim = start_sim("sim-model").await;
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
+    let base = gw.base_url();
+    let mut prev: Option<String> = None;
+    for turn in 0..4 {
+        let mut body = json!({"model": "sim-model", "input": format!("turn {turn}")});
+        if let Some(p) = &prev {
+            body["previous_response_id"] = json!(p);
+        }
+        let (_, r) = create(&base, body).await;
+        prev = Some(r["id"].as_str().unwrap().into());
+    }
+    let id = prev.unwrap();
+    // 3 earlier turns (input + output each) + this turn's input = 7 items.
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut url = format!("{base}/v1/responses/{id}/input_items?limit=3&order=asc");
+        if let Some(a) = &after {
+            url.push_str(&format!("&after={a}"));
+        }
+        let page: Value = client()
+            .get(url)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        for item in page["data"].as_array().unwrap() {
+            seen.push(item["id"].as_str().unwrap().to_string());
+        }
+        if !page["has_more"].as_bool().unwrap() {
+            break;
+        }
+        after = page["last_id"].as_str().map(str::to_string);
+    }
+    assert_eq!(seen.len(), 7);
+    let unique: std::collections::HashSet<_> = seen.iter().collect();
+    assert_eq!(unique.len(), 7);
+    let desc: Value = client()
+        .get(format!("{base}/v1/responses/{id}/input_items"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(desc["first_id"].as_str().unwrap(), seen[6]);
+    let bad = client()
+        .get(format!("{base}/v1/responses/{id}/input_items?limit=101"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+async fn set_sim_fault(sim: &agentgate_sim::SimHandle, spec: Value) {
+    let r = client()
+        .post(format!("{}/sim/faults", sim.base_url()))
+        .json(&spec)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "setting fault: {}", r.status());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_failing_mid_stream_ends_with_response_failed() {
+    let sim = start_sim("sim-model").await;
+    set_sim_fault(&sim, json!({"cut_after": 3})).await;
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
+    let base = gw.base_url();
+    let resp = client()
+        .post(format!("{base}/v1/responses"))
+        .json(&json!({"model": "sim-model", "input": "this will break", "stream": true, "max_output_tokens": 64}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let events = read_sse(resp).await;
+    let last = events.last().expect("events");
+    assert_eq!(
+        last.event,
+        "response.failed",
+        "events: {:?}",
+        events.iter().map(|e| &e.event).collect::<Vec<_>>()
+    );
+    assert_eq!(last.data["response"]["status"], "failed");
+    assert!(last.data["response"]["error"]["message"].as_str().is_some());
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.data["sequence_number"], json!(i));
+    }
+    // The failed response is stored as failed, not lost.
+    let id = last.data["response"]["id"].as_str().unwrap();
+    let got: Value = client()
+        .get(format!("{base}/v1/responses/{id}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(got["status"], "failed");
+    // Non-streaming: a clear 502 in OpenAI's shape.
+    let (s, e) = create(
+        &base,
+        json!({"model": "sim-model", "input": "this will break too", "max_output_tokens": 64}),
+    )
+    .await;
+    assert_eq!(s, 502, "{e}");
+    assert_eq!(e["error"]["code"], "upstream_error");
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_replica_is_skipped_before_the_stream_starts() {
+    let bad = start_sim("sim-model").await;
+    let good = start_sim("sim-model").await;
+    set_sim_fault(&bad, json!({"status": 503})).await;
+    let gw = start_gateway(&config_toml(&[bad.base_url(), good.base_url()], None, "")).await;
+    for _ in 0..4 {
+        let resp = client()
+            .post(format!("{}/v1/responses", gw.base_url()))
+            .json(&json!({"model": "sim-model", "input": "hello"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(
+            resp.headers()[agentgate::responses::ENDPOINT_HEADER],
+            "sim/1"
+        );
+    }
+    gw.shutdown().await;
+    bad.shutdown().await;
+    good.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_response_runs_detached_and_can_be_cancelled() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("background");
+    // Slow enough (simulated 20 ms per token at time scale 1) that a cancel lands mid-run.
+    let sim = start_sim_with("sim-model", 1.0).await;
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        Some((redis.url(), &prefix)),
+        "",
+    ))
+    .await;
+    let base = gw.base_url();
+    let (s, r) = create(&base, json!({"model": "sim-model", "input": "long job", "background": true, "max_output_tokens": 2000})).await;
+    assert_eq!(s, 200);
+    assert_eq!(r["status"], "queued");
+    assert_eq!(r["background"], true);
+    let id = r["id"].as_str().unwrap();
+    let c: Value = client()
+        .post(format!("{base}/v1/responses/{id}/cancel"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(c["status"], "cancelled");
+    let got: Value = client()
+        .get(format!("{base}/v1/responses/{id}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(got["status"], "cancelled");
+
+    // A short background job completes and is pollable.
+    let (_, r) = create(&base, json!({"model": "sim-model", "input": "short job", "background": true, "max_output_tokens": 16})).await;
+    let id = r["id"].as_str().unwrap().to_string();
+    let mut status = String::new();
+    for _ in 0..600 {
+        let got: Value = client()
+            .get(format!("{base}/v1/responses/{id}"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        status = got["status"].as_str().unwrap().to_string();
+        if status != "queued" && status != "in_progress" {
+            assert!(!output_text(&got).is_empty());
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(status == "completed" || status == "incomplete", "{status}");
+    // Cancelling a finished response is refused.
+    let again = client()
+        .post(format!("{base}/v1/responses/{id}/cancel"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 400);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
