@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Runs every test agentgate has, on a fresh machine or a developer's:
+#   1. installs redis-server from Debian packages if it is missing, and starts one on a free
+#      loopback port (stopped again on exit);
+#   2. creates a Python venv in .venv with the official `openai` SDK and pytest, and installs
+#      the Codex CLI from npm into .tools/codex;
+#   3. runs the Rust tests (unit, integration, end-to-end) and the Python SDK tests.
+# Usage: scripts/test.sh            (from anywhere; it works from the repository root)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root=$(pwd)
+
+log() { printf '\n==> %s\n' "$*"; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null 2>&1; then sudo "$@"; else
+    echo "need root to run: $*" >&2; return 1; fi
+}
+
+# --- Redis -------------------------------------------------------------------------------------
+if ! command -v redis-server >/dev/null 2>&1; then
+  log "installing redis-server (Debian package)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+redis_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+redis_dir=$(mktemp -d)
+redis-server --bind 127.0.0.1 --port "$redis_port" --save '' --appendonly no \
+  --dir "$redis_dir" --daemonize no >"$redis_dir/redis.log" 2>&1 &
+redis_pid=$!
+cleanup() { kill "$redis_pid" 2>/dev/null || true; wait "$redis_pid" 2>/dev/null || true; rm -rf "$redis_dir"; }
+trap cleanup EXIT
+for _ in $(seq 1 100); do
+  if redis-cli -h 127.0.0.1 -p "$redis_port" ping >/dev/null 2>&1; then break; fi
+  sleep 0.1
+done
+redis-cli -h 127.0.0.1 -p "$redis_port" ping >/dev/null || { cat "$redis_dir/redis.log"; exit 1; }
+export AGENTGATE_TEST_REDIS_URL="redis://127.0.0.1:${redis_port}/0"
+log "redis-server on 127.0.0.1:${redis_port}"
+
+# --- Python venv with the official SDK ---------------------------------------------------------
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  python3 -m venv .venv
+fi
+log "installing Python test requirements"
+.venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+
+# --- Codex CLI (from npm), for the client-compatibility test ---------------------------------
+codex_version=0.171.0
+if [ ! -x .tools/codex/node_modules/.bin/codex ] || \
+   ! grep -q "\"version\": \"$codex_version\"" .tools/codex/node_modules/@openai/codex/package.json 2>/dev/null; then
+  log "installing Codex CLI $codex_version (npm)"
+  npm install --silent --no-audit --no-fund --prefix .tools/codex "@openai/codex@$codex_version" >/dev/null
+fi
+export AGENTGATE_CODEX_BIN="$root/.tools/codex/node_modules/.bin/codex"
+
+# --- Rust ---------------------------------------------------------------------------------------
+export AGENTGATE_SHARED_DIR="${AGENTGATE_SHARED_DIR:-$root/../shared}"
+log "building"
+cargo build --workspace --all-targets --locked
+log "Rust tests"
+cargo test --workspace --locked
+
+# --- Python -------------------------------------------------------------------------------------
+log "Python SDK tests"
+export AGENTGATE_BIN="$root/target/debug/agentgate"
+.venv/bin/python -m pytest tests/python -q
