@@ -153,9 +153,16 @@ pub struct PoolConfig {
     /// Engine base URLs, e.g. `http://10.0.0.5:8000`.
     #[serde(default)]
     pub endpoints: Vec<String>,
+    /// Routing policy: `round_robin` (default) or `least_loaded`.
+    #[serde(default = "default_policy")]
+    pub policy: String,
     /// Start simulated replicas in-process for this pool (no GPU needed).
     #[serde(default)]
     pub simulate: Option<SimulateConfig>,
+}
+
+fn default_policy() -> String {
+    "round_robin".into()
 }
 
 fn default_flavor() -> Flavor {
@@ -299,6 +306,8 @@ impl Config {
                     ));
                 }
             }
+            agentgate_scheduler::Policy::parse(&pool.policy)
+                .map_err(|reason| err(at("policy"), reason))?;
             let simulated = pool.simulate.as_ref().map_or(0, |s| s.replicas);
             if pool.endpoints.is_empty() && simulated == 0 {
                 return Err(err(
@@ -426,6 +435,17 @@ endpoints = ["http://127.0.0.1:8000"]
             .replace("name = \"main\"\nmodel", "name = \"x\"\nmodel");
         let e = Config::parse(&text).unwrap_err();
         assert!(e.reason.contains("two pools"), "{e}");
+    }
+
+    #[test]
+    fn policies_parse_and_unavailable_ones_are_named() {
+        let ok = MINIMAL.replace("model = \"m\"", "model = \"m\"\npolicy = \"least_loaded\"");
+        assert_eq!(Config::parse(&ok).unwrap().pools[0].policy, "least_loaded");
+        let e =
+            Config::parse(&MINIMAL.replace("model = \"m\"", "model = \"m\"\npolicy = \"prefix\""))
+                .unwrap_err();
+        assert_eq!(e.key, "pools[0].policy");
+        assert!(e.reason.contains("not available"), "{e}");
     }
 
     #[test]

@@ -2,57 +2,16 @@
 //!
 //! A pool is the set of engine replicas serving one model (plus the aliases clients may use for
 //! it). Endpoints come from the config's `endpoints` list and from in-process simulated replicas
-//! (`[pools.simulate]`). The [`Picker`] trait is the seam where routing policy plugs in; the
-//! default here is round robin, skipping endpoints a request has already failed on.
+//! (`[pools.simulate]`). Each pool routes with the [`Picker`] its `policy` names
+//! (`agentgate-scheduler`).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use agentgate_adapters::Flavor;
+pub use agentgate_scheduler::{Endpoint, PickRequest, Picker, Policy};
 
 use crate::config::{Config, PoolConfig, SimulateConfig};
-
-/// One engine replica.
-#[derive(Debug, Clone)]
-pub struct Endpoint {
-    /// Display name (`pool/index`), safe to show in headers and logs.
-    pub name: String,
-    /// Base URL, e.g. `http://127.0.0.1:8100`.
-    pub base_url: String,
-}
-
-/// What a picker may look at when choosing an endpoint.
-#[derive(Debug, Default)]
-pub struct PickRequest<'a> {
-    /// Endpoint indexes already tried (and failed) for this request.
-    pub exclude: &'a [usize],
-}
-
-/// Chooses the endpoint of a pool that serves a request.
-pub trait Picker: Send + Sync + std::fmt::Debug {
-    /// Index into `endpoints`, or None when every endpoint is excluded.
-    fn pick(&self, endpoints: &[Endpoint], request: &PickRequest<'_>) -> Option<usize>;
-}
-
-/// Round robin over the endpoints not yet tried.
-#[derive(Debug, Default)]
-pub struct RoundRobin {
-    next: AtomicUsize,
-}
-
-impl Picker for RoundRobin {
-    fn pick(&self, endpoints: &[Endpoint], request: &PickRequest<'_>) -> Option<usize> {
-        let n = endpoints.len();
-        if n == 0 {
-            return None;
-        }
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        (0..n)
-            .map(|k| (start + k) % n)
-            .find(|i| !request.exclude.contains(i))
-    }
-}
 
 /// Engines serving one model.
 #[derive(Debug)]
@@ -64,8 +23,10 @@ pub struct Pool {
     /// Engine protocol flavor.
     pub flavor: Flavor,
     /// The replicas.
-    pub endpoints: Vec<Endpoint>,
+    pub endpoints: Vec<Arc<Endpoint>>,
     /// Routing policy.
+    pub policy: Policy,
+    /// The policy's picker.
     pub picker: Box<dyn Picker>,
 }
 
@@ -100,11 +61,12 @@ impl Pools {
             let endpoints = urls
                 .into_iter()
                 .enumerate()
-                .map(|(j, base_url)| Endpoint {
-                    name: format!("{}/{}", pc.name, j),
-                    base_url,
+                .map(|(j, base_url)| {
+                    Arc::new(Endpoint::new(format!("{}/{}", pc.name, j), base_url))
                 })
                 .collect();
+            let policy = Policy::parse(&pc.policy)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
             for name in std::iter::once(&pc.model).chain(pc.aliases.iter()) {
                 by_model.insert(name.clone(), i);
             }
@@ -113,7 +75,8 @@ impl Pools {
                 model: pc.model.clone(),
                 flavor: pc.flavor,
                 endpoints,
-                picker: Box::new(RoundRobin::default()),
+                policy,
+                picker: policy.picker(),
             }));
         }
         Ok(Pools {
@@ -165,42 +128,5 @@ fn sim_config(pool: &PoolConfig, sim: &SimulateConfig, replica: usize) -> agentg
         time_scale: sim.time_scale,
         seed: Some(replica as u64 + 1),
         ..Default::default()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn eps(n: usize) -> Vec<Endpoint> {
-        (0..n)
-            .map(|i| Endpoint {
-                name: format!("p/{i}"),
-                base_url: format!("http://127.0.0.1:{}", 9000 + i),
-            })
-            .collect()
-    }
-
-    #[test]
-    fn round_robin_cycles_and_skips_excluded() {
-        let rr = RoundRobin::default();
-        let e = eps(3);
-        let picks: Vec<_> = (0..6)
-            .map(|_| rr.pick(&e, &PickRequest::default()).unwrap())
-            .collect();
-        assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
-        for _ in 0..6 {
-            let p = rr.pick(&e, &PickRequest { exclude: &[1] }).unwrap();
-            assert_ne!(p, 1);
-        }
-        assert_eq!(
-            rr.pick(
-                &e,
-                &PickRequest {
-                    exclude: &[0, 1, 2]
-                }
-            ),
-            None
-        );
     }
 }

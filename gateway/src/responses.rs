@@ -26,6 +26,7 @@ use crate::app::AppState;
 use crate::auth::Team;
 use crate::error::HttpError;
 use crate::pools::{Endpoint, Pool};
+
 use crate::request::{parse_json, validate_common, CreateRequest};
 use crate::response_object::{new_id, now_secs, skeleton};
 use crate::turn::{self, Turn};
@@ -252,25 +253,20 @@ pub async fn create(
         });
     }
 
-    let (chunks, endpoint) = turn::open_upstream(&state, &prepared.pool, &turn.plan.body).await?;
+    let (chunks, in_flight) = turn::open_upstream(&state, &prepared.pool, &turn.plan.body).await?;
+    let endpoint = in_flight.endpoint().clone();
     if req.stream {
         let (tx, rx) = mpsc::channel(256);
         tokio::spawn(turn::drive(
             state.clone(),
             turn,
             chunks,
-            endpoint.clone(),
+            in_flight,
             Some(tx),
         ));
         return Ok(sse_response(rx, Some(&endpoint)));
     }
-    let task = tokio::spawn(turn::drive(
-        state.clone(),
-        turn,
-        chunks,
-        endpoint.clone(),
-        None,
-    ));
+    let task = tokio::spawn(turn::drive(state.clone(), turn, chunks, in_flight, None));
     let response = task.await.map_err(|e| {
         HttpError::server(
             500,

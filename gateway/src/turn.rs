@@ -18,7 +18,9 @@ use agentgate_sessions::{ResponseRecord, Store};
 
 use crate::app::AppState;
 use crate::error::HttpError;
-use crate::pools::{Endpoint, PickRequest, Pool};
+use agentgate_scheduler::InFlight;
+
+use crate::pools::{PickRequest, Pool};
 
 /// Everything needed to run one turn.
 pub struct Turn {
@@ -46,11 +48,13 @@ pub struct Turn {
 
 /// Open a chat stream on one of the pool's endpoints, trying the others when an endpoint is
 /// unreachable or answers 5xx. A 4xx from the engine is the client's problem and returned as 400.
+/// The returned guard counts the request as in flight on its endpoint until it is dropped.
 pub async fn open_upstream(
     state: &AppState,
     pool: &Pool,
     body: &Value,
-) -> Result<(ChunkStream, Endpoint), HttpError> {
+) -> Result<(ChunkStream, InFlight), HttpError> {
+    let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
     let mut tried: Vec<usize> = Vec::new();
     let mut last = String::from("no endpoints");
     while let Some(i) = pool
@@ -59,8 +63,9 @@ pub async fn open_upstream(
     {
         tried.push(i);
         let ep = &pool.endpoints[i];
+        let in_flight = ep.begin(prompt_tokens);
         match state.engines.chat_stream(&ep.base_url, body).await {
-            Ok(stream) => return Ok((stream, ep.clone())),
+            Ok(stream) => return Ok((stream, in_flight)),
             Err(
                 e @ UpstreamError::Status {
                     status: 400 | 413 | 422,
@@ -110,9 +115,10 @@ pub async fn drive(
     state: Arc<AppState>,
     turn: Turn,
     mut chunks: ChunkStream,
-    endpoint: Endpoint,
+    in_flight: InFlight,
     tx: Option<mpsc::Sender<Bytes>>,
 ) -> Value {
+    let endpoint = in_flight.endpoint().clone();
     let mut rs = new_stream(&turn);
     emit(&tx, rs.start()).await;
     let terminal = loop {
@@ -145,6 +151,7 @@ pub async fn drive(
         status = %status,
         "turn finished"
     );
+    drop(in_flight);
     emit(&tx, terminal).await;
     response
 }

@@ -654,3 +654,60 @@ async fn background_response_runs_detached_and_can_be_cancelled() {
     gw.shutdown().await;
     sim.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
+    let a = start_sim("sim-model").await;
+    let b = start_sim("sim-model").await;
+    let gw = start_gateway(
+        &config_toml(&[a.base_url(), b.base_url()], None, "")
+            .replace("endpoints = [", "policy = \"least_loaded\"\nendpoints = ["),
+    )
+    .await;
+    let pool = gw.state().pools.for_model("sim-model").unwrap();
+    assert_eq!(pool.policy, agentgate::pools::Policy::LeastLoaded);
+    let base = gw.base_url();
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let base = base.clone();
+        tasks.push(tokio::spawn(async move {
+            let resp = client()
+                .post(format!("{base}/v1/responses"))
+                .json(&json!({"model": "sim-model", "input": format!("parallel {i}"), "stream": i % 2 == 0}))
+                .send()
+                .await
+                .unwrap();
+            let status = resp.status().as_u16();
+            resp.bytes().await.unwrap();
+            status
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    // A stream the client abandons still finishes on the engine and releases its slot.
+    let resp = client()
+        .post(format!("{base}/v1/responses"))
+        .json(&json!({"model": "sim-model", "input": "abandoned", "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    drop(resp);
+    for _ in 0..200 {
+        if pool.endpoints.iter().all(|e| e.in_flight_requests() == 0) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    for ep in &pool.endpoints {
+        assert_eq!(
+            (ep.in_flight_requests(), ep.in_flight_tokens()),
+            (0, 0),
+            "{}",
+            ep.name
+        );
+    }
+    gw.shutdown().await;
+    a.shutdown().await;
+    b.shutdown().await;
+}

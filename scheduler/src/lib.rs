@@ -1,0 +1,18 @@
+//! agentgate's scheduler: which endpoint serves a request (and, later, when it is admitted).
+//!
+//! - [`endpoint`]: one engine replica and the gateway's own live view of its load (in-flight
+//!   requests and prompt tokens, counted by RAII guards, fresher than any metrics scrape);
+//! - [`picker`]: the [`Picker`] trait and the baseline policies, [`RoundRobin`] and
+//!   [`LeastLoaded`];
+//! - [`policy`]: the policy names the configuration accepts.
+//!
+//! Session- and prefix-aware scoring (filters, weighted scorers, the prefix index, session pins)
+//! plugs in behind the same [`Picker`] seam.
+
+pub mod endpoint;
+pub mod picker;
+pub mod policy;
+
+pub use endpoint::{Endpoint, InFlight};
+pub use picker::{LeastLoaded, PickRequest, Picker, RoundRobin};
+pub use policy::Policy;
