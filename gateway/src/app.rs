@@ -33,8 +33,8 @@ pub struct AppState {
     pub engines: EngineClient,
     /// Hosted-tool policy handed to the translator.
     pub hosted_tools: HostedToolPolicy,
-    /// Background runs in this process, for cancellation.
-    pub background: Mutex<HashMap<String, tokio::task::AbortHandle>>,
+    /// Background runs in this process: response id -> its cancel signal.
+    pub background: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
     /// Bounds how many background runs execute at once.
     pub background_slots: Arc<tokio::sync::Semaphore>,
 }

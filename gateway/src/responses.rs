@@ -239,14 +239,11 @@ pub async fn create(
         } else {
             (None, None)
         };
-        {
-            let mut runs = state
-                .background
-                .lock()
-                .map_err(|_| HttpError::server(500, "internal state poisoned", "internal_error"))?;
-            let handle = tokio::spawn(turn::run_background(state.clone(), turn, tx));
-            runs.insert(id, handle.abort_handle());
+        let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
+        if let Ok(mut runs) = state.background.lock() {
+            runs.insert(id, cancel_tx);
         }
+        tokio::spawn(turn::run_background(state.clone(), turn, tx, cancel_rx));
         return Ok(match rx {
             Some(rx) => sse_response(rx, None),
             None => Json(queued).into_response(),
@@ -263,10 +260,18 @@ pub async fn create(
             chunks,
             in_flight,
             Some(tx),
+            None,
         ));
         return Ok(sse_response(rx, Some(&endpoint)));
     }
-    let task = tokio::spawn(turn::drive(state.clone(), turn, chunks, in_flight, None));
+    let task = tokio::spawn(turn::drive(
+        state.clone(),
+        turn,
+        chunks,
+        in_flight,
+        None,
+        None,
+    ));
     let response = task.await.map_err(|e| {
         HttpError::server(
             500,
@@ -316,14 +321,20 @@ pub async fn delete(
     {
         return Err(response_not_found(&id));
     }
-    if let Ok(mut runs) = state.background.lock() {
-        if let Some(run) = runs.remove(&id) {
-            run.abort();
-        }
-    }
+    signal_cancel(&state, &id);
     Ok(Json(
         json!({"id": id, "object": "response", "deleted": true}),
     ))
+}
+
+/// Tell a background run in this process to stop (runs in other gateway processes notice the
+/// cancelled status when they finish, and discard their result).
+fn signal_cancel(state: &AppState, id: &str) {
+    if let Ok(mut runs) = state.background.lock() {
+        if let Some(cancel) = runs.remove(id) {
+            let _ = cancel.send(true);
+        }
+    }
 }
 
 /// `POST /v1/responses/{id}/cancel`: stop a background response.
@@ -354,11 +365,7 @@ pub async fn cancel(
         .await
         .map_err(store_error)?;
     if applied {
-        if let Ok(mut runs) = state.background.lock() {
-            if let Some(run) = runs.remove(&id) {
-                run.abort();
-            }
-        }
+        signal_cancel(&state, &id);
         return Ok(Json(cancelled));
     }
     let current = state

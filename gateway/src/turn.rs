@@ -11,7 +11,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use serde_json::Value;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use agentgate_adapters::{ChatPlan, ChunkStream, ResponseStream, SseEvent, UpstreamError};
 use agentgate_sessions::{ResponseRecord, Store};
@@ -117,12 +117,23 @@ pub async fn drive(
     mut chunks: ChunkStream,
     in_flight: InFlight,
     tx: Option<mpsc::Sender<Bytes>>,
+    mut cancel: Option<watch::Receiver<bool>>,
 ) -> Value {
     let endpoint = in_flight.endpoint().clone();
     let mut rs = new_stream(&turn);
     emit(&tx, rs.start()).await;
     let terminal = loop {
-        match chunks.next().await {
+        let next = match cancel.as_mut() {
+            Some(cancel) => tokio::select! {
+                chunk = chunks.next() => chunk,
+                _ = cancel.wait_for(|c| *c) => {
+                    tracing::info!(response = %turn.id, "background response cancelled while running");
+                    break rs.fail("response_cancelled", "The response was cancelled.");
+                }
+            },
+            None => chunks.next().await,
+        };
+        match next {
             Some(Ok(chunk)) => {
                 let events = rs.on_chunk(&chunk);
                 emit(&tx, events).await;
@@ -200,9 +211,20 @@ pub fn queued_record(turn: &Turn) -> ResponseRecord {
 }
 
 /// Run a background turn: wait for a slot, mark it `in_progress`, run it, record the result.
-pub async fn run_background(state: Arc<AppState>, mut turn: Turn, tx: Option<mpsc::Sender<Bytes>>) {
+pub async fn run_background(
+    state: Arc<AppState>,
+    mut turn: Turn,
+    tx: Option<mpsc::Sender<Bytes>>,
+    mut cancel: watch::Receiver<bool>,
+) {
     let id = turn.id.clone();
-    let _permit = state.background_slots.clone().acquire_owned().await;
+    let _permit = tokio::select! {
+        permit = state.background_slots.clone().acquire_owned() => permit,
+        _ = cancel.wait_for(|c| *c) => {
+            forget_run(&state, &id);
+            return; // cancelled while queued
+        }
+    };
     let mut in_progress = turn.skeleton.clone();
     in_progress["status"] = Value::from("in_progress");
     match state
@@ -220,7 +242,7 @@ pub async fn run_background(state: Arc<AppState>, mut turn: Turn, tx: Option<mps
     turn.skeleton = in_progress;
     match open_upstream(&state, &turn.pool, &turn.plan.body).await {
         Ok((chunks, ep)) => {
-            drive(state.clone(), turn, chunks, ep, tx).await;
+            drive(state.clone(), turn, chunks, ep, tx, Some(cancel)).await;
         }
         Err(err) => {
             let mut rs = new_stream(&turn);

@@ -711,3 +711,57 @@ async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
+    let sim = start_sim_with("sim-model", 1.0).await;
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
+    let base = gw.base_url();
+    let mut resp = client()
+        .post(format!("{base}/v1/responses"))
+        .json(&json!({"model": "sim-model", "input": "a long streamed job", "background": true, "stream": true, "max_output_tokens": 4000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    // Read until the first text delta, so the run is mid-generation.
+    let mut text = String::new();
+    while !text.contains("response.output_text.delta") {
+        let chunk = resp.chunk().await.unwrap().expect("stream continues");
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let id = parse_sse(&text)[0].data["response"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let cancelled: Value = client()
+        .post(format!("{base}/v1/responses/{id}/cancel"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(cancelled["status"], "cancelled");
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let events = parse_sse(&text);
+    let last = events.last().unwrap();
+    assert_eq!(last.event, "response.failed");
+    assert_eq!(last.data["response"]["error"]["code"], "response_cancelled");
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.data["sequence_number"], json!(i));
+    }
+    let got: Value = client()
+        .get(format!("{base}/v1/responses/{id}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(got["status"], "cancelled");
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
