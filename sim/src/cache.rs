@@ -2,11 +2,14 @@
 //! running sequences, LRU eviction of unreferenced blocks, prefix hits counted in tokens.
 //!
 //! A block's hash is `xxh3_64(parent_hash_le || token_ids_le)` (the first block's parent is 0), so
-//! equal hashes mean equal prefixes, as in vLLM. Only full prompt blocks are hashed and shared;
-//! the partial tail block and the blocks holding generated tokens are *private* to a sequence and
-//! only counted. Unreferenced hashed blocks stay cached until their space is needed, evicted
-//! least-recently-freed first (a sequence frees its blocks tail first, so the tail of a prefix goes
-//! before its head). Every change is published through the optional [`KvEventSink`].
+//! equal hashes mean equal prefixes, as in vLLM. Every *full* block of a sequence is hashed and
+//! shared: the prompt's full blocks when the sequence is admitted ([`KvCache::acquire`]), and each
+//! later block as soon as generated tokens fill it ([`KvCache::promote`]), so the next turn of a
+//! conversation, whose prompt repeats the previous prompt and answer, hits through the answer. Only
+//! the partial tail block is *private* to a sequence and merely counted. Unreferenced hashed
+//! blocks stay cached until their space is needed, evicted least-recently-freed first (a sequence
+//! frees its blocks tail first, so the tail of a prefix goes before its head). Every change is
+//! published through the optional [`KvEventSink`].
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -16,18 +19,55 @@ use crate::kv_events::{KvEvent, KvEventSink};
 pub fn chain_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
     let block_size = block_size.max(1);
     let mut hashes = Vec::with_capacity(tokens.len() / block_size);
-    let mut parent = 0u64;
     let mut buffer = Vec::with_capacity(8 + block_size * 4);
-    for block in tokens.chunks_exact(block_size) {
+    extend_chain(&mut hashes, tokens, block_size, &mut buffer);
+    hashes
+}
+
+/// Append to `hashes` (the chain of the first `hashes.len()` blocks of `tokens`) the hashes of the
+/// remaining full blocks of `tokens`; `buffer` is scratch space reused between calls.
+pub fn extend_chain(
+    hashes: &mut Vec<u64>,
+    tokens: &[u32],
+    block_size: usize,
+    buffer: &mut Vec<u8>,
+) {
+    let block_size = block_size.max(1);
+    let mut parent = hashes.last().copied().unwrap_or(0);
+    let done = hashes.len().saturating_mul(block_size);
+    for block in tokens
+        .get(done..)
+        .unwrap_or_default()
+        .chunks_exact(block_size)
+    {
         buffer.clear();
         buffer.extend_from_slice(&parent.to_le_bytes());
         for token in block {
             buffer.extend_from_slice(&token.to_le_bytes());
         }
-        parent = xxhash_rust::xxh3::xxh3_64(&buffer);
+        parent = xxhash_rust::xxh3::xxh3_64(buffer);
         hashes.push(parent);
     }
-    hashes
+}
+
+/// Newly stored blocks of one sequence, as runs of consecutive block indexes.
+#[derive(Debug, Default)]
+struct StoredRuns {
+    /// (index of the run's first block, its hashes).
+    runs: Vec<(usize, Vec<u64>)>,
+}
+
+impl StoredRuns {
+    /// Record block `index` with `hash` (only when events are published: `wanted`).
+    fn push(&mut self, index: usize, hash: u64, wanted: bool) {
+        if !wanted {
+            return;
+        }
+        match self.runs.last_mut() {
+            Some((start, run)) if *start + run.len() == index => run.push(hash),
+            _ => self.runs.push((index, vec![hash])),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -146,27 +186,10 @@ impl KvCache {
             return None;
         }
         let mut removed = Vec::new();
-        let mut stored: Vec<(usize, Vec<u64>)> = Vec::new();
+        let mut stored = StoredRuns::default();
         for (index, hash) in hashes.iter().enumerate() {
-            if let Some(block) = self.blocks.get_mut(hash) {
-                if block.refcount == 0 {
-                    self.evictable.remove(&block.freed_at);
-                }
-                block.refcount += 1;
-                continue;
-            }
-            let slot = self.take_slot(&mut removed);
-            self.blocks.insert(
-                *hash,
-                CachedBlock {
-                    slot,
-                    refcount: 1,
-                    freed_at: 0,
-                },
-            );
-            match stored.last_mut() {
-                Some((start, run)) if *start + run.len() == index => run.push(*hash),
-                _ => stored.push((index, vec![*hash])),
+            if !self.reference(*hash, &mut removed) {
+                stored.push(index, *hash, self.sink.is_some());
             }
         }
         for _ in 0..private {
@@ -176,7 +199,54 @@ impl KvCache {
             self.private_in_use += 1;
         }
         self.publish_removed(removed);
-        for (start, run) in stored {
+        self.publish_stored(stored, hashes, tokens);
+        Some(Acquired { hit_blocks })
+    }
+
+    /// Cache the blocks `hashes[start..]` of a sequence whose token ids are `tokens`: blocks it
+    /// held as private blocks until generated tokens filled them. Each takes over the space of one
+    /// private block, or, when a block with the same hash is already cached, shares that one and
+    /// frees the private block. Never evicts.
+    pub fn promote(&mut self, hashes: &[u64], start: usize, tokens: &[u32]) {
+        let mut removed = Vec::new();
+        let mut stored = StoredRuns::default();
+        for (index, hash) in hashes.iter().enumerate().skip(start) {
+            self.private_in_use = self.private_in_use.saturating_sub(1);
+            if !self.reference(*hash, &mut removed) {
+                stored.push(index, *hash, self.sink.is_some());
+            }
+        }
+        self.publish_removed(removed);
+        self.publish_stored(stored, hashes, tokens);
+    }
+
+    /// Reference the block `hash`: true if it was cached, else store it (evicting if needed).
+    fn reference(&mut self, hash: u64, removed: &mut Vec<u64>) -> bool {
+        if let Some(block) = self.blocks.get_mut(&hash) {
+            if block.refcount == 0 {
+                self.evictable.remove(&block.freed_at);
+            }
+            block.refcount += 1;
+            return true;
+        }
+        let slot = self.take_slot(removed);
+        self.blocks.insert(
+            hash,
+            CachedBlock {
+                slot,
+                refcount: 1,
+                freed_at: 0,
+            },
+        );
+        false
+    }
+
+    /// Publish one `BlockStored` per run of consecutive newly stored blocks of a sequence.
+    fn publish_stored(&self, stored: StoredRuns, hashes: &[u64], tokens: &[u32]) {
+        if self.sink.is_none() {
+            return;
+        }
+        for (start, run) in stored.runs {
             let parent_block_hash = start.checked_sub(1).and_then(|i| hashes.get(i)).copied();
             let first_token = start * self.block_size;
             let last_token = ((start + run.len()) * self.block_size).min(tokens.len());
@@ -191,7 +261,6 @@ impl KvCache {
                 block_size: self.block_size as u32,
             });
         }
-        Some(Acquired { hit_blocks })
     }
 
     /// Reference `extra` more private blocks for a growing sequence; false if they do not fit.
@@ -362,6 +431,42 @@ mod tests {
         cache.acquire(&hc, &c, 0);
         assert_eq!(cache.cached_prefix_blocks(&ha), 2);
         assert_eq!(cache.cached_prefix_blocks(&hb), 0);
+    }
+
+    #[test]
+    fn promoted_blocks_take_over_private_space_or_join_a_cached_twin() {
+        let mut cache = KvCache::new(4, 4, None);
+        let sequence = tokens(1, 16);
+        let hashes = chain_hashes(&sequence, 4);
+        // the prompt is one block, the rest is held privately while it is generated
+        assert!(cache.acquire(&hashes[..1], &sequence, 3).is_some());
+        assert_eq!(cache.used_blocks(), 4);
+        cache.promote(&hashes[..3], 1, &sequence);
+        assert_eq!(
+            cache.used_blocks(),
+            4,
+            "promotion never changes the space held"
+        );
+        assert_eq!(cache.cached_prefix_blocks(&hashes), 3);
+        cache.release(&hashes[..3], 1);
+        assert_eq!(cache.used_blocks(), 0);
+
+        // a twin sequence reaches the same blocks: it shares them and frees its private ones
+        assert!(cache.acquire(&hashes[..1], &sequence, 3).is_some());
+        cache.promote(&hashes[..3], 1, &sequence);
+        assert_eq!(cache.used_blocks(), 4);
+        assert_eq!(cache.cached_hashes().len(), 3);
+        cache.release(&hashes[..3], 1);
+    }
+
+    #[test]
+    fn extending_a_chain_equals_hashing_the_whole_sequence() {
+        let sequence = tokens(3, 37);
+        let mut hashes = chain_hashes(&sequence[..9], 4);
+        let mut buffer = Vec::new();
+        extend_chain(&mut hashes, &sequence, 4, &mut buffer);
+        assert_eq!(hashes, chain_hashes(&sequence, 4));
+        assert_eq!(hashes.len(), 9);
     }
 
     #[test]

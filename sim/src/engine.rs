@@ -11,6 +11,11 @@
 //!
 //! With `time_scale == 0` nothing sleeps and each admitted sequence runs to completion inside its
 //! step, delivering all its tokens in one event; timings for the metrics are computed the same way.
+//!
+//! A sequence's tokens are its prompt followed by its planned output. Like vLLM's prefix caching,
+//! every block that fills up, with prompt or generated tokens, is hashed and cached
+//! ([`KvCache::promote`]) and stays cached after the request finishes; at `time_scale == 0` the
+//! output blocks are cached when the sequence finishes, in one pass.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -18,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::cache::KvCache;
+use crate::cache::{extend_chain, KvCache};
 use crate::faults::FaultState;
 use crate::metrics::Stats;
 
@@ -43,8 +48,11 @@ pub enum PinKey {
 /// A request as the scheduler sees it.
 #[derive(Debug)]
 pub struct SeqRequest {
-    /// Prompt token ids.
+    /// Token ids of the sequence: the prompt, then the planned output tokens (output tokens
+    /// without a known id are generated but never cached).
     pub tokens: Vec<u32>,
+    /// How many of `tokens` are the prompt.
+    pub prompt_len: usize,
     /// Chained hashes of the prompt's full blocks.
     pub hashes: Vec<u64>,
     /// Tokens to generate (at least 1).
@@ -111,6 +119,10 @@ pub struct EngineParams {
 #[derive(Debug)]
 struct Seq {
     request: SeqRequest,
+    /// Chained hashes of the full blocks of the sequence so far (prompt blocks first).
+    hashes: Vec<u64>,
+    /// How many of `hashes` are prompt blocks.
+    prompt_blocks: usize,
     generated: usize,
     private_blocks: usize,
     holds_blocks: bool,
@@ -141,6 +153,7 @@ pub struct Core {
     pins: HashMap<PinKey, Vec<Pin>>,
     clock: f64,
     started: Instant,
+    hash_buffer: Vec<u8>,
 }
 
 /// What one step produced.
@@ -166,6 +179,7 @@ impl Core {
             pins: HashMap::new(),
             clock: 0.0,
             started: Instant::now(),
+            hash_buffer: Vec::new(),
         }
     }
 
@@ -187,13 +201,16 @@ impl Core {
     /// Apply one command.
     pub fn apply(&mut self, command: Command) {
         match command {
-            Command::Submit(request) => {
+            Command::Submit(mut request) => {
                 if self.params.time_scale > 0.0 {
                     let wall = self.started.elapsed().as_secs_f64() / self.params.time_scale;
                     self.clock = self.clock.max(wall);
                 }
+                let hashes = std::mem::take(&mut request.hashes);
                 self.waiting.push_back(Seq {
                     request,
+                    prompt_blocks: hashes.len(),
+                    hashes,
                     generated: 0,
                     private_blocks: 0,
                     holds_blocks: false,
@@ -262,7 +279,7 @@ impl Core {
 
     fn release_blocks(&mut self, seq: &Seq) {
         if seq.holds_blocks {
-            self.cache.release(&seq.request.hashes, seq.private_blocks);
+            self.cache.release(&seq.hashes, seq.private_blocks);
         }
     }
 
@@ -283,18 +300,19 @@ impl Core {
             let Some(seq) = self.waiting.front() else {
                 break;
             };
-            let prompt_len = seq.request.tokens.len();
-            let full_blocks = seq.request.hashes.len();
+            let prompt_len = seq.request.prompt_len;
             let context = prompt_len + seq.generated;
             let needed_tokens = if instant {
                 prompt_len + seq.request.output_tokens
             } else {
                 context + 1
             };
-            let private = self.blocks_for(needed_tokens).saturating_sub(full_blocks);
-            let Some(acquired) =
-                self.cache
-                    .acquire(&seq.request.hashes, &seq.request.tokens, private)
+            let private = self
+                .blocks_for(needed_tokens)
+                .saturating_sub(seq.hashes.len());
+            let Some(acquired) = self
+                .cache
+                .acquire(&seq.hashes, &seq.request.tokens, private)
             else {
                 break;
             };
@@ -303,7 +321,7 @@ impl Core {
             };
             let hit_blocks = acquired
                 .hit_blocks
-                .max(seq.request.imported_blocks.min(full_blocks));
+                .max(seq.request.imported_blocks.min(seq.prompt_blocks));
             let hit_tokens = (hit_blocks * block_size).min(context);
             self.stats.prefix_queries += prompt_len as u64;
             self.stats.prefix_hits += (acquired.hit_blocks * block_size).min(prompt_len) as u64;
@@ -313,6 +331,7 @@ impl Core {
                 self.stats.prompt_tokens += prompt_len as u64;
             }
             prefill_tokens += context - hit_tokens;
+            self.stats.prefill_tokens_computed += (context - hit_tokens) as u64;
             seq.private_blocks = private;
             seq.holds_blocks = true;
             seq.just_admitted = true;
@@ -328,7 +347,7 @@ impl Core {
 
         if instant {
             let mut longest = 0usize;
-            for seq in std::mem::take(&mut self.running) {
+            for mut seq in std::mem::take(&mut self.running) {
                 let count = seq
                     .request
                     .output_tokens
@@ -342,12 +361,15 @@ impl Core {
                     .e2e
                     .observe(ttft.max(0.0) + per_token_s * (count - 1) as f64, 1);
                 self.stats.generation_tokens += count as u64;
+                seq.generated += count;
+                cache_filled_blocks(&mut self.cache, &mut seq, &mut self.hash_buffer);
                 outcome
                     .deliveries
                     .push((seq.request.events.clone(), SeqEvent::Tokens { count }));
                 self.finish(seq, &mut outcome);
             }
             outcome.duration = prefill_s + per_token_s * longest.saturating_sub(1) as f64;
+            self.stats.busy_seconds += outcome.duration;
             self.clock += outcome.duration;
             return outcome;
         }
@@ -360,8 +382,8 @@ impl Core {
                 continue;
             }
             let seq = &self.running[index];
-            let context = seq.request.tokens.len() + seq.generated + 1;
-            let have = seq.request.hashes.len() + seq.private_blocks;
+            let context = seq.request.prompt_len + seq.generated + 1;
+            let have = seq.hashes.len() + seq.private_blocks;
             let need = self.blocks_for(context).saturating_sub(have);
             if need > 0 {
                 loop {
@@ -394,11 +416,13 @@ impl Core {
             0.0
         };
         outcome.duration = (prefill_s + decode_s) * slow_factor.max(1.0);
+        self.stats.busy_seconds += outcome.duration;
         let end = self.clock + outcome.duration;
         let mut finished = Vec::new();
         for (index, seq) in self.running.iter_mut().enumerate() {
             seq.just_admitted = false;
             seq.generated += 1;
+            cache_filled_blocks(&mut self.cache, seq, &mut self.hash_buffer);
             outcome.progressed = true;
             match seq.first_token_at {
                 None => {
@@ -429,14 +453,16 @@ impl Core {
         let mut handoff_block_ids = Vec::new();
         match &seq.request.handoff {
             Some(handoff) if seq.holds_blocks => {
-                self.cache.release(&[], seq.private_blocks);
-                handoff_block_ids = self.cache.slots_of(&seq.request.hashes);
+                // the prompt's blocks stay pinned for the decode replica; the rest is freed
+                let (prompt, output) = seq.hashes.split_at(seq.prompt_blocks.min(seq.hashes.len()));
+                self.cache.release(output, seq.private_blocks);
+                handoff_block_ids = self.cache.slots_of(prompt);
                 let key = match handoff {
                     Handoff::Blocks => PinKey::Blocks(handoff_block_ids.clone()),
                     Handoff::Room(room) => PinKey::Room(*room),
                 };
                 let pin = Pin {
-                    hashes: seq.request.hashes.clone(),
+                    hashes: prompt.to_vec(),
                     deadline: Instant::now() + self.params.pin_timeout,
                 };
                 self.pins.entry(key).or_default().push(pin);
@@ -452,6 +478,28 @@ impl Core {
             },
         ));
     }
+}
+
+/// Hash and cache the blocks that the first `prompt_len + generated` tokens of `seq` fill and
+/// that it still holds as private blocks (tokens without a known id are never cached).
+fn cache_filled_blocks(cache: &mut KvCache, seq: &mut Seq, buffer: &mut Vec<u8>) {
+    let block_size = cache.block_size();
+    let context = (seq.request.prompt_len + seq.generated).min(seq.request.tokens.len());
+    let start = seq.hashes.len();
+    let filled = (context / block_size)
+        .saturating_sub(start)
+        .min(seq.private_blocks);
+    if filled == 0 {
+        return;
+    }
+    let covered = seq
+        .request
+        .tokens
+        .get(..(start + filled) * block_size)
+        .unwrap_or_default();
+    extend_chain(&mut seq.hashes, covered, block_size, buffer);
+    cache.promote(&seq.hashes, start, &seq.request.tokens);
+    seq.private_blocks -= seq.hashes.len() - start;
 }
 
 /// Run the engine loop until every command sender is dropped.
@@ -518,6 +566,7 @@ mod tests {
         let hashes = chain_hashes(&tokens, 4);
         let (events, rx) = mpsc::unbounded_channel();
         let request = SeqRequest {
+            prompt_len: tokens.len(),
             tokens,
             hashes,
             output_tokens: output,
@@ -526,6 +575,28 @@ mod tests {
             events,
         };
         (request, rx)
+    }
+
+    /// A request whose planned output ids are known, so its output blocks can be cached.
+    fn request_with_output(
+        seed: u32,
+        prompt_len: usize,
+        output: usize,
+    ) -> (SeqRequest, mpsc::UnboundedReceiver<SeqEvent>) {
+        let (mut request, rx) = request(seed, prompt_len, output);
+        request
+            .tokens
+            .extend((0..output as u32).map(|i| seed * 10_000 + 5_000 + i));
+        (request, rx)
+    }
+
+    fn cached_tokens(
+        deliveries: Vec<(mpsc::UnboundedSender<SeqEvent>, SeqEvent)>,
+    ) -> Option<usize> {
+        deliveries.into_iter().find_map(|(_, event)| match event {
+            SeqEvent::Done { cached_tokens, .. } => Some(cached_tokens),
+            _ => None,
+        })
     }
 
     fn drain(core: &mut Core) -> Vec<(mpsc::UnboundedSender<SeqEvent>, SeqEvent)> {
@@ -626,6 +697,111 @@ mod tests {
         assert_eq!(core.take_pin(&PinKey::Room(7)), Some(hashes));
         assert_eq!(core.cache.used_blocks(), 0);
         assert_eq!(core.take_pin(&PinKey::Room(7)), None);
+    }
+
+    #[test]
+    fn output_blocks_are_cached_as_they_fill_and_stay_cached() {
+        for time_scale in [0.0, 1.0] {
+            let mut core = Core::new(KvCache::new(4, 100, None), params(4, time_scale));
+            // 10 prompt + 9 output tokens: blocks 0..4 are full (16 tokens), the tail is private
+            let (req, _rx) = request_with_output(1, 10, 9);
+            let sequence = req.tokens.clone();
+            core.apply(Command::Submit(req));
+            let mut steps = 0;
+            while core.has_work() {
+                core.step(1.0);
+                steps += 1;
+                if time_scale > 0.0 && steps == 3 {
+                    // 10 + 3 generated tokens fill 3 blocks, no more
+                    assert_eq!(core.cache.cached_hashes().len(), 3);
+                }
+            }
+            assert_eq!(core.cache.used_blocks(), 0, "everything released");
+            let full = chain_hashes(&sequence, 4);
+            assert_eq!(full.len(), 4);
+            assert_eq!(
+                core.cache.cached_prefix_blocks(&full),
+                4,
+                "kept after finishing"
+            );
+
+            // the next turn repeats prompt and output, then adds more: it hits all 16 tokens
+            let mut next_tokens = sequence.clone();
+            next_tokens.extend([7, 8, 9]);
+            let (mut next, _rx) = request(2, 0, 2);
+            next.hashes = chain_hashes(&next_tokens, 4);
+            next.prompt_len = next_tokens.len();
+            next.tokens = next_tokens;
+            core.apply(Command::Submit(next));
+            let first = core.step(1.0);
+            let done = if time_scale > 0.0 {
+                cached_tokens(drain(&mut core))
+            } else {
+                cached_tokens(first.deliveries)
+            };
+            assert_eq!(done, Some(16));
+            assert_eq!(core.stats.prefill_tokens_computed, 10 + (22 - 16));
+        }
+    }
+
+    #[test]
+    fn identical_outputs_share_their_blocks() {
+        let mut core = Core::new(KvCache::new(4, 8, None), params(4, 1.0));
+        let (a, _rx_a) = request_with_output(1, 8, 8);
+        let (b, _rx_b) = request_with_output(1, 8, 8);
+        core.apply(Command::Submit(a));
+        core.apply(Command::Submit(b));
+        core.step(1.0);
+        // two sequences of 16 tokens in an 8-block cache: the shared prompt blocks plus one
+        // private tail each, and the output blocks dedupe as they fill
+        drain(&mut core);
+        assert_eq!(core.stats.requests_finished, 2);
+        assert_eq!(core.stats.preemptions, 0);
+        assert_eq!(core.cache.cached_hashes().len(), 4);
+        assert_eq!(core.cache.used_blocks(), 0);
+    }
+
+    #[test]
+    fn preempted_sequences_keep_their_cached_output_blocks() {
+        // 5 blocks of 4 tokens; two sequences that each need 4 blocks at the end
+        let mut core = Core::new(KvCache::new(4, 5, None), params(4, 1.0));
+        let (a, _rx_a) = request_with_output(1, 6, 10);
+        let (b, _rx_b) = request_with_output(2, 6, 10);
+        let (seq_a, seq_b) = (a.tokens.clone(), b.tokens.clone());
+        core.apply(Command::Submit(a));
+        core.apply(Command::Submit(b));
+        drain(&mut core);
+        assert!(core.stats.preemptions >= 1);
+        assert_eq!(core.stats.requests_finished, 2);
+        assert_eq!(core.stats.generation_tokens, 20);
+        assert_eq!(core.cache.used_blocks(), 0);
+        // the sequence that finished last is fully cached
+        let cached = [&seq_a, &seq_b]
+            .map(|tokens| core.cache.cached_prefix_blocks(&chain_hashes(tokens, 4)));
+        assert!(cached.contains(&4), "{cached:?}");
+    }
+
+    #[test]
+    fn handoffs_pin_only_the_prompt_blocks_and_busy_time_adds_up() {
+        let mut core = Core::new(KvCache::new(4, 100, None), params(4, 0.0));
+        // 11 prompt tokens + 1 generated token fill a third block, which is not handed off
+        let (mut req, _rx) = request_with_output(1, 11, 1);
+        req.handoff = Some(Handoff::Blocks);
+        let prompt_hashes = req.hashes.clone();
+        core.apply(Command::Submit(req));
+        let outcome = core.step(1.0);
+        assert_eq!(core.cache.cached_hashes().len(), 3);
+        assert_eq!(
+            core.cache.used_blocks(),
+            2,
+            "only the prompt blocks stay pinned"
+        );
+        let ids = core.cache.slots_of(&prompt_hashes);
+        assert_eq!(core.take_pin(&PinKey::Blocks(ids)), Some(prompt_hashes));
+        // 11 tokens at 1000 tokens/s, a single token decodes within the prefill step
+        assert!((outcome.duration - 0.011).abs() < 1e-9);
+        assert!((core.stats.busy_seconds - outcome.duration).abs() < 1e-12);
+        assert_eq!(core.stats.prefill_tokens_computed, 11);
     }
 
     #[test]

@@ -7,11 +7,18 @@
 //! schema-valid JSON; reasoning requests get a short `reasoning_content` first. The plan is a list
 //! of pieces, one per token, which the engine's token events reveal in order; `max_tokens` cuts the
 //! list (finish reason `length`), `ignore_eos` pads it to `max_tokens`.
+//!
+//! The pieces spell out exactly what the chat template renders for the answer when it comes back
+//! in the history: reasoning wrapped in [`THINK_OPEN`]/[`THINK_CLOSE`], the content, and a tool call
+//! wrapped in [`tool_call_open`]/[`TOOL_CALL_CLOSE`]. The wrapping is [`Channel::Markup`]: counted
+//! and cached like any token, never shown. [`OutputPlan::token_ids`] are therefore the ids the next
+//! turn's prompt repeats, which is what lets the engine's cache hit through the previous answer.
+//! Integer schema fields (`"type": "integer"`) always get integers; only `"number"` gets decimals.
 
 use serde_json::{Map, Number, Value};
 
-use crate::template::content_text;
-use crate::tokenizer::split_pieces;
+use crate::template::{content_text, tool_call_open, THINK_CLOSE, THINK_OPEN, TOOL_CALL_CLOSE};
+use crate::tokenizer::{piece_id, split_pieces};
 
 const WORDS: &[&str] = &[
     "the", "model", "cache", "token", "request", "replica", "prefix", "block", "stream", "agent",
@@ -28,10 +35,12 @@ pub enum Channel {
     Reasoning,
     /// `content`.
     Content,
-    /// The tool call's header (id, type, name); carries no text.
+    /// The first token of a tool call; reveals its header (id, type, name), shows no text.
     ToolHeader,
     /// A fragment of the tool call's `arguments`.
     ToolArguments,
+    /// Template markup around reasoning and tool calls: a real token, never shown.
+    Markup,
 }
 
 /// A planned tool call.
@@ -62,6 +71,19 @@ impl OutputPlan {
         } else {
             self.finish_reason
         }
+    }
+
+    /// Token ids of the pieces, one per piece, as the tokenizer gives them for the rendered answer.
+    pub fn token_ids(&self) -> impl ExactSizeIterator<Item = u32> + '_ {
+        self.pieces.iter().map(|(_, piece)| piece_id(piece))
+    }
+
+    /// Whether the first `generated` pieces include the start of the tool call.
+    pub fn tool_call_started(&self, generated: usize) -> bool {
+        self.pieces
+            .iter()
+            .take(generated)
+            .any(|(channel, _)| *channel == Channel::ToolHeader)
     }
 
     /// Concatenated text of the first `generated` pieces of `channel`.
@@ -151,7 +173,9 @@ pub fn plan(
     };
     if request.reasoning {
         let text = format!("Thinking: {}.", words(&mut rng, (natural / 4).max(3)));
+        push_text(&mut pieces, Channel::Markup, THINK_OPEN);
         push_text(&mut pieces, Channel::Reasoning, &text);
+        push_text(&mut pieces, Channel::Markup, THINK_CLOSE);
     }
 
     let last = request.messages.last();
@@ -210,8 +234,13 @@ pub fn plan(
             .unwrap_or_else(|| serde_json::json!({"type":"object"}));
         let arguments = instance(&schema, &mut rng, 0).to_string();
         let id = format!("chatcmpl-tool-{:016x}{:016x}", rng.u64(..), rng.u64(..));
-        pieces.push((Channel::ToolHeader, String::new()));
+        let header_at = pieces.len();
+        push_text(&mut pieces, Channel::Markup, &tool_call_open(&name));
+        if let Some((channel, _)) = pieces.get_mut(header_at) {
+            *channel = Channel::ToolHeader;
+        }
         push_text(&mut pieces, Channel::ToolArguments, &arguments);
+        push_text(&mut pieces, Channel::Markup, TOOL_CALL_CLOSE);
         tool_call = Some(PlannedToolCall { id, name });
         finish_reason = "tool_calls";
     } else {
@@ -295,13 +324,12 @@ pub fn instance(schema: &Value, rng: &mut fastrand::Rng, depth: usize) -> Value 
         }
     }
     if let Some(parts) = schema.get("allOf").and_then(Value::as_array) {
-        let mut merged = Map::new();
-        for part in parts {
-            if let Value::Object(object) = instance(part, rng, depth) {
-                merged.extend(object);
-            }
+        let mut merged = schema.clone();
+        merged.remove("allOf");
+        for part in parts.iter().filter_map(Value::as_object) {
+            merge_schema(&mut merged, part);
         }
-        return Value::Object(merged);
+        return instance(&Value::Object(merged), rng, depth + 1);
     }
     let kind = match schema.get("type") {
         Some(Value::String(kind)) => kind.as_str(),
@@ -312,6 +340,7 @@ pub fn instance(schema: &Value, rng: &mut fastrand::Rng, depth: usize) -> Value 
             .unwrap_or("null"),
         _ if schema.contains_key("properties") => "object",
         _ if schema.contains_key("items") => "array",
+        _ if schema.contains_key("minimum") || schema.contains_key("maximum") => "number",
         _ => "string",
     };
     match kind {
@@ -345,27 +374,8 @@ pub fn instance(schema: &Value, rng: &mut fastrand::Rng, depth: usize) -> Value 
                     .collect(),
             )
         }
-        "integer" => {
-            let min = schema.get("minimum").and_then(Value::as_i64).unwrap_or(0);
-            let max = schema
-                .get("maximum")
-                .and_then(Value::as_i64)
-                .unwrap_or(min.saturating_add(100))
-                .max(min);
-            Value::Number(Number::from(rng.i64(min..=max)))
-        }
-        "number" => {
-            let min = schema.get("minimum").and_then(Value::as_f64).unwrap_or(0.0);
-            let max = schema
-                .get("maximum")
-                .and_then(Value::as_f64)
-                .unwrap_or(min + 100.0)
-                .max(min);
-            let value = ((min + rng.f64() * (max - min)) * 100.0).round() / 100.0;
-            Number::from_f64(value.clamp(min, max))
-                .map(Value::Number)
-                .unwrap_or(Value::Null)
-        }
+        "integer" => Value::Number(Number::from(integer_instance(schema, rng))),
+        "number" => number_instance(schema, rng),
         "boolean" => Value::Bool(rng.bool()),
         "null" => Value::Null,
         _ => {
@@ -394,6 +404,131 @@ pub fn instance(schema: &Value, rng: &mut fastrand::Rng, depth: usize) -> Value 
             Value::String(text)
         }
     }
+}
+
+/// Fold the constraints of an `allOf` part into `merged`: properties and `required` are united,
+/// other keywords are taken from the part unless `merged` already has them.
+fn merge_schema(merged: &mut Map<String, Value>, part: &Map<String, Value>) {
+    for (key, value) in part {
+        match (key.as_str(), merged.get_mut(key), value) {
+            ("properties", Some(Value::Object(into)), Value::Object(from)) => {
+                for (name, property) in from {
+                    into.entry(name.clone()).or_insert_with(|| property.clone());
+                }
+            }
+            ("required", Some(Value::Array(into)), Value::Array(from)) => {
+                for name in from {
+                    if !into.contains(name) {
+                        into.push(name.clone());
+                    }
+                }
+            }
+            (_, Some(_), _) => {}
+            (_, None, _) => {
+                merged.insert(key.clone(), value.clone());
+            }
+        }
+    }
+}
+
+/// The lower (`minimum`/`exclusiveMinimum`) or upper (`maximum`/`exclusiveMaximum`) bound of a
+/// numeric schema and whether it is exclusive, in both the draft-4 (`exclusiveMinimum: true` next
+/// to `minimum`) and the draft-6+ (`exclusiveMinimum: 3`) forms; the tighter bound wins.
+fn numeric_bound(schema: &Map<String, Value>, lower: bool) -> Option<(f64, bool)> {
+    let (inclusive, exclusive) = if lower {
+        ("minimum", "exclusiveMinimum")
+    } else {
+        ("maximum", "exclusiveMaximum")
+    };
+    let bound = schema.get(inclusive).and_then(Value::as_f64);
+    match schema.get(exclusive) {
+        Some(Value::Number(value)) => {
+            let value = value.as_f64()?;
+            match bound {
+                Some(bound) if (lower && bound > value) || (!lower && bound < value) => {
+                    Some((bound, false))
+                }
+                _ => Some((value, true)),
+            }
+        }
+        Some(Value::Bool(true)) => bound.map(|bound| (bound, true)),
+        _ => bound.map(|bound| (bound, false)),
+    }
+}
+
+/// An integer within `minimum`/`maximum` (inclusive or exclusive, integral or not) that is a
+/// multiple of an integral `multipleOf`; a range of 100 from whichever bound is given.
+fn integer_instance(schema: &Map<String, Value>, rng: &mut fastrand::Rng) -> i64 {
+    // `as` saturates out-of-range floats, which is the clamping wanted here
+    let low = numeric_bound(schema, true).map(|(value, exclusive)| {
+        if exclusive {
+            value.floor() as i64 + 1
+        } else {
+            value.ceil() as i64
+        }
+    });
+    let high = numeric_bound(schema, false).map(|(value, exclusive)| {
+        if exclusive {
+            value.ceil() as i64 - 1
+        } else {
+            value.floor() as i64
+        }
+    });
+    let (low, high) = match (low, high) {
+        (Some(low), Some(high)) => (low, high.max(low)),
+        (Some(low), None) => (low, low.saturating_add(100)),
+        (None, Some(high)) => (
+            high.min(0).saturating_sub(if high < 0 { 100 } else { 0 }),
+            high,
+        ),
+        (None, None) => (0, 100),
+    };
+    let step = schema
+        .get("multipleOf")
+        .and_then(Value::as_f64)
+        .filter(|step| *step >= 1.0 && step.fract() == 0.0)
+        .map(|step| step as i64)
+        .unwrap_or(1);
+    let first = low.div_euclid(step) + i64::from(low.rem_euclid(step) != 0);
+    let last = high.div_euclid(step);
+    if first > last {
+        return low;
+    }
+    rng.i64(first..=last).saturating_mul(step)
+}
+
+/// A number within `minimum`/`maximum` (inclusive or exclusive), rounded to two decimals, or to a
+/// multiple of `multipleOf` when given.
+fn number_instance(schema: &Map<String, Value>, rng: &mut fastrand::Rng) -> Value {
+    let low = numeric_bound(schema, true);
+    let high = numeric_bound(schema, false);
+    let (min, max) = match (low, high) {
+        (Some((low, _)), Some((high, _))) => (low, high.max(low)),
+        (Some((low, _)), None) => (low, low + 100.0),
+        (None, Some((high, _))) => (high.min(0.0) - if high < 0.0 { 100.0 } else { 0.0 }, high),
+        (None, None) => (0.0, 100.0),
+    };
+    let raw = min + rng.f64() * (max - min);
+    let mut value = match schema
+        .get("multipleOf")
+        .and_then(Value::as_f64)
+        .filter(|step| *step > 0.0)
+    {
+        Some(step) => (raw / step).round() * step,
+        None => (raw * 100.0).round() / 100.0,
+    };
+    if value < min || value > max {
+        value = raw;
+    }
+    let excluded = |bound: Option<(f64, bool)>, value: f64| {
+        bound.is_some_and(|(bound, exclusive)| exclusive && value == bound)
+    };
+    if excluded(low, value) || excluded(high, value) {
+        value = (min + max) / 2.0;
+    }
+    Number::from_f64(value)
+        .map(Value::Number)
+        .unwrap_or(Value::Null)
 }
 
 #[cfg(test)]
@@ -468,6 +603,106 @@ mod tests {
         );
         let missing = json!({"type":"function","function":{"name":"nope"}});
         assert!(plan(&request(&plain, &tools, Some(&missing)), 1, 16).is_err());
+    }
+
+    #[test]
+    fn integer_fields_get_integers_and_only_numbers_get_decimals() {
+        let schema = json!({"type": "object", "properties": {
+            "plain": {"type": "integer"},
+            "float_bounds": {"type": "integer", "minimum": 1.5, "maximum": 4.5},
+            "exclusive": {"type": "integer", "exclusiveMinimum": 2, "exclusiveMaximum": 5},
+            "draft4": {"type": "integer", "minimum": 2, "exclusiveMinimum": true, "maximum": 3},
+            "negative": {"type": "integer", "maximum": -10},
+            "step": {"type": "integer", "minimum": 1, "maximum": 100, "multipleOf": 7},
+            "nullable": {"type": ["integer", "null"], "minimum": 0, "maximum": 3},
+            "any": {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": 5, "maximum": 6}]},
+            "all": {"allOf": [{"type": "integer"}, {"minimum": 10, "maximum": 12}]},
+            "list": {"type": "array", "items": {"type": "integer"}},
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+            "open": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.01},
+            "merged": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                                  {"properties": {"b": {"type": "string"}}}]}}});
+        let mut decimals = 0;
+        for seed in 0..300 {
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let value = instance(&schema, &mut rng, 0);
+            // the text is what a client parses: an integer field must not print as `3.0`
+            let reparsed: Value = serde_json::from_str(&value.to_string()).unwrap_or_default();
+            let int = |key: &str| {
+                let field = &reparsed[key];
+                assert!(field.is_i64(), "{key} is not an integer: {reparsed}");
+                field.as_i64().unwrap_or_default()
+            };
+            int("plain");
+            assert!((2..=4).contains(&int("float_bounds")), "{reparsed}");
+            assert!((3..=4).contains(&int("exclusive")), "{reparsed}");
+            assert_eq!(int("draft4"), 3);
+            assert!(int("negative") <= -10);
+            let step = int("step");
+            assert!(step % 7 == 0 && (7..=98).contains(&step), "{step}");
+            assert!((0..=3).contains(&int("nullable")));
+            assert!((5..=6).contains(&int("any")));
+            assert!((10..=12).contains(&int("all")));
+            let list = reparsed["list"].as_array().cloned().unwrap_or_default();
+            assert!(
+                !list.is_empty() && list.iter().all(Value::is_i64),
+                "{reparsed}"
+            );
+            let ratio = reparsed["ratio"].as_f64().unwrap_or(-1.0);
+            assert!((0.0..=1.0).contains(&ratio));
+            decimals += usize::from(ratio.fract() != 0.0);
+            let open = reparsed["open"].as_f64().unwrap_or(-1.0);
+            assert!(open > 0.0 && open < 0.01, "{open}");
+            assert!(reparsed["merged"]["a"].is_i64() && reparsed["merged"]["b"].is_string());
+        }
+        assert!(
+            decimals > 100,
+            "numbers do get decimals ({decimals} of 300)"
+        );
+    }
+
+    #[test]
+    fn the_output_spells_out_the_rendered_answer() {
+        use crate::template::render_chat;
+        use crate::tokenizer::tokenize;
+        let tools = [
+            json!({"type":"function","function":{"name":"get_weather","parameters":{
+            "type":"object","properties":{"city":{"type":"string"},"days":{"type":"integer"}}}}}),
+        ];
+        let history = vec![json!({"role":"user","content":"get_weather in Paris"})];
+        let choice = json!("auto");
+        for reasoning in [false, true] {
+            let mut req = request(&history, &tools, Some(&choice));
+            req.reasoning = reasoning;
+            let out = plan(&req, 5, 16).unwrap_or_else(|e| panic!("{e}"));
+            let call = out
+                .tool_call
+                .clone()
+                .unwrap_or_else(|| panic!("a tool call"));
+            let mut answer = json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": call.id, "type": "function", "function": {
+                    "name": call.name, "arguments": out.text(Channel::ToolArguments, usize::MAX)}}]});
+            if reasoning {
+                answer["reasoning_content"] = json!(out.text(Channel::Reasoning, usize::MAX));
+            }
+            let before = tokenize(&render_chat(&history, Some(&tools)));
+            let mut after = history.clone();
+            after.push(answer);
+            let after = tokenize(&render_chat(&after, Some(&tools)));
+            let generated: Vec<u32> = out.token_ids().collect();
+            assert_eq!(
+                after.get(before.len()..before.len() + generated.len()),
+                Some(generated.as_slice()),
+                "the rendered answer repeats the generated tokens (reasoning: {reasoning})"
+            );
+            assert_eq!(
+                out.pieces
+                    .iter()
+                    .filter(|(c, _)| *c == Channel::ToolHeader)
+                    .count(),
+                1
+            );
+        }
     }
 
     #[test]

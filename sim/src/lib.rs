@@ -13,10 +13,13 @@
 //! 3. [`cache::chain_hashes`] hashes the prompt's full blocks into a chain, like vLLM;
 //! 4. [`generate`] decides the whole output up front, deterministically from `--seed`, the
 //!    request's `seed` and the prompt: text, a tool call with schema-valid arguments, or JSON for
-//!    `response_format`, as one piece per token;
+//!    `response_format`, as one piece per token, including the template markup the chat template
+//!    renders around reasoning and tool calls, so the output's token ids are exactly what the next
+//!    turn's prompt repeats;
 //! 5. [`engine`] (one tokio task owning the [`cache::KvCache`] and the scheduler) admits the
 //!    sequence under continuous batching, charges prefill time for the *uncached* tokens only,
-//!    decodes one token per step for every running sequence, preempts when blocks run out, and
+//!    decodes one token per step for every running sequence, caches each block that generated
+//!    tokens fill (so the next turn hits through the answer), preempts when blocks run out, and
 //!    reports tokens back in events; `cached_tokens` in `usage` is what the cache already held;
 //! 6. [`server`] turns those events into a JSON response or SSE chunks, applying [`faults`].
 //!

@@ -2,6 +2,14 @@
 //!
 //! Latencies are in *simulated* seconds (independent of `--time-scale`). Every series carries the
 //! `model_name` label, as in the engines.
+//!
+//! Both flavors also expose the simulator's own counters, for benchmarks that compare routing
+//! policies by the work the engines did:
+//! - `agentgate_sim_engine_busy_seconds_total`: simulated seconds spent running engine steps
+//!   (prefill + decode), counted once per step whatever the batch size;
+//! - `agentgate_sim_prefill_tokens_computed_total`: prompt tokens actually prefilled, i.e. not
+//!   served from the prefix cache (blocks transferred to a decode replica count as cached;
+//!   tokens recomputed after a preemption count again).
 
 use std::fmt::Write;
 
@@ -97,6 +105,11 @@ pub struct Stats {
     pub preemptions: u64,
     /// Finished requests.
     pub requests_finished: u64,
+    /// Simulated seconds spent running engine steps (prefill + decode, once per step).
+    pub busy_seconds: f64,
+    /// Prompt (and, after preemption, recomputed) tokens prefilled rather than served from the
+    /// cache or transferred from a prefill replica.
+    pub prefill_tokens_computed: u64,
     /// Time to first token, simulated seconds.
     pub ttft: Histogram,
     /// Inter-token latency, simulated seconds.
@@ -114,6 +127,8 @@ impl Default for Stats {
             prefix_hits: 0,
             preemptions: 0,
             requests_finished: 0,
+            busy_seconds: 0.0,
+            prefill_tokens_computed: 0,
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
@@ -140,6 +155,26 @@ fn scalar(out: &mut String, kind: &str, name: &str, help: &str, labels: &str, va
     let _ = writeln!(
         out,
         "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{labels}}} {value:?}"
+    );
+}
+
+/// The simulator's own counters, the same in both flavors.
+fn render_sim_counters(out: &mut String, stats: &Stats, labels: &str) {
+    scalar(
+        out,
+        "counter",
+        "agentgate_sim_engine_busy_seconds_total",
+        "Simulated seconds the engine spent running steps (prefill + decode), once per step regardless of batch size.",
+        labels,
+        stats.busy_seconds,
+    );
+    scalar(
+        out,
+        "counter",
+        "agentgate_sim_prefill_tokens_computed_total",
+        "Prompt tokens prefilled, i.e. not served from the prefix cache or transferred from a prefill replica.",
+        labels,
+        stats.prefill_tokens_computed as f64,
     );
 }
 
@@ -267,6 +302,7 @@ pub fn render(flavor: Flavor, model: &str, stats: &Stats, gauges: Gauges) -> Str
                 &info,
                 1.0,
             );
+            render_sim_counters(&mut out, stats, l);
         }
         Flavor::Sglang => {
             let labels = format!("model_name=\"{model}\"");
@@ -358,6 +394,7 @@ pub fn render(flavor: Flavor, model: &str, stats: &Stats, gauges: Gauges) -> Str
                 "Histogram of End-to-end request latency in seconds",
                 l,
             );
+            render_sim_counters(&mut out, stats, l);
         }
     }
     out
@@ -401,5 +438,41 @@ mod tests {
         assert!(text.contains("num_gpu_blocks=\"64\""));
         let text = render(Flavor::Sglang, "m", &Stats::default(), gauges);
         assert!(text.contains("sglang:num_queue_reqs{model_name=\"m\"} 2.0"));
+    }
+
+    #[test]
+    fn sim_counters_are_exposed_in_both_flavors() {
+        let gauges = Gauges {
+            running: 0,
+            waiting: 0,
+            kv_usage: 0.0,
+            block_size: 16,
+            num_blocks: 64,
+        };
+        let stats = Stats {
+            busy_seconds: 1.5,
+            prefill_tokens_computed: 42,
+            ..Stats::default()
+        };
+        for (flavor, labels) in [
+            (Flavor::Vllm, "engine=\"0\",model_name=\"m\""),
+            (Flavor::Sglang, "model_name=\"m\""),
+        ] {
+            let text = render(flavor, "m", &stats, gauges);
+            for (name, value) in [
+                ("agentgate_sim_engine_busy_seconds_total", "1.5"),
+                ("agentgate_sim_prefill_tokens_computed_total", "42.0"),
+            ] {
+                assert!(text.contains(&format!("# HELP {name} ")), "{name} HELP");
+                assert!(
+                    text.contains(&format!("# TYPE {name} counter\n")),
+                    "{name} TYPE"
+                );
+                assert!(
+                    text.contains(&format!("{name}{{{labels}}} {value}\n")),
+                    "{name} value in:\n{text}"
+                );
+            }
+        }
     }
 }

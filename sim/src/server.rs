@@ -556,8 +556,13 @@ async fn run(state: Shared, prepared: Prepared) -> Result<Response, ApiError> {
         }
     };
     let (events_tx, events) = mpsc::unbounded_channel();
+    // the whole sequence the engine will hold: the prompt, then the planned output tokens
+    let mut tokens = Vec::with_capacity(prepared.tokens.len() + prepared.plan.pieces.len());
+    tokens.extend_from_slice(&prepared.tokens);
+    tokens.extend(prepared.plan.token_ids());
     let request = SeqRequest {
-        tokens: prepared.tokens.clone(),
+        prompt_len: prepared.tokens.len(),
+        tokens,
         hashes,
         output_tokens: prepared.plan.pieces.len().max(1),
         imported_blocks,
@@ -673,6 +678,7 @@ async fn complete_response(
             let tool_calls: Vec<Value> = plan
                 .tool_call
                 .iter()
+                .filter(|_| plan.tool_call_started(generated))
                 .map(|call| {
                     json!({"id": call.id, "type": "function", "function": {
                         "name": call.name, "arguments": plan.text(Channel::ToolArguments, generated)}})
@@ -767,11 +773,21 @@ fn chunk(prepared: &Prepared, created: u64, choice: Value) -> Value {
     json!({"id": prepared.id, "object": object, "created": created, "model": prepared.model, "choices": [choice]})
 }
 
-fn piece_choice(prepared: &Prepared, channel: Channel, text: &str, finish: Option<&str>) -> Value {
+/// The chunk choice revealing one piece; `None` for a hidden piece that does not end the output.
+fn piece_choice(
+    prepared: &Prepared,
+    channel: Channel,
+    text: &str,
+    finish: Option<&str>,
+) -> Option<Value> {
     if prepared.api == Api::Completion {
-        return json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null});
+        return Some(
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null}),
+        );
     }
     let delta = match channel {
+        Channel::Markup if finish.is_none() => return None,
+        Channel::Markup => json!({}),
         Channel::Reasoning => json!({"reasoning_content": text}),
         Channel::Content => json!({"content": text}),
         Channel::ToolHeader => {
@@ -787,7 +803,9 @@ fn piece_choice(prepared: &Prepared, channel: Channel, text: &str, finish: Optio
             json!({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
         }
     };
-    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish, "stop_reason": null})
+    Some(
+        json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish, "stop_reason": null}),
+    )
 }
 
 fn stream_response(
@@ -830,11 +848,9 @@ fn stream_response(
                         };
                         let finish =
                             (index + 1 == total).then(|| prepared.plan.finish_reason_after(total));
-                        send!(chunk(
-                            &prepared,
-                            state.created,
-                            piece_choice(&prepared, *channel, text, finish)
-                        ));
+                        if let Some(choice) = piece_choice(&prepared, *channel, text, finish) {
+                            send!(chunk(&prepared, state.created, choice));
+                        }
                     }
                     generated = end;
                 }

@@ -5,8 +5,26 @@
 //! `<tool_call>{"name":..,"arguments":..}</tool_call>` lines, tool results as a `tool` turn, and
 //! finally the generation prompt `<|im_start|>assistant\n`. Rendering a longer history of the same
 //! conversation therefore only appends to the previous prompt, so its KV blocks are reused.
+//!
+//! An assistant message in the history renders as exactly the text the model generated for it
+//! after the generation prompt: [`THINK_OPEN`] reasoning [`THINK_CLOSE`], the content, then each
+//! tool call as [`tool_call_open`] arguments [`TOOL_CALL_CLOSE`]. The generator
+//! ([`crate::generate`]) emits the same markup as (hidden) tokens, so the next turn's prompt
+//! repeats the previous prompt and output token for token and hits the cache through the answer.
 
 use serde_json::Value;
+
+/// Opens the reasoning part of an assistant turn.
+pub const THINK_OPEN: &str = "<think>";
+/// Closes the reasoning part of an assistant turn.
+pub const THINK_CLOSE: &str = "</think>\n";
+/// Closes one tool call of an assistant turn.
+pub const TOOL_CALL_CLOSE: &str = "}</tool_call>";
+
+/// The text that opens a tool call of function `name`, up to where its arguments begin.
+pub fn tool_call_open(name: &str) -> String {
+    format!("\n<tool_call>{{\"name\":\"{name}\",\"arguments\":")
+}
 
 /// Text of a message `content`: a string, or the text parts of an array of content parts.
 pub fn content_text(content: &Value) -> String {
@@ -57,9 +75,9 @@ pub fn render_chat(messages: &[Value], tools: Option<&[Value]>) -> String {
             .or_else(|| message.get("reasoning"))
             .and_then(Value::as_str)
         {
-            out.push_str("<think>");
+            out.push_str(THINK_OPEN);
             out.push_str(reasoning);
-            out.push_str("</think>\n");
+            out.push_str(THINK_CLOSE);
         }
         if let Some(content) = message.get("content") {
             out.push_str(&content_text(content));
@@ -72,11 +90,9 @@ pub fn render_chat(messages: &[Value], tools: Option<&[Value]>) -> String {
                     .get("arguments")
                     .and_then(Value::as_str)
                     .unwrap_or("{}");
-                out.push_str("\n<tool_call>{\"name\":\"");
-                out.push_str(name);
-                out.push_str("\",\"arguments\":");
+                out.push_str(&tool_call_open(name));
                 out.push_str(arguments);
-                out.push_str("}</tool_call>");
+                out.push_str(TOOL_CALL_CLOSE);
             }
         }
         out.push_str("<|im_end|>\n");

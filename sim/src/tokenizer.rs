@@ -7,6 +7,11 @@
 //! "words + punctuation marks, long words split every 12 characters".
 //! Concatenating the pieces of a text gives the text back exactly, which is how generated output
 //! is streamed one token per chunk.
+//!
+//! Whitespace never changes an id, so tokenizing `a + b` gives the tokens of `a` followed by those
+//! of `b` unless a word runs across the seam (`a` ends and `b` starts with a letter, digit or `_`).
+//! The generator relies on this: the output it plans piece by piece retokenizes, inside the next
+//! turn's prompt, to the same ids.
 
 /// Size of the simulated vocabulary; token ids are below this.
 pub const VOCAB_SIZE: u64 = 151_936;
@@ -57,9 +62,10 @@ pub fn split_pieces(text: &str) -> Vec<&str> {
     pieces
 }
 
-/// Token id of one piece (leading whitespace ignored).
+/// Token id of one piece (surrounding whitespace ignored, so a piece's id does not depend on
+/// whether it ends its text).
 pub fn piece_id(piece: &str) -> u32 {
-    let trimmed = piece.trim_start();
+    let trimmed = piece.trim();
     (xxhash_rust::xxh3::xxh3_64(trimmed.as_bytes()) % VOCAB_SIZE) as u32
 }
 
@@ -90,5 +96,35 @@ mod tests {
         assert_eq!(tokenize("same words"), tokenize("same   words"));
         assert_ne!(tokenize("alpha"), tokenize("beta"));
         assert!(tokenize("   ").is_empty());
+    }
+
+    #[test]
+    fn text_tokenizes_piecewise_when_no_word_runs_across_the_seam() {
+        let parts = [
+            "<|im_start|>assistant\n",
+            "<think>",
+            "Thinking: cache block.",
+            "</think>\n",
+            "Works here.",
+            " and then",
+            "\n<tool_call>{\"name\":\"read_file\",\"arguments\":",
+            "{\"path\":\"abcdefghijklmnopqrstuvwxyz\",\"n\":42}",
+            "}</tool_call>",
+            "<|im_end|>\n",
+        ];
+        let whole: Vec<u32> = tokenize(&parts.concat());
+        let piecewise: Vec<u32> = parts.iter().flat_map(|part| tokenize(part)).collect();
+        assert_eq!(whole, piecewise);
+        let from_pieces: Vec<u32> = parts
+            .iter()
+            .flat_map(|part| split_pieces(part))
+            .map(piece_id)
+            .collect();
+        assert_eq!(whole, from_pieces);
+        assert_eq!(piece_id(">\n"), piece_id(">"));
+        assert_ne!(
+            tokenize("ab").len(),
+            [tokenize("a"), tokenize("b")].concat().len()
+        );
     }
 }

@@ -1,5 +1,6 @@
 //! End to end: a simulator publishing vLLM KV events over ZMQ to a bound SUB socket; replaying
-//! every received event must reproduce exactly the simulator's cached block set, evictions included.
+//! every received event must reproduce exactly the simulator's cached block set, evictions and
+//! blocks filled by generated tokens included, with an instant and with a timed engine.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -7,6 +8,7 @@ use std::time::Duration;
 use agentgate_sim::kv_events::{decode_payload, KvEvent, KvEventBatch};
 use agentgate_sim::SimConfig;
 use futures_util::StreamExt;
+use serde_json::json;
 use zeromq::{Socket, SocketEvent, SocketRecv};
 
 /// A decoded frame: its sequence number and payload.
@@ -62,6 +64,15 @@ fn prompt(family: usize, variant: usize, words: usize) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayed_events_match_the_cache_exactly() {
+    replay_scenario(0.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_events_match_the_cache_of_a_timed_engine() {
+    replay_scenario(0.0001).await;
+}
+
+async fn replay_scenario(time_scale: f64) {
     // The consumer binds; a simulator given a specific tcp://host:port connects, as vLLM does.
     let mut sub = zeromq::SubSocket::new();
     let mut sub_events = sub.monitor();
@@ -77,7 +88,7 @@ async fn replayed_events_match_the_cache_exactly() {
         kv_events_topic: "kv@sim".into(),
         block_size: 4,
         kv_blocks: 48,
-        time_scale: 0.0,
+        time_scale,
         ..SimConfig::default()
     };
     let sim = agentgate_sim::spawn(config).await.expect("spawn simulator");
@@ -108,6 +119,30 @@ async fn replayed_events_match_the_cache_exactly() {
         chat(&client, &base_url, &prompt(round % 5, round, 24)).await;
     }
     stream.settle(&mut frames, &sim).await;
+    // two-turn conversations: the second turn hits blocks filled by the first turn's answer
+    let mut hit_an_answer = false;
+    for round in 0..4 {
+        let first_turn = vec![json!({"role": "user", "content": prompt(7, round, 10)})];
+        let answer = send(&client, &base_url, &first_turn, 9).await;
+        let (prompt_tokens, output_tokens) = (
+            answer["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+            answer["usage"]["completion_tokens"].as_u64().unwrap_or(0),
+        );
+        let mut second_turn = first_turn.clone();
+        second_turn.push(json!({"role": "assistant",
+            "content": answer["choices"][0]["message"]["content"]}));
+        second_turn.push(json!({"role": "user", "content": "more"}));
+        let next = send(&client, &base_url, &second_turn, 3).await;
+        let cached = next["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        hit_an_answer |= cached > prompt_tokens / 4 * 4 && cached <= prompt_tokens + output_tokens;
+    }
+    assert!(
+        hit_an_answer,
+        "second turns hit blocks of the first turns' answers"
+    );
+    stream.settle(&mut frames, &sim).await;
     assert!(stream.removed > 0, "the small cache evicted blocks");
     assert!(!stream.cached.is_empty(), "some blocks stay cached");
 
@@ -132,10 +167,26 @@ async fn replayed_events_match_the_cache_exactly() {
 
 /// Send one small non-streaming chat completion and insist it succeeds.
 async fn chat(client: &reqwest::Client, base_url: &str, content: &str) {
-    let body = serde_json::json!({
+    send(
+        client,
+        base_url,
+        &[json!({"role": "user", "content": content})],
+        3,
+    )
+    .await;
+}
+
+/// Send `messages` as a non-streaming chat completion, insist it succeeds, return the response.
+async fn send(
+    client: &reqwest::Client,
+    base_url: &str,
+    messages: &[serde_json::Value],
+    max_tokens: usize,
+) -> serde_json::Value {
+    let body = json!({
         "model": "sim-model",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 3,
+        "messages": messages,
+        "max_tokens": max_tokens,
     });
     let response = client
         .post(format!("{base_url}/v1/chat/completions"))
@@ -146,6 +197,7 @@ async fn chat(client: &reqwest::Client, base_url: &str, content: &str) {
     let status = response.status();
     let text = response.text().await.expect("chat body");
     assert!(status.is_success(), "chat request failed: {status} {text}");
+    serde_json::from_str(&text).expect("chat response is JSON")
 }
 
 /// The cache as seen by a consumer of the event stream.
