@@ -316,6 +316,12 @@ impl Config {
                 ));
             }
             for (j, ep) in pool.endpoints.iter().enumerate() {
+                if ep.starts_with("https://") && !cfg!(feature = "upstream-tls") {
+                    return Err(err(
+                        format!("pools[{i}].endpoints[{j}]"),
+                        "https:// engines need a build with TLS: `cargo build --release --features upstream-tls`",
+                    ));
+                }
                 let ok = (ep.starts_with("http://") || ep.starts_with("https://"))
                     && ep.len() > "http://".len() + 1;
                 if !ok {

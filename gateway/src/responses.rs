@@ -114,6 +114,7 @@ fn resolve_item_references(items: Vec<Value>, history: &[Value]) -> Result<Vec<V
 /// A resolved turn before it runs: pool, history, translated plan.
 struct Prepared {
     pool: Arc<Pool>,
+    history: Vec<Value>,
     input_items: Vec<Value>,
     plan: agentgate_adapters::ChatPlan,
 }
@@ -156,6 +157,7 @@ async fn prepare(
     plan.body["model"] = Value::from(pool.model.clone());
     Ok(Prepared {
         pool,
+        history,
         input_items,
         plan,
     })
@@ -224,6 +226,8 @@ pub async fn create(
         store: req.store,
         background: req.background,
         encrypted_reasoning: includes_encrypted_reasoning(&req.body),
+        request: req.body.clone(),
+        history: prepared.history,
     };
 
     if req.background {
@@ -250,7 +254,8 @@ pub async fn create(
         });
     }
 
-    let (chunks, in_flight) = turn::open_upstream(&state, &prepared.pool, &turn.plan.body).await?;
+    let mut turn = turn;
+    let (chunks, in_flight) = turn::open_turn(&state, &mut turn).await?;
     let endpoint = in_flight.endpoint().clone();
     if req.stream {
         let (tx, rx) = mpsc::channel(256);

@@ -44,6 +44,70 @@ pub struct Turn {
     pub background: bool,
     /// Return reasoning as `encrypted_content` (`include: ["reasoning.encrypted_content"]`).
     pub encrypted_reasoning: bool,
+    /// The raw request body (to rebuild the engine request when truncating).
+    pub request: Value,
+    /// The conversation before this turn, as the engine sees it.
+    pub history: Vec<Value>,
+}
+
+/// Most rounds of `truncation: "auto"` before the context-length error is returned.
+const MAX_TRUNCATION_ROUNDS: usize = 8;
+
+/// Drop the oldest quarter (at least one item) of the history after its first item, and any
+/// tool outputs left without their call, so the conversation keeps its opening and its end.
+pub fn drop_middle(history: &mut Vec<Value>) {
+    if history.len() <= 1 {
+        history.clear();
+        return;
+    }
+    let k = ((history.len() - 1) / 4).max(1);
+    history.drain(1..1 + k);
+    while history
+        .get(1)
+        .and_then(|item| item.get("type"))
+        .and_then(Value::as_str)
+        .is_some_and(|t| t == "function_call_output" || t == "reasoning")
+    {
+        history.remove(1);
+    }
+}
+
+/// Open the engine stream for a turn. With `truncation: "auto"`, a context-length rejection
+/// drops items from the middle of the history and tries again; the stored conversation is
+/// unchanged, only what the engine sees is shorter.
+pub async fn open_turn(
+    state: &AppState,
+    turn: &mut Turn,
+) -> Result<(ChunkStream, InFlight), HttpError> {
+    let auto = turn.request.get("truncation").and_then(Value::as_str) == Some("auto");
+    let mut rounds = 0;
+    loop {
+        match open_upstream(state, &turn.pool, &turn.plan.body).await {
+            Err(e)
+                if auto
+                    && rounds < MAX_TRUNCATION_ROUNDS
+                    && !turn.history.is_empty()
+                    && e.error.code.as_deref() == Some("context_length_exceeded") =>
+            {
+                rounds += 1;
+                drop_middle(&mut turn.history);
+                tracing::info!(response = %turn.id, remaining = turn.history.len(), "context too long; truncating history");
+                let opts = agentgate_adapters::TranslateOptions {
+                    flavor: turn.pool.flavor,
+                    hosted_tools: state.hosted_tools,
+                };
+                let mut plan = agentgate_adapters::build_chat_request(
+                    &turn.request,
+                    &turn.history,
+                    &turn.input_items,
+                    &opts,
+                )?;
+                plan.body["model"] = Value::from(turn.pool.model.clone());
+                turn.plan = plan;
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Open a chat stream on one of the pool's endpoints, trying the others when an endpoint is
@@ -240,7 +304,7 @@ pub async fn run_background(
         Err(e) => tracing::error!(response = %turn.id, "store error starting background run: {e}"),
     }
     turn.skeleton = in_progress;
-    match open_upstream(&state, &turn.pool, &turn.plan.body).await {
+    match open_turn(&state, &mut turn).await {
         Ok((chunks, ep)) => {
             drive(state.clone(), turn, chunks, ep, tx, Some(cancel)).await;
         }
@@ -261,5 +325,50 @@ pub async fn run_background(
 fn forget_run(state: &AppState, id: &str) {
     if let Ok(mut runs) = state.background.lock() {
         runs.remove(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn item(kind: &str, n: usize) -> Value {
+        json!({"type": kind, "id": format!("{kind}_{n}")})
+    }
+
+    #[test]
+    fn drop_middle_keeps_the_opening_and_the_end() {
+        let mut h: Vec<Value> = (0..9).map(|n| item("message", n)).collect();
+        drop_middle(&mut h);
+        let ids: Vec<&str> = h.iter().map(|i| i["id"].as_str().unwrap()).collect();
+        assert_eq!(
+            ids,
+            [
+                "message_0",
+                "message_3",
+                "message_4",
+                "message_5",
+                "message_6",
+                "message_7",
+                "message_8"
+            ]
+        );
+    }
+
+    #[test]
+    fn drop_middle_never_leaves_an_orphan_tool_output() {
+        let mut h = vec![
+            item("message", 0),
+            item("function_call", 1),
+            item("function_call_output", 2),
+            item("message", 3),
+        ];
+        drop_middle(&mut h);
+        assert_eq!(h.len(), 2);
+        assert_eq!(h[1]["type"], "message");
+        let mut one = vec![item("message", 0)];
+        drop_middle(&mut one);
+        assert!(one.is_empty());
     }
 }

@@ -765,3 +765,44 @@ async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
     gw.shutdown().await;
     sim.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_context() {
+    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        model: "sim-model".into(),
+        time_scale: 0.0,
+        max_model_len: Some(400),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
+    let base = gw.base_url();
+    let words = "alpha beta gamma delta epsilon zeta eta theta iota kappa ".repeat(4);
+    let mut prev: Option<String> = None;
+    let mut overflowed = false;
+    for turn in 0..20 {
+        let mut body = json!({"model": "sim-model", "input": format!("turn {turn} {words}"), "max_output_tokens": 16});
+        if let Some(p) = &prev {
+            body["previous_response_id"] = json!(p);
+        }
+        let (s, r) = create(&base, body.clone()).await;
+        if s == 400 {
+            assert_eq!(r["error"]["code"], "context_length_exceeded", "{r}");
+            // The same turn with truncation: auto goes through.
+            body["truncation"] = json!("auto");
+            let (s, r) = create(&base, body).await;
+            assert_eq!(s, 200, "{r}");
+            assert_eq!(r["truncation"], "auto");
+            assert!(r["usage"]["input_tokens"].as_u64().unwrap() < 400);
+            overflowed = true;
+            break;
+        }
+        assert_eq!(s, 200, "{r}");
+        prev = Some(r["id"].as_str().unwrap().into());
+    }
+    assert!(overflowed, "the conversation never outgrew the context");
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
