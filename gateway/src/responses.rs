@@ -77,6 +77,20 @@ fn response_not_found(id: &str) -> HttpError {
     HttpError::not_found(format!("Response with id '{id}' not found."), None)
 }
 
+/// The team's stored record `id`, or 404.
+async fn load_record(
+    state: &AppState,
+    team: &Team,
+    id: &str,
+) -> Result<agentgate_sessions::ResponseRecord, HttpError> {
+    state
+        .store
+        .get(&team.0, id)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| response_not_found(id))
+}
+
 fn previous_not_found(id: &str) -> HttpError {
     HttpError::invalid(
         format!("Previous response with id '{id}' not found."),
@@ -302,12 +316,7 @@ pub async fn retrieve(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, HttpError> {
     let team = state.keys.authenticate(&headers)?;
-    let rec = state
-        .store
-        .get(&team.0, &id)
-        .await
-        .map_err(store_error)?
-        .ok_or_else(|| response_not_found(&id))?;
+    let rec = load_record(&state, &team, &id).await?;
     Ok(Json(rec.response))
 }
 
@@ -349,12 +358,7 @@ pub async fn cancel(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, HttpError> {
     let team = state.keys.authenticate(&headers)?;
-    let rec = state
-        .store
-        .get(&team.0, &id)
-        .await
-        .map_err(store_error)?
-        .ok_or_else(|| response_not_found(&id))?;
+    let rec = load_record(&state, &team, &id).await?;
     if rec.response.get("background").and_then(Value::as_bool) != Some(true) {
         return Err(HttpError::invalid(
             "Only responses created with 'background': true can be cancelled.",
@@ -373,12 +377,7 @@ pub async fn cancel(
         signal_cancel(&state, &id);
         return Ok(Json(cancelled));
     }
-    let current = state
-        .store
-        .get(&team.0, &id)
-        .await
-        .map_err(store_error)?
-        .ok_or_else(|| response_not_found(&id))?;
+    let current = load_record(&state, &team, &id).await?;
     let status = current
         .response
         .get("status")
@@ -435,12 +434,7 @@ pub async fn input_items(
             ))
         }
     };
-    let rec = state
-        .store
-        .get(&team.0, &id)
-        .await
-        .map_err(store_error)?
-        .ok_or_else(|| response_not_found(&id))?;
+    let rec = load_record(&state, &team, &id).await?;
     let mut items = match &rec.previous_response_id {
         Some(prev) => state
             .store
