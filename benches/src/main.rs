@@ -1,8 +1,8 @@
 //! `agentgate-bench`: command-line entry point; one subcommand per benchmark.
 
 mod duration;
-mod gateway_overhead;
 mod load;
+mod overhead;
 mod procs;
 mod sim_throughput;
 mod stats;
@@ -22,8 +22,12 @@ struct Cli {
 enum Command {
     /// Requests per second one simulator sustains for small non-streaming chat completions.
     SimThroughput(sim_throughput::Args),
-    /// Latency the gateway adds over calling the engine directly (same client, same concurrency).
-    GatewayOverhead(gateway_overhead::Args),
+    /// Latency, throughput and CPU the gateway adds over calling the engine directly, per
+    /// (concurrency, prompt size) cell.
+    Overhead(overhead::Args),
+    /// Replay a workload against the gateway once per routing policy and compare cache reuse,
+    /// latency and engine work (summary.json, report.md, SVG charts).
+    Run(agentgate_bench::run::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -41,7 +45,8 @@ fn main() -> std::process::ExitCode {
     let result = runtime.block_on(async move {
         match cli.command {
             Command::SimThroughput(args) => sim_throughput::run(args).await,
-            Command::GatewayOverhead(args) => gateway_overhead::run(args).await,
+            Command::Overhead(args) => overhead::run(args).await,
+            Command::Run(args) => agentgate_bench::run::run(args).await,
         }
     });
     match result {

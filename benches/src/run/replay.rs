@@ -1,0 +1,515 @@
+//! Replays a [`Workload`] against a gateway through the Responses API: one task per session,
+//! streaming requests, think times in simulated seconds, tool-call loops and sub-agent fan-out;
+//! records one [`RequestRecord`] per request sent.
+//!
+//! Chained sessions send only the new items with `previous_response_id` (`store: true`); stateless
+//! ones resend the whole history (inputs plus the output items received) with `store: false` and
+//! `prompt_cache_key`. A sub-agent starts when its parent's turn completes, from the parent's
+//! history up to that turn (by `previous_response_id` when both are chained and the parent's turn
+//! was stored, inline otherwise); the parent waits for its sub-agents before its next turn.
+//! No turn starts after `duration_s`; requests still running `drain_s` after it are cut and
+//! counted as errors. Errors and load rejections (429/503, "shed") are counted, never fatal.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use crate::workload::{SessionMode, SessionPlan, TurnInput, Workload};
+
+use super::clock::SimClock;
+use super::reuse::ReuseJob;
+use super::sse::SseParser;
+
+/// Where and how to replay.
+#[derive(Debug, Clone)]
+pub struct ReplayConfig {
+    /// `http://HOST:PORT/v1/responses` of the gateway.
+    pub url: String,
+    /// Model name to request.
+    pub model: String,
+    /// Simulated seconds after which no new turn starts.
+    pub duration_s: f64,
+    /// Simulated seconds after `duration_s` that in-flight requests may still run.
+    pub drain_s: f64,
+    /// `max_output_tokens` of every request (a cap; the engine picks the length).
+    pub max_output_tokens: u64,
+    /// Bearer key per team; a team without a key sends no `Authorization` header.
+    pub keys: HashMap<String, String>,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// A terminal `response.completed` (or `response.incomplete`) event arrived.
+    Success,
+    /// Rejected for load: HTTP 429 or 503.
+    Shed,
+    /// Anything else: transport error, other status, `response.failed`, cut stream.
+    Error(String),
+}
+
+/// One request as the client saw it.
+#[derive(Debug, Clone)]
+pub struct RequestRecord {
+    /// Send order across the whole replay.
+    pub seq: u64,
+    /// Index of the session in the workload.
+    pub session: usize,
+    /// The session's team.
+    pub team: String,
+    /// Simulated time the request was sent, seconds since the start.
+    pub sent_s: f64,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// Simulated ms from send to the first output delta.
+    pub ttft_ms: Option<f64>,
+    /// Simulated ms from send to the terminal event (or the failure).
+    pub e2e_ms: f64,
+    /// `usage.input_tokens` of the terminal event.
+    pub input_tokens: u64,
+    /// `usage.input_tokens_details.cached_tokens` of the terminal event.
+    pub cached_tokens: u64,
+    /// `usage.output_tokens` of the terminal event.
+    pub output_tokens: u64,
+}
+
+/// Live counters for the progress line.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Requests finished (any outcome).
+    pub done: AtomicU64,
+    /// Requests that ended in an error.
+    pub errors: AtomicU64,
+    /// Requests shed (429/503).
+    pub shed: AtomicU64,
+    /// Requests sent and not finished.
+    pub in_flight: AtomicU64,
+}
+
+/// Everything recorded by one replay.
+#[derive(Debug)]
+pub struct ReplayOutcome {
+    /// One record per request sent, in completion order (sort by `seq` for send order).
+    pub records: Vec<RequestRecord>,
+}
+
+struct Shared {
+    client: reqwest::Client,
+    workload: Arc<Workload>,
+    config: ReplayConfig,
+    clock: SimClock,
+    /// Wall instant after which in-flight requests are cut (None at time scale 0).
+    hard_stop: Option<Instant>,
+    seq: AtomicU64,
+    counters: Arc<Counters>,
+    reuse: std::sync::mpsc::Sender<ReuseJob>,
+    records: Mutex<Vec<RequestRecord>>,
+}
+
+/// The conversation as one session sees it.
+#[derive(Debug, Clone, Default)]
+struct Conversation {
+    /// Every item so far: inputs sent and output items received.
+    history: Vec<Value>,
+    /// Output items of the latest successful response.
+    last_output: Vec<Value>,
+    /// Id of the latest successful stored response (chained sessions).
+    last_response_id: Option<String>,
+}
+
+/// Replay `workload` and return every request's record; every request is also reported to
+/// `reuse` (its prompt when it succeeded).
+pub async fn replay(
+    client: reqwest::Client,
+    workload: Arc<Workload>,
+    config: ReplayConfig,
+    clock: SimClock,
+    counters: Arc<Counters>,
+    reuse: std::sync::mpsc::Sender<ReuseJob>,
+) -> ReplayOutcome {
+    let hard_stop = (clock.time_scale() > 0.0)
+        .then(|| clock.instant_at(config.duration_s + config.drain_s.max(0.0)));
+    let shared = Arc::new(Shared {
+        client,
+        workload: Arc::clone(&workload),
+        config,
+        clock,
+        hard_stop,
+        seq: AtomicU64::new(0),
+        counters,
+        reuse,
+        records: Mutex::new(Vec::new()),
+    });
+    let mut tasks = Vec::new();
+    for (index, plan) in workload.sessions.iter().enumerate() {
+        if plan.parent.is_some() || plan.start_s > shared.config.duration_s {
+            continue;
+        }
+        let shared = Arc::clone(&shared);
+        let start_s = plan.start_s;
+        tasks.push(tokio::spawn(async move {
+            shared.clock.sleep_until(start_s).await;
+            run_session(shared, index, Conversation::default()).await;
+        }));
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    let records = shared
+        .records
+        .lock()
+        .map(|mut records| std::mem::take(&mut *records))
+        .unwrap_or_default();
+    ReplayOutcome { records }
+}
+
+type SessionFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Play every turn of session `index`, starting from `conversation` (empty, or a parent's fork).
+fn run_session(shared: Arc<Shared>, index: usize, conversation: Conversation) -> SessionFuture {
+    Box::pin(async move {
+        let Some(plan) = shared.workload.sessions.get(index) else {
+            return;
+        };
+        let mut conversation = conversation;
+        for turn in &plan.turns {
+            shared.clock.sleep(turn.think_s).await;
+            if shared.clock.now_s() > shared.config.duration_s {
+                return;
+            }
+            let new_items = turn_items(&turn.input, &conversation.last_output);
+            send_turn(&shared, index, plan, &mut conversation, new_items).await;
+            if turn.spawn.is_empty() || shared.clock.now_s() > shared.config.duration_s {
+                continue;
+            }
+            let children: Vec<_> = turn
+                .spawn
+                .iter()
+                .map(|&child| {
+                    let fork = fork_for(&shared, child, plan, &conversation);
+                    tokio::spawn(run_session(Arc::clone(&shared), child, fork))
+                })
+                .collect();
+            for child in children {
+                let _ = child.await;
+            }
+        }
+    })
+}
+
+/// The conversation a sub-agent starts from: the parent's history; the parent's stored response
+/// is continued only when both sessions chain (a stateless session never uses stored state).
+fn fork_for(
+    shared: &Shared,
+    child: usize,
+    parent: &SessionPlan,
+    conversation: &Conversation,
+) -> Conversation {
+    let child_chains = shared
+        .workload
+        .sessions
+        .get(child)
+        .is_some_and(|plan| matches!(plan.mode, SessionMode::Chained));
+    let parent_chains = matches!(parent.mode, SessionMode::Chained);
+    Conversation {
+        history: conversation.history.clone(),
+        last_output: conversation.last_output.clone(),
+        last_response_id: if child_chains && parent_chains {
+            conversation.last_response_id.clone()
+        } else {
+            None
+        },
+    }
+}
+
+/// The input items of a turn: a user message, or outputs answering the previous response's
+/// function calls (a user message when there were none).
+fn turn_items(input: &TurnInput, last_output: &[Value]) -> Vec<Value> {
+    let user = |text: &str| json!({"type": "message", "role": "user", "content": text});
+    match input {
+        TurnInput::User(text) => vec![user(text)],
+        TurnInput::ToolOutput(text) => {
+            let calls: Vec<&str> = last_output
+                .iter()
+                .filter(|item| item.get("type").and_then(Value::as_str) == Some("function_call"))
+                .filter_map(|item| item.get("call_id").and_then(Value::as_str))
+                .collect();
+            if calls.is_empty() {
+                return vec![user(text)];
+            }
+            calls
+                .iter()
+                .enumerate()
+                .map(|(n, call_id)| {
+                    let output = if n == 0 { text.as_str() } else { "done" };
+                    json!({"type": "function_call_output", "call_id": call_id, "output": output})
+                })
+                .collect()
+        }
+    }
+}
+
+/// Send one turn, record it, and advance the conversation when it succeeded.
+async fn send_turn(
+    shared: &Shared,
+    index: usize,
+    plan: &SessionPlan,
+    conversation: &mut Conversation,
+    new_items: Vec<Value>,
+) {
+    let chained = matches!(plan.mode, SessionMode::Chained);
+    let continue_from = if chained {
+        conversation.last_response_id.clone()
+    } else {
+        None
+    };
+    let (sent_input, oracle_history): (Vec<Value>, &[Value]) = match &continue_from {
+        Some(_) => (new_items.clone(), &conversation.history),
+        None => {
+            let mut all = conversation.history.clone();
+            all.extend(new_items.iter().cloned());
+            (all, &[])
+        }
+    };
+    let mut body = json!({
+        "model": shared.config.model,
+        "input": sent_input,
+        "stream": true,
+        "store": chained,
+        "max_output_tokens": shared.config.max_output_tokens,
+    });
+    if let Some(instructions) = &plan.instructions {
+        body["instructions"] = json!(instructions);
+    }
+    if !plan.tools.is_empty() {
+        body["tools"] = json!(plan.tools);
+        body["tool_choice"] = json!("auto");
+    }
+    if let Some(id) = &continue_from {
+        body["previous_response_id"] = json!(id);
+    }
+    if let SessionMode::Stateless { prompt_cache_key } = &plan.mode {
+        let key = prompt_cache_key.clone().unwrap_or_else(|| plan.id.clone());
+        body["prompt_cache_key"] = json!(key);
+    }
+
+    let seq = shared.seq.fetch_add(1, Ordering::Relaxed);
+    let sent_s = shared.clock.now_s();
+    let sent = Instant::now();
+    shared.counters.in_flight.fetch_add(1, Ordering::Relaxed);
+    let key = shared.config.keys.get(&plan.team).map(String::as_str);
+    let exchange = stream_response(shared, &body, key, sent);
+    let result = match shared.hard_stop {
+        Some(stop) => match tokio::time::timeout_at(stop.into(), exchange).await {
+            Ok(result) => result,
+            Err(_) => Exchange::failed(
+                Outcome::Error("still running at the drain limit; cut".into()),
+                None,
+            ),
+        },
+        None => exchange.await,
+    };
+    shared.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+    let e2e_ms = shared.clock.to_sim_s(sent.elapsed()) * 1000.0;
+
+    let mut record = RequestRecord {
+        seq,
+        session: index,
+        team: plan.team.clone(),
+        sent_s,
+        outcome: result.outcome.clone(),
+        ttft_ms: result
+            .first_token
+            .map(|d| shared.clock.to_sim_s(d) * 1000.0),
+        e2e_ms,
+        input_tokens: 0,
+        cached_tokens: 0,
+        output_tokens: 0,
+    };
+    match &result.outcome {
+        Outcome::Success => {
+            let response = result.response.unwrap_or(Value::Null);
+            let usage = &response["usage"];
+            record.input_tokens = usage["input_tokens"].as_u64().unwrap_or(0);
+            record.cached_tokens = usage["input_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+            record.output_tokens = usage["output_tokens"].as_u64().unwrap_or(0);
+            let output: Vec<Value> = response["output"].as_array().cloned().unwrap_or_default();
+            let (history, items) = match &continue_from {
+                Some(_) => (oracle_history.to_vec(), new_items.clone()),
+                None => match body["input"].take() {
+                    Value::Array(items) => (Vec::new(), items),
+                    _ => (Vec::new(), Vec::new()),
+                },
+            };
+            let _ = shared.reuse.send(ReuseJob::Served {
+                seq,
+                body: strip_input(body),
+                history,
+                items,
+            });
+            conversation.history.extend(new_items);
+            conversation.history.extend(output.iter().cloned());
+            conversation.last_output = output;
+            if chained {
+                conversation.last_response_id = response["id"].as_str().map(str::to_string);
+            }
+        }
+        Outcome::Shed => {
+            shared.counters.shed.fetch_add(1, Ordering::Relaxed);
+            let _ = shared.reuse.send(ReuseJob::Failed { seq });
+        }
+        Outcome::Error(_) => {
+            shared.counters.errors.fetch_add(1, Ordering::Relaxed);
+            let _ = shared.reuse.send(ReuseJob::Failed { seq });
+        }
+    }
+    shared.counters.done.fetch_add(1, Ordering::Relaxed);
+    if let Ok(mut records) = shared.records.lock() {
+        records.push(record);
+    }
+}
+
+/// The body without its `input` (the oracle takes the items separately), so the copy is small.
+fn strip_input(mut body: Value) -> Value {
+    if let Some(object) = body.as_object_mut() {
+        object.remove("input");
+    }
+    body
+}
+
+/// What came back for one request.
+struct Exchange {
+    outcome: Outcome,
+    first_token: Option<std::time::Duration>,
+    response: Option<Value>,
+}
+
+impl Exchange {
+    fn failed(outcome: Outcome, first_token: Option<std::time::Duration>) -> Self {
+        Exchange {
+            outcome,
+            first_token,
+            response: None,
+        }
+    }
+}
+
+/// Event types that carry generated tokens (the first one marks time to first token).
+const DELTA_EVENTS: &[&str] = &[
+    "response.output_text.delta",
+    "response.function_call_arguments.delta",
+    "response.reasoning_text.delta",
+];
+
+/// POST the body and read the event stream to its terminal event.
+async fn stream_response(
+    shared: &Shared,
+    body: &Value,
+    key: Option<&str>,
+    sent: Instant,
+) -> Exchange {
+    let mut request = shared.client.post(&shared.config.url).json(body);
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let mut response = match request.send().await {
+        Ok(response) => response,
+        Err(e) => return Exchange::failed(Outcome::Error(format!("transport: {e}")), None),
+    };
+    let status = response.status().as_u16();
+    if status == 429 || status == 503 {
+        return Exchange::failed(Outcome::Shed, None);
+    }
+    if !response.status().is_success() {
+        let text = response.text().await.unwrap_or_default();
+        let snippet: String = text.chars().take(300).collect();
+        return Exchange::failed(Outcome::Error(format!("HTTP {status}: {snippet}")), None);
+    }
+    let mut parser = SseParser::default();
+    let mut first_token = None;
+    loop {
+        let chunk = match response.chunk().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => {
+                return Exchange::failed(
+                    Outcome::Error("stream ended before a terminal event".into()),
+                    first_token,
+                )
+            }
+            Err(e) => {
+                return Exchange::failed(Outcome::Error(format!("stream read: {e}")), first_token)
+            }
+        };
+        for event in parser.push(&chunk) {
+            let kind = event.kind.as_str();
+            if first_token.is_none() && DELTA_EVENTS.contains(&kind) {
+                first_token = Some(sent.elapsed());
+            }
+            match kind {
+                "response.completed" | "response.incomplete" => {
+                    return Exchange {
+                        outcome: Outcome::Success,
+                        first_token,
+                        response: Some(event.data["response"].clone()),
+                    };
+                }
+                "response.failed" => {
+                    let message = event.data["response"]["error"]["message"]
+                        .as_str()
+                        .unwrap_or("response.failed")
+                        .to_string();
+                    return Exchange::failed(
+                        Outcome::Error(format!("response.failed: {message}")),
+                        first_token,
+                    );
+                }
+                "error" => {
+                    let message = event.data["message"]
+                        .as_str()
+                        .or_else(|| event.data["error"]["message"].as_str())
+                        .unwrap_or("error event")
+                        .to_string();
+                    return Exchange::failed(
+                        Outcome::Error(format!("error event: {message}")),
+                        first_token,
+                    );
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tool_outputs_answer_every_call_of_the_previous_response() {
+        let last = vec![
+            json!({"type": "message", "role": "assistant", "content": []}),
+            json!({"type": "function_call", "call_id": "call_a", "name": "read", "arguments": "{}"}),
+            json!({"type": "function_call", "call_id": "call_b", "name": "grep", "arguments": "{}"}),
+        ];
+        let items = turn_items(&TurnInput::ToolOutput("file text".into()), &last);
+        assert_eq!(items.len(), 2);
+        assert_eq!(items[0]["call_id"], "call_a");
+        assert_eq!(items[0]["output"], "file text");
+        assert_eq!(items[1]["call_id"], "call_b");
+        let fallback = turn_items(&TurnInput::ToolOutput("file text".into()), &last[..1]);
+        assert_eq!(fallback[0]["role"], "user");
+        assert_eq!(fallback[0]["content"], "file text");
+        let user = turn_items(&TurnInput::User("hello there".into()), &last);
+        assert_eq!(
+            user,
+            vec![json!({"type": "message", "role": "user", "content": "hello there"})]
+        );
+    }
+}

@@ -1,0 +1,158 @@
+//! Feeds the reuse oracles while the replay runs, on one background thread (so tokenizing long
+//! prompts never occupies more than one core, and never the async workers that run the gateway
+//! and the replicas). Requests are reported in completion order and replayed in send order: a
+//! small reorder buffer holds prompts that finished before earlier requests, so no prompt is kept
+//! once the requests sent before it have finished.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+
+use serde_json::Value;
+
+use crate::oracle::{self, ReuseOracle, ReuseResult};
+
+/// What the replay reports for one request.
+#[derive(Debug)]
+pub enum ReuseJob {
+    /// A successful request: the body sent, the history the gateway resolved (chained), and the
+    /// new input items (for a request without `previous_response_id`, `history` is empty and
+    /// `items` is the whole input).
+    Served {
+        /// Send order.
+        seq: u64,
+        /// The request body (instructions, tools).
+        body: Value,
+        /// Items of earlier turns resolved by the gateway.
+        history: Vec<Value>,
+        /// This request's input items.
+        items: Vec<Value>,
+    },
+    /// A request that failed or was shed (it reached no engine cache).
+    Failed {
+        /// Send order.
+        seq: u64,
+    },
+}
+
+impl ReuseJob {
+    fn seq(&self) -> u64 {
+        match self {
+            ReuseJob::Served { seq, .. } | ReuseJob::Failed { seq } => *seq,
+        }
+    }
+}
+
+/// The oracles' thread: one with the fleet's capacity, one unlimited.
+pub struct ReuseFeed {
+    sender: mpsc::Sender<ReuseJob>,
+    worker: std::thread::JoinHandle<(ReuseResult, ReuseResult)>,
+}
+
+/// Token ids of a served request (empty for a failed one).
+fn tokens_of(job: ReuseJob) -> Option<Vec<u32>> {
+    match job {
+        ReuseJob::Served {
+            body,
+            history,
+            items,
+            ..
+        } => Some(oracle::prompt_tokens(&body, &history, &items)),
+        ReuseJob::Failed { .. } => None,
+    }
+}
+
+impl ReuseFeed {
+    /// Start the thread: oracles of `capacity_blocks` and of unlimited capacity, `block_size` tokens a block.
+    pub fn start(block_size: usize, capacity_blocks: usize) -> std::io::Result<ReuseFeed> {
+        let (sender, jobs) = mpsc::channel::<ReuseJob>();
+        let worker = std::thread::Builder::new()
+            .name("reuse-oracle".into())
+            .spawn(move || {
+                let mut available = ReuseOracle::new(block_size, Some(capacity_blocks));
+                let mut infinite = ReuseOracle::new(block_size, None);
+                let mut next_seq = 0u64;
+                let mut pending: BTreeMap<u64, Option<Vec<u32>>> = BTreeMap::new();
+                let mut observe = |prompt: Option<Vec<u32>>| {
+                    if let Some(prompt) = prompt {
+                        available.observe(&prompt);
+                        infinite.observe(&prompt);
+                    }
+                };
+                for job in jobs {
+                    let seq = job.seq();
+                    pending.insert(seq, tokens_of(job));
+                    while let Some(prompt) = pending.remove(&next_seq) {
+                        observe(prompt);
+                        next_seq += 1;
+                    }
+                }
+                // Sequence numbers that were never reported leave gaps: replay the rest in order.
+                for (_, prompt) in std::mem::take(&mut pending) {
+                    observe(prompt);
+                }
+                (available.result(), infinite.result())
+            })?;
+        Ok(ReuseFeed { sender, worker })
+    }
+
+    /// A handle for reporting requests.
+    pub fn sender(&self) -> mpsc::Sender<ReuseJob> {
+        self.sender.clone()
+    }
+
+    /// Wait until every reported request is replayed; returns (fleet capacity, unlimited).
+    /// Blocking; every other sender must have been dropped.
+    pub fn finish(self) -> Result<(ReuseResult, ReuseResult), String> {
+        drop(self.sender);
+        self.worker
+            .join()
+            .map_err(|_| "the reuse oracle thread panicked".to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn prompts_are_replayed_in_send_order_whatever_the_completion_order() {
+        let body = json!({"model": "m", "instructions": "you are a careful coding agent"});
+        let first = vec![json!({"type": "message", "role": "user", "content": "list the files"})];
+        let reply = json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]});
+        let mut second = first.clone();
+        second.push(reply);
+        second.push(json!({"type": "message", "role": "user", "content": "now read them"}));
+        let feed = ReuseFeed::start(4, 1000).unwrap();
+        let sender = feed.sender();
+        // Sent: 0 = first, 1 = failed, 2 = second (extends first). Completed: 2, 1, 0.
+        for job in [
+            ReuseJob::Served {
+                seq: 2,
+                body: body.clone(),
+                history: Vec::new(),
+                items: second.clone(),
+            },
+            ReuseJob::Failed { seq: 1 },
+            ReuseJob::Served {
+                seq: 0,
+                body: body.clone(),
+                history: Vec::new(),
+                items: first.clone(),
+            },
+        ] {
+            sender.send(job).unwrap();
+        }
+        drop(sender);
+        let (available, infinite) = feed.finish().unwrap();
+        let first_len = oracle::prompt_tokens(&body, &[], &first).len() as u64;
+        let second_len = oracle::prompt_tokens(&body, &[], &second).len() as u64;
+        assert_eq!(available.prompt_tokens, first_len + second_len);
+        assert_eq!(
+            available.hit_tokens,
+            first_len / 4 * 4,
+            "the second prompt reuses the first one's full blocks"
+        );
+        assert_eq!(infinite.hit_tokens, available.hit_tokens);
+    }
+}
