@@ -4,7 +4,9 @@
 //!   requests and prompt tokens, counted by RAII guards, fresher than any metrics scrape);
 //! - [`picker`]: the [`Picker`] trait and the baseline policies, [`RoundRobin`] and
 //!   [`LeastLoaded`];
-//! - [`policy`]: the policy names the configuration accepts.
+//! - [`policy`]: the policy names the configuration accepts;
+//! - [`prefix_index`]: the [`PrefixIndex`], chained chunk hashes of rendered prompts and, per
+//!   endpoint, an LRU model of which prefixes its KV cache holds, scored in [0, 1].
 //!
 //! Session- and prefix-aware scoring (filters, weighted scorers, the prefix index, session pins)
 //! plugs in behind the same [`Picker`] seam.
@@ -12,7 +14,9 @@
 pub mod endpoint;
 pub mod picker;
 pub mod policy;
+pub mod prefix_index;
 
 pub use endpoint::{Endpoint, InFlight};
 pub use picker::{LeastLoaded, PickRequest, Picker, RoundRobin};
 pub use policy::Policy;
+pub use prefix_index::{chunk_hashes, PrefixIndex, PrefixIndexConfig};

@@ -1,0 +1,823 @@
+//! The prefix index: which leading chunks of a prompt each endpoint's KV cache probably holds.
+//!
+//! The gateway never sees the engines' KV blocks (that needs KV events), so it keeps its own
+//! approximate model of each replica's prefix cache, fed by its routing decisions and trimmed by
+//! what the engines report back, and turns it into a prefix-match score in [0, 1] per endpoint.
+//!
+//! # Chunk hashes
+//!
+//! The gateway does not tokenize. It hashes the *rendered prompt text* (the same bytes every turn
+//! for the shared part of a conversation) in fixed-size byte chunks, assuming
+//! [`PrefixIndexConfig::bytes_per_token`] bytes per token (default 4, typical of BPE tokenizers on
+//! English text and code), so the default chunk of 256 bytes stands for about 64 tokens (four vLLM
+//! blocks of 16). Only full chunks are hashed, as only full KV blocks are cached. With chunks
+//! `c_0 .. c_{n-1}` (`n = floor(len / chunk_bytes)`), the chain is
+//!
+//! ```text
+//! h_{-1} = XXH3_64(model name)            (the seed: one model's cache is no use to another)
+//! h_i    = XXH3_64(c_i, seed = h_{i-1})   for i in 0..n
+//! ```
+//!
+//! so `h_i` identifies the whole prefix `c_0 ..= c_i` under that model, like vLLM's chained block
+//! hashes: two prompts share their leading `k` hashes exactly when they share their first `k`
+//! chunks. Hashing streams at GB/s with one allocation (the output vector).
+//!
+//! # Per-endpoint LRU
+//!
+//! Each endpoint holds an LRU set of chunk hashes whose capacity, in chunks, follows the engine's
+//! reported KV capacity (vLLM's `vllm:cache_config_info{block_size, num_gpu_blocks}`, see
+//! [`kv_capacity_tokens`]):
+//!
+//! ```text
+//! tokens_per_chunk = max(1, floor(chunk_bytes / bytes_per_token))
+//! capacity_chunks  = floor(kv_tokens / tokens_per_chunk)   (kv_tokens = block_size * num_gpu_blocks)
+//! ```
+//!
+//! so once more distinct chunks were sent there than fit, the least recently used are forgotten,
+//! much as the engine evicts them. [`PrefixIndex::record`] touches a prompt's chunks last to first,
+//! leaving the first chunk most recent: a prefix outlives its tail, as in vLLM (which evicts the
+//! tail blocks of a freed request first), so what the index holds stays prefix-shaped.
+//! A prompt longer than the capacity records only its first `capacity_chunks` chunks.
+//!
+//! The LRU is a slab of nodes in a doubly linked list (u32 links, free list) plus a hash map from
+//! chunk hash to slot: touch, insert, evict and remove are O(1).
+//!
+//! # Match and score
+//!
+//! ```text
+//! match_len(e, h) = max { k : h_0 .. h_{k-1} all held by e }   (the scan stops at the first miss)
+//! score(e, h)     = match_len(e, h) / n                       (0 when n = 0)
+//! ```
+//!
+//! Scoring does not scan each endpoint's set. Next to the LRUs the index keeps a sharded map from
+//! chunk hash to the bitmask of endpoints holding it (one map per group of 64 endpoints), and
+//! [`PrefixIndex::match_lens`] walks the chunks once, AND-ing an "alive" mask: the cost is at
+//! most `n` lookups, whatever the number of endpoints, and stops at the longest match.
+//!
+//! # Corrections
+//!
+//! Responses carry `usage.input_tokens_details.cached_tokens`. When the engine reports fewer
+//! cached tokens than the index holds for that prompt, [`PrefixIndex::correct`] forgets, on that
+//! endpoint, every chunk past the reported prefix:
+//!
+//! ```text
+//! reported = floor(cached_tokens / tokens_per_chunk);   forget h_reported .. h_{n-1} on e
+//! ```
+//!
+//! The engine's report wins: it proves the index over-estimated (other traffic, a restart, a
+//! smaller cache than reported). The chunks are learnt again by the next [`PrefixIndex::record`]
+//! on that endpoint, so an error only ever errs towards a lower score.
+//!
+//! # Concurrency
+//!
+//! One mutex per endpoint guards its LRU; the holder maps are split in 16 read-write-locked
+//! shards. Writers (record, correct, capacity changes) hold their endpoint's mutex while they set
+//! or clear that endpoint's bits, so the bits converge to the LRU contents; scoring takes only
+//! shard read locks, one lookup at a time. Map hashing is keyed per index with a random key, so
+//! crafted prompts cannot pile chunk hashes into one bucket.
+
+use std::collections::hash_map::{Entry, RandomState};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::{Mutex, MutexGuard, PoisonError, RwLock};
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// Default chunk size in bytes of rendered prompt text.
+pub const DEFAULT_CHUNK_BYTES: usize = 256;
+/// Default bytes of rendered prompt text per token.
+pub const DEFAULT_BYTES_PER_TOKEN: usize = 4;
+/// Default per-endpoint KV capacity in tokens, used until the engine reports its own.
+pub const DEFAULT_CAPACITY_TOKENS: u64 = 512 * 1024;
+
+/// Endpoints per holder bitmask.
+const GROUP: usize = 64;
+/// Shards per holder map.
+const SHARDS: usize = 16;
+/// Empty link in the LRU list.
+const NIL: u32 = u32::MAX;
+
+/// Chained chunk hashes of `prompt` under `model`: one per full `chunk_bytes` chunk (see the
+/// module doc for the formula); empty when `chunk_bytes` is 0 or the prompt is shorter than a chunk.
+pub fn chunk_hashes(model: &str, prompt: &[u8], chunk_bytes: usize) -> Vec<u64> {
+    let mut out = Vec::new();
+    chunk_hashes_into(model, prompt, chunk_bytes, &mut out);
+    out
+}
+
+/// [`chunk_hashes`] into a caller-owned buffer (cleared first), to reuse its allocation.
+pub fn chunk_hashes_into(model: &str, prompt: &[u8], chunk_bytes: usize, out: &mut Vec<u64>) {
+    out.clear();
+    if chunk_bytes == 0 {
+        return;
+    }
+    out.reserve(prompt.len() / chunk_bytes);
+    let mut parent = xxh3_64(model.as_bytes());
+    for chunk in prompt.chunks_exact(chunk_bytes) {
+        parent = xxh3_64_with_seed(chunk, parent);
+        out.push(parent);
+    }
+}
+
+/// KV capacity in tokens from vLLM's `cache_config_info{block_size, num_gpu_blocks}` labels.
+pub fn kv_capacity_tokens(block_size: u64, num_gpu_blocks: u64) -> u64 {
+    block_size.saturating_mul(num_gpu_blocks)
+}
+
+/// Sizes of the prefix index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixIndexConfig {
+    /// Chunk size in bytes of rendered prompt text.
+    pub chunk_bytes: usize,
+    /// Assumed bytes of rendered prompt text per token.
+    pub bytes_per_token: usize,
+    /// Per-endpoint KV capacity in tokens until [`PrefixIndex::set_capacity`] says otherwise.
+    pub default_capacity_tokens: u64,
+}
+
+impl Default for PrefixIndexConfig {
+    fn default() -> Self {
+        PrefixIndexConfig {
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            bytes_per_token: DEFAULT_BYTES_PER_TOKEN,
+            default_capacity_tokens: DEFAULT_CAPACITY_TOKENS,
+        }
+    }
+}
+
+/// Per-endpoint LRU sets of chunk hashes, plus a chunk -> endpoints map for fast scoring.
+#[derive(Debug)]
+pub struct PrefixIndex {
+    config: PrefixIndexConfig,
+    tokens_per_chunk: u64,
+    endpoints: Box<[Mutex<Lru>]>,
+    holders: Box<[Holders]>,
+}
+
+impl PrefixIndex {
+    /// An empty index for `endpoints` endpoints, addressed by their position in the pool.
+    pub fn new(endpoints: usize, config: PrefixIndexConfig) -> Self {
+        let tokens_per_chunk = (config.chunk_bytes / config.bytes_per_token.max(1)).max(1) as u64;
+        let hash_state = ChunkHashState::random();
+        let capacity = chunks_for(config.default_capacity_tokens, tokens_per_chunk);
+        PrefixIndex {
+            config,
+            tokens_per_chunk,
+            endpoints: (0..endpoints)
+                .map(|_| Mutex::new(Lru::new(capacity, hash_state.clone())))
+                .collect(),
+            holders: (0..endpoints.div_ceil(GROUP))
+                .map(|_| Holders::new(&hash_state))
+                .collect(),
+        }
+    }
+
+    /// Number of endpoints the index was built for.
+    pub fn endpoints(&self) -> usize {
+        self.endpoints.len()
+    }
+
+    /// The sizes the index was built with.
+    pub fn config(&self) -> &PrefixIndexConfig {
+        &self.config
+    }
+
+    /// Tokens one chunk stands for.
+    pub fn tokens_per_chunk(&self) -> u64 {
+        self.tokens_per_chunk
+    }
+
+    /// [`chunk_hashes`] with this index's chunk size.
+    pub fn chunk_hashes(&self, model: &str, prompt: &[u8]) -> Vec<u64> {
+        chunk_hashes(model, prompt, self.config.chunk_bytes)
+    }
+
+    /// Size an endpoint's LRU from its KV capacity in tokens, evicting at once what no longer fits.
+    /// Unknown endpoints are ignored.
+    pub fn set_capacity(&self, endpoint: usize, kv_tokens: u64) {
+        let Some(slot) = self.endpoints.get(endpoint) else {
+            return;
+        };
+        let mut lru = lock(slot);
+        let mut changes = Vec::new();
+        lru.set_capacity(chunks_for(kv_tokens, self.tokens_per_chunk), &mut changes);
+        self.apply(endpoint, &changes);
+    }
+
+    /// An endpoint's LRU capacity in chunks (0 for unknown endpoints).
+    pub fn capacity_chunks(&self, endpoint: usize) -> usize {
+        self.endpoints.get(endpoint).map_or(0, |m| lock(m).capacity)
+    }
+
+    /// Chunks an endpoint currently holds (0 for unknown endpoints).
+    pub fn held_chunks(&self, endpoint: usize) -> usize {
+        self.endpoints
+            .get(endpoint)
+            .map_or(0, |m| lock(m).map.len())
+    }
+
+    /// Leading chunks of `hashes` an endpoint holds, stopping at the first miss.
+    pub fn match_len(&self, endpoint: usize, hashes: &[u64]) -> usize {
+        let Some(slot) = self.endpoints.get(endpoint) else {
+            return 0;
+        };
+        let lru = lock(slot);
+        hashes.iter().take_while(|h| lru.contains(**h)).count()
+    }
+
+    /// [`PrefixIndex::match_len`] for each of `candidates` (endpoint positions; unknown ones get
+    /// 0), in one walk over the chunks.
+    pub fn match_lens(&self, hashes: &[u64], candidates: &[usize]) -> Vec<usize> {
+        let mut lens = vec![0; candidates.len()];
+        let mut group_lens = [0usize; GROUP];
+        for (g, holders) in self.holders.iter().enumerate() {
+            let base = g * GROUP;
+            let mut alive = candidates
+                .iter()
+                .filter(|&&e| e >= base && e < base + GROUP && e < self.endpoints.len())
+                .fold(0u64, |m, &e| m | 1 << (e - base));
+            if alive == 0 {
+                continue;
+            }
+            group_lens.fill(0);
+            let mut matched = 0;
+            for h in hashes {
+                let present = holders.get(*h);
+                for bit in Bits(alive & !present) {
+                    group_lens[bit] = matched;
+                }
+                alive &= present;
+                if alive == 0 {
+                    break;
+                }
+                matched += 1;
+            }
+            for bit in Bits(alive) {
+                group_lens[bit] = matched;
+            }
+            for (len, &e) in lens.iter_mut().zip(candidates) {
+                if e >= base && e < base + GROUP {
+                    *len = group_lens[e - base];
+                }
+            }
+        }
+        lens
+    }
+
+    /// Prefix-match score in [0, 1] for each of `candidates`: matched chunks / chunks in the prompt.
+    pub fn score(&self, hashes: &[u64], candidates: &[usize]) -> Vec<f64> {
+        if hashes.is_empty() {
+            return vec![0.0; candidates.len()];
+        }
+        let total = hashes.len() as f64;
+        self.match_lens(hashes, candidates)
+            .into_iter()
+            .map(|m| m as f64 / total)
+            .collect()
+    }
+
+    /// After routing a prompt to an endpoint: insert or touch its chunks (first chunk most recent),
+    /// evicting the least recently used beyond capacity. Unknown endpoints are ignored.
+    pub fn record(&self, endpoint: usize, hashes: &[u64]) {
+        let Some(slot) = self.endpoints.get(endpoint) else {
+            return;
+        };
+        let mut lru = lock(slot);
+        let take = hashes.len().min(lru.capacity);
+        let mut changes = Vec::new();
+        for h in hashes[..take].iter().rev() {
+            lru.touch(*h, &mut changes);
+        }
+        self.apply(endpoint, &changes);
+    }
+
+    /// The engine reported `cached_tokens` for a prompt sent to `endpoint`: forget that endpoint's
+    /// chunks past the reported prefix. Returns how many chunks were forgotten.
+    pub fn correct(&self, endpoint: usize, hashes: &[u64], cached_tokens: u64) -> usize {
+        let Some(slot) = self.endpoints.get(endpoint) else {
+            return 0;
+        };
+        let reported = usize::try_from(cached_tokens / self.tokens_per_chunk).unwrap_or(usize::MAX);
+        let Some(past) = hashes.get(reported..) else {
+            return 0;
+        };
+        let mut lru = lock(slot);
+        let changes: Vec<(u64, bool)> = past
+            .iter()
+            .filter(|h| lru.remove(**h))
+            .map(|h| (*h, false))
+            .collect();
+        self.apply(endpoint, &changes);
+        changes.len()
+    }
+
+    /// Forget everything an endpoint holds (engine restarted or cleared its cache).
+    pub fn clear(&self, endpoint: usize) {
+        let Some(slot) = self.endpoints.get(endpoint) else {
+            return;
+        };
+        let mut lru = lock(slot);
+        let mut changes = Vec::with_capacity(lru.map.len());
+        while let Some(h) = lru.pop_lru() {
+            changes.push((h, false));
+        }
+        self.apply(endpoint, &changes);
+    }
+
+    /// Mirror LRU changes (`(hash, held)`, in order) into the holder bitmasks. Called with the
+    /// endpoint's LRU locked, so its bits follow its LRU.
+    fn apply(&self, endpoint: usize, changes: &[(u64, bool)]) {
+        let Some(holders) = self.holders.get(endpoint / GROUP) else {
+            return;
+        };
+        let bit = 1u64 << (endpoint % GROUP);
+        for &(h, held) in changes {
+            holders.set(h, bit, held);
+        }
+    }
+}
+
+/// `floor(tokens / tokens_per_chunk)`, clamped to what the LRU's u32 links can address.
+fn chunks_for(tokens: u64, tokens_per_chunk: u64) -> usize {
+    let chunks = tokens / tokens_per_chunk.max(1);
+    usize::try_from(chunks.min(u64::from(NIL - 1))).unwrap_or(0)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Chunk hash -> bitmask of the endpoints (of one group of 64) holding it, in shards.
+#[derive(Debug)]
+struct Holders {
+    shards: Box<[RwLock<HashMap<u64, u64, ChunkHashState>>]>,
+}
+
+impl Holders {
+    fn new(hash_state: &ChunkHashState) -> Self {
+        Holders {
+            shards: (0..SHARDS)
+                .map(|_| RwLock::new(HashMap::with_hasher(hash_state.clone())))
+                .collect(),
+        }
+    }
+
+    fn shard(&self, h: u64) -> &RwLock<HashMap<u64, u64, ChunkHashState>> {
+        // SHARDS is a power of two no larger than 2^4; the top bits of an XXH3 output are uniform.
+        &self.shards[(h >> 60) as usize % SHARDS]
+    }
+
+    fn get(&self, h: u64) -> u64 {
+        let shard = self.shard(h).read().unwrap_or_else(PoisonError::into_inner);
+        shard.get(&h).copied().unwrap_or(0)
+    }
+
+    fn set(&self, h: u64, bit: u64, held: bool) {
+        let mut shard = self
+            .shard(h)
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if held {
+            *shard.entry(h).or_insert(0) |= bit;
+        } else if let Entry::Occupied(mut e) = shard.entry(h) {
+            *e.get_mut() &= !bit;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
+}
+
+/// Iterates the set bit positions of a mask.
+struct Bits(u64);
+
+impl Iterator for Bits {
+    type Item = usize;
+    fn next(&mut self) -> Option<usize> {
+        if self.0 == 0 {
+            return None;
+        }
+        let bit = self.0.trailing_zeros() as usize;
+        self.0 &= self.0 - 1;
+        Some(bit)
+    }
+}
+
+/// One LRU list node.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    hash: u64,
+    prev: u32,
+    next: u32,
+}
+
+/// O(1) LRU set of chunk hashes: slab-backed doubly linked list (head = most recent) + slot map.
+#[derive(Debug)]
+struct Lru {
+    map: HashMap<u64, u32, ChunkHashState>,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    head: u32,
+    tail: u32,
+    capacity: usize,
+}
+
+impl Lru {
+    fn new(capacity: usize, hash_state: ChunkHashState) -> Self {
+        Lru {
+            map: HashMap::with_hasher(hash_state),
+            nodes: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            capacity,
+        }
+    }
+
+    fn contains(&self, h: u64) -> bool {
+        self.map.contains_key(&h)
+    }
+
+    /// Make `h` the most recent, inserting it (and evicting the least recent beyond capacity) if
+    /// absent. Pushes `(hash, held)` for every membership change.
+    fn touch(&mut self, h: u64, changes: &mut Vec<(u64, bool)>) {
+        if let Some(&slot) = self.map.get(&h) {
+            self.unlink(slot);
+            self.push_front(slot);
+            return;
+        }
+        if self.capacity == 0 {
+            return;
+        }
+        while self.map.len() >= self.capacity {
+            match self.pop_lru() {
+                Some(old) => changes.push((old, false)),
+                None => break,
+            }
+        }
+        let node = Node {
+            hash: h,
+            prev: NIL,
+            next: NIL,
+        };
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.nodes[slot as usize] = node;
+                slot
+            }
+            None => {
+                // The capacity is clamped below NIL, so the slab never needs slot NIL.
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.map.insert(h, slot);
+        self.push_front(slot);
+        changes.push((h, true));
+    }
+
+    /// Remove `h`; false if absent.
+    fn remove(&mut self, h: u64) -> bool {
+        match self.map.remove(&h) {
+            Some(slot) => {
+                self.unlink(slot);
+                self.free.push(slot);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Remove and return the least recently used hash.
+    fn pop_lru(&mut self) -> Option<u64> {
+        if self.tail == NIL {
+            return None;
+        }
+        let slot = self.tail;
+        let h = self.nodes[slot as usize].hash;
+        self.map.remove(&h);
+        self.unlink(slot);
+        self.free.push(slot);
+        Some(h)
+    }
+
+    fn set_capacity(&mut self, capacity: usize, changes: &mut Vec<(u64, bool)>) {
+        self.capacity = capacity;
+        while self.map.len() > capacity {
+            match self.pop_lru() {
+                Some(old) => changes.push((old, false)),
+                None => break,
+            }
+        }
+        if self.map.is_empty() {
+            // Give the memory of a shrunk-to-nothing endpoint back.
+            self.nodes = Vec::new();
+            self.free = Vec::new();
+        }
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        let Node { prev, next, .. } = self.nodes[slot as usize];
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.nodes[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.nodes[next as usize].prev = prev;
+        }
+    }
+
+    fn push_front(&mut self, slot: u32) {
+        let old_head = self.head;
+        {
+            let node = &mut self.nodes[slot as usize];
+            node.prev = NIL;
+            node.next = old_head;
+        }
+        if old_head == NIL {
+            self.tail = slot;
+        } else {
+            self.nodes[old_head as usize].prev = slot;
+        }
+        self.head = slot;
+    }
+
+    /// Hashes from most to least recent.
+    #[cfg(test)]
+    fn order(&self) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut at = self.head;
+        while at != NIL {
+            let node = self.nodes[at as usize];
+            out.push(node.hash);
+            at = node.next;
+        }
+        out
+    }
+}
+
+/// Keyed hashing for maps whose keys are already XXH3 outputs: one seeded XXH3 of the 8 bytes,
+/// with a random per-index key.
+#[derive(Debug, Clone)]
+struct ChunkHashState {
+    key: u64,
+}
+
+impl ChunkHashState {
+    fn random() -> Self {
+        ChunkHashState {
+            key: RandomState::new().hash_one(0x5eed_u64),
+        }
+    }
+}
+
+impl BuildHasher for ChunkHashState {
+    type Hasher = ChunkHasher;
+    fn build_hasher(&self) -> ChunkHasher {
+        ChunkHasher {
+            key: self.key,
+            state: 0,
+        }
+    }
+}
+
+/// Hasher built by [`ChunkHashState`].
+#[derive(Debug)]
+struct ChunkHasher {
+    key: u64,
+    state: u64,
+}
+
+impl Hasher for ChunkHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.state = xxh3_64_with_seed(bytes, self.key ^ self.state);
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.state = xxh3_64_with_seed(&n.to_le_bytes(), self.key ^ self.state);
+    }
+    fn finish(&self) -> u64 {
+        self.state
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(bytes: usize, seed: u64) -> Vec<u8> {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        (0..bytes).map(|_| rng.lowercase() as u8).collect()
+    }
+
+    fn config(chunk_bytes: usize, capacity_tokens: u64) -> PrefixIndexConfig {
+        PrefixIndexConfig {
+            chunk_bytes,
+            bytes_per_token: 4,
+            default_capacity_tokens: capacity_tokens,
+        }
+    }
+
+    #[test]
+    fn hashes_chain_over_full_chunks_and_depend_on_the_model() {
+        let a = text(1000, 1);
+        let mut b = a.clone();
+        b[700] ^= 1; // differs in chunk 2 (bytes 512..768)
+        let ha = chunk_hashes("m", &a, 256);
+        let hb = chunk_hashes("m", &b, 256);
+        assert_eq!(ha.len(), 3, "only full chunks are hashed");
+        assert_eq!(ha[..2], hb[..2]);
+        assert_ne!(ha[2], hb[2]);
+        // Chained: the same chunk after a different prefix hashes differently.
+        let mut c = a.clone();
+        c[0] ^= 1;
+        let hc = chunk_hashes("m", &c, 256);
+        assert!(ha.iter().zip(&hc).all(|(x, y)| x != y));
+        // Seeded with the model name.
+        let other = chunk_hashes("other-model", &a, 256);
+        assert!(ha.iter().zip(&other).all(|(x, y)| x != y));
+        // Growing the prompt keeps the existing hashes.
+        let mut longer = a.clone();
+        longer.extend(text(600, 2));
+        assert_eq!(chunk_hashes("m", &longer, 256)[..3], ha[..]);
+        // Degenerate inputs.
+        assert!(chunk_hashes("m", &a[..255], 256).is_empty());
+        assert!(chunk_hashes("m", &a, 0).is_empty());
+        let mut buf = vec![1, 2, 3];
+        chunk_hashes_into("m", &a, 256, &mut buf);
+        assert_eq!(buf, ha);
+    }
+
+    #[test]
+    fn match_len_stops_at_the_first_miss() {
+        let index = PrefixIndex::new(2, config(4, 1000));
+        index.record(0, &[1, 2, 3, 5]);
+        assert_eq!(index.match_len(0, &[1, 2, 3, 4, 5]), 3);
+        assert_eq!(index.match_len(0, &[1, 2, 3, 5]), 4);
+        assert_eq!(index.match_len(0, &[9, 1, 2]), 0);
+        assert_eq!(index.match_len(0, &[]), 0);
+        assert_eq!(index.match_len(1, &[1, 2]), 0);
+        assert_eq!(index.match_len(7, &[1, 2]), 0, "unknown endpoint");
+    }
+
+    #[test]
+    fn lru_evicts_least_recent_and_keeps_prefixes() {
+        // 4-byte chunks at 4 bytes/token: 1 token per chunk; capacity 4 chunks.
+        let index = PrefixIndex::new(1, config(4, 4));
+        assert_eq!(index.capacity_chunks(0), 4);
+        index.record(0, &[1, 2, 3]);
+        assert_eq!(lock(&index.endpoints[0]).order(), vec![1, 2, 3]);
+        index.record(0, &[1, 2, 10, 11]); // 3 is least recent: evicted
+        assert_eq!(lock(&index.endpoints[0]).order(), vec![1, 2, 10, 11]);
+        assert_eq!(index.held_chunks(0), 4);
+        assert_eq!(index.match_len(0, &[1, 2, 3]), 2);
+        // A touch refreshes without inserting.
+        index.record(0, &[11]);
+        assert_eq!(lock(&index.endpoints[0]).order(), vec![11, 1, 2, 10]);
+        index.record(0, &[20]);
+        assert_eq!(lock(&index.endpoints[0]).order(), vec![20, 11, 1, 2]);
+        // A prompt longer than the capacity records only its first chunks.
+        index.record(0, &[30, 31, 32, 33, 34, 35]);
+        assert_eq!(lock(&index.endpoints[0]).order(), vec![30, 31, 32, 33]);
+        assert_eq!(index.match_lens(&[30, 31, 32, 33, 34], &[0]), vec![4]);
+        // Shrinking evicts at once; growing keeps contents.
+        index.set_capacity(0, 2);
+        assert_eq!(lock(&index.endpoints[0]).order(), vec![30, 31]);
+        assert_eq!(index.match_lens(&[30, 31, 32], &[0]), vec![2]);
+        index.set_capacity(0, 8);
+        index.record(0, &[40, 41]);
+        assert_eq!(lock(&index.endpoints[0]).order(), vec![40, 41, 30, 31]);
+        // Capacity 0 holds nothing.
+        index.set_capacity(0, 0);
+        index.record(0, &[50]);
+        assert_eq!(index.held_chunks(0), 0);
+        assert_eq!(index.match_lens(&[40, 50], &[0]), vec![0]);
+    }
+
+    #[test]
+    fn capacity_follows_kv_tokens() {
+        // 256-byte chunks at 4 bytes/token = 64 tokens per chunk.
+        let index = PrefixIndex::new(1, PrefixIndexConfig::default());
+        assert_eq!(index.tokens_per_chunk(), 64);
+        assert_eq!(index.capacity_chunks(0), 8192);
+        index.set_capacity(0, kv_capacity_tokens(16, 40_000));
+        assert_eq!(index.capacity_chunks(0), 10_000);
+        index.set_capacity(0, 63);
+        assert_eq!(index.capacity_chunks(0), 0);
+        assert_eq!(kv_capacity_tokens(u64::MAX, 2), u64::MAX);
+        index.set_capacity(0, u64::MAX);
+        assert_eq!(index.capacity_chunks(0), (NIL - 1) as usize);
+    }
+
+    #[test]
+    fn lru_slab_reuses_slots_under_churn() {
+        let index = PrefixIndex::new(1, config(4, 100));
+        for round in 0..50u64 {
+            let hashes: Vec<u64> = (0..60).map(|i| round * 1000 + i).collect();
+            index.record(0, &hashes);
+            assert_eq!(index.match_len(0, &hashes), 60);
+        }
+        let lru = lock(&index.endpoints[0]);
+        assert_eq!(lru.map.len(), 100);
+        assert!(lru.nodes.len() <= 100, "slab grew to {}", lru.nodes.len());
+        assert_eq!(lru.order().len(), 100);
+    }
+
+    #[test]
+    fn correction_forgets_past_the_reported_prefix() {
+        // 4 tokens per chunk.
+        let index = PrefixIndex::new(2, config(16, 1000));
+        let hashes = [1, 2, 3, 4, 5, 6];
+        index.record(0, &hashes);
+        index.record(1, &hashes);
+        // 9 cached tokens = 2 full chunks.
+        assert_eq!(index.correct(0, &hashes, 9), 4);
+        assert_eq!(index.match_len(0, &hashes), 2);
+        assert_eq!(index.held_chunks(0), 2);
+        assert_eq!(index.match_lens(&hashes, &[0, 1]), vec![2, 6]);
+        // Reporting as much as (or more than) the index holds changes nothing.
+        assert_eq!(index.correct(1, &hashes, 24), 0);
+        assert_eq!(index.correct(1, &hashes, u64::MAX), 0);
+        assert_eq!(index.match_len(1, &hashes), 6);
+        // Zero cached tokens forgets the whole prompt there.
+        assert_eq!(index.correct(1, &hashes, 0), 6);
+        assert_eq!(index.match_lens(&hashes, &[0, 1]), vec![2, 0]);
+        // The next routing decision teaches it again.
+        index.record(1, &hashes);
+        assert_eq!(index.match_len(1, &hashes), 6);
+        assert_eq!(index.correct(9, &hashes, 0), 0, "unknown endpoint");
+    }
+
+    #[test]
+    fn scores_several_endpoints() {
+        let index = PrefixIndex::new(4, config(4, 1000));
+        let prompt = [10, 11, 12, 13, 14, 15, 16, 17];
+        index.record(0, &prompt[..2]); // shared system prompt only
+        index.record(1, &prompt); // the session's replica
+        index.record(2, &[10, 11, 12, 99]); // a fork of the conversation
+        index.record(3, &[11, 12, 13]); // the middle without the start: no prefix match
+        assert_eq!(
+            index.score(&prompt, &[0, 1, 2, 3]),
+            vec![0.25, 1.0, 0.375, 0.0]
+        );
+        // Candidates in any order, repeated or unknown.
+        assert_eq!(
+            index.score(&prompt, &[2, 1, 2, 42]),
+            vec![0.375, 1.0, 0.375, 0.0]
+        );
+        assert_eq!(index.score(&[], &[0, 1]), vec![0.0, 0.0]);
+        assert!(index.score(&prompt, &[]).is_empty());
+        for e in 0..4 {
+            assert_eq!(
+                index.match_lens(&prompt, &[e]),
+                vec![index.match_len(e, &prompt)]
+            );
+        }
+        index.clear(1);
+        assert_eq!(index.held_chunks(1), 0);
+        assert_eq!(index.score(&prompt, &[1, 0]), vec![0.0, 0.25]);
+    }
+
+    #[test]
+    fn scores_more_than_64_endpoints() {
+        let index = PrefixIndex::new(130, config(4, 1000));
+        let prompt: Vec<u64> = (100..110).collect();
+        for e in 0..130 {
+            index.record(e, &prompt[..e % 11]);
+        }
+        let all: Vec<usize> = (0..130).collect();
+        let lens = index.match_lens(&prompt, &all);
+        assert_eq!(lens, all.iter().map(|e| e % 11).collect::<Vec<_>>());
+        assert_eq!(index.score(&prompt, &[129])[0], 0.8);
+    }
+
+    #[test]
+    fn concurrent_records_and_scores_stay_consistent() {
+        let index = PrefixIndex::new(8, config(4, 200));
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let index = &index;
+                s.spawn(move || {
+                    for round in 0..200u64 {
+                        let e = ((t + round) % 8) as usize;
+                        let hashes: Vec<u64> = (0..50).map(|i| (round % 7) * 100 + i).collect();
+                        index.record(e, &hashes);
+                        let _ = index.score(&hashes, &[0, 1, 2, 3, 4, 5, 6, 7]);
+                        if round % 5 == 0 {
+                            index.correct(e, &hashes, 40);
+                        }
+                    }
+                });
+            }
+        });
+        // Quiescent: the bitmasks agree with the LRUs.
+        for round in 0..7u64 {
+            let hashes: Vec<u64> = (0..50).map(|i| round * 100 + i).collect();
+            let all: Vec<usize> = (0..8).collect();
+            let expected: Vec<usize> = all.iter().map(|&e| index.match_len(e, &hashes)).collect();
+            assert_eq!(index.match_lens(&hashes, &all), expected);
+        }
+    }
+}
