@@ -48,6 +48,7 @@ impl AppState {
             StoreOptions {
                 ttl: config.store_ttl(),
                 key_prefix: config.store.key_prefix.clone(),
+                ..StoreOptions::default()
             },
         )
         .await

@@ -14,6 +14,14 @@ pub enum StoreError {
         /// What was wrong with it.
         reason: String,
     },
+    /// A stored session pin could not be decoded (written by an incompatible version, or edited
+    /// by hand).
+    CorruptPin {
+        /// Store key of the pin.
+        key: String,
+        /// What was wrong with it.
+        reason: String,
+    },
     /// The store URL could not be used.
     InvalidUrl(String),
 }
@@ -28,6 +36,10 @@ impl fmt::Display for StoreError {
             StoreError::Corrupt { id, reason } => write!(
                 f,
                 "stored response {id} is unreadable: {reason} (delete it, or check that all gateway replicas run the same version)"
+            ),
+            StoreError::CorruptPin { key, reason } => write!(
+                f,
+                "session pin {key} is unreadable: {reason} (delete the key; the session is re-pinned on its next turn)"
             ),
             StoreError::InvalidUrl(msg) => write!(
                 f,

@@ -12,13 +12,15 @@
 //!
 //! Modules: [`record`] (what is stored, options), [`store`] (the trait and [`AnyStore`]),
 //! [`memory`] and [`redis_store`] (the backends), [`error`], and [`testing`] (a throwaway
-//! `redis-server` and the suite every backend passes). Session -> endpoint pins are not kept
-//! here yet; they belong in a `pins` module beside these, behind the same two backends.
+//! `redis-server` and the suite every backend passes), and [`pins`] (session -> endpoint pins
+//! with their own TTL, kept by the same two backends so every gateway replica routes a session
+//! to the same endpoint).
 
 #![warn(missing_docs)]
 
 pub mod error;
 pub mod memory;
+pub mod pins;
 pub mod record;
 pub mod redis_store;
 pub mod store;
@@ -26,6 +28,7 @@ pub mod testing;
 
 pub use error::StoreError;
 pub use memory::MemoryStore;
+pub use pins::SessionPin;
 pub use record::{ResponseRecord, StoreOptions};
 pub use redis_store::RedisStore;
 pub use store::{AnyStore, Store};

@@ -1,8 +1,9 @@
 //! `MemoryStore`: the in-process backend, for a single gateway replica and for tests.
 //!
-//! Records live in a mutex-guarded map with an expiry instant each. Expired records are
-//! invisible at once and are purged in a sweep at most once per sweep interval, piggybacked on
-//! writes, so no background task is needed.
+//! Records and session pins live in mutex-guarded maps with an expiry instant each. Expired
+//! entries are invisible at once and are purged in a sweep at most once per sweep interval,
+//! piggybacked on writes, so no background task is needed. Pins are keyed like in Redis
+//! ([`pin_key`]), so a client's session key costs bounded memory however long it is.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -10,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::pins::pin_key;
 use crate::record::{is_active_status, response_status};
-use crate::{ResponseRecord, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
+use crate::{ResponseRecord, SessionPin, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
 
 /// How often, at most, a write sweeps expired records out of the map.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
@@ -22,9 +24,16 @@ struct Entry {
     expires_at: Instant,
 }
 
-/// The map and its sweep bookkeeping, guarded together.
+/// A session pin and when it stops being in force.
+struct PinEntry {
+    pin: SessionPin,
+    expires_at: Instant,
+}
+
+/// The maps and their sweep bookkeeping, guarded together.
 struct Records {
     by_id: HashMap<String, Entry>,
+    pins: HashMap<String, PinEntry>,
     next_sweep: Instant,
 }
 
@@ -36,10 +45,16 @@ impl Records {
             .filter(|e| e.expires_at > now && e.rec.team == team)
     }
 
+    /// The pin under `key` if it is still in force.
+    fn live_pin_mut(&mut self, key: &str, now: Instant) -> Option<&mut PinEntry> {
+        self.pins.get_mut(key).filter(|e| e.expires_at > now)
+    }
+
     /// Drop expired entries if the sweep interval has passed.
     fn maybe_sweep(&mut self, now: Instant) {
         if now >= self.next_sweep {
             self.by_id.retain(|_, e| e.expires_at > now);
+            self.pins.retain(|_, e| e.expires_at > now);
             self.next_sweep = now + SWEEP_INTERVAL;
         }
     }
@@ -49,18 +64,26 @@ impl Records {
 pub struct MemoryStore {
     records: Mutex<Records>,
     ttl: Duration,
+    pin_ttl: Duration,
 }
 
 impl MemoryStore {
-    /// An empty store; only `opts.ttl` is used.
+    /// An empty store; `opts.ttl` and `opts.pin_ttl` are used, the key prefix is not.
     pub fn new(opts: StoreOptions) -> Self {
         MemoryStore {
             records: Mutex::new(Records {
                 by_id: HashMap::new(),
+                pins: HashMap::new(),
                 next_sweep: Instant::now() + SWEEP_INTERVAL,
             }),
             ttl: opts.ttl,
+            pin_ttl: opts.pin_ttl,
         }
+    }
+
+    /// Number of session pins held, including expired ones not yet swept.
+    pub fn pin_count(&self) -> usize {
+        self.lock().pins.len()
     }
 
     /// Number of records held, including expired ones not yet swept.
@@ -82,9 +105,14 @@ impl MemoryStore {
     }
 
     fn expiry_from(&self, now: Instant) -> Instant {
-        now.checked_add(self.ttl)
-            .unwrap_or(now + Duration::from_secs(100 * 365 * 24 * 3600))
+        expiry_after(now, self.ttl)
     }
+}
+
+/// `now + ttl`, saturating at a century for absurd TTLs.
+fn expiry_after(now: Instant, ttl: Duration) -> Instant {
+    now.checked_add(ttl)
+        .unwrap_or(now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 impl Default for MemoryStore {
@@ -180,6 +208,51 @@ impl Store for MemoryStore {
         Ok(true)
     }
 
+    async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {
+        let key = pin_key("", pool, session);
+        let now = Instant::now();
+        let mut records = self.lock();
+        Ok(records.live_pin_mut(&key, now).map(|e| e.pin.clone()))
+    }
+
+    async fn swap_pin(
+        &self,
+        pool: &str,
+        session: &str,
+        expected: Option<&SessionPin>,
+        new: &SessionPin,
+    ) -> Result<SessionPin, StoreError> {
+        let key = pin_key("", pool, session);
+        let now = Instant::now();
+        let expires_at = expiry_after(now, self.pin_ttl);
+        let mut records = self.lock();
+        records.maybe_sweep(now);
+        if let Some(entry) = records.live_pin_mut(&key, now) {
+            entry.expires_at = expires_at;
+            if Some(&entry.pin) != expected {
+                return Ok(entry.pin.clone());
+            }
+        }
+        records.pins.insert(
+            key,
+            PinEntry {
+                pin: new.clone(),
+                expires_at,
+            },
+        );
+        Ok(new.clone())
+    }
+
+    async fn touch_pin(&self, pool: &str, session: &str) -> Result<(), StoreError> {
+        let key = pin_key("", pool, session);
+        let now = Instant::now();
+        let expires_at = expiry_after(now, self.pin_ttl);
+        if let Some(entry) = self.lock().live_pin_mut(&key, now) {
+            entry.expires_at = expires_at;
+        }
+        Ok(())
+    }
+
     fn round_trips(&self) -> u64 {
         0
     }
@@ -188,7 +261,7 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{record, suite};
+    use crate::testing::{pin, pin_expiry_suite, record, suite};
 
     #[tokio::test]
     async fn passes_the_store_suite() {
@@ -230,6 +303,64 @@ mod tests {
         store.lock().next_sweep = Instant::now();
         store.put(&record("t", "r2", None, 1)).await.unwrap();
         assert_eq!(store.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn pins_expire_after_their_own_ttl() {
+        let pin_ttl = Duration::from_millis(20);
+        let store = MemoryStore::new(StoreOptions {
+            pin_ttl,
+            ..StoreOptions::default()
+        });
+        pin_expiry_suite(&store, pin_ttl).await;
+    }
+
+    #[tokio::test]
+    async fn swaps_and_touches_refresh_a_pins_ttl_and_reads_do_not() {
+        let store = MemoryStore::default();
+        store.swap_pin("p", "s", None, &pin("e0", 0)).await.unwrap();
+        let key = pin_key("", "p", "s");
+        let soon = Instant::now() + Duration::from_secs(1);
+        let expiry = |store: &MemoryStore| store.lock().pins[&key].expires_at;
+        let shorten = |store: &MemoryStore| {
+            store.lock().pins.get_mut(&key).unwrap().expires_at = soon;
+        };
+
+        shorten(&store);
+        store.get_pin("p", "s").await.unwrap();
+        assert_eq!(expiry(&store), soon);
+        store.touch_pin("p", "s").await.unwrap();
+        assert!(expiry(&store) > soon);
+
+        shorten(&store);
+        let lost = store
+            .swap_pin("p", "s", Some(&pin("other", 0)), &pin("e1", 1))
+            .await
+            .unwrap();
+        assert_eq!(lost, pin("e0", 0));
+        assert!(expiry(&store) > soon);
+
+        store.touch_pin("p", "never-pinned").await.unwrap();
+        assert_eq!(store.pin_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn sweep_drops_expired_pins() {
+        let store = MemoryStore::new(StoreOptions {
+            pin_ttl: Duration::from_millis(1),
+            ..StoreOptions::default()
+        });
+        store
+            .swap_pin("p", "old", None, &pin("e0", 0))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        store.lock().next_sweep = Instant::now();
+        store
+            .swap_pin("p", "new", None, &pin("e0", 0))
+            .await
+            .unwrap();
+        assert_eq!(store.pin_count(), 1);
     }
 
     #[tokio::test]

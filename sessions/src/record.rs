@@ -1,4 +1,5 @@
-//! The stored unit (one response and its delta of items) and the options shared by all backends.
+//! The stored unit (one response and its delta of items) and the options shared by all backends
+//! (response TTL, session pin TTL, key prefix).
 
 use std::time::Duration;
 
@@ -45,16 +46,22 @@ pub struct StoreOptions {
     pub ttl: Duration,
     /// Prefix of every Redis key this store writes.
     pub key_prefix: String,
+    /// How long a session pin stays after it was last set or touched.
+    pub pin_ttl: Duration,
 }
 
 /// Default time a stored response is kept: 30 days.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30 * 24 * 60 * 60);
+
+/// Default time a session pin is kept after its last use: 1 hour.
+pub const DEFAULT_PIN_TTL: Duration = Duration::from_secs(60 * 60);
 
 impl Default for StoreOptions {
     fn default() -> Self {
         StoreOptions {
             ttl: DEFAULT_TTL,
             key_prefix: "agentgate:".to_string(),
+            pin_ttl: DEFAULT_PIN_TTL,
         }
     }
 }

@@ -1,12 +1,13 @@
-//! The `Store` trait every backend implements, and `AnyStore`, the enum the gateway holds.
+//! The `Store` trait every backend implements (stored responses and session pins), and
+//! `AnyStore`, the enum the gateway holds.
 
 use std::future::Future;
 
 use serde_json::Value;
 
-use crate::{MemoryStore, RedisStore, ResponseRecord, StoreError, StoreOptions};
+use crate::{MemoryStore, RedisStore, ResponseRecord, SessionPin, StoreError, StoreOptions};
 
-/// Stored responses and the conversation histories they form.
+/// Stored responses, the conversation histories they form, and session -> endpoint pins.
 pub trait Store: Send + Sync + 'static {
     /// Create or overwrite a record (and refresh its TTL).
     fn put(&self, rec: &ResponseRecord) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -45,6 +46,37 @@ pub trait Store: Send + Sync + 'static {
     /// Delete; returns whether it existed (for this team).
     fn delete(&self, team: &str, id: &str)
         -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// The pin of `session` in `pool`, if one is in force (one round trip; does not refresh
+    /// the TTL).
+    fn get_pin(
+        &self,
+        pool: &str,
+        session: &str,
+    ) -> impl Future<Output = Result<Option<SessionPin>, StoreError>> + Send;
+
+    /// Set the pin only if the current pin equals `expected` (None = no pin yet); returns the
+    /// pin now in force (the new one if it applied, else the one another gateway set first).
+    /// Refreshes the TTL. One round trip.
+    ///
+    /// A pin that expired since the caller read it constrains nothing: when no pin is in force
+    /// `new` applies whatever `expected` says. Two swaps racing from the same `expected` still
+    /// have exactly one winner, and both return it.
+    fn swap_pin(
+        &self,
+        pool: &str,
+        session: &str,
+        expected: Option<&SessionPin>,
+        new: &SessionPin,
+    ) -> impl Future<Output = Result<SessionPin, StoreError>> + Send;
+
+    /// Refresh a pin's TTL (one round trip; called at most once per turn). No effect if the
+    /// session has no pin.
+    fn touch_pin(
+        &self,
+        pool: &str,
+        session: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Round trips to the backend made so far (Redis commands/scripts sent; 0 for memory).
     fn round_trips(&self) -> u64;
@@ -115,6 +147,33 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.delete(team, id).await,
             AnyStore::Redis(s) => s.delete(team, id).await,
+        }
+    }
+
+    async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.get_pin(pool, session).await,
+            AnyStore::Redis(s) => s.get_pin(pool, session).await,
+        }
+    }
+
+    async fn swap_pin(
+        &self,
+        pool: &str,
+        session: &str,
+        expected: Option<&SessionPin>,
+        new: &SessionPin,
+    ) -> Result<SessionPin, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.swap_pin(pool, session, expected, new).await,
+            AnyStore::Redis(s) => s.swap_pin(pool, session, expected, new).await,
+        }
+    }
+
+    async fn touch_pin(&self, pool: &str, session: &str) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.touch_pin(pool, session).await,
+            AnyStore::Redis(s) => s.touch_pin(pool, session).await,
         }
     }
 

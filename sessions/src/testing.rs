@@ -1,6 +1,6 @@
 //! Test support shared by this crate's tests, the gateway's and the end-to-end tests: a
-//! throwaway `redis-server` guard, unique key prefixes, sample records, and the behaviour suite
-//! every [`Store`] backend must pass.
+//! throwaway `redis-server` guard, unique key prefixes, sample records, and the behaviour suites
+//! every [`Store`] backend must pass (responses and session pins).
 
 use std::future::Future;
 use std::io::{Read, Write};
@@ -11,7 +11,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use crate::{ResponseRecord, Store};
+use crate::pins::MAX_KEY_PART_LEN;
+use crate::{ResponseRecord, SessionPin, Store};
 
 /// Environment variable naming an existing Redis to test against instead of starting one.
 pub const TEST_REDIS_URL_ENV: &str = "AGENTGATE_TEST_REDIS_URL";
@@ -242,8 +243,215 @@ pub async fn at_most_one_round_trip<S: Store, T>(
     out
 }
 
-/// The behaviour every backend must show. Use a fresh store (or a fresh key prefix) per call.
+/// A pin to `endpoint` that has moved `moves` times.
+pub fn pin(endpoint: &str, moves: u32) -> SessionPin {
+    SessionPin {
+        endpoint: endpoint.to_string(),
+        moves,
+    }
+}
+
+/// The behaviour every backend must show, for responses ([`response_suite`]) and session pins
+/// ([`pin_suite`]). Use a fresh store (or a fresh key prefix) per call.
 pub async fn suite<S: Store>(store: &S) {
+    response_suite(store).await;
+    pin_suite(store).await;
+}
+
+/// Session pins: get, compare-and-set swaps, a race of two swaps, touch, and session keys that
+/// are long or contain key separators, glob and hash-tag characters, or arbitrary bytes. Every
+/// operation costs at most one round trip. Use a fresh store (or a fresh key prefix) per call.
+pub async fn pin_suite<S: Store>(store: &S) {
+    macro_rules! one {
+        ($what:expr, $op:expr) => {
+            at_most_one_round_trip(store, $what, $op)
+                .await
+                .unwrap_or_else(|e| panic!("{} failed: {e}", $what))
+        };
+    }
+    let pool = "pool-a";
+
+    // No pin yet; the first swap from None applies.
+    assert_eq!(one!("get_pin unknown", store.get_pin(pool, "s1")), None);
+    one!("touch_pin unknown", store.touch_pin(pool, "s1"));
+    assert_eq!(one!("get_pin after touch", store.get_pin(pool, "s1")), None);
+    let first = pin("e0", 0);
+    assert_eq!(
+        one!("swap_pin new", store.swap_pin(pool, "s1", None, &first)),
+        first
+    );
+    assert_eq!(
+        one!("get_pin", store.get_pin(pool, "s1")),
+        Some(first.clone())
+    );
+
+    // A stale expectation loses and reports the pin in force, unchanged.
+    let stale = pin("e9", 0);
+    assert_eq!(
+        one!(
+            "swap_pin stale",
+            store.swap_pin(pool, "s1", Some(&stale), &pin("e5", 1))
+        ),
+        first
+    );
+    assert_eq!(
+        one!(
+            "swap_pin from None over a pin",
+            store.swap_pin(pool, "s1", None, &pin("e5", 1))
+        ),
+        first
+    );
+    let same_endpoint_other_moves = pin("e0", 7);
+    assert_eq!(
+        one!(
+            "swap_pin with wrong moves",
+            store.swap_pin(pool, "s1", Some(&same_endpoint_other_moves), &pin("e5", 8))
+        ),
+        first
+    );
+    assert_eq!(
+        one!("get_pin", store.get_pin(pool, "s1")),
+        Some(first.clone())
+    );
+
+    // The right expectation moves the pin.
+    let moved = pin("e1", 1);
+    assert_eq!(
+        one!(
+            "swap_pin move",
+            store.swap_pin(pool, "s1", Some(&first), &moved)
+        ),
+        moved
+    );
+    assert_eq!(
+        one!("get_pin", store.get_pin(pool, "s1")),
+        Some(moved.clone())
+    );
+    one!("touch_pin", store.touch_pin(pool, "s1"));
+    assert_eq!(
+        one!("get_pin after touch", store.get_pin(pool, "s1")),
+        Some(moved.clone())
+    );
+
+    // Pins are per pool and per session.
+    assert_eq!(
+        one!("get_pin other pool", store.get_pin("pool-b", "s1")),
+        None
+    );
+    assert_eq!(
+        one!("get_pin other session", store.get_pin(pool, "s2")),
+        None
+    );
+
+    // Two gateways move the same session at once: exactly one wins, both see the winner.
+    let to_e2 = pin("e2", 2);
+    let to_e3 = pin("e3", 2);
+    let (left, right) = tokio::join!(
+        store.swap_pin(pool, "s1", Some(&moved), &to_e2),
+        store.swap_pin(pool, "s1", Some(&moved), &to_e3),
+    );
+    let left = left.unwrap_or_else(|e| panic!("racing swap_pin failed: {e}"));
+    let right = right.unwrap_or_else(|e| panic!("racing swap_pin failed: {e}"));
+    assert_eq!(left, right, "both racers must see the same winner");
+    assert!(left == to_e2 || left == to_e3, "winner {left:?}");
+    assert_eq!(
+        one!("get_pin after race", store.get_pin(pool, "s1")),
+        Some(left.clone())
+    );
+    // The same for the very first pin of a session.
+    let (left, right) = tokio::join!(
+        store.swap_pin(pool, "fresh", None, &to_e2),
+        store.swap_pin(pool, "fresh", None, &to_e3),
+    );
+    let left = left.unwrap_or_else(|e| panic!("racing swap_pin failed: {e}"));
+    let right = right.unwrap_or_else(|e| panic!("racing swap_pin failed: {e}"));
+    assert_eq!(left, right, "both racers must see the same winner");
+    assert_eq!(
+        one!("get_pin after race", store.get_pin(pool, "fresh")),
+        Some(left)
+    );
+
+    // Session keys that could break a naive key scheme stay distinct and round-trip.
+    let long = "x".repeat(10 * MAX_KEY_PART_LEN);
+    let mut long_other_tail = long.clone();
+    long_other_tail.push('y');
+    let odd_sessions: Vec<(&str, String)> = vec![
+        ("a", "b:c".to_string()),
+        ("a:b", "c".to_string()),
+        ("a", "b%3Ac".to_string()),
+        ("a", String::new()),
+        ("a", "*".to_string()),
+        ("a", "{tag}?[x]".to_string()),
+        ("a", "with space\n\r\0 and \u{1F600}".to_string()),
+        ("a", "line\nbreak\0nul\u{7f}\u{ff}".to_string()),
+        ("a", "ümlaut-キー".to_string()),
+        ("a", long.clone()),
+        ("a", long_other_tail),
+        ("a", format!("{long}#deadbeef")),
+        (long.as_str(), "s".to_string()),
+    ];
+    for (i, (pool, session)) in odd_sessions.iter().enumerate() {
+        let endpoint = format!("odd-{i}");
+        let set = one!(
+            "swap_pin odd key",
+            store.swap_pin(pool, session, None, &pin(&endpoint, 0))
+        );
+        assert_eq!(
+            set.endpoint, endpoint,
+            "pool {pool:?} session {session:?} collided"
+        );
+    }
+    for (i, (pool, session)) in odd_sessions.iter().enumerate() {
+        let got = one!("get_pin odd key", store.get_pin(pool, session));
+        assert_eq!(
+            got,
+            Some(pin(&format!("odd-{i}"), 0)),
+            "pool {pool:?} session {session:?}"
+        );
+        one!("touch_pin odd key", store.touch_pin(pool, session));
+    }
+}
+
+/// Pins expire after the store's `pin_ttl`, and a swap expecting a pin that has since expired
+/// applies (no pin is in force). `store` must be fresh and built with `pin_ttl` set to `pin_ttl`,
+/// which should be short (tens of milliseconds): this waits several times `pin_ttl`.
+pub async fn pin_expiry_suite<S: Store>(store: &S, pin_ttl: Duration) {
+    let first = pin("e0", 0);
+    let set = store
+        .swap_pin("p", "s", None, &first)
+        .await
+        .unwrap_or_else(|e| panic!("swap_pin failed: {e}"));
+    assert_eq!(set, first);
+    tokio::time::sleep(pin_ttl * 4).await;
+    assert_eq!(
+        store
+            .get_pin("p", "s")
+            .await
+            .unwrap_or_else(|e| panic!("get_pin failed: {e}")),
+        None,
+        "a pin must expire after pin_ttl"
+    );
+    let moved = pin("e1", 1);
+    assert_eq!(
+        store
+            .swap_pin("p", "s", Some(&first), &moved)
+            .await
+            .unwrap_or_else(|e| panic!("swap_pin failed: {e}")),
+        moved,
+        "with no pin in force the swap applies"
+    );
+    assert_eq!(
+        store
+            .get_pin("p", "s")
+            .await
+            .unwrap_or_else(|e| panic!("get_pin failed: {e}")),
+        Some(moved)
+    );
+}
+
+/// Stored responses: put/get, chains, forks, overwrite, team isolation, update_if_active,
+/// delete, long histories. Use a fresh store (or a fresh key prefix) per call.
+pub async fn response_suite<S: Store>(store: &S) {
     let a = "team-a";
     let b = "team-b";
     macro_rules! one {

@@ -1,10 +1,14 @@
 //! The Redis backend against a real `redis-server`: the shared store suite, round-trip counts,
-//! TTLs, script-cache loss, connection errors, and the memory one conversation costs.
+//! TTLs, script-cache loss, connection errors, the memory one conversation costs, and session
+//! pins (the shared pin suite, their TTL, key shape and length, races across connections).
 
 use std::time::Duration;
 
-use agentgate_sessions::testing::{record, suite, unique_prefix, TestRedis};
-use agentgate_sessions::{AnyStore, RedisStore, ResponseRecord, Store, StoreError, StoreOptions};
+use agentgate_sessions::pins::MAX_KEY_PART_LEN;
+use agentgate_sessions::testing::{pin, pin_expiry_suite, record, suite, unique_prefix, TestRedis};
+use agentgate_sessions::{
+    AnyStore, RedisStore, ResponseRecord, SessionPin, Store, StoreError, StoreOptions,
+};
 use redis::aio::MultiplexedConnection;
 
 /// TTL for test keys: long enough for any test, short enough not to pile up in a shared Redis.
@@ -18,7 +22,12 @@ async fn store_with_ttl(redis: &TestRedis, test_name: &str, ttl: Duration) -> Re
     let opts = StoreOptions {
         ttl,
         key_prefix: unique_prefix(test_name),
+        ..StoreOptions::default()
     };
+    connect(redis, opts).await
+}
+
+async fn connect(redis: &TestRedis, opts: StoreOptions) -> RedisStore {
     RedisStore::connect(redis.url(), opts)
         .await
         .expect("connect to the test Redis")
@@ -72,6 +81,7 @@ async fn any_store_on_redis_passes_the_store_suite() {
     let opts = StoreOptions {
         ttl: TEST_TTL,
         key_prefix: unique_prefix("any"),
+        ..StoreOptions::default()
     };
     let store = AnyStore::open(Some(redis.url()), opts).await.expect("open");
     assert_eq!(store.backend_name(), "redis");
@@ -330,4 +340,235 @@ async fn reconnects_after_redis_restarts() {
         Some(2),
         "scripts work again although the restarted server lost its script cache"
     );
+}
+
+#[tokio::test]
+async fn pins_expire_after_their_own_ttl() {
+    let redis = TestRedis::start();
+    let pin_ttl = Duration::from_millis(100);
+    let store = connect(
+        &redis,
+        StoreOptions {
+            key_prefix: unique_prefix("pin_expiry"),
+            pin_ttl,
+            ..StoreOptions::default()
+        },
+    )
+    .await;
+    pin_expiry_suite(&store, pin_ttl).await;
+}
+
+#[tokio::test]
+async fn pins_get_the_pin_ttl_and_swaps_and_touches_refresh_it() {
+    let redis = TestRedis::start();
+    let store = connect(
+        &redis,
+        StoreOptions {
+            key_prefix: unique_prefix("pin_ttl"),
+            pin_ttl: Duration::from_secs(600),
+            ..StoreOptions::default()
+        },
+    )
+    .await;
+    let mut conn = raw(&redis).await;
+    let key = store.pin_key("pool", "s");
+
+    store
+        .swap_pin("pool", "s", None, &pin("e0", 0))
+        .await
+        .expect("swap");
+    let left = pttl(&mut conn, &key).await;
+    assert!(left > 10_000 && left <= 600_000, "PTTL {left}");
+
+    let shorten = |ms: i64| redis::cmd("PEXPIRE").arg(&key).arg(ms).to_owned();
+    let _: () = shorten(10_000)
+        .query_async(&mut conn)
+        .await
+        .expect("PEXPIRE");
+    let before = store.round_trips();
+    store.touch_pin("pool", "s").await.expect("touch");
+    assert_eq!(store.round_trips() - before, 1);
+    assert!(
+        pttl(&mut conn, &key).await > 10_000,
+        "touch refreshes the TTL"
+    );
+
+    let _: () = shorten(10_000)
+        .query_async(&mut conn)
+        .await
+        .expect("PEXPIRE");
+    let lost = store
+        .swap_pin("pool", "s", Some(&pin("other", 0)), &pin("e1", 1))
+        .await
+        .expect("swap");
+    assert_eq!(lost, pin("e0", 0));
+    assert!(
+        pttl(&mut conn, &key).await > 10_000,
+        "a lost swap still refreshes the TTL"
+    );
+
+    let _: () = shorten(10_000)
+        .query_async(&mut conn)
+        .await
+        .expect("PEXPIRE");
+    store
+        .swap_pin("pool", "s", Some(&pin("e0", 0)), &pin("e1", 1))
+        .await
+        .expect("swap");
+    assert!(
+        pttl(&mut conn, &key).await > 10_000,
+        "a winning swap sets the TTL"
+    );
+
+    let _: () = shorten(10_000)
+        .query_async(&mut conn)
+        .await
+        .expect("PEXPIRE");
+    store.get_pin("pool", "s").await.expect("get");
+    assert!(
+        pttl(&mut conn, &key).await <= 10_000,
+        "a read does not refresh the TTL"
+    );
+
+    store
+        .touch_pin("pool", "never-pinned")
+        .await
+        .expect("touch");
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg(store.pin_key("pool", "never-pinned"))
+        .query_async(&mut conn)
+        .await
+        .expect("EXISTS");
+    assert_eq!(exists, 0, "touching a missing pin creates nothing");
+}
+
+#[tokio::test]
+async fn pin_keys_are_prefixed_bounded_and_hold_json() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("pin_keys");
+    let store = connect(
+        &redis,
+        StoreOptions {
+            key_prefix: prefix.clone(),
+            ..StoreOptions::default()
+        },
+    )
+    .await;
+    let mut conn = raw(&redis).await;
+    let long = "k:{x}*".repeat(10_000);
+    store
+        .swap_pin("pool", "abc-123", None, &pin("e0", 2))
+        .await
+        .expect("swap");
+    store
+        .swap_pin("pool", &long, None, &pin("e1", 0))
+        .await
+        .expect("swap");
+
+    let plain = store.pin_key("pool", "abc-123");
+    assert_eq!(plain, format!("{prefix}pin:pool:abc-123"));
+    let stored: String = redis::cmd("GET")
+        .arg(&plain)
+        .query_async(&mut conn)
+        .await
+        .expect("GET");
+    assert_eq!(stored, r#"{"endpoint":"e0","moves":2}"#);
+
+    let mut keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}pin:*"))
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS");
+    keys.sort();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    for key in &keys {
+        let part = key
+            .strip_prefix(&format!("{prefix}pin:pool:"))
+            .expect("pin key shape");
+        assert!(part.len() <= MAX_KEY_PART_LEN, "{key}");
+        assert!(
+            !part.contains(':') && !part.contains('{') && !part.contains('*'),
+            "{key}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn unreadable_pins_are_reported_and_replaced_by_the_next_swap() {
+    let redis = TestRedis::start();
+    let store = store(&redis, "pin_corrupt").await;
+    let mut conn = raw(&redis).await;
+    let _: () = redis::cmd("SET")
+        .arg(store.pin_key("pool", "s"))
+        .arg("{not json")
+        .query_async(&mut conn)
+        .await
+        .expect("SET");
+    let err = store
+        .get_pin("pool", "s")
+        .await
+        .expect_err("get_pin must fail");
+    assert!(matches!(err, StoreError::CorruptPin { .. }), "{err}");
+    let set = store
+        .swap_pin("pool", "s", None, &pin("e0", 0))
+        .await
+        .expect("swap over an unreadable pin");
+    assert_eq!(set, pin("e0", 0));
+    assert_eq!(store.get_pin("pool", "s").await.expect("get"), Some(set));
+}
+
+#[tokio::test]
+async fn gateways_on_separate_connections_racing_to_move_a_session_agree_on_one_winner() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("pin_race");
+    let opts = StoreOptions {
+        key_prefix: prefix,
+        ..StoreOptions::default()
+    };
+    let gateways = [
+        connect(&redis, opts.clone()).await,
+        connect(&redis, opts.clone()).await,
+        connect(&redis, opts).await,
+    ];
+    for round in 0..20u32 {
+        let session = format!("s{round}");
+        let start = pin("e0", 0);
+        gateways[0]
+            .swap_pin("pool", &session, None, &start)
+            .await
+            .expect("swap");
+        let candidates: Vec<SessionPin> = (1..=3).map(|i| pin(&format!("e{i}"), 1)).collect();
+        let (a, b, c) = tokio::join!(
+            gateways[0].swap_pin("pool", &session, Some(&start), &candidates[0]),
+            gateways[1].swap_pin("pool", &session, Some(&start), &candidates[1]),
+            gateways[2].swap_pin("pool", &session, Some(&start), &candidates[2]),
+        );
+        let (a, b, c) = (a.expect("swap"), b.expect("swap"), c.expect("swap"));
+        assert_eq!(a, b);
+        assert_eq!(b, c);
+        assert!(candidates.contains(&a), "winner {a:?}");
+        for gateway in &gateways {
+            assert_eq!(
+                gateway.get_pin("pool", &session).await.expect("get"),
+                Some(a.clone())
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn pin_swaps_still_run_after_the_server_forgets_the_script() {
+    let redis = TestRedis::start();
+    let store = store(&redis, "pin_noscript").await;
+    let mut conn = raw(&redis).await;
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .expect("SCRIPT FLUSH");
+    let set = store
+        .swap_pin("pool", "s", None, &pin("e0", 0))
+        .await
+        .expect("swap");
+    assert_eq!(set, pin("e0", 0));
 }

@@ -7,6 +7,10 @@
 //! sets the TTL. Reads that need several keys or a check-then-write run as Lua scripts, sent with
 //! EVALSHA and falling back to EVAL when the server does not have the script cached.
 //!
+//! Session pins are plain string keys `{prefix}pin:{pool}:{session}` (see [`crate::pins`])
+//! holding the pin as JSON, with their own TTL; a swap is one compare-and-set script, a touch
+//! one PEXPIRE.
+//!
 //! The history script reads predecessor keys it derives itself, so it needs a standalone Redis
 //! (or a primary with replicas), not Redis Cluster.
 
@@ -17,8 +21,9 @@ use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{Cmd, ErrorKind, FromRedisValue, ServerErrorKind};
 use serde_json::Value;
 
+use crate::pins::{decode_pin, encode_pin, pin_key};
 use crate::record::response_status;
-use crate::{ResponseRecord, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
+use crate::{ResponseRecord, SessionPin, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
 
 /// A Lua script with its SHA1, ready for EVALSHA.
 struct LuaScript {
@@ -37,11 +42,14 @@ impl LuaScript {
 pub struct RedisStore {
     conn: ConnectionManager,
     ttl_ms: u64,
+    pin_ttl_ms: u64,
+    key_prefix: String,
     resp_prefix: String,
     round_trips: AtomicU64,
     history_script: LuaScript,
     update_script: LuaScript,
     delete_script: LuaScript,
+    swap_pin_script: LuaScript,
 }
 
 /// How long to wait for a TCP connection to Redis.
@@ -69,14 +77,15 @@ impl RedisStore {
             .map_err(|e| StoreError::Backend(format!("cannot connect to {url}: {e}")))?;
         let store = RedisStore {
             conn,
-            ttl_ms: u64::try_from(opts.ttl.as_millis())
-                .unwrap_or(u64::MAX)
-                .max(1),
+            ttl_ms: millis(opts.ttl),
+            pin_ttl_ms: millis(opts.pin_ttl),
             resp_prefix: format!("{}resp:", opts.key_prefix),
+            key_prefix: opts.key_prefix,
             round_trips: AtomicU64::new(0),
             history_script: LuaScript::new(include_str!("history.lua")),
             update_script: LuaScript::new(include_str!("update_if_active.lua")),
             delete_script: LuaScript::new(include_str!("delete.lua")),
+            swap_pin_script: LuaScript::new(include_str!("swap_pin.lua")),
         };
         store.load_scripts().await?;
         Ok(store)
@@ -87,6 +96,11 @@ impl RedisStore {
         format!("{}{id}", self.resp_prefix)
     }
 
+    /// The Redis key of the pin of `session` in `pool` (see [`crate::pins::pin_key`]).
+    pub fn pin_key(&self, pool: &str, session: &str) -> String {
+        pin_key(&self.key_prefix, pool, session)
+    }
+
     /// Cache all scripts on the server so the first calls need no EVAL fallback.
     async fn load_scripts(&self) -> Result<(), StoreError> {
         let mut pipe = ::redis::pipe();
@@ -94,6 +108,7 @@ impl RedisStore {
             &self.history_script,
             &self.update_script,
             &self.delete_script,
+            &self.swap_pin_script,
         ] {
             pipe.cmd("SCRIPT").arg("LOAD").arg(script.source).ignore();
         }
@@ -138,6 +153,11 @@ impl RedisStore {
             Err(err) => Err(err.into()),
         }
     }
+}
+
+/// A TTL in whole milliseconds for PEXPIRE / SET PX: at least 1, saturating.
+fn millis(ttl: Duration) -> u64 {
+    u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// Serialize a JSON value that came from `serde_json::Value` (cannot fail).
@@ -313,6 +333,42 @@ impl Store for RedisStore {
             )
             .await?;
         Ok(deleted == 1)
+    }
+
+    async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {
+        let key = self.pin_key(pool, session);
+        let mut cmd = ::redis::cmd("GET");
+        cmd.arg(&key);
+        let stored: Option<Vec<u8>> = self.query(&cmd).await?;
+        stored.map(|bytes| decode_pin(&key, &bytes)).transpose()
+    }
+
+    async fn swap_pin(
+        &self,
+        pool: &str,
+        session: &str,
+        expected: Option<&SessionPin>,
+        new: &SessionPin,
+    ) -> Result<SessionPin, StoreError> {
+        let key = self.pin_key(pool, session);
+        let expected = expected.map(encode_pin).transpose()?.unwrap_or_default();
+        let new_json = encode_pin(new)?;
+        let ttl = self.pin_ttl_ms.to_string();
+        let in_force: Vec<u8> = self
+            .run_script(
+                &self.swap_pin_script,
+                &key,
+                &[expected.as_bytes(), new_json.as_bytes(), ttl.as_bytes()],
+            )
+            .await?;
+        decode_pin(&key, &in_force)
+    }
+
+    async fn touch_pin(&self, pool: &str, session: &str) -> Result<(), StoreError> {
+        let mut cmd = ::redis::cmd("PEXPIRE");
+        cmd.arg(self.pin_key(pool, session)).arg(self.pin_ttl_ms);
+        let _applied: i64 = self.query(&cmd).await?;
+        Ok(())
     }
 
     fn round_trips(&self) -> u64 {

@@ -1,0 +1,24 @@
+-- Set a session pin only if the pin in force equals the expected one; refresh its TTL either way.
+-- KEYS[1]: the pin key
+-- ARGV[1]: expected pin as JSON {"endpoint":..,"moves":..}, or '' for "no pin yet"
+-- ARGV[2]: new pin as JSON        ARGV[3]: TTL in milliseconds
+-- Returns the JSON of the pin in force afterwards: ARGV[2] if it applied, else the current one.
+-- Pins compare by their fields, not their bytes. With no pin in force (never set, expired, or
+-- unreadable) the new pin applies whatever was expected.
+local current = redis.call('GET', KEYS[1])
+if current then
+  local ok, pin = pcall(cjson.decode, current)
+  if ok and type(pin) == 'table' then
+    local same = false
+    if ARGV[1] ~= '' then
+      local expected = cjson.decode(ARGV[1])
+      same = pin.endpoint == expected.endpoint and pin.moves == expected.moves
+    end
+    if not same then
+      redis.call('PEXPIRE', KEYS[1], ARGV[3])
+      return current
+    end
+  end
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return ARGV[2]
