@@ -6,7 +6,10 @@
 //!   [`LeastLoaded`];
 //! - [`policy`]: the policy names the configuration accepts;
 //! - [`prefix_index`]: the [`PrefixIndex`], chained chunk hashes of rendered prompts and, per
-//!   endpoint, an LRU model of which prefixes its KV cache holds, scored in [0, 1].
+//!   endpoint, an LRU model of which prefixes its KV cache holds, scored in [0, 1];
+//! - [`session_key`](mod@session_key): which agent session a request belongs to ([`session_key()`]), from the
+//!   configured session header, the coding agents' native headers, `prompt_cache_key`, the
+//!   `previous_response_id` chain root or the `conversation` id.
 //!
 //! Session- and prefix-aware scoring (filters, weighted scorers, the prefix index, session pins)
 //! plugs in behind the same [`Picker`] seam.
@@ -15,8 +18,10 @@ pub mod endpoint;
 pub mod picker;
 pub mod policy;
 pub mod prefix_index;
+pub mod session_key;
 
 pub use endpoint::{Endpoint, InFlight};
 pub use picker::{LeastLoaded, PickRequest, Picker, RoundRobin};
 pub use policy::Policy;
 pub use prefix_index::{chunk_hashes, PrefixIndex, PrefixIndexConfig};
+pub use session_key::{chain_root_key, session_key, SessionKey, SessionKeyConfig, SessionSource};
