@@ -56,7 +56,7 @@ impl Default for ClientOptions {
 /// HTTP client for engines; see the module doc for timeouts.
 #[derive(Clone, Debug)]
 pub struct EngineClient {
-    http: reqwest::Client,
+    pub(crate) http: reqwest::Client,
     options: ClientOptions,
 }
 
@@ -209,14 +209,14 @@ impl EngineClient {
             .map_err(|_| UpstreamError::Timeout(format!("{url} did not answer within {limit:?}")))?
     }
 
-    fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+    pub(crate) fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
         match &self.options.api_key {
             Some(key) => request.bearer_auth(key),
             None => request,
         }
     }
 
-    async fn check_status(
+    pub(crate) async fn check_status(
         &self,
         response: reqwest::Response,
     ) -> Result<reqwest::Response, UpstreamError> {
@@ -266,7 +266,7 @@ pub fn estimate_prompt_tokens(chat_body: &Value) -> u64 {
     (bytes as u64).div_ceil(4) + framing
 }
 
-fn root_url(base_url: &str) -> &str {
+pub(crate) fn root_url(base_url: &str) -> &str {
     let base = base_url.trim_end_matches('/');
     base.strip_suffix("/v1").unwrap_or(base)
 }
@@ -275,7 +275,7 @@ fn v1_url(base_url: &str, path: &str) -> String {
     format!("{}/v1/{path}", root_url(base_url))
 }
 
-fn send_error(url: &str, err: reqwest::Error) -> UpstreamError {
+pub(crate) fn send_error(url: &str, err: reqwest::Error) -> UpstreamError {
     if err.is_timeout() {
         UpstreamError::Timeout(format!("{url}: {err}"))
     } else {

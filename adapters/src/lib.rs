@@ -6,6 +6,7 @@
 //! -> [`ResponseStream::on_chunk`] for every chunk -> [`ResponseStream::finish`] (or `fail`).
 
 mod client;
+pub mod engine_metrics;
 mod error;
 mod ids;
 mod input;
@@ -16,6 +17,7 @@ mod stream;
 mod tools;
 
 pub use client::{estimate_prompt_tokens, ChunkStream, ClientOptions, EngineClient};
+pub use engine_metrics::{parse_metrics, EngineMetrics};
 pub use error::{ApiError, UpstreamError};
 pub use ids::new_item_id;
 pub use input::normalize_input;
