@@ -84,7 +84,9 @@ pub struct Args {
 /// Run the command: validate, generate, replay per policy, write the outputs.
 pub async fn run(args: Args) -> Result<(), String> {
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
-    let summary = execute(&args, &command_line, true).await?;
+    // The `\r` progress line is for a person at a terminal; logs get the final table only.
+    let show_progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let summary = execute(&args, &command_line, show_progress).await?;
     println!("{}", report::table(&summary.policies));
     println!(
         "wrote {}, {} and the SVG charts",
