@@ -10,6 +10,7 @@ pub mod engine_metrics;
 mod error;
 mod ids;
 mod input;
+mod prompt_text;
 mod reasoning_blob;
 mod request;
 mod sse;
@@ -21,6 +22,7 @@ pub use engine_metrics::{parse_metrics, EngineMetrics};
 pub use error::{ApiError, UpstreamError};
 pub use ids::new_item_id;
 pub use input::normalize_input;
+pub use prompt_text::prompt_text;
 pub use reasoning_blob::{decode_reasoning_blob, encode_reasoning_blob};
 pub use request::{
     build_chat_request, includes_encrypted_reasoning, ChatPlan, HostedToolPolicy, TranslateOptions,

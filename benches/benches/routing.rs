@@ -56,6 +56,7 @@ fn routing(c: &mut Criterion) {
                 black_box(&loaded),
                 &PickRequest {
                     exclude: black_box(&exclude),
+                    prefix: None,
                 },
             )
         })

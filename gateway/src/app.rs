@@ -53,15 +53,16 @@ impl AppState {
         )
         .await
         .map_err(|e| format!("store: {e}"))?;
-        let pools = Pools::start(&config)
-            .await
-            .map_err(|e| format!("starting pools: {e}"))?;
         let engines = EngineClient::new(ClientOptions {
             connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
             first_byte_timeout: Duration::from_secs_f64(config.upstream.first_byte_timeout_s),
             idle_timeout: Duration::from_secs_f64(config.upstream.idle_timeout_s),
             ..ClientOptions::default()
         });
+        let pools = Pools::start(&config, &engines)
+            .await
+            .map_err(|e| format!("starting pools: {e}"))?;
+
         let hosted_tools = match config.tools.hosted {
             HostedTools::Drop => HostedToolPolicy::Drop,
             HostedTools::Reject => HostedToolPolicy::Reject,

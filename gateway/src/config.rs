@@ -153,12 +153,20 @@ pub struct PoolConfig {
     /// Engine base URLs, e.g. `http://10.0.0.5:8000`.
     #[serde(default)]
     pub endpoints: Vec<String>,
-    /// Routing policy: `round_robin` (default) or `least_loaded`.
+    /// Routing policy: `round_robin` (default), `least_loaded` or `prefix`.
     #[serde(default = "default_policy")]
     pub policy: String,
+    /// For the `prefix` policy: bytes of prompt text per engine token (sizes the prefix index
+    /// from the engine's KV capacity; about 4 for BPE tokenizers on English and code).
+    #[serde(default = "default_bytes_per_token")]
+    pub prefix_bytes_per_token: usize,
     /// Start simulated replicas in-process for this pool (no GPU needed).
     #[serde(default)]
     pub simulate: Option<SimulateConfig>,
+}
+
+fn default_bytes_per_token() -> usize {
+    4
 }
 
 fn default_policy() -> String {
@@ -306,6 +314,9 @@ impl Config {
                     ));
                 }
             }
+            if pool.prefix_bytes_per_token == 0 {
+                return Err(err(at("prefix_bytes_per_token"), "must be at least 1"));
+            }
             agentgate_scheduler::Policy::parse(&pool.policy)
                 .map_err(|reason| err(at("policy"), reason))?;
             let simulated = pool.simulate.as_ref().map_or(0, |s| s.replicas);
@@ -448,7 +459,7 @@ endpoints = ["http://127.0.0.1:8000"]
         let ok = MINIMAL.replace("model = \"m\"", "model = \"m\"\npolicy = \"least_loaded\"");
         assert_eq!(Config::parse(&ok).unwrap().pools[0].policy, "least_loaded");
         let e =
-            Config::parse(&MINIMAL.replace("model = \"m\"", "model = \"m\"\npolicy = \"prefix\""))
+            Config::parse(&MINIMAL.replace("model = \"m\"", "model = \"m\"\npolicy = \"session\""))
                 .unwrap_err();
         assert_eq!(e.key, "pools[0].policy");
         assert!(e.reason.contains("not available"), "{e}");

@@ -8,7 +8,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use agentgate_adapters::Flavor;
+use agentgate_adapters::{EngineClient, Flavor};
+use agentgate_scheduler::PrefixIndexConfig;
 pub use agentgate_scheduler::{Endpoint, PickRequest, Picker, Policy};
 
 use crate::config::{Config, PoolConfig, SimulateConfig};
@@ -39,8 +40,9 @@ pub struct Pools {
 }
 
 impl Pools {
-    /// Build pools from the config, starting any simulated replicas it asks for.
-    pub async fn start(config: &Config) -> std::io::Result<Pools> {
+    /// Build pools from the config, starting any simulated replicas it asks for. Pools whose
+    /// policy keeps a prefix index size it from each engine's reported KV capacity.
+    pub async fn start(config: &Config, engines: &EngineClient) -> std::io::Result<Pools> {
         let mut pools = Vec::new();
         let mut by_model = HashMap::new();
         let mut sims = Vec::new();
@@ -58,7 +60,7 @@ impl Pools {
                     sims.push(handle);
                 }
             }
-            let endpoints = urls
+            let endpoints: Vec<Arc<Endpoint>> = urls
                 .into_iter()
                 .enumerate()
                 .map(|(j, base_url)| {
@@ -70,13 +72,32 @@ impl Pools {
             for name in std::iter::once(&pc.model).chain(pc.aliases.iter()) {
                 by_model.insert(name.clone(), i);
             }
+            let index_config = PrefixIndexConfig {
+                bytes_per_token: pc.prefix_bytes_per_token,
+                ..PrefixIndexConfig::default()
+            };
+            let picker = policy.picker(endpoints.len(), index_config);
+            if let Some(index) = picker.prefix_index() {
+                for (j, ep) in endpoints.iter().enumerate() {
+                    match engines.scrape_metrics(pc.flavor, &ep.base_url).await {
+                        Ok(m) => {
+                            if let Some(tokens) = m.kv_capacity_tokens() {
+                                index.set_capacity(j, tokens);
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(endpoint = %ep.name, "no KV capacity from metrics ({e}); the prefix index assumes the default")
+                        }
+                    }
+                }
+            }
             pools.push(Arc::new(Pool {
                 name: pc.name.clone(),
                 model: pc.model.clone(),
                 flavor: pc.flavor,
                 endpoints,
                 policy,
-                picker: policy.picker(),
+                picker,
             }));
         }
         Ok(Pools {

@@ -78,7 +78,7 @@ pub fn drop_middle(history: &mut Vec<Value>) {
 pub async fn open_turn(
     state: &AppState,
     turn: &mut Turn,
-) -> Result<(ChunkStream, InFlight), HttpError> {
+) -> Result<(ChunkStream, Routed), HttpError> {
     let auto = turn.request.get("truncation").and_then(Value::as_str) == Some("auto");
     let mut rounds = 0;
     loop {
@@ -110,26 +110,68 @@ pub async fn open_turn(
     }
 }
 
+/// Where a request was sent: the in-flight guard, the endpoint's position in its pool, and the
+/// prompt's chunk hashes when the pool's policy routes by prefix.
+#[derive(Debug)]
+pub struct Routed {
+    /// Counts the request on its endpoint until dropped.
+    pub in_flight: InFlight,
+    /// Position of the endpoint in the pool.
+    pub index: usize,
+    /// Chunk hashes of the rendered prompt (empty unless the policy uses a prefix index).
+    pub prefix: Vec<u64>,
+}
+
+impl Routed {
+    /// The endpoint serving the request.
+    pub fn endpoint(&self) -> &Arc<agentgate_scheduler::Endpoint> {
+        self.in_flight.endpoint()
+    }
+}
+
 /// Open a chat stream on one of the pool's endpoints, trying the others when an endpoint is
 /// unreachable or answers 5xx. A 4xx from the engine is the client's problem and returned as 400.
-/// The returned guard counts the request as in flight on its endpoint until it is dropped.
 pub async fn open_upstream(
     state: &AppState,
     pool: &Pool,
     body: &Value,
-) -> Result<(ChunkStream, InFlight), HttpError> {
+) -> Result<(ChunkStream, Routed), HttpError> {
     let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
+    let prefix: Vec<u64> = match pool.picker.prefix_index() {
+        Some(index) => index.chunk_hashes(&pool.model, &agentgate_adapters::prompt_text(body)),
+        None => Vec::new(),
+    };
     let mut tried: Vec<usize> = Vec::new();
     let mut last = String::from("no endpoints");
-    while let Some(i) = pool
-        .picker
-        .pick(&pool.endpoints, &PickRequest { exclude: &tried })
-    {
+    loop {
+        let request = PickRequest {
+            exclude: &tried,
+            prefix: (!prefix.is_empty()).then_some(prefix.as_slice()),
+        };
+        let Some(i) = pool.picker.pick(&pool.endpoints, &request) else {
+            break;
+        };
         tried.push(i);
         let ep = &pool.endpoints[i];
         let in_flight = ep.begin(prompt_tokens);
         match state.engines.chat_stream(&ep.base_url, body).await {
-            Ok(stream) => return Ok((stream, in_flight)),
+            Ok(stream) => {
+                pool.picker.routed(
+                    i,
+                    &PickRequest {
+                        exclude: &[],
+                        prefix: (!prefix.is_empty()).then_some(prefix.as_slice()),
+                    },
+                );
+                return Ok((
+                    stream,
+                    Routed {
+                        in_flight,
+                        index: i,
+                        prefix,
+                    },
+                ));
+            }
             Err(
                 e @ UpstreamError::Status {
                     status: 400 | 413 | 422,
@@ -179,11 +221,11 @@ pub async fn drive(
     state: Arc<AppState>,
     turn: Turn,
     mut chunks: ChunkStream,
-    in_flight: InFlight,
+    routed: Routed,
     tx: Option<mpsc::Sender<Bytes>>,
     mut cancel: Option<watch::Receiver<bool>>,
 ) -> Value {
-    let endpoint = in_flight.endpoint().clone();
+    let endpoint = routed.endpoint().clone();
     let mut rs = new_stream(&turn);
     emit(&tx, rs.start()).await;
     let terminal = loop {
@@ -226,7 +268,16 @@ pub async fn drive(
         status = %status,
         "turn finished"
     );
-    drop(in_flight);
+    if status == "completed" || status == "incomplete" {
+        let cached = response
+            .pointer("/usage/input_tokens_details/cached_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
+        turn.pool
+            .picker
+            .completed(routed.index, &routed.prefix, cached);
+    }
+    drop(routed);
     emit(&tx, terminal).await;
     response
 }

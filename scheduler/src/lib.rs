@@ -17,11 +17,13 @@
 pub mod endpoint;
 pub mod picker;
 pub mod policy;
+pub mod prefix_aware;
 pub mod prefix_index;
 pub mod session_key;
 
 pub use endpoint::{Endpoint, InFlight};
 pub use picker::{LeastLoaded, PickRequest, Picker, RoundRobin};
 pub use policy::Policy;
+pub use prefix_aware::{PrefixAware, PrefixWeights};
 pub use prefix_index::{chunk_hashes, PrefixIndex, PrefixIndexConfig};
 pub use session_key::{chain_root_key, session_key, SessionKey, SessionKeyConfig, SessionSource};

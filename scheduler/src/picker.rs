@@ -11,18 +11,32 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::endpoint::Endpoint;
+use crate::prefix_index::PrefixIndex;
 
 /// What a picker may look at besides the endpoints.
 #[derive(Debug, Default)]
 pub struct PickRequest<'a> {
     /// Endpoint indexes already tried (and failed) for this request.
     pub exclude: &'a [usize],
+    /// Chunk hashes of the rendered prompt, when the picker uses a prefix index.
+    pub prefix: Option<&'a [u64]>,
 }
 
 /// Chooses the endpoint that serves a request.
 pub trait Picker: Send + Sync + std::fmt::Debug {
     /// Index into `endpoints`, or None when every endpoint is excluded.
     fn pick(&self, endpoints: &[Arc<Endpoint>], request: &PickRequest<'_>) -> Option<usize>;
+
+    /// The prefix index this picker scores with, if any (the caller then hashes prompts).
+    fn prefix_index(&self) -> Option<&PrefixIndex> {
+        None
+    }
+
+    /// The request was sent to `endpoint`.
+    fn routed(&self, _endpoint: usize, _request: &PickRequest<'_>) {}
+
+    /// The request sent to `endpoint` completed; the engine served `cached_tokens` from cache.
+    fn completed(&self, _endpoint: usize, _prefix: &[u64], _cached_tokens: u64) {}
 }
 
 /// Round robin over the endpoints not yet tried.
@@ -97,13 +111,24 @@ mod tests {
             .collect();
         assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
         for _ in 0..6 {
-            assert_ne!(rr.pick(&e, &PickRequest { exclude: &[1] }).unwrap(), 1);
+            assert_ne!(
+                rr.pick(
+                    &e,
+                    &PickRequest {
+                        exclude: &[1],
+                        prefix: None
+                    }
+                )
+                .unwrap(),
+                1
+            );
         }
         assert_eq!(
             rr.pick(
                 &e,
                 &PickRequest {
-                    exclude: &[0, 1, 2]
+                    exclude: &[0, 1, 2],
+                    prefix: None
                 }
             ),
             None
@@ -122,14 +147,21 @@ mod tests {
         // 0 and 2 both have one request; 0 has fewer tokens.
         assert_eq!(LeastLoaded.pick(&e, &PickRequest::default()), Some(0));
         assert_eq!(
-            LeastLoaded.pick(&e, &PickRequest { exclude: &[0] }),
+            LeastLoaded.pick(
+                &e,
+                &PickRequest {
+                    exclude: &[0],
+                    prefix: None
+                }
+            ),
             Some(2)
         );
         assert_eq!(
             LeastLoaded.pick(
                 &e,
                 &PickRequest {
-                    exclude: &[0, 1, 2]
+                    exclude: &[0, 1, 2],
+                    prefix: None
                 }
             ),
             None

@@ -1,6 +1,8 @@
 //! Routing policy names, as written in a pool's `policy` key.
 
 use crate::picker::{LeastLoaded, Picker, RoundRobin};
+use crate::prefix_aware::{PrefixAware, PrefixWeights};
+use crate::prefix_index::PrefixIndexConfig;
 
 /// A routing policy a pool can use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -9,11 +11,13 @@ pub enum Policy {
     RoundRobin,
     /// [`LeastLoaded`].
     LeastLoaded,
+    /// [`PrefixAware`]: prefix index plus load, no session keys.
+    Prefix,
 }
 
 impl Policy {
     /// Every name the configuration accepts today.
-    pub const NAMES: &'static [&'static str] = &["round_robin", "least_loaded"];
+    pub const NAMES: &'static [&'static str] = &["round_robin", "least_loaded", "prefix"];
 
     /// Parse a policy name; the error says which names exist and, for the session- and
     /// cache-aware policies, that they are not available in this build.
@@ -21,8 +25,9 @@ impl Policy {
         match name {
             "round_robin" => Ok(Policy::RoundRobin),
             "least_loaded" => Ok(Policy::LeastLoaded),
-            "prefix" | "session" => Err(format!(
-                "policy `{name}` (session- and cache-aware routing) is not available in this build; use one of: {}",
+            "prefix" => Ok(Policy::Prefix),
+            "session" => Err(format!(
+                "policy `{name}` (session pins with prefix and load scoring) is not available in this build; use one of: {}",
                 Self::NAMES.join(", ")
             )),
             other => Err(format!(
@@ -37,14 +42,18 @@ impl Policy {
         match self {
             Policy::RoundRobin => "round_robin",
             Policy::LeastLoaded => "least_loaded",
+            Policy::Prefix => "prefix",
         }
     }
 
-    /// A fresh picker implementing the policy.
-    pub fn picker(self) -> Box<dyn Picker> {
+    /// A fresh picker implementing the policy for a pool of `endpoints` endpoints.
+    pub fn picker(self, endpoints: usize, index: PrefixIndexConfig) -> Box<dyn Picker> {
         match self {
             Policy::RoundRobin => Box::new(RoundRobin::default()),
             Policy::LeastLoaded => Box::new(LeastLoaded),
+            Policy::Prefix => {
+                Box::new(PrefixAware::new(endpoints, index, PrefixWeights::default()))
+            }
         }
     }
 }
@@ -58,7 +67,7 @@ mod tests {
         for name in Policy::NAMES {
             assert_eq!(Policy::parse(name).unwrap().name(), *name);
         }
-        assert!(Policy::parse("prefix")
+        assert!(Policy::parse("session")
             .unwrap_err()
             .contains("not available"));
         assert!(Policy::parse("random")

@@ -806,3 +806,65 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
     gw.shutdown().await;
     sim.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_policy_keeps_a_conversation_where_its_cache_is() {
+    let sims = [
+        start_sim("sim-model").await,
+        start_sim("sim-model").await,
+        start_sim("sim-model").await,
+    ];
+    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
+    let gw = start_gateway(
+        &config_toml(&urls, None, "")
+            .replace("endpoints = [", "policy = \"prefix\"\nendpoints = ["),
+    )
+    .await;
+    let base = gw.base_url();
+    let system = "You are a careful coding agent working in a large repository. ".repeat(40);
+    // Stateless turns (full history each time, no session key): only the prefix index can
+    // keep them together.
+    let mut history: Vec<Value> = Vec::new();
+    let mut endpoints = Vec::new();
+    let mut cached = Vec::new();
+    for turn in 0..5 {
+        history
+            .push(json!({"role": "user", "content": format!("step {turn}: read the next file")}));
+        let resp = client()
+            .post(format!("{base}/v1/responses"))
+            .json(&json!({"model": "sim-model", "instructions": system, "input": history, "store": false, "max_output_tokens": 32}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        endpoints.push(
+            resp.headers()[agentgate::responses::ENDPOINT_HEADER]
+                .to_str()
+                .unwrap()
+                .to_string(),
+        );
+        let r: Value = resp.json().await.unwrap();
+        cached.push(
+            r["usage"]["input_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        );
+        for item in r["output"].as_array().unwrap() {
+            history.push(item.clone());
+        }
+    }
+    assert!(
+        endpoints.iter().all(|e| e == &endpoints[0]),
+        "turns moved: {endpoints:?}"
+    );
+    assert!(
+        cached[1..].iter().all(|&c| c > 0),
+        "later turns must hit the cache: {cached:?}"
+    );
+    // A different conversation that shares nothing goes to the least-loaded (idle) endpoints,
+    // and round robin over the same turns would have scattered them.
+    gw.shutdown().await;
+    for s in sims {
+        s.shutdown().await;
+    }
+}

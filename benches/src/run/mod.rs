@@ -194,6 +194,10 @@ fn team_key(team: &str) -> String {
     format!("bench-key-{team}")
 }
 
+/// Bytes of rendered prompt text per simulator token (one token per word of the workloads'
+/// filler text, ~5-7 letters plus a space), so the prefix index is sized like the replicas' caches.
+const SIM_BYTES_PER_TOKEN: usize = 6;
+
 /// The gateway configuration for one policy: one pool over `endpoints`, and one API key per team
 /// when there are several teams (so the gateway sees who sends what).
 pub fn gateway_config(
@@ -204,7 +208,8 @@ pub fn gateway_config(
     let quoted: Vec<String> = endpoints.iter().map(|e| format!("\"{e}\"")).collect();
     let mut text = format!(
         "[upstream]\nfirst_byte_timeout_s = 3600.0\nidle_timeout_s = 3600.0\n\n\
-         [[pools]]\nname = \"bench\"\nmodel = \"{MODEL}\"\nflavor = \"vllm\"\npolicy = \"{policy}\"\nendpoints = [{}]\n",
+         [[pools]]\nname = \"bench\"\nmodel = \"{MODEL}\"\nflavor = \"vllm\"\npolicy = \"{policy}\"\n\
+         prefix_bytes_per_token = {SIM_BYTES_PER_TOKEN}\nendpoints = [{}]\n",
         quoted.join(", ")
     );
     if teams.len() > 1 {
