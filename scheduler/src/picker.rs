@@ -39,6 +39,15 @@ pub trait Picker: Send + Sync + std::fmt::Debug {
     fn completed(&self, _endpoint: usize, _prefix: &[u64], _cached_tokens: u64) {}
 }
 
+/// One of `tied` chosen uniformly at random (the tie-break of every max-score picker).
+pub(crate) fn random_choice(tied: &[usize]) -> Option<usize> {
+    match tied.len() {
+        0 => None,
+        1 => Some(tied[0]),
+        n => Some(tied[fastrand::usize(..n)]),
+    }
+}
+
 /// Round robin over the endpoints not yet tried.
 #[derive(Debug, Default)]
 pub struct RoundRobin {
@@ -79,11 +88,7 @@ impl Picker for LeastLoaded {
                 best.push(i);
             }
         }
-        match best.len() {
-            0 => None,
-            1 => Some(best[0]),
-            n => Some(best[fastrand::usize(..n)]),
-        }
+        random_choice(&best)
     }
 }
 

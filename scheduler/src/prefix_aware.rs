@@ -25,7 +25,7 @@
 use std::sync::Arc;
 
 use crate::endpoint::Endpoint;
-use crate::picker::{PickRequest, Picker};
+use crate::picker::{random_choice, PickRequest, Picker};
 use crate::prefix_index::{PrefixIndex, PrefixIndexConfig};
 
 /// Weights and thresholds of the `prefix` policy.
@@ -120,11 +120,7 @@ impl Picker for PrefixAware {
             .filter(|(_, s)| s.is_some_and(|s| (s - best).abs() <= 1e-9))
             .map(|(i, _)| i)
             .collect();
-        match tied.len() {
-            0 => None,
-            1 => Some(tied[0]),
-            n => Some(tied[fastrand::usize(..n)]),
-        }
+        random_choice(&tied)
     }
 
     fn prefix_index(&self) -> Option<&PrefixIndex> {
