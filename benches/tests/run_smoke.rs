@@ -144,12 +144,12 @@ async fn tiny_agentic_run_writes_a_complete_consistent_summary() {
 
 #[tokio::test]
 async fn an_unavailable_policy_fails_clearly_before_running() {
-    let out = out_dir("session");
-    let args = tiny_args(&["round_robin", "session"], out.clone());
+    let out = out_dir("unknown_policy");
+    let args = tiny_args(&["round_robin", "fastest"], out.clone());
     let message = execute(&args, "agentgate-bench run (test)", false)
         .await
-        .expect_err("session is not a gateway policy yet");
-    assert!(message.contains("session"), "{message}");
+        .expect_err("fastest is not a gateway policy");
+    assert!(message.contains("fastest"), "{message}");
     assert!(message.contains("policy"), "{message}");
     assert!(!out.join("summary.json").exists(), "nothing ran");
 }

@@ -25,6 +25,9 @@ pub struct Config {
     /// `[tools]`: how tools the engines cannot run are treated.
     #[serde(default)]
     pub tools: ToolsConfig,
+    /// `[routing]`: how sessions are identified.
+    #[serde(default)]
+    pub routing: RoutingConfig,
     /// `[upstream]`: timeouts for engine connections.
     #[serde(default)]
     pub upstream: UpstreamConfig,
@@ -89,6 +92,25 @@ pub enum HostedTools {
     Drop,
     /// Refuse the request with 400 (`param: "tools"`).
     Reject,
+}
+
+/// `[routing]` section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    /// Request header that names a session (checked before the agents' native headers).
+    pub session_header: String,
+    /// Also read the native session headers of Claude Code, Codex and OpenCode.
+    pub native_session_headers: bool,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            session_header: "x-session-id".into(),
+            native_session_headers: true,
+        }
+    }
 }
 
 /// `[tools]` section.
@@ -283,6 +305,18 @@ impl Config {
         if self.store.ttl_days.is_nan() || self.store.ttl_days <= 0.0 {
             return Err(err("store.ttl_days", "must be a positive number of days"));
         }
+        if self.routing.session_header.trim().is_empty()
+            || !self
+                .routing
+                .session_header
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(err(
+                "routing.session_header",
+                "must be a header name (letters, digits, '-' and '_')",
+            ));
+        }
         if self.background.max_concurrent == 0 {
             return Err(err("background.max_concurrent", "must be at least 1"));
         }
@@ -455,14 +489,19 @@ endpoints = ["http://127.0.0.1:8000"]
     }
 
     #[test]
-    fn policies_parse_and_unavailable_ones_are_named() {
-        let ok = MINIMAL.replace("model = \"m\"", "model = \"m\"\npolicy = \"least_loaded\"");
-        assert_eq!(Config::parse(&ok).unwrap().pools[0].policy, "least_loaded");
+    fn policies_parse_and_unknown_ones_are_named() {
+        for policy in ["round_robin", "least_loaded", "prefix", "session"] {
+            let ok = MINIMAL.replace(
+                "model = \"m\"",
+                &format!("model = \"m\"\npolicy = \"{policy}\""),
+            );
+            assert_eq!(Config::parse(&ok).unwrap().pools[0].policy, policy);
+        }
         let e =
-            Config::parse(&MINIMAL.replace("model = \"m\"", "model = \"m\"\npolicy = \"session\""))
+            Config::parse(&MINIMAL.replace("model = \"m\"", "model = \"m\"\npolicy = \"fastest\""))
                 .unwrap_err();
         assert_eq!(e.key, "pools[0].policy");
-        assert!(e.reason.contains("not available"), "{e}");
+        assert!(e.reason.contains("unknown policy"), "{e}");
     }
 
     #[test]

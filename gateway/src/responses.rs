@@ -206,6 +206,23 @@ fn json_with_endpoint(value: Value, endpoint: Option<&Endpoint>) -> Response {
     resp
 }
 
+/// Header naming why the endpoint was chosen (`pin`, `repin`, or the pool's policy).
+pub const ROUTE_REASON_HEADER: &str = "x-agentgate-route-reason";
+
+/// The request's session key (configured header, agents' native headers, `prompt_cache_key`,
+/// `conversation`).
+fn session_key_of(state: &AppState, headers: &HeaderMap, body: &Value) -> Option<String> {
+    let cfg = agentgate_scheduler::SessionKeyConfig {
+        header: state.config.routing.session_header.clone(),
+        native_headers: state.config.routing.native_session_headers,
+    };
+    let pairs: Vec<(&str, &str)> = headers
+        .iter()
+        .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str(), v)))
+        .collect();
+    agentgate_scheduler::session_key(&cfg, &pairs, body, None).map(|k| k.value)
+}
+
 /// `POST /v1/responses`.
 pub async fn create(
     State(state): State<Arc<AppState>>,
@@ -242,6 +259,7 @@ pub async fn create(
         encrypted_reasoning: includes_encrypted_reasoning(&req.body),
         request: req.body.clone(),
         history: prepared.history,
+        session: session_key_of(&state, &headers, &req.body),
     };
 
     if req.background {
@@ -271,6 +289,7 @@ pub async fn create(
     let mut turn = turn;
     let (chunks, in_flight) = turn::open_turn(&state, &mut turn).await?;
     let endpoint = in_flight.endpoint().clone();
+    let reason = in_flight.reason;
     if req.stream {
         let (tx, rx) = mpsc::channel(256);
         tokio::spawn(turn::drive(
@@ -281,7 +300,7 @@ pub async fn create(
             Some(tx),
             None,
         ));
-        return Ok(sse_response(rx, Some(&endpoint)));
+        return Ok(with_reason(sse_response(rx, Some(&endpoint)), reason));
     }
     let task = tokio::spawn(turn::drive(
         state.clone(),
@@ -306,7 +325,16 @@ pub async fn create(
             .to_string();
         return Err(HttpError::server(502, message, "upstream_error").with_retry_after(1));
     }
-    Ok(json_with_endpoint(response, Some(&endpoint)))
+    Ok(with_reason(
+        json_with_endpoint(response, Some(&endpoint)),
+        reason,
+    ))
+}
+
+fn with_reason(mut resp: Response, reason: &'static str) -> Response {
+    resp.headers_mut()
+        .insert(ROUTE_REASON_HEADER, HeaderValue::from_static(reason));
+    resp
 }
 
 /// `GET /v1/responses/{id}`.

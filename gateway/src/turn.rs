@@ -18,7 +18,8 @@ use agentgate_sessions::{ResponseRecord, Store};
 
 use crate::app::AppState;
 use crate::error::HttpError;
-use agentgate_scheduler::InFlight;
+use agentgate_scheduler::{InFlight, Policy};
+use agentgate_sessions::SessionPin;
 
 use crate::pools::{PickRequest, Pool};
 
@@ -48,6 +49,8 @@ pub struct Turn {
     pub request: Value,
     /// The conversation before this turn, as the engine sees it.
     pub history: Vec<Value>,
+    /// The session key, when the request carries one (see `agentgate_scheduler::session_key`).
+    pub session: Option<String>,
 }
 
 /// Most rounds of `truncation: "auto"` before the context-length error is returned.
@@ -82,7 +85,7 @@ pub async fn open_turn(
     let auto = turn.request.get("truncation").and_then(Value::as_str) == Some("auto");
     let mut rounds = 0;
     loop {
-        match open_upstream(state, &turn.pool, &turn.plan.body).await {
+        match open_upstream(state, &turn.pool, &turn.plan.body, turn.session.as_deref()).await {
             Err(e)
                 if auto
                     && rounds < MAX_TRUNCATION_ROUNDS
@@ -120,6 +123,9 @@ pub struct Routed {
     pub index: usize,
     /// Chunk hashes of the rendered prompt (empty unless the policy uses a prefix index).
     pub prefix: Vec<u64>,
+    /// Why this endpoint: `pin` (the session's pinned endpoint), `repin` (the session moved or
+    /// got its first pin), or the pool's policy name.
+    pub reason: &'static str,
 }
 
 impl Routed {
@@ -129,13 +135,43 @@ impl Routed {
     }
 }
 
+/// The session's pinned endpoint, if the pool pins sessions and the pin is usable: the endpoint
+/// still exists, has not failed this request, and is not crowded (sticky until crowded).
+async fn pinned_endpoint(
+    state: &AppState,
+    pool: &Pool,
+    session: Option<&str>,
+) -> (Option<SessionPin>, Option<usize>) {
+    let Some(key) = session.filter(|_| pool.policy == Policy::Session) else {
+        return (None, None);
+    };
+    let pin = match state.store.get_pin(&pool.name, key).await {
+        Ok(pin) => pin,
+        Err(e) => {
+            tracing::warn!("session pin unavailable ({e}); routing by prefix and load");
+            return (None, None);
+        }
+    };
+    let usable = pin.as_ref().and_then(|p| {
+        pool.endpoints
+            .iter()
+            .position(|e| e.name == p.endpoint)
+            .filter(|&i| !pool.picker.crowded(&pool.endpoints, i))
+    });
+    (pin, usable)
+}
+
 /// Open a chat stream on one of the pool's endpoints, trying the others when an endpoint is
 /// unreachable or answers 5xx. A 4xx from the engine is the client's problem and returned as 400.
+/// Under the `session` policy a session goes to its pinned endpoint while that is usable, and
+/// is re-pinned (in the store, so every gateway replica agrees) when it moves.
 pub async fn open_upstream(
     state: &AppState,
     pool: &Pool,
     body: &Value,
+    session: Option<&str>,
 ) -> Result<(ChunkStream, Routed), HttpError> {
+    let (pin, mut pinned) = pinned_endpoint(state, pool, session).await;
     let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
     let prefix: Vec<u64> = match pool.picker.prefix_index() {
         Some(index) => index.chunk_hashes(&pool.model, &agentgate_adapters::prompt_text(body)),
@@ -148,7 +184,8 @@ pub async fn open_upstream(
             exclude: &tried,
             prefix: (!prefix.is_empty()).then_some(prefix.as_slice()),
         };
-        let Some(i) = pool.picker.pick(&pool.endpoints, &request) else {
+        let from_pin = pinned.take().filter(|i| !tried.contains(i));
+        let Some(i) = from_pin.or_else(|| pool.picker.pick(&pool.endpoints, &request)) else {
             break;
         };
         tried.push(i);
@@ -163,12 +200,35 @@ pub async fn open_upstream(
                         prefix: (!prefix.is_empty()).then_some(prefix.as_slice()),
                     },
                 );
+                let reason = match (session, from_pin) {
+                    (Some(key), None) if pool.policy == Policy::Session => {
+                        let new = SessionPin {
+                            endpoint: ep.name.clone(),
+                            moves: pin.as_ref().map_or(0, |p| p.moves + 1),
+                        };
+                        if let Err(e) = state
+                            .store
+                            .swap_pin(&pool.name, key, pin.as_ref(), &new)
+                            .await
+                        {
+                            tracing::warn!("could not store the session pin: {e}");
+                        }
+                        if pin.is_some() {
+                            tracing::info!(endpoint = %ep.name, moves = new.moves, "session re-pinned");
+                        }
+                        "repin"
+                    }
+                    (_, Some(_)) => "pin",
+                    _ => pool.policy.name(),
+                };
+                tracing::debug!(endpoint = %ep.name, reason, "routed");
                 return Ok((
                     stream,
                     Routed {
                         in_flight,
                         index: i,
                         prefix,
+                        reason,
                     },
                 ));
             }

@@ -32,6 +32,12 @@ pub trait Picker: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Whether `endpoint` is too loaded to keep taking a pinned session's turns (sticky until
+    /// crowded). Pickers without a notion of crowding never say so.
+    fn crowded(&self, _endpoints: &[Arc<Endpoint>], _endpoint: usize) -> bool {
+        false
+    }
+
     /// The request was sent to `endpoint`.
     fn routed(&self, _endpoint: usize, _request: &PickRequest<'_>) {}
 

@@ -13,23 +13,24 @@ pub enum Policy {
     LeastLoaded,
     /// [`PrefixAware`]: prefix index plus load, no session keys.
     Prefix,
+    /// Session pins (kept in the store by the caller) in front of [`PrefixAware`]: a session's
+    /// turns stay on its pinned endpoint until it is crowded or gone, then re-pin by prefix and
+    /// load.
+    Session,
 }
 
 impl Policy {
     /// Every name the configuration accepts today.
-    pub const NAMES: &'static [&'static str] = &["round_robin", "least_loaded", "prefix"];
+    pub const NAMES: &'static [&'static str] =
+        &["round_robin", "least_loaded", "prefix", "session"];
 
-    /// Parse a policy name; the error says which names exist and, for the session- and
-    /// cache-aware policies, that they are not available in this build.
+    /// Parse a policy name; the error lists the names that exist.
     pub fn parse(name: &str) -> Result<Policy, String> {
         match name {
             "round_robin" => Ok(Policy::RoundRobin),
             "least_loaded" => Ok(Policy::LeastLoaded),
             "prefix" => Ok(Policy::Prefix),
-            "session" => Err(format!(
-                "policy `{name}` (session pins with prefix and load scoring) is not available in this build; use one of: {}",
-                Self::NAMES.join(", ")
-            )),
+            "session" => Ok(Policy::Session),
             other => Err(format!(
                 "unknown policy `{other}`; use one of: {}",
                 Self::NAMES.join(", ")
@@ -43,6 +44,7 @@ impl Policy {
             Policy::RoundRobin => "round_robin",
             Policy::LeastLoaded => "least_loaded",
             Policy::Prefix => "prefix",
+            Policy::Session => "session",
         }
     }
 
@@ -51,7 +53,7 @@ impl Policy {
         match self {
             Policy::RoundRobin => Box::new(RoundRobin::default()),
             Policy::LeastLoaded => Box::new(LeastLoaded),
-            Policy::Prefix => {
+            Policy::Prefix | Policy::Session => {
                 Box::new(PrefixAware::new(endpoints, index, PrefixWeights::default()))
             }
         }
@@ -63,13 +65,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_round_trip_and_future_policies_fail_clearly() {
+    fn names_round_trip_and_unknown_ones_fail_clearly() {
         for name in Policy::NAMES {
             assert_eq!(Policy::parse(name).unwrap().name(), *name);
         }
-        assert!(Policy::parse("session")
-            .unwrap_err()
-            .contains("not available"));
         assert!(Policy::parse("random")
             .unwrap_err()
             .contains("unknown policy"));

@@ -87,8 +87,7 @@ impl PrefixAware {
             .map(|&i| endpoints[i].in_flight_requests())
             .collect();
         let max_load = loads.iter().copied().max().unwrap_or(0) as f64;
-        let mean_load = loads.iter().sum::<u64>() as f64 / loads.len() as f64;
-        let crowded_above = self.weights.herd_factor * mean_load + self.weights.herd_slack;
+        let crowded_above = self.crowded_above(&loads);
         let hashes = request.prefix.unwrap_or(&[]);
         let matches = if hashes.is_empty() {
             vec![0.0; candidates.len()]
@@ -106,7 +105,25 @@ impl PrefixAware {
     }
 }
 
+impl PrefixAware {
+    /// The in-flight count above which an endpoint counts as crowded, given the candidates'.
+    fn crowded_above(&self, loads: &[u64]) -> f64 {
+        let mean = if loads.is_empty() {
+            0.0
+        } else {
+            loads.iter().sum::<u64>() as f64 / loads.len() as f64
+        };
+        self.weights.herd_factor * mean + self.weights.herd_slack
+    }
+}
+
 impl Picker for PrefixAware {
+    fn crowded(&self, endpoints: &[Arc<Endpoint>], endpoint: usize) -> bool {
+        let loads: Vec<u64> = endpoints.iter().map(|e| e.in_flight_requests()).collect();
+        let limit = self.crowded_above(&loads);
+        loads.get(endpoint).is_none_or(|&l| l as f64 > limit)
+    }
+
     fn pick(&self, endpoints: &[Arc<Endpoint>], request: &PickRequest<'_>) -> Option<usize> {
         let scores = self.scores(endpoints, request);
         let best = scores
@@ -249,6 +266,18 @@ mod tests {
             ),
             Some(0)
         );
+    }
+
+    #[test]
+    fn crowding_uses_the_same_threshold_as_scoring() {
+        let e = eps(3);
+        let p = picker(3);
+        assert!(!p.crowded(&e, 0));
+        let _busy: Vec<_> = (0..10).map(|_| e[0].begin(1)).collect();
+        let _other: Vec<_> = (0..2).map(|_| e[1].begin(1)).collect();
+        assert!(p.crowded(&e, 0), "10 > 1.5 * 4 + 2");
+        assert!(!p.crowded(&e, 1));
+        assert!(p.crowded(&e, 7), "an unknown endpoint is never a good pin");
     }
 
     #[test]

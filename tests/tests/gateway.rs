@@ -868,3 +868,90 @@ async fn prefix_policy_keeps_a_conversation_where_its_cache_is() {
         s.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
+    let redis = TestRedis::start();
+    let sims = [
+        start_sim("sim-model").await,
+        start_sim("sim-model").await,
+        start_sim("sim-model").await,
+    ];
+    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
+    let prefix = unique_prefix("session_pins");
+    let toml = config_toml(&urls, Some((redis.url(), &prefix)), "")
+        .replace("endpoints = [", "policy = \"session\"\nendpoints = [");
+    let a = start_gateway(&toml).await;
+    let b = start_gateway(&toml).await;
+    let mut seen = Vec::new();
+    for turn in 0..6 {
+        let gw = if turn % 2 == 0 { &a } else { &b };
+        let resp = client()
+            .post(format!("{}/v1/responses", gw.base_url()))
+            .header("session-id", "thread-42")
+            .json(&json!({"model": "sim-model", "input": format!("turn {turn}"), "store": false, "prompt_cache_key": "thread-42"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let endpoint = resp.headers()[agentgate::responses::ENDPOINT_HEADER]
+            .to_str()
+            .unwrap()
+            .to_string();
+        let reason = resp.headers()[agentgate::responses::ROUTE_REASON_HEADER]
+            .to_str()
+            .unwrap()
+            .to_string();
+        seen.push((endpoint, reason));
+    }
+    assert_eq!(seen[0].1, "repin", "the first turn pins the session");
+    assert!(seen.iter().all(|(e, _)| e == &seen[0].0), "{seen:?}");
+    assert!(seen[1..].iter().all(|(_, r)| r == "pin"), "{seen:?}");
+
+    // The pinned replica fails: the next turn moves, and both gateways follow the new pin.
+    let pinned = seen[0]
+        .0
+        .trim_start_matches("sim/")
+        .parse::<usize>()
+        .unwrap();
+    set_sim_fault(&sims[pinned], json!({"status": 503})).await;
+    let mut moved = Vec::new();
+    for gw in [&a, &b, &a] {
+        let resp = client()
+            .post(format!("{}/v1/responses", gw.base_url()))
+            .header("session-id", "thread-42")
+            .json(&json!({"model": "sim-model", "input": "after the failure", "store": false}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        moved.push((
+            resp.headers()[agentgate::responses::ENDPOINT_HEADER]
+                .to_str()
+                .unwrap()
+                .to_string(),
+            resp.headers()[agentgate::responses::ROUTE_REASON_HEADER]
+                .to_str()
+                .unwrap()
+                .to_string(),
+        ));
+    }
+    assert_ne!(moved[0].0, seen[0].0);
+    assert_eq!(moved[0].1, "repin");
+    assert!(moved.iter().all(|(e, _)| e == &moved[0].0), "{moved:?}");
+    assert_eq!(moved[1].1, "pin");
+    let pin = a
+        .state()
+        .store
+        .get_pin("sim", "h:thread-42")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((pin.endpoint.as_str(), pin.moves), (moved[0].0.as_str(), 1));
+    for gw in [a, b] {
+        gw.shutdown().await;
+    }
+    for s in sims {
+        s.shutdown().await;
+    }
+}
