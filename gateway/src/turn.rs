@@ -200,8 +200,10 @@ pub async fn open_upstream(
                         prefix: (!prefix.is_empty()).then_some(prefix.as_slice()),
                     },
                 );
-                let reason = match (session, from_pin) {
-                    (Some(key), None) if pool.policy == Policy::Session => {
+                let reason = match session.filter(|_| pool.policy == Policy::Session) {
+                    None => pool.policy.name(),
+                    Some(_) if pin.as_ref().is_some_and(|p| p.endpoint == ep.name) => "pin",
+                    Some(key) => {
                         let new = SessionPin {
                             endpoint: ep.name.clone(),
                             moves: pin.as_ref().map_or(0, |p| p.moves + 1),
@@ -218,8 +220,6 @@ pub async fn open_upstream(
                         }
                         "repin"
                     }
-                    (_, Some(_)) => "pin",
-                    _ => pool.policy.name(),
                 };
                 tracing::debug!(endpoint = %ep.name, reason, "routed");
                 return Ok((
