@@ -52,7 +52,7 @@ pub struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "round_robin,least_loaded"
+        default_value = "round_robin,least_loaded,prefix,session"
     )]
     pub policies: Vec<String>,
     /// Sessions that start within the replayed span (ignored by trace workloads).
