@@ -8,13 +8,16 @@
 //! - [`responses`]: the Responses API handlers (create, retrieve, delete, cancel, input items,
 //!   input tokens); [`turn`] runs one turn against an engine and persists it;
 //! - [`response_object`]: the Response object skeleton and ids;
-//! - [`pools`]: engine pools per model and the `Picker` routing seam (round robin here);
+//! - [`pools`]: engine pools per model, each routing with the picker its `policy` names
+//!   (`agentgate-scheduler`); the prefix index is sized from the engines' reported KV capacity;
 //! - [`handlers`]: models and health; [`openapi`]: the OpenAPI document of all of the above;
 //! - [`app`]: shared state, router and server start/stop.
 //!
 //! Request path: authenticate -> validate -> load history from the store (one round trip) ->
-//! translate for the engine flavor (`agentgate-adapters`) -> pick an endpoint -> stream chat
-//! chunks back as Responses events -> persist the response as a delta (`agentgate-sessions`).
+//! identify the session -> translate for the engine flavor (`agentgate-adapters`) -> pick an
+//! endpoint (session pin from the store, else prefix match and load, per the pool's policy) ->
+//! stream chat chunks back as Responses events -> persist the response as a delta
+//! (`agentgate-sessions`).
 
 pub mod app;
 pub mod auth;

@@ -4,15 +4,19 @@
 //!   requests and prompt tokens, counted by RAII guards, fresher than any metrics scrape);
 //! - [`picker`]: the [`Picker`] trait and the baseline policies, [`RoundRobin`] and
 //!   [`LeastLoaded`];
-//! - [`policy`]: the policy names the configuration accepts;
+//! - [`policy`]: the policy names the configuration accepts (`round_robin`, `least_loaded`,
+//!   `prefix`, `session`);
+//! - [`prefix_aware`]: the [`PrefixAware`] picker behind `prefix` and `session`: prefix match
+//!   times an anti-herding gate, plus load (formula in its module doc);
 //! - [`prefix_index`]: the [`PrefixIndex`], chained chunk hashes of rendered prompts and, per
 //!   endpoint, an LRU model of which prefixes its KV cache holds, scored in [0, 1];
 //! - [`session_key`](mod@session_key): which agent session a request belongs to ([`session_key()`]), from the
 //!   configured session header, the coding agents' native headers, `prompt_cache_key`, the
 //!   `previous_response_id` chain root or the `conversation` id.
 //!
-//! Session- and prefix-aware scoring (filters, weighted scorers, the prefix index, session pins)
-//! plugs in behind the same [`Picker`] seam.
+//! Session pins themselves live in the store (`agentgate-sessions`), so every gateway replica
+//! sees the same pin; the gateway reads the pin, keeps the session on it while
+//! [`Picker::crowded`] says no, and otherwise asks the picker and re-pins.
 
 pub mod endpoint;
 pub mod picker;
