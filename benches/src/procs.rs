@@ -71,3 +71,19 @@ pub async fn start_server(
     }
     Err(format!("{ready_url} did not become ready (last: {last})"))
 }
+
+/// Poll `ready_url` until it answers 2xx (bounded attempts), for servers this process did not
+/// start (a `--target`, or an in-process simulator).
+pub async fn wait_ready(ready_url: &str) -> Result<(), String> {
+    let client = reqwest::Client::new();
+    let mut last = String::new();
+    for _ in 0..400 {
+        match client.get(ready_url).send().await {
+            Ok(r) if r.status().is_success() => return Ok(()),
+            Ok(r) => last = format!("HTTP {}", r.status()),
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(format!("{ready_url} did not become ready (last: {last})"))
+}

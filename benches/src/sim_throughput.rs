@@ -1,9 +1,7 @@
 //! `agentgate-bench sim-throughput`: how many small non-streaming chat completions per second one
 //! simulator serves with no simulated delays (`--time-scale 0`), measured with a real HTTP client.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +10,7 @@ use serde::Serialize;
 
 use crate::duration::parse_duration;
 use crate::load::{run_closed_loop, LoadPlan, LoadReport};
+use crate::procs::{self, free_port, sibling_binary, ChildGuard};
 use crate::stats::LatencySummary;
 
 /// Engine flavor the simulator imitates.
@@ -100,7 +99,7 @@ pub async fn run(args: Args) -> Result<(), String> {
         .tcp_nodelay(true)
         .build()
         .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
-    wait_until_ready(&client, &base_url, &mut None).await?;
+    procs::wait_ready(&format!("{base_url}/v1/models")).await?;
 
     let plan = LoadPlan {
         url: format!("{base_url}/v1/chat/completions"),
@@ -135,16 +134,6 @@ struct ServerGuard {
     _in_process: Option<agentgate_sim::SimHandle>,
 }
 
-/// Kills the simulator child process when dropped.
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 async fn start_server(args: &Args) -> Result<(&'static str, String, ServerGuard), String> {
     if let Some(target) = &args.target {
         return Ok(("external", target.clone(), ServerGuard::default()));
@@ -154,30 +143,28 @@ async fn start_server(args: &Args) -> Result<(&'static str, String, ServerGuard)
     }
     let binary = match &args.sim_bin {
         Some(path) => path.clone(),
-        None => default_sim_binary()?,
+        None => sibling_binary("agentgate-sim")
+            .map_err(|e| format!("{e}, or pass --sim-bin / --target / --in-process"))?,
     };
     let port = free_port()?;
-    let child = Command::new(&binary)
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .args(["--time-scale", "0"])
-        .args(["--flavor", args.flavor.as_arg()])
-        .args(["--model", &args.model])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| {
-            format!(
-                "cannot start {}: {e}; build it with `cargo build --release -p agentgate-sim` or pass --sim-bin",
-                binary.display()
-            )
-        })?;
-    let mut guard = Some(ChildGuard(child));
     let base_url = format!("http://127.0.0.1:{port}");
-    let probe = reqwest::Client::new();
-    wait_until_ready(&probe, &base_url, &mut guard).await?;
+    let child = procs::start_server(
+        &binary,
+        &[
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--time-scale".into(),
+            "0".into(),
+            "--flavor".into(),
+            args.flavor.as_arg().into(),
+            "--model".into(),
+            args.model.clone(),
+        ],
+        &format!("{base_url}/v1/models"),
+    )
+    .await?;
     let guard = ServerGuard {
-        _child: guard,
+        _child: Some(child),
         _in_process: None,
     };
     Ok(("child-process", base_url, guard))
@@ -203,57 +190,6 @@ async fn start_in_process(args: &Args) -> Result<(&'static str, String, ServerGu
         _in_process: Some(sim),
     };
     Ok(("in-process", base_url, guard))
-}
-
-/// `agentgate-sim` in the same directory as this executable (target/<profile>/).
-fn default_sim_binary() -> Result<PathBuf, String> {
-    let exe = std::env::current_exe()
-        .map_err(|e| format!("cannot locate this executable: {e}; pass --sim-bin"))?;
-    let dir = exe.parent().unwrap_or(Path::new("."));
-    let candidate = dir.join(format!("agentgate-sim{}", std::env::consts::EXE_SUFFIX));
-    if candidate.is_file() {
-        Ok(candidate)
-    } else {
-        Err(format!(
-            "{} not found; build it with `cargo build --release -p agentgate-sim -p agentgate-bench`, or pass --sim-bin / --target / --in-process",
-            candidate.display()
-        ))
-    }
-}
-
-/// A port that was free a moment ago on 127.0.0.1.
-fn free_port() -> Result<u16, String> {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .map_err(|e| format!("cannot find a free port on 127.0.0.1: {e}"))
-}
-
-/// Poll `GET /v1/models` until the server answers 200 (bounded number of attempts).
-async fn wait_until_ready(
-    client: &reqwest::Client,
-    base_url: &str,
-    child: &mut Option<ChildGuard>,
-) -> Result<(), String> {
-    const ATTEMPTS: usize = 200;
-    let url = format!("{base_url}/v1/models");
-    let mut last_error = String::new();
-    for _ in 0..ATTEMPTS {
-        if let Some(ChildGuard(process)) = child {
-            if let Ok(Some(status)) = process.try_wait() {
-                return Err(format!("the simulator exited before serving ({status})"));
-            }
-        }
-        match client.get(&url).send().await {
-            Ok(response) if response.status().is_success() => return Ok(()),
-            Ok(response) => last_error = format!("HTTP {}", response.status()),
-            Err(e) => last_error = e.to_string(),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Err(format!(
-        "{url} did not become ready after {ATTEMPTS} attempts (last: {last_error})"
-    ))
 }
 
 /// Distinct small chat bodies, so the simulator does real tokenizing and cache work.
