@@ -300,31 +300,45 @@ impl ResponseStream {
         }
     }
 
+    /// Close whatever is open, add `item` to the output and announce it with its first content
+    /// part; returns the item's output index.
+    fn open_text_item(
+        &mut self,
+        item: Value,
+        part: Value,
+        item_id: &str,
+        events: &mut Vec<SseEvent>,
+    ) -> usize {
+        self.close_current("completed", events);
+        self.close_calls("completed", events);
+        let output_index = self.output.len();
+        self.output.push(item.clone());
+        self.emit(
+            events,
+            "response.output_item.added",
+            json!({"output_index": output_index, "item": item}),
+        );
+        self.emit(
+            events,
+            "response.content_part.added",
+            json!({
+                "item_id": item_id, "output_index": output_index, "content_index": 0,
+                "part": part,
+            }),
+        );
+        output_index
+    }
+
     fn reasoning_delta(&mut self, text: &str, events: &mut Vec<SseEvent>) {
         self.reasoning_deltas += 1;
         if !matches!(self.current, Some(OpenItem::Reasoning { .. })) {
-            self.close_current("completed", events);
-            self.close_calls("completed", events);
-            let output_index = self.output.len();
             let item_id = new_item_id("rs_");
             let item = json!({
                 "id": item_id, "type": "reasoning", "summary": [], "content": [],
                 "encrypted_content": null, "status": "in_progress",
             });
-            self.output.push(item.clone());
-            self.emit(
-                events,
-                "response.output_item.added",
-                json!({"output_index": output_index, "item": item}),
-            );
-            self.emit(
-                events,
-                "response.content_part.added",
-                json!({
-                    "item_id": item_id, "output_index": output_index, "content_index": 0,
-                    "part": {"type": "reasoning_text", "text": ""},
-                }),
-            );
+            let part = json!({"type": "reasoning_text", "text": ""});
+            let output_index = self.open_text_item(item, part, &item_id, events);
             self.current = Some(OpenItem::Reasoning {
                 output_index,
                 item_id,
@@ -347,28 +361,14 @@ impl ResponseStream {
 
     fn text_delta(&mut self, text: &str, events: &mut Vec<SseEvent>) {
         if !matches!(self.current, Some(OpenItem::Message { .. })) {
-            self.close_current("completed", events);
-            self.close_calls("completed", events);
-            let output_index = self.output.len();
             let item_id = new_item_id("msg_");
             let item = json!({
                 "id": item_id, "type": "message", "status": "in_progress", "role": "assistant",
                 "content": [],
             });
-            self.output.push(item.clone());
-            self.emit(
-                events,
-                "response.output_item.added",
-                json!({"output_index": output_index, "item": item}),
-            );
-            self.emit(
-                events,
-                "response.content_part.added",
-                json!({
-                    "item_id": item_id, "output_index": output_index, "content_index": 0,
-                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-                }),
-            );
+            let part =
+                json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
+            let output_index = self.open_text_item(item, part, &item_id, events);
             self.current = Some(OpenItem::Message {
                 output_index,
                 item_id,

@@ -486,16 +486,7 @@ async fn transfer(
                                 "kv_transfer_params.remote_port must be a port number",
                             )
                         })?;
-                    let block_ids: Vec<u32> = params
-                        .get("remote_block_ids")
-                        .and_then(Value::as_array)
-                        .map(|ids| {
-                            ids.iter()
-                                .filter_map(Value::as_u64)
-                                .map(|id| id as u32)
-                                .collect()
-                        })
-                        .unwrap_or_default();
+                    let block_ids = block_ids_of(params.get("remote_block_ids"));
                     if !block_ids.is_empty() {
                         imported = pd::pull_blocks(&state.http, host, port, &block_ids)
                             .await
@@ -1037,14 +1028,9 @@ async fn take_pin(state: &AppState, key: PinKey) -> Option<Vec<u64>> {
     answer.await.ok().flatten()
 }
 
-async fn kv_pull(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
-    let flavor = state.config.flavor;
-    let body = match parse_body(body) {
-        Ok(body) => body,
-        Err(error) => return error.into_response(flavor),
-    };
-    let block_ids: Vec<u32> = body
-        .get("block_ids")
+/// KV block ids from a JSON array (`remote_block_ids`, `block_ids`); non-numbers are skipped.
+fn block_ids_of(value: Option<&Value>) -> Vec<u32> {
+    value
         .and_then(Value::as_array)
         .map(|ids| {
             ids.iter()
@@ -1052,7 +1038,16 @@ async fn kv_pull(State(state): State<Shared>, body: Result<Bytes, BytesRejection
                 .map(|id| id as u32)
                 .collect()
         })
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+async fn kv_pull(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    let flavor = state.config.flavor;
+    let body = match parse_body(body) {
+        Ok(body) => body,
+        Err(error) => return error.into_response(flavor),
+    };
+    let block_ids = block_ids_of(body.get("block_ids"));
     match take_pin(&state, PinKey::Blocks(block_ids)).await {
         Some(hashes) => axum::Json(json!({"block_hashes": hashes})).into_response(),
         None => error_response(
