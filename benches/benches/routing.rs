@@ -42,7 +42,7 @@ fn routing(c: &mut Criterion) {
         .enumerate()
         .flat_map(|(i, ep)| {
             let requests = (i * 7) % ENDPOINTS + 1;
-            (0..requests).map(move |_| ep.begin(4096))
+            (0..requests).map(move |_| ep.begin(4096, 4096))
         })
         .collect();
     group.bench_function("least_loaded_varied_load", |b| {

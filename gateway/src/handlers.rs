@@ -66,10 +66,15 @@ pub async fn ready(State(state): State<Arc<AppState>>) -> Result<Json<Value>, Ht
             HttpError::server(503, format!("store unavailable: {e}"), "store_unavailable")
                 .with_retry_after(1)
         })?;
-    if let Some(pool) = state.pools.all().iter().find(|p| p.endpoints.is_empty()) {
+    if let Some(pool) = state
+        .pools
+        .all()
+        .iter()
+        .find(|p| !p.endpoints().iter().any(|e| e.is_available()))
+    {
         return Err(HttpError::server(
             503,
-            format!("pool '{}' has no endpoints", pool.name),
+            format!("pool '{}' has no available endpoints", pool.name),
             "no_endpoints",
         )
         .with_retry_after(1));

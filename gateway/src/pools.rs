@@ -6,7 +6,7 @@
 //! (`agentgate-scheduler`).
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use agentgate_adapters::{EngineClient, Flavor};
 use agentgate_scheduler::PrefixIndexConfig;
@@ -23,12 +23,31 @@ pub struct Pool {
     pub model: String,
     /// Engine protocol flavor.
     pub flavor: Flavor,
-    /// The replicas.
-    pub endpoints: Vec<Arc<Endpoint>>,
+    /// The replicas: a snapshot swapped whole when discovery changes the list, so a request
+    /// routes over one consistent list while the next one may see another.
+    endpoints: RwLock<Arc<Vec<Arc<Endpoint>>>>,
     /// Routing policy.
     pub policy: Policy,
     /// The policy's picker.
     pub picker: Box<dyn Picker>,
+}
+
+impl Pool {
+    /// The current endpoint list.
+    pub fn endpoints(&self) -> Arc<Vec<Arc<Endpoint>>> {
+        self.endpoints
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replace the endpoint list (requests already routed keep their endpoint).
+    pub fn set_endpoints(&self, endpoints: Vec<Arc<Endpoint>>) {
+        *self
+            .endpoints
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Arc::new(endpoints);
+    }
 }
 
 /// All pools, indexed by every model name and alias clients may use.
@@ -64,7 +83,7 @@ impl Pools {
                 .into_iter()
                 .enumerate()
                 .map(|(j, base_url)| {
-                    Arc::new(Endpoint::new(format!("{}/{}", pc.name, j), base_url))
+                    Arc::new(Endpoint::new(format!("{}/{}", pc.name, j), base_url).with_slot(j))
                 })
                 .collect();
             let policy = Policy::parse(&pc.policy)
@@ -95,7 +114,7 @@ impl Pools {
                 name: pc.name.clone(),
                 model: pc.model.clone(),
                 flavor: pc.flavor,
-                endpoints,
+                endpoints: RwLock::new(Arc::new(endpoints)),
                 policy,
                 picker,
             }));

@@ -535,10 +535,11 @@ pub async fn input_tokens(
         .map(str::to_string);
     let prepared = prepare(&state, &team, &body, &model, previous.as_deref()).await?;
     let pool = &prepared.pool;
+    let endpoints = pool.endpoints();
     let ep = pool
         .picker
-        .pick(&pool.endpoints, &crate::pools::PickRequest::default())
-        .and_then(|i| pool.endpoints.get(i))
+        .pick(&endpoints, &crate::pools::PickRequest::default())
+        .and_then(|i| endpoints.get(i))
         .ok_or_else(|| {
             HttpError::server(503, "no endpoint available", "upstream_unavailable")
                 .with_retry_after(1)

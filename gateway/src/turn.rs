@@ -152,11 +152,12 @@ async fn pinned_endpoint(
             return (None, None);
         }
     };
+    let endpoints = pool.endpoints();
     let usable = pin.as_ref().and_then(|p| {
-        pool.endpoints
+        endpoints
             .iter()
             .position(|e| e.name == p.endpoint)
-            .filter(|&i| !pool.picker.crowded(&pool.endpoints, i))
+            .filter(|&i| !pool.picker.crowded(&endpoints, i))
     });
     (pin, usable)
 }
@@ -177,6 +178,7 @@ pub async fn open_upstream(
         Some(index) => index.chunk_hashes(&pool.model, &agentgate_adapters::prompt_text(body)),
         None => Vec::new(),
     };
+    let endpoints = pool.endpoints();
     let mut tried: Vec<usize> = Vec::new();
     let mut last = String::from("no endpoints");
     loop {
@@ -185,12 +187,12 @@ pub async fn open_upstream(
             prefix: (!prefix.is_empty()).then_some(prefix.as_slice()),
         };
         let from_pin = pinned.take().filter(|i| !tried.contains(i));
-        let Some(i) = from_pin.or_else(|| pool.picker.pick(&pool.endpoints, &request)) else {
+        let Some(i) = from_pin.or_else(|| pool.picker.pick(&endpoints, &request)) else {
             break;
         };
         tried.push(i);
-        let ep = &pool.endpoints[i];
-        let in_flight = ep.begin(prompt_tokens);
+        let ep = &endpoints[i];
+        let in_flight = ep.begin(prompt_tokens, prompt_tokens);
         match state.engines.chat_stream(&ep.base_url, body).await {
             Ok(stream) => {
                 pool.picker.routed(

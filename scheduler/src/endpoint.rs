@@ -1,28 +1,161 @@
-//! One engine replica and the gateway's live count of the work it has sent there.
+//! One engine replica and the gateway's live view of it.
+//!
+//! Three sources feed the view, freshest first:
+//!
+//! - the gateway's own counts of the work it has sent there: requests and prompt tokens in
+//!   flight, and *pending prefill tokens* (the uncached prompt tokens of requests that have not
+//!   produced their first token yet). [`InFlight`] guards keep them exact: a guard adds its
+//!   request on [`Endpoint::begin`], [`InFlight::prefill_done`] releases the prefill share at the
+//!   first token, and dropping the guard releases the rest, so a failed or abandoned request can
+//!   never leak load;
+//! - the last [`LoadReport`] scraped from the engine's `/metrics` (queue depth, running
+//!   sequences, KV usage), stamped with when it was taken. A report older than the configured
+//!   staleness counts as saturated: an endpoint the gateway cannot see into gets no new work it
+//!   could avoid;
+//! - health: set by the gateway's probe loop; an unhealthy endpoint is skipped by every picker
+//!   until it recovers. An endpoint removed by discovery is *retired*: requests already running
+//!   on it finish, new ones go elsewhere.
+//!
+//! Every endpoint has a stable `slot` in its pool: the prefix index and other per-endpoint
+//! tables are keyed by slot, so the endpoint list can change (discovery reload) without
+//! re-numbering what the gateway has learnt about the endpoints that stay.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// What an endpoint does in a disaggregated deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Role {
+    /// Prefill and decode (an aggregated replica).
+    #[default]
+    Both,
+    /// Prefill only (the first leg of a P/D request).
+    Prefill,
+    /// Decode only (the second leg).
+    Decode,
+}
+
+impl Role {
+    /// Every name the configuration accepts.
+    pub const NAMES: &'static [&'static str] = &["both", "prefill", "decode"];
+
+    /// Parse a role name; the error lists the names that exist.
+    pub fn parse(name: &str) -> Result<Role, String> {
+        match name {
+            "both" => Ok(Role::Both),
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            other => Err(format!(
+                "unknown role `{other}`; use one of: {}",
+                Self::NAMES.join(", ")
+            )),
+        }
+    }
+
+    /// The configuration name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// Load figures scraped from an engine's `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadReport {
+    /// When the scrape finished.
+    pub at: Instant,
+    /// Requests waiting in the engine's queue (`vllm:num_requests_waiting`,
+    /// `sglang:num_queue_reqs`).
+    pub waiting: f64,
+    /// Requests running (`vllm:num_requests_running`, `sglang:num_running_reqs`).
+    pub running: f64,
+    /// Fraction of KV cache in use, 0..=1 (`vllm:kv_cache_usage_perc`, `sglang:token_usage`),
+    /// when the engine reports it.
+    pub kv_usage: Option<f64>,
+}
+
+/// When an endpoint counts as saturated (see [`Endpoint::saturated`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Saturation {
+    /// Engine queue depth at or above which the endpoint is saturated.
+    pub max_waiting: f64,
+    /// KV usage at or above which the endpoint is saturated (with requests waiting).
+    pub max_kv_usage: f64,
+    /// A load report older than this counts as saturated. `None`: metrics are not scraped, so
+    /// their absence says nothing.
+    pub staleness: Option<Duration>,
+}
+
+impl Default for Saturation {
+    fn default() -> Self {
+        Saturation {
+            max_waiting: 32.0,
+            max_kv_usage: 0.98,
+            staleness: None,
+        }
+    }
+}
 
 /// One engine replica.
 #[derive(Debug)]
 pub struct Endpoint {
-    /// Display name (`pool/index`), safe to show in headers and logs.
+    /// Display name (`pool/index` or the discovery name), safe to show in headers and logs.
     pub name: String,
     /// Base URL, e.g. `http://127.0.0.1:8100`.
     pub base_url: String,
+    /// Stable position in the pool's per-endpoint tables (prefix index).
+    pub slot: usize,
+    /// Prefill/decode role.
+    pub role: Role,
+    /// Free-form labels (`accelerator = "tpu-v5e"`, ...), from the config or discovery.
+    pub labels: BTreeMap<String, String>,
     in_flight_requests: AtomicU64,
     in_flight_tokens: AtomicU64,
+    pending_prefill_tokens: AtomicU64,
+    healthy: AtomicBool,
+    retired: AtomicBool,
+    report: Mutex<Option<LoadReport>>,
 }
 
 impl Endpoint {
-    /// A new endpoint with no work in flight.
+    /// A new, healthy endpoint in slot 0 with no work in flight, role `both`, no labels.
     pub fn new(name: impl Into<String>, base_url: impl Into<String>) -> Self {
         Endpoint {
             name: name.into(),
             base_url: base_url.into(),
+            slot: 0,
+            role: Role::Both,
+            labels: BTreeMap::new(),
             in_flight_requests: AtomicU64::new(0),
             in_flight_tokens: AtomicU64::new(0),
+            pending_prefill_tokens: AtomicU64::new(0),
+            healthy: AtomicBool::new(true),
+            retired: AtomicBool::new(false),
+            report: Mutex::new(None),
         }
+    }
+
+    /// Set the slot.
+    pub fn with_slot(mut self, slot: usize) -> Self {
+        self.slot = slot;
+        self
+    }
+
+    /// Set the role.
+    pub fn with_role(mut self, role: Role) -> Self {
+        self.role = role;
+        self
+    }
+
+    /// Set the labels.
+    pub fn with_labels(mut self, labels: BTreeMap<String, String>) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// Requests this gateway process has in flight on the endpoint.
@@ -35,14 +168,77 @@ impl Endpoint {
         self.in_flight_tokens.load(Ordering::Relaxed)
     }
 
-    /// Count a request as in flight until the returned guard drops.
-    pub fn begin(self: &Arc<Self>, prompt_tokens: u64) -> InFlight {
+    /// Uncached prompt tokens (estimated) of the in-flight requests still waiting for their first
+    /// token: the prefill work queued ahead of a new request.
+    pub fn pending_prefill_tokens(&self) -> u64 {
+        self.pending_prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Whether the last health probe passed (true until a probe says otherwise).
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Record a health verdict; returns whether it changed.
+    pub fn set_healthy(&self, healthy: bool) -> bool {
+        self.healthy.swap(healthy, Ordering::Relaxed) != healthy
+    }
+
+    /// Whether discovery removed the endpoint (it finishes its requests, takes no new ones).
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
+    }
+
+    /// Mark the endpoint removed.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+    }
+
+    /// Healthy and not retired: may be given new work.
+    pub fn is_available(&self) -> bool {
+        self.is_healthy() && !self.is_retired()
+    }
+
+    /// Store the latest scraped load figures.
+    pub fn set_load_report(&self, report: LoadReport) {
+        *self.report.lock().unwrap_or_else(PoisonError::into_inner) = Some(report);
+    }
+
+    /// The latest scraped load figures, if any.
+    pub fn load_report(&self) -> Option<LoadReport> {
+        *self.report.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Saturated: metrics are expected and stale (or missing), or the engine's queue is at
+    /// `max_waiting`, or its KV cache is at `max_kv_usage` with requests waiting.
+    pub fn saturated(&self, limits: &Saturation, now: Instant) -> bool {
+        let report = self.load_report();
+        if let Some(staleness) = limits.staleness {
+            match report {
+                None => return true,
+                Some(r) if now.saturating_duration_since(r.at) > staleness => return true,
+                _ => {}
+            }
+        }
+        report.is_some_and(|r| {
+            r.waiting >= limits.max_waiting
+                || (r.waiting > 0.0 && r.kv_usage.is_some_and(|u| u >= limits.max_kv_usage))
+        })
+    }
+
+    /// Count a request as in flight until the returned guard drops; `uncached_tokens` of its
+    /// `prompt_tokens` count as pending prefill until [`InFlight::prefill_done`].
+    pub fn begin(self: &Arc<Self>, prompt_tokens: u64, uncached_tokens: u64) -> InFlight {
+        let prefill = uncached_tokens.min(prompt_tokens);
         self.in_flight_requests.fetch_add(1, Ordering::Relaxed);
         self.in_flight_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
+        self.pending_prefill_tokens
+            .fetch_add(prefill, Ordering::Relaxed);
         InFlight {
             endpoint: self.clone(),
             tokens: prompt_tokens,
+            prefill,
         }
     }
 }
@@ -53,6 +249,7 @@ impl Endpoint {
 pub struct InFlight {
     endpoint: Arc<Endpoint>,
     tokens: u64,
+    prefill: u64,
 }
 
 impl InFlight {
@@ -60,10 +257,19 @@ impl InFlight {
     pub fn endpoint(&self) -> &Arc<Endpoint> {
         &self.endpoint
     }
+
+    /// The first token arrived: the request's prefill is no longer pending. Idempotent.
+    pub fn prefill_done(&mut self) {
+        let prefill = std::mem::take(&mut self.prefill);
+        self.endpoint
+            .pending_prefill_tokens
+            .fetch_sub(prefill, Ordering::Relaxed);
+    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.prefill_done();
         self.endpoint
             .in_flight_requests
             .fetch_sub(1, Ordering::Relaxed);
@@ -80,12 +286,63 @@ mod tests {
     #[test]
     fn guards_count_and_release() {
         let ep = Arc::new(Endpoint::new("p/0", "http://127.0.0.1:1"));
-        let a = ep.begin(100);
-        let b = ep.begin(50);
+        let mut a = ep.begin(100, 40);
+        let b = ep.begin(50, 50);
         assert_eq!((ep.in_flight_requests(), ep.in_flight_tokens()), (2, 150));
+        assert_eq!(ep.pending_prefill_tokens(), 90);
+        a.prefill_done();
+        a.prefill_done();
+        assert_eq!(ep.pending_prefill_tokens(), 50);
         drop(a);
         assert_eq!((ep.in_flight_requests(), ep.in_flight_tokens()), (1, 50));
+        assert_eq!(ep.pending_prefill_tokens(), 50);
         drop(b);
         assert_eq!((ep.in_flight_requests(), ep.in_flight_tokens()), (0, 0));
+        assert_eq!(ep.pending_prefill_tokens(), 0);
+    }
+
+    #[test]
+    fn stale_or_full_endpoints_are_saturated() {
+        let ep = Endpoint::new("p/0", "http://127.0.0.1:1");
+        let now = Instant::now();
+        let scraped = Saturation {
+            staleness: Some(Duration::from_secs(5)),
+            ..Saturation::default()
+        };
+        // Metrics expected but never scraped: saturated; not expected: not.
+        assert!(ep.saturated(&scraped, now));
+        assert!(!ep.saturated(&Saturation::default(), now));
+        let fresh = |waiting, kv| LoadReport {
+            at: now,
+            waiting,
+            running: 4.0,
+            kv_usage: Some(kv),
+        };
+        ep.set_load_report(fresh(0.0, 0.99));
+        assert!(!ep.saturated(&scraped, now), "full KV but nobody waiting");
+        ep.set_load_report(fresh(1.0, 0.99));
+        assert!(ep.saturated(&scraped, now));
+        ep.set_load_report(fresh(32.0, 0.1));
+        assert!(ep.saturated(&scraped, now));
+        ep.set_load_report(fresh(3.0, 0.5));
+        assert!(!ep.saturated(&scraped, now));
+        assert!(
+            ep.saturated(&scraped, now + Duration::from_secs(6)),
+            "stale"
+        );
+    }
+
+    #[test]
+    fn health_and_retirement_gate_availability() {
+        let ep = Endpoint::new("p/0", "http://127.0.0.1:1");
+        assert!(ep.is_available());
+        assert!(ep.set_healthy(false));
+        assert!(!ep.set_healthy(false));
+        assert!(!ep.is_available());
+        assert!(ep.set_healthy(true));
+        ep.retire();
+        assert!(!ep.is_available());
+        assert_eq!(Role::parse("decode").unwrap().name(), "decode");
+        assert!(Role::parse("mixed").unwrap_err().contains("unknown role"));
     }
 }

@@ -25,7 +25,7 @@ pub mod prefix_aware;
 pub mod prefix_index;
 pub mod session_key;
 
-pub use endpoint::{Endpoint, InFlight};
+pub use endpoint::{Endpoint, InFlight, LoadReport, Role, Saturation};
 pub use picker::{LeastLoaded, PickRequest, Picker, RoundRobin};
 pub use policy::Policy;
 pub use prefix_aware::{PrefixAware, PrefixWeights};

@@ -150,11 +150,11 @@ mod tests {
     #[test]
     fn least_loaded_follows_in_flight_work() {
         let e = eps(3);
-        let _a = e[0].begin(10);
-        let _b = e[1].begin(10);
-        let _c = e[1].begin(10);
+        let _a = e[0].begin(10, 10);
+        let _b = e[1].begin(10, 10);
+        let _c = e[1].begin(10, 10);
         assert_eq!(LeastLoaded.pick(&e, &PickRequest::default()), Some(2));
-        let _d = e[2].begin(1000);
+        let _d = e[2].begin(1000, 1000);
         // 0 and 2 both have one request; 0 has fewer tokens.
         assert_eq!(LeastLoaded.pick(&e, &PickRequest::default()), Some(0));
         assert_eq!(

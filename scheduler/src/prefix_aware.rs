@@ -213,8 +213,8 @@ mod tests {
     fn cold_prompts_go_to_the_least_loaded_endpoint() {
         let e = eps(3);
         let p = picker(3);
-        let _a = e[0].begin(1);
-        let _b = e[2].begin(1);
+        let _a = e[0].begin(1, 1);
+        let _b = e[2].begin(1, 1);
         let h = hashes(&p, &"never seen before ".repeat(100));
         assert_eq!(
             p.pick(
@@ -241,8 +241,8 @@ mod tests {
             },
         );
         // Mean in flight 4, threshold 1.5 * 4 + 2 = 8: endpoint 0 with 10 is crowded.
-        let _busy: Vec<_> = (0..10).map(|_| e[0].begin(1)).collect();
-        let _other: Vec<_> = (0..2).map(|_| e[1].begin(1)).collect();
+        let _busy: Vec<_> = (0..10).map(|_| e[0].begin(1, 1)).collect();
+        let _other: Vec<_> = (0..2).map(|_| e[1].begin(1, 1)).collect();
         assert_eq!(
             p.pick(
                 &e,
@@ -255,7 +255,7 @@ mod tests {
         );
         // Below the threshold the prefix still wins over an idle endpoint.
         let e2 = eps(3);
-        let _some: Vec<_> = (0..3).map(|_| e2[0].begin(1)).collect();
+        let _some: Vec<_> = (0..3).map(|_| e2[0].begin(1, 1)).collect();
         assert_eq!(
             p.pick(
                 &e2,
@@ -273,8 +273,8 @@ mod tests {
         let e = eps(3);
         let p = picker(3);
         assert!(!p.crowded(&e, 0));
-        let _busy: Vec<_> = (0..10).map(|_| e[0].begin(1)).collect();
-        let _other: Vec<_> = (0..2).map(|_| e[1].begin(1)).collect();
+        let _busy: Vec<_> = (0..10).map(|_| e[0].begin(1, 1)).collect();
+        let _other: Vec<_> = (0..2).map(|_| e[1].begin(1, 1)).collect();
         assert!(p.crowded(&e, 0), "10 > 1.5 * 4 + 2");
         assert!(!p.crowded(&e, 1));
         assert!(p.crowded(&e, 7), "an unknown endpoint is never a good pin");

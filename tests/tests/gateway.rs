@@ -694,12 +694,12 @@ async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
         .unwrap();
     drop(resp);
     for _ in 0..200 {
-        if pool.endpoints.iter().all(|e| e.in_flight_requests() == 0) {
+        if pool.endpoints().iter().all(|e| e.in_flight_requests() == 0) {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    for ep in &pool.endpoints {
+    for ep in pool.endpoints().iter() {
         assert_eq!(
             (ep.in_flight_requests(), ep.in_flight_tokens()),
             (0, 0),
