@@ -45,7 +45,7 @@ fn bench_store<S: Store>(
         let last = ids.last().cloned().unwrap_or_default();
         let loaded = runtime.block_on(store.history(TEAM, &last));
         match loaded {
-            Ok(Some(items)) if items.len() == 2 * TURNS => {}
+            Ok(Some(h)) if h.items.len() == 2 * TURNS => {}
             other => panic!(
                 "{name}: expected {} history items, got {other:?}",
                 2 * TURNS

@@ -129,6 +129,8 @@ fn resolve_item_references(items: Vec<Value>, history: &[Value]) -> Result<Vec<V
 struct Prepared {
     pool: Arc<Pool>,
     history: Vec<Value>,
+    /// Root of the `previous_response_id` chain, when the request continues one.
+    chain_root: Option<String>,
     input_items: Vec<Value>,
     plan: agentgate_adapters::ChatPlan,
 }
@@ -146,14 +148,17 @@ async fn prepare(
         .ok_or_else(|| model_not_found(model))?;
     let input = body.get("input").cloned().unwrap_or_else(|| json!([]));
     let input_items = normalize_input(&input)?;
-    let history = match previous {
-        Some(prev) => state
-            .store
-            .history(&team.0, prev)
-            .await
-            .map_err(store_error)?
-            .ok_or_else(|| previous_not_found(prev))?,
-        None => Vec::new(),
+    let (history, chain_root) = match previous {
+        Some(prev) => {
+            let h = state
+                .store
+                .history(&team.0, prev)
+                .await
+                .map_err(store_error)?
+                .ok_or_else(|| previous_not_found(prev))?;
+            (h.items, Some(h.root_id))
+        }
+        None => (Vec::new(), None),
     };
     let input_items = resolve_item_references(input_items, &history)?;
     if input_items.is_empty() && history.is_empty() {
@@ -172,6 +177,7 @@ async fn prepare(
     Ok(Prepared {
         pool,
         history,
+        chain_root,
         input_items,
         plan,
     })
@@ -210,8 +216,14 @@ fn json_with_endpoint(value: Value, endpoint: Option<&Endpoint>) -> Response {
 pub const ROUTE_REASON_HEADER: &str = "x-agentgate-route-reason";
 
 /// The request's session key (configured header, agents' native headers, `prompt_cache_key`,
-/// `conversation`).
-fn session_key_of(state: &AppState, headers: &HeaderMap, body: &Value) -> Option<String> {
+/// the root of its `previous_response_id` chain, `conversation`). A stored first turn with none
+/// of these is the root of the chain its successors will form, so it is keyed by its own id.
+fn session_key_of(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &Value,
+    chain_root: Option<&str>,
+) -> Option<String> {
     let cfg = agentgate_scheduler::SessionKeyConfig {
         header: state.config.routing.session_header.clone(),
         native_headers: state.config.routing.native_session_headers,
@@ -220,7 +232,7 @@ fn session_key_of(state: &AppState, headers: &HeaderMap, body: &Value) -> Option
         .iter()
         .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str(), v)))
         .collect();
-    agentgate_scheduler::session_key(&cfg, &pairs, body, None).map(|k| k.value)
+    agentgate_scheduler::session_key(&cfg, &pairs, body, chain_root).map(|k| k.value)
 }
 
 /// `POST /v1/responses`.
@@ -259,7 +271,15 @@ pub async fn create(
         encrypted_reasoning: includes_encrypted_reasoning(&req.body),
         request: req.body.clone(),
         history: prepared.history,
-        session: session_key_of(&state, &headers, &req.body),
+        session: session_key_of(
+            &state,
+            &headers,
+            &req.body,
+            prepared
+                .chain_root
+                .as_deref()
+                .or(req.store.then_some(id.as_str())),
+        ),
     };
 
     if req.background {
@@ -469,6 +489,7 @@ pub async fn input_items(
             .history(&team.0, prev)
             .await
             .map_err(store_error)?
+            .map(|h| h.items)
             .unwrap_or_default(),
         None => Vec::new(),
     };

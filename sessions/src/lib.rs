@@ -29,7 +29,7 @@ pub mod testing;
 pub use error::StoreError;
 pub use memory::MemoryStore;
 pub use pins::SessionPin;
-pub use record::{ResponseRecord, StoreOptions};
+pub use record::{History, ResponseRecord, StoreOptions};
 pub use redis_store::RedisStore;
 pub use store::{AnyStore, Store};
 

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::pins::pin_key;
 use crate::record::{is_active_status, response_status};
-use crate::{ResponseRecord, SessionPin, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
+use crate::{History, ResponseRecord, SessionPin, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
 
 /// How often, at most, a write sweeps expired records out of the map.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
@@ -143,7 +143,7 @@ impl Store for MemoryStore {
         Ok(records.live_mut(team, id, now).map(|e| e.rec.clone()))
     }
 
-    async fn history(&self, team: &str, id: &str) -> Result<Option<Vec<Value>>, StoreError> {
+    async fn history(&self, team: &str, id: &str) -> Result<Option<History>, StoreError> {
         let now = Instant::now();
         let expires_at = self.expiry_from(now);
         let mut records = self.lock();
@@ -151,6 +151,7 @@ impl Store for MemoryStore {
         let mut reversed: Vec<Value> = Vec::new();
         let mut next = Some(id.to_string());
         let mut walked = 0usize;
+        let mut root_id = id.to_string();
         while let Some(current) = next.take() {
             let Some(entry) = records.live_mut(team, &current, now) else {
                 if walked == 0 {
@@ -159,6 +160,7 @@ impl Store for MemoryStore {
                 break;
             };
             walked += 1;
+            root_id.clone_from(&current);
             if walked > MAX_CHAIN_LEN {
                 return Err(StoreError::Corrupt {
                     id: id.to_string(),
@@ -173,7 +175,10 @@ impl Store for MemoryStore {
             next = entry.rec.previous_response_id.clone();
         }
         reversed.reverse();
-        Ok(Some(reversed))
+        Ok(Some(History {
+            items: reversed,
+            root_id,
+        }))
     }
 
     async fn update_if_active(

@@ -22,6 +22,16 @@ pub struct ResponseRecord {
     pub response: Value,
 }
 
+/// A conversation as [`crate::Store::history`] loads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct History {
+    /// Every item of the chain, oldest first.
+    pub items: Vec<Value>,
+    /// Id of the oldest response walked: the chain's root, or the oldest response still stored
+    /// when the beginning has expired or been deleted.
+    pub root_id: String,
+}
+
 impl ResponseRecord {
     /// The `status` field of the stored Response object, or "" if it has none.
     pub fn status(&self) -> &str {

@@ -5,7 +5,9 @@ use std::future::Future;
 
 use serde_json::Value;
 
-use crate::{MemoryStore, RedisStore, ResponseRecord, SessionPin, StoreError, StoreOptions};
+use crate::{
+    History, MemoryStore, RedisStore, ResponseRecord, SessionPin, StoreError, StoreOptions,
+};
 
 /// Stored responses, the conversation histories they form, and session -> endpoint pins.
 pub trait Store: Send + Sync + 'static {
@@ -20,7 +22,9 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<ResponseRecord>, StoreError>> + Send;
 
     /// All items of the chain ending at `id`, oldest first: for each response from the root to
-    /// `id`, its input_items then its output_items. `None` if `id` is unknown or not the team's.
+    /// `id`, its input_items then its output_items; and the id of the oldest response walked
+    /// (the chain's root, which names the conversation for session routing). `None` if `id` is
+    /// unknown or not the team's.
     ///
     /// One backend round trip however long the chain. The walk stops at the first predecessor
     /// that no longer exists (expired or deleted) or belongs to another team: the history then
@@ -30,7 +34,7 @@ pub trait Store: Send + Sync + 'static {
         &self,
         team: &str,
         id: &str,
-    ) -> impl Future<Output = Result<Option<Vec<Value>>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Option<History>, StoreError>> + Send;
 
     /// Replace `response` and `output_items` only if the stored `response.status` is still
     /// "queued" or "in_progress" (atomic compare-and-set; used by background runs and cancel).
@@ -123,7 +127,7 @@ impl Store for AnyStore {
         }
     }
 
-    async fn history(&self, team: &str, id: &str) -> Result<Option<Vec<Value>>, StoreError> {
+    async fn history(&self, team: &str, id: &str) -> Result<Option<History>, StoreError> {
         match self {
             AnyStore::Memory(s) => s.history(team, id).await,
             AnyStore::Redis(s) => s.history(team, id).await,

@@ -477,25 +477,41 @@ pub async fn response_suite<S: Store>(store: &S) {
     one!("put", store.put(&r2));
     one!("put", store.put(&r3));
     assert_eq!(
-        one!("history", store.history(a, "resp_3")),
+        one!("history", store.history(a, "resp_3")).map(|h| h.items),
         Some(items_of(&[&r1, &r2, &r3]))
     );
     assert_eq!(
-        one!("history root", store.history(a, "resp_1")),
+        one!("history root", store.history(a, "resp_1")).map(|h| h.items),
         Some(items_of(&[&r1]))
     );
-    assert_eq!(one!("history other team", store.history(b, "resp_3")), None);
-    assert_eq!(one!("history unknown", store.history(a, "resp_nope")), None);
+    assert_eq!(
+        one!("history root id", store.history(a, "resp_3")).map(|h| h.root_id),
+        Some("resp_1".to_string()),
+        "the chain's root names the conversation"
+    );
+    assert_eq!(
+        one!("history other team", store.history(b, "resp_3")).map(|h| h.items),
+        None
+    );
+    assert_eq!(
+        one!("history unknown", store.history(a, "resp_nope")).map(|h| h.items),
+        None
+    );
 
     // A fork: two responses continuing resp_1 each see their own branch.
     let r2_fork = record(a, "resp_2_fork", Some("resp_1"), 40);
     one!("put", store.put(&r2_fork));
     assert_eq!(
-        one!("history fork", store.history(a, "resp_2_fork")),
+        one!("history fork", store.history(a, "resp_2_fork")).map(|h| h.items),
         Some(items_of(&[&r1, &r2_fork]))
     );
     assert_eq!(
-        one!("history", store.history(a, "resp_3")),
+        one!("history fork root", store.history(a, "resp_2_fork")).map(|h| h.root_id),
+        Some("resp_1".to_string()),
+        "forks share their root"
+    );
+    assert_eq!(
+        one!("history", store.history(a, "resp_3")).map(|h| h.items),
         Some(items_of(&[&r1, &r2, &r3]))
     );
 
@@ -508,7 +524,7 @@ pub async fn response_suite<S: Store>(store: &S) {
     one!("put overwrite", store.put(&r3_new));
     assert_eq!(one!("get", store.get(a, "resp_3")), Some(r3_new.clone()));
     assert_eq!(
-        one!("history", store.history(a, "resp_3")),
+        one!("history", store.history(a, "resp_3")).map(|h| h.items),
         Some(items_of(&[&r1, &r2, &r3_new]))
     );
 
@@ -524,7 +540,7 @@ pub async fn response_suite<S: Store>(store: &S) {
     one!("put", store.put(&empty));
     assert_eq!(one!("get", store.get(a, "resp_empty")), Some(empty.clone()));
     assert_eq!(
-        one!("history", store.history(a, "resp_empty")),
+        one!("history", store.history(a, "resp_empty")).map(|h| h.items),
         Some(Vec::new())
     );
 
@@ -532,7 +548,7 @@ pub async fn response_suite<S: Store>(store: &S) {
     let foreign = record(b, "resp_b", Some("resp_1"), 40);
     one!("put", store.put(&foreign));
     assert_eq!(
-        one!("history foreign chain", store.history(b, "resp_b")),
+        one!("history foreign chain", store.history(b, "resp_b")).map(|h| h.items),
         Some(items_of(&[&foreign]))
     );
 
@@ -581,7 +597,7 @@ pub async fn response_suite<S: Store>(store: &S) {
     bg_history.extend(running.input_items.iter().cloned());
     bg_history.extend(finished_items.iter().cloned());
     assert_eq!(
-        one!("history after update", store.history(a, "resp_bg")),
+        one!("history after update", store.history(a, "resp_bg")).map(|h| h.items),
         Some(bg_history)
     );
 
@@ -592,11 +608,16 @@ pub async fn response_suite<S: Store>(store: &S) {
     assert_eq!(one!("get deleted", store.get(a, "resp_2")), None);
     assert!(!one!("delete again", store.delete(a, "resp_2")));
     assert_eq!(
-        one!("history past deleted", store.history(a, "resp_3")),
+        one!("history past deleted", store.history(a, "resp_3")).map(|h| h.items),
         Some(items_of(&[&r3_new]))
     );
     assert_eq!(
-        one!("history fork", store.history(a, "resp_2_fork")),
+        one!("history past deleted root", store.history(a, "resp_3")).map(|h| h.root_id),
+        Some("resp_3".to_string()),
+        "a cut chain is rooted at its oldest surviving response"
+    );
+    assert_eq!(
+        one!("history fork", store.history(a, "resp_2_fork")).map(|h| h.items),
         Some(items_of(&[&r1, &r2_fork]))
     );
 
@@ -610,6 +631,7 @@ pub async fn response_suite<S: Store>(store: &S) {
     }
     let all: Vec<&ResponseRecord> = chain.iter().collect();
     let history = one!("history of 100 turns", store.history(a, "resp_long_99"))
+        .map(|h| h.items)
         .expect("resp_long_99 stored");
     assert_eq!(history.len(), 200);
     assert_eq!(history, items_of(&all));
@@ -617,5 +639,6 @@ pub async fn response_suite<S: Store>(store: &S) {
     assert_eq!(history[199]["id"], "resp_long_99_out");
     let halfway =
         one!("history of 50 turns", store.history(a, "resp_long_49")).expect("resp_long_49 stored");
-    assert_eq!(halfway, items_of(&all[..50]));
+    assert_eq!(halfway.items, items_of(&all[..50]));
+    assert_eq!(halfway.root_id, "resp_long_0");
 }

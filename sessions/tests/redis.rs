@@ -101,7 +101,7 @@ async fn history_of_a_long_chain_is_exactly_one_round_trip() {
             .expect("history")
             .expect("chain stored");
         assert_eq!(store.round_trips() - before, 1);
-        assert_eq!(history.len(), 2 * (last + 1));
+        assert_eq!(history.items.len(), 2 * (last + 1));
     }
 }
 
@@ -171,7 +171,7 @@ async fn scripts_still_run_after_the_server_forgets_them() {
 
     let before = store.round_trips();
     let history = store.history("t", &chain[2].id).await.expect("history");
-    assert_eq!(history.map(|h| h.len()), Some(6));
+    assert_eq!(history.map(|h| h.items.len()), Some(6));
     assert_eq!(store.round_trips() - before, 2, "EVALSHA, then EVAL");
 
     let before = store.round_trips();
@@ -289,8 +289,8 @@ async fn memory_used_by_a_100_turn_conversation() {
         .await
         .expect("history")
         .expect("stored");
-    assert_eq!(history.len(), 200);
-    let history_bytes = serde_json::to_string(&history)
+    assert_eq!(history.items.len(), 200);
+    let history_bytes = serde_json::to_string(&history.items)
         .map(|s| s.len())
         .unwrap_or(0);
     println!(
@@ -336,7 +336,7 @@ async fn reconnects_after_redis_restarts() {
             .history("t", "after")
             .await
             .expect("history")
-            .map(|h| h.len()),
+            .map(|h| h.items.len()),
         Some(2),
         "scripts work again although the restarted server lost its script cache"
     );

@@ -70,7 +70,8 @@ async fn hundred_turn_conversation_on_redis_costs_constant_store_round_trips() {
         .history("default", prev.as_deref().unwrap())
         .await
         .unwrap()
-        .unwrap();
+        .unwrap()
+        .items;
     assert_eq!(items.len(), 200);
     gw.shutdown().await;
     sim.shutdown().await;
@@ -176,14 +177,16 @@ async fn forks_see_their_own_history() {
             .history("default", left["id"].as_str().unwrap())
             .await
             .unwrap()
-            .unwrap(),
+            .unwrap()
+            .items,
     );
     let r = texts(
         store
             .history("default", right["id"].as_str().unwrap())
             .await
             .unwrap()
-            .unwrap(),
+            .unwrap()
+            .items,
     );
     assert_eq!(l, vec!["root question", "left branch"]);
     assert_eq!(
@@ -951,6 +954,76 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
     for gw in [a, b] {
         gw.shutdown().await;
     }
+    for s in sims {
+        s.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chained_conversation_without_session_headers_is_pinned_by_its_root() {
+    let sims = [
+        start_sim("sim-model").await,
+        start_sim("sim-model").await,
+        start_sim("sim-model").await,
+    ];
+    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
+    let gw = start_gateway(
+        &config_toml(&urls, None, "")
+            .replace("endpoints = [", "policy = \"session\"\nendpoints = ["),
+    )
+    .await;
+    let base = gw.base_url();
+    let mut previous: Option<String> = None;
+    let mut first_id = String::new();
+    let mut seen = Vec::new();
+    for turn in 0..5 {
+        let mut body =
+            json!({"model": "sim-model", "input": format!("turn {turn}"), "max_output_tokens": 16});
+        if let Some(prev) = &previous {
+            body["previous_response_id"] = json!(prev);
+        }
+        let resp = client()
+            .post(format!("{base}/v1/responses"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let header = |name: &str| resp.headers()[name].to_str().unwrap().to_string();
+        seen.push((
+            header(agentgate::responses::ENDPOINT_HEADER),
+            header(agentgate::responses::ROUTE_REASON_HEADER),
+        ));
+        let r: Value = resp.json().await.unwrap();
+        let id = r["id"].as_str().unwrap().to_string();
+        if turn == 0 {
+            first_id = id.clone();
+        }
+        previous = Some(id);
+    }
+    assert!(seen.iter().all(|(e, _)| e == &seen[0].0), "{seen:?}");
+    assert!(seen[1..].iter().all(|(_, r)| r == "pin"), "{seen:?}");
+    let pin = gw
+        .state()
+        .store
+        .get_pin("sim", &format!("root:{first_id}"))
+        .await
+        .unwrap()
+        .expect("the chain is pinned under its root");
+    assert_eq!(pin.endpoint, seen[0].0);
+    // A fork from the first turn belongs to the same conversation.
+    let resp = client()
+        .post(format!("{base}/v1/responses"))
+        .json(&json!({"model": "sim-model", "input": "a fork", "previous_response_id": first_id}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.headers()[agentgate::responses::ENDPOINT_HEADER],
+        seen[0].0.as_str()
+    );
+    gw.shutdown().await;
     for s in sims {
         s.shutdown().await;
     }

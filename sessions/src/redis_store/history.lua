@@ -4,15 +4,18 @@
 -- ARGV[2]: key prefix of response hashes (predecessor key = ARGV[2] .. prev)
 -- ARGV[3]: TTL in milliseconds, refreshed on every response walked
 -- ARGV[4]: longest chain accepted; longer means a cycle
--- Returns nil if KEYS[1] is missing or another team's; otherwise a flat array of JSON blobs
--- [input_1, output_1, ..., input_n, output_n]. The walk stops at the first predecessor that is
--- missing (expired or deleted) or owned by another team.
+-- ARGV[5]: id of the newest response (KEYS[1] without the prefix)
+-- Returns nil if KEYS[1] is missing or another team's; otherwise the id of the oldest response
+-- walked (the chain's root) followed by the JSON blobs [input_1, output_1, ..., input_n,
+-- output_n]. The walk stops at the first predecessor that is missing (expired or deleted) or
+-- owned by another team.
 local team = ARGV[1]
 local prefix = ARGV[2]
 local ttl = ARGV[3]
 local max_len = tonumber(ARGV[4])
 
 local key = KEYS[1]
+local root = ARGV[5]
 local fields = redis.call('HMGET', key, 'team', 'prev', 'input', 'output')
 if fields[1] ~= team then
   return false
@@ -37,9 +40,10 @@ while true do
   if fields[1] ~= team then
     break
   end
+  root = prev
 end
 
-local blobs = {}
+local blobs = {root}
 for i = #reversed, 1, -1 do
   blobs[#blobs + 1] = reversed[i]
 end

@@ -23,7 +23,7 @@ use serde_json::Value;
 
 use crate::pins::{decode_pin, encode_pin, pin_key};
 use crate::record::response_status;
-use crate::{ResponseRecord, SessionPin, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
+use crate::{History, ResponseRecord, SessionPin, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
 
 /// A Lua script with its SHA1, ready for EVALSHA.
 struct LuaScript {
@@ -271,7 +271,7 @@ impl Store for RedisStore {
         }))
     }
 
-    async fn history(&self, team: &str, id: &str) -> Result<Option<Vec<Value>>, StoreError> {
+    async fn history(&self, team: &str, id: &str) -> Result<Option<History>, StoreError> {
         let ttl = self.ttl_ms.to_string();
         let max_len = MAX_CHAIN_LEN.to_string();
         let blobs: Option<Vec<Vec<u8>>> = self
@@ -283,18 +283,22 @@ impl Store for RedisStore {
                     self.resp_prefix.as_bytes(),
                     ttl.as_bytes(),
                     max_len.as_bytes(),
+                    id.as_bytes(),
                 ],
             )
             .await?;
-        let Some(blobs) = blobs else {
+        let Some((root, blobs)) = blobs.as_deref().and_then(<[Vec<u8>]>::split_first) else {
             return Ok(None);
         };
         let mut items = Vec::new();
-        for blob in &blobs {
+        for blob in blobs {
             let part: Vec<Value> = decode(id, "input/output of a predecessor", blob)?;
             items.extend(part);
         }
-        Ok(Some(items))
+        Ok(Some(History {
+            items,
+            root_id: String::from_utf8_lossy(root).into_owned(),
+        }))
     }
 
     async fn update_if_active(
