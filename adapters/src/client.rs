@@ -271,7 +271,7 @@ pub(crate) fn root_url(base_url: &str) -> &str {
     base.strip_suffix("/v1").unwrap_or(base)
 }
 
-fn v1_url(base_url: &str, path: &str) -> String {
+pub(crate) fn v1_url(base_url: &str, path: &str) -> String {
     format!("{}/v1/{path}", root_url(base_url))
 }
 

@@ -6,6 +6,7 @@
 //! -> [`ResponseStream::on_chunk`] for every chunk -> [`ResponseStream::finish`] (or `fail`).
 
 mod client;
+pub mod disagg;
 pub mod engine_metrics;
 mod error;
 mod ids;
@@ -18,6 +19,7 @@ mod stream;
 mod tools;
 
 pub use client::{estimate_prompt_tokens, ChunkStream, ClientOptions, EngineClient};
+pub use disagg::{DisaggError, PrefillTarget};
 pub use engine_metrics::{parse_metrics, EngineMetrics};
 pub use error::{ApiError, UpstreamError};
 pub use ids::new_item_id;

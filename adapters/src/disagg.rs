@@ -1,0 +1,238 @@
+//! Prefill/decode disaggregation: one chat request run as two legs on two engines, in each
+//! engine's own protocol. The client-facing request and the streamed answer are unchanged; only
+//! where the prompt is prefilled differs.
+//!
+//! **vLLM (NIXL connector).** The prefill leg is the request with `stream: false`,
+//! `max_tokens: 1` (and `max_completion_tokens: 1` when set), no `stream_options`, and
+//!
+//! ```json
+//! "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
+//!   "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}
+//! ```
+//!
+//! The prefill engine answers with its own `kv_transfer_params` (`do_remote_prefill: true`, its
+//! engine id, block ids, host and port). The decode leg is the original request with exactly those
+//! params; the decode engine pulls the blocks from the prefill engine and decodes. The legs are
+//! sequential.
+//!
+//! **SGLang (bootstrap rooms).** Both legs are the original request plus `bootstrap_host`,
+//! `bootstrap_port` (the prefill engine's bootstrap server) and a random `bootstrap_room`; they
+//! run concurrently: the decode engine waits in the room until the prefill engine has the KV
+//! cache. The prefill leg runs with `stream: false` and its answer is discarded.
+//!
+//! Failures are reported by leg ([`DisaggError`]) so the caller can fall back: a failed prefill
+//! leg means the request has not started anywhere and can run aggregated on a healthy endpoint;
+//! a failed decode leg after a good prefill is almost always a lost KV transfer (the engines
+//! answer 5xx) and can be retried once without disaggregation. No leg ever produced output the
+//! client saw, so a retry neither loses nor duplicates anything.
+
+use serde_json::{json, Value};
+
+use crate::client::{v1_url, ChunkStream, EngineClient};
+use crate::error::UpstreamError;
+use crate::Flavor;
+
+/// Where the prefill leg runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillTarget {
+    /// Base URL of the prefill engine.
+    pub base_url: String,
+    /// SGLang: host and port of its bootstrap server.
+    pub bootstrap: Option<(String, u16)>,
+}
+
+/// Which leg of a disaggregated request failed.
+#[derive(Debug)]
+pub enum DisaggError {
+    /// The prefill leg failed: nothing ran; run the request aggregated elsewhere.
+    Prefill(UpstreamError),
+    /// The decode leg failed after (or while) the prefill leg ran: usually the KV transfer.
+    Decode(UpstreamError),
+}
+
+impl DisaggError {
+    /// The underlying engine error.
+    pub fn upstream(&self) -> &UpstreamError {
+        match self {
+            DisaggError::Prefill(e) | DisaggError::Decode(e) => e,
+        }
+    }
+}
+
+impl std::fmt::Display for DisaggError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DisaggError::Prefill(e) => write!(f, "prefill leg failed: {e}"),
+            DisaggError::Decode(e) => write!(f, "decode leg failed: {e}"),
+        }
+    }
+}
+
+/// The vLLM prefill leg of `body` (see the module doc).
+pub fn vllm_prefill_leg(body: &Value) -> Value {
+    let mut leg = body.clone();
+    if let Some(obj) = leg.as_object_mut() {
+        obj.insert("stream".into(), Value::Bool(false));
+        obj.remove("stream_options");
+        obj.insert("max_tokens".into(), json!(1));
+        if obj.contains_key("max_completion_tokens") {
+            obj.insert("max_completion_tokens".into(), json!(1));
+        }
+        obj.insert(
+            "kv_transfer_params".into(),
+            json!({"do_remote_decode": true, "do_remote_prefill": false,
+                "remote_engine_id": null, "remote_block_ids": null,
+                "remote_host": null, "remote_port": null}),
+        );
+    }
+    leg
+}
+
+/// The vLLM decode leg: `body` with the `kv_transfer_params` the prefill leg returned.
+pub fn vllm_decode_leg(body: &Value, kv_transfer_params: Value) -> Value {
+    let mut leg = body.clone();
+    if let Some(obj) = leg.as_object_mut() {
+        obj.insert("kv_transfer_params".into(), kv_transfer_params);
+    }
+    leg
+}
+
+/// The SGLang legs of `body` for one bootstrap room: (prefill, decode).
+pub fn sglang_legs(body: &Value, host: &str, port: u16, room: u64) -> (Value, Value) {
+    let mut decode = body.clone();
+    if let Some(obj) = decode.as_object_mut() {
+        obj.insert("bootstrap_host".into(), json!(host));
+        obj.insert("bootstrap_port".into(), json!(port));
+        obj.insert("bootstrap_room".into(), json!(room));
+    }
+    let mut prefill = decode.clone();
+    if let Some(obj) = prefill.as_object_mut() {
+        obj.insert("stream".into(), Value::Bool(false));
+        obj.remove("stream_options");
+    }
+    (prefill, decode)
+}
+
+/// A fresh bootstrap room id (SGLang draws them at random from the non-negative i64 range).
+pub fn new_bootstrap_room() -> u64 {
+    fastrand::u64(..(i64::MAX as u64))
+}
+
+impl EngineClient {
+    /// POST a non-streaming chat completion and return its JSON body.
+    pub async fn chat_json(&self, base_url: &str, body: &Value) -> Result<Value, UpstreamError> {
+        let url = v1_url(base_url, "chat/completions");
+        let request = self.authorized(self.http.post(&url)).json(body);
+        let response =
+            match tokio::time::timeout(self.options().first_byte_timeout, request.send()).await {
+                Err(_) => {
+                    return Err(UpstreamError::Timeout(format!(
+                        "no response from {url} within {:?}",
+                        self.options().first_byte_timeout
+                    )))
+                }
+                Ok(Err(err)) => return Err(crate::client::send_error(&url, err)),
+                Ok(Ok(response)) => response,
+            };
+        let response = self.check_status(response).await?;
+        response
+            .json::<Value>()
+            .await
+            .map_err(|e| UpstreamError::Protocol(format!("{url}: unreadable JSON body: {e}")))
+    }
+
+    /// Run `body` (a streaming chat request) disaggregated: prefill on `prefill`, decode
+    /// streamed from `decode_url`, in `flavor`'s protocol (see the module doc).
+    pub async fn chat_stream_disaggregated(
+        &self,
+        flavor: Flavor,
+        prefill: &PrefillTarget,
+        decode_url: &str,
+        body: &Value,
+    ) -> Result<ChunkStream, DisaggError> {
+        match flavor {
+            Flavor::Sglang => {
+                let Some((host, port)) = &prefill.bootstrap else {
+                    return Err(DisaggError::Prefill(UpstreamError::Protocol(format!(
+                        "prefill endpoint {} has no bootstrap port configured",
+                        prefill.base_url
+                    ))));
+                };
+                let (prefill_leg, decode_leg) =
+                    sglang_legs(body, host, *port, new_bootstrap_room());
+                // The prefill leg runs on its own task: the decode stream may be read long after
+                // the prefill answer arrives, and a dropped decode must not cancel a prefill the
+                // engine is already running.
+                let client = self.clone();
+                let prefill_url = prefill.base_url.clone();
+                let prefill_task =
+                    tokio::spawn(async move { client.chat_json(&prefill_url, &prefill_leg).await });
+                let decode = self.chat_stream(decode_url, &decode_leg).await;
+                match decode {
+                    Ok(stream) => Ok(stream),
+                    Err(decode_err) => match prefill_task.await {
+                        Ok(Err(prefill_err)) => Err(DisaggError::Prefill(prefill_err)),
+                        _ => Err(DisaggError::Decode(decode_err)),
+                    },
+                }
+            }
+            Flavor::Vllm | Flavor::Openai => {
+                let prefilled = self
+                    .chat_json(&prefill.base_url, &vllm_prefill_leg(body))
+                    .await
+                    .map_err(DisaggError::Prefill)?;
+                let params = prefilled
+                    .get("kv_transfer_params")
+                    .filter(|p| p.is_object())
+                    .cloned()
+                    .ok_or_else(|| {
+                        DisaggError::Prefill(UpstreamError::Protocol(format!(
+                            "prefill endpoint {} returned no kv_transfer_params (is its KV connector configured?)",
+                            prefill.base_url
+                        )))
+                    })?;
+                self.chat_stream(decode_url, &vllm_decode_leg(body, params))
+                    .await
+                    .map_err(DisaggError::Decode)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_legs_follow_the_nixl_proxy_protocol() {
+        let body = json!({"model": "m", "messages": [], "stream": true,
+            "stream_options": {"include_usage": true}, "max_completion_tokens": 300});
+        let p = vllm_prefill_leg(&body);
+        assert_eq!(p["stream"], false);
+        assert_eq!(p["max_tokens"], 1);
+        assert_eq!(p["max_completion_tokens"], 1);
+        assert!(p.get("stream_options").is_none());
+        assert_eq!(p["kv_transfer_params"]["do_remote_decode"], true);
+        assert_eq!(p["kv_transfer_params"]["do_remote_prefill"], false);
+        let d = vllm_decode_leg(&body, json!({"do_remote_prefill": true}));
+        assert_eq!(d["stream"], true);
+        assert_eq!(d["max_completion_tokens"], 300);
+        assert_eq!(d["kv_transfer_params"]["do_remote_prefill"], true);
+    }
+
+    #[test]
+    fn sglang_legs_share_one_room() {
+        let body = json!({"model": "m", "messages": [], "stream": true});
+        let (p, d) = sglang_legs(&body, "10.0.0.1", 8998, 7);
+        for leg in [&p, &d] {
+            assert_eq!(leg["bootstrap_host"], "10.0.0.1");
+            assert_eq!(leg["bootstrap_port"], 8998);
+            assert_eq!(leg["bootstrap_room"], 7);
+        }
+        assert_eq!(
+            (p["stream"].clone(), d["stream"].clone()),
+            (json!(false), json!(true))
+        );
+        assert!(new_bootstrap_room() < i64::MAX as u64);
+    }
+}
