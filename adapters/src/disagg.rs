@@ -15,10 +15,10 @@
 //! params; the decode engine pulls the blocks from the prefill engine and decodes. The legs are
 //! sequential.
 //!
-//! **SGLang (bootstrap rooms).** Both legs are the original request plus `bootstrap_host`,
-//! `bootstrap_port` (the prefill engine's bootstrap server) and a random `bootstrap_room`; they
-//! run concurrently: the decode engine waits in the room until the prefill engine has the KV
-//! cache. The prefill leg runs with `stream: false` and its answer is discarded.
+//! **SGLang (bootstrap rooms).** Both legs are the same body: the original request plus
+//! `bootstrap_host`, `bootstrap_port` (the prefill engine's bootstrap server) and a random
+//! `bootstrap_room`; they run concurrently: the decode engine waits in the room until the prefill
+//! engine has the KV cache. The prefill leg's answer is read to the end and discarded.
 //!
 //! Failures are reported by leg ([`DisaggError`]) so the caller can fall back: a failed prefill
 //! leg means the request has not started anywhere and can run aggregated on a healthy endpoint;
@@ -26,6 +26,7 @@
 //! answer 5xx) and can be retried once without disaggregation. No leg ever produced output the
 //! client saw, so a retry neither loses nor duplicates anything.
 
+use futures_util::StreamExt;
 use serde_json::{json, Value};
 
 use crate::client::{v1_url, ChunkStream, EngineClient};
@@ -97,20 +98,15 @@ pub fn vllm_decode_leg(body: &Value, kv_transfer_params: Value) -> Value {
     leg
 }
 
-/// The SGLang legs of `body` for one bootstrap room: (prefill, decode).
-pub fn sglang_legs(body: &Value, host: &str, port: u16, room: u64) -> (Value, Value) {
-    let mut decode = body.clone();
-    if let Some(obj) = decode.as_object_mut() {
+/// The SGLang body of both legs of `body` for one bootstrap room.
+pub fn sglang_leg(body: &Value, host: &str, port: u16, room: u64) -> Value {
+    let mut leg = body.clone();
+    if let Some(obj) = leg.as_object_mut() {
         obj.insert("bootstrap_host".into(), json!(host));
         obj.insert("bootstrap_port".into(), json!(port));
         obj.insert("bootstrap_room".into(), json!(room));
     }
-    let mut prefill = decode.clone();
-    if let Some(obj) = prefill.as_object_mut() {
-        obj.insert("stream".into(), Value::Bool(false));
-        obj.remove("stream_options");
-    }
-    (prefill, decode)
+    leg
 }
 
 /// A fresh bootstrap room id (SGLang draws them at random from the non-negative i64 range).
@@ -141,6 +137,28 @@ impl EngineClient {
             .map_err(|e| UpstreamError::Protocol(format!("{url}: unreadable JSON body: {e}")))
     }
 
+    /// POST a chat completion and read its answer (JSON or SSE) to the end, discarding it.
+    pub async fn chat_discard(&self, base_url: &str, body: &Value) -> Result<(), UpstreamError> {
+        let url = v1_url(base_url, "chat/completions");
+        let request = self.authorized(self.http.post(&url)).json(body);
+        let response =
+            match tokio::time::timeout(self.options().first_byte_timeout, request.send()).await {
+                Err(_) => {
+                    return Err(UpstreamError::Timeout(format!(
+                        "no response from {url} within {:?}",
+                        self.options().first_byte_timeout
+                    )))
+                }
+                Ok(Err(err)) => return Err(crate::client::send_error(&url, err)),
+                Ok(Ok(response)) => response,
+            };
+        let mut body = self.check_status(response).await?.bytes_stream();
+        while let Some(chunk) = body.next().await {
+            chunk.map_err(|e| crate::client::send_error(&url, e))?;
+        }
+        Ok(())
+    }
+
     /// Run `body` (a streaming chat request) disaggregated: prefill on `prefill`, decode
     /// streamed from `decode_url`, in `flavor`'s protocol (see the module doc).
     pub async fn chat_stream_disaggregated(
@@ -158,16 +176,18 @@ impl EngineClient {
                         prefill.base_url
                     ))));
                 };
-                let (prefill_leg, decode_leg) =
-                    sglang_legs(body, host, *port, new_bootstrap_room());
+                let leg = sglang_leg(body, host, *port, new_bootstrap_room());
                 // The prefill leg runs on its own task: the decode stream may be read long after
                 // the prefill answer arrives, and a dropped decode must not cancel a prefill the
                 // engine is already running.
                 let client = self.clone();
                 let prefill_url = prefill.base_url.clone();
+                let prefill_leg = leg.clone();
                 let prefill_task =
-                    tokio::spawn(async move { client.chat_json(&prefill_url, &prefill_leg).await });
-                let decode = self.chat_stream(decode_url, &decode_leg).await;
+                    tokio::spawn(
+                        async move { client.chat_discard(&prefill_url, &prefill_leg).await },
+                    );
+                let decode = self.chat_stream(decode_url, &leg).await;
                 match decode {
                     Ok(stream) => Ok(stream),
                     Err(decode_err) => match prefill_task.await {
@@ -223,16 +243,11 @@ mod tests {
     #[test]
     fn sglang_legs_share_one_room() {
         let body = json!({"model": "m", "messages": [], "stream": true});
-        let (p, d) = sglang_legs(&body, "10.0.0.1", 8998, 7);
-        for leg in [&p, &d] {
-            assert_eq!(leg["bootstrap_host"], "10.0.0.1");
-            assert_eq!(leg["bootstrap_port"], 8998);
-            assert_eq!(leg["bootstrap_room"], 7);
-        }
-        assert_eq!(
-            (p["stream"].clone(), d["stream"].clone()),
-            (json!(false), json!(true))
-        );
+        let leg = sglang_leg(&body, "10.0.0.1", 8998, 7);
+        assert_eq!(leg["bootstrap_host"], "10.0.0.1");
+        assert_eq!(leg["bootstrap_port"], 8998);
+        assert_eq!(leg["bootstrap_room"], 7);
+        assert_eq!(leg["stream"], true, "both legs carry the client's body");
         assert!(new_bootstrap_room() < i64::MAX as u64);
     }
 }
