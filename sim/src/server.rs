@@ -569,7 +569,7 @@ async fn run(state: Shared, prepared: Prepared) -> Result<Response, ApiError> {
             param: None,
         })?;
     if prepared.stream {
-        Ok(stream_response(state, prepared, events))
+        Ok(stream_response(state, prepared, events, handoff))
     } else {
         complete_response(state, prepared, events, handoff).await
     }
@@ -803,6 +803,7 @@ fn stream_response(
     state: Shared,
     prepared: Prepared,
     mut events: mpsc::UnboundedReceiver<SeqEvent>,
+    handoff: Option<Handoff>,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
     tokio::spawn(async move {
@@ -845,7 +846,13 @@ fn stream_response(
                     }
                     generated = end;
                 }
-                Some(SeqEvent::Done { cached_tokens, .. }) => break cached_tokens,
+                Some(SeqEvent::Done { cached_tokens, .. }) => {
+                    // A streamed SGLang prefill leg hands its room over like a non-streamed one.
+                    if let Some(Handoff::Room(room)) = &handoff {
+                        state.rooms.mark(*room, RoomStatus::Ready);
+                    }
+                    break cached_tokens;
+                }
                 None => {
                     let _ = tx
                         .send(Err(std::io::Error::other("engine dropped the request")))
