@@ -14,13 +14,15 @@
 //! [`memory`] and [`redis_store`] (the backends), [`error`], and [`testing`] (a throwaway
 //! `redis-server` and the suite every backend passes), and [`pins`] (session -> endpoint pins
 //! with their own TTL, kept by the same two backends so every gateway replica routes a session
-//! to the same endpoint).
+//! to the same endpoint), and [`rate`] (GCRA rate-limit counters, so every gateway replica
+//! enforces one budget).
 
 #![warn(missing_docs)]
 
 pub mod error;
 pub mod memory;
 pub mod pins;
+pub mod rate;
 pub mod record;
 pub mod redis_store;
 pub mod store;
@@ -29,6 +31,7 @@ pub mod testing;
 pub use error::StoreError;
 pub use memory::MemoryStore;
 pub use pins::SessionPin;
+pub use rate::{RateDecision, RateLimit};
 pub use record::{History, ResponseRecord, StoreOptions};
 pub use redis_store::RedisStore;
 pub use store::{AnyStore, Store};

@@ -6,12 +6,13 @@
 //! ([`pin_key`]), so a client's session key costs bounded memory however long it is.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 use crate::pins::pin_key;
+use crate::rate::{gcra_step, RateDecision, RateLimit};
 use crate::record::{is_active_status, response_status};
 use crate::{History, ResponseRecord, SessionPin, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
 
@@ -63,6 +64,9 @@ impl Records {
 /// In-process store; contents are lost when the process exits.
 pub struct MemoryStore {
     records: Mutex<Records>,
+    /// GCRA counters: key -> theoretical arrival time in ms since `epoch`.
+    rates: Mutex<HashMap<String, f64>>,
+    epoch: Instant,
     ttl: Duration,
     pin_ttl: Duration,
 }
@@ -76,6 +80,8 @@ impl MemoryStore {
                 pins: HashMap::new(),
                 next_sweep: Instant::now() + SWEEP_INTERVAL,
             }),
+            rates: Mutex::new(HashMap::new()),
+            epoch: Instant::now(),
             ttl: opts.ttl,
             pin_ttl: opts.pin_ttl,
         }
@@ -256,6 +262,25 @@ impl Store for MemoryStore {
             entry.expires_at = expires_at;
         }
         Ok(())
+    }
+
+    async fn rate_limit(&self, limits: &[RateLimit]) -> Result<Vec<RateDecision>, StoreError> {
+        let now = self.epoch.elapsed().as_secs_f64() * 1000.0;
+        let mut rates = self.rates.lock().unwrap_or_else(PoisonError::into_inner);
+        // Counters whose budget is full again hold no information.
+        if rates.len() > 1024 {
+            rates.retain(|_, tat| *tat > now);
+        }
+        let steps: Vec<(RateDecision, f64)> = limits
+            .iter()
+            .map(|l| gcra_step(rates.get(&l.key).copied(), now, l))
+            .collect();
+        if steps.iter().all(|(d, _)| d.allowed()) {
+            for (limit, (_, tat)) in limits.iter().zip(&steps) {
+                rates.insert(limit.key.clone(), *tat);
+            }
+        }
+        Ok(steps.into_iter().map(|(d, _)| d).collect())
     }
 
     fn round_trips(&self) -> u64 {

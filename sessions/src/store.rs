@@ -5,6 +5,7 @@ use std::future::Future;
 
 use serde_json::Value;
 
+use crate::rate::{RateDecision, RateLimit};
 use crate::{
     History, MemoryStore, RedisStore, ResponseRecord, SessionPin, StoreError, StoreOptions,
 };
@@ -81,6 +82,13 @@ pub trait Store: Send + Sync + 'static {
         pool: &str,
         session: &str,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Check and charge rate limits, all-or-nothing (see [`crate::rate`]): one decision per
+    /// limit, in order; nothing is charged unless every decision allows. One round trip.
+    fn rate_limit(
+        &self,
+        limits: &[RateLimit],
+    ) -> impl Future<Output = Result<Vec<RateDecision>, StoreError>> + Send;
 
     /// Round trips to the backend made so far (Redis commands/scripts sent; 0 for memory).
     fn round_trips(&self) -> u64;
@@ -178,6 +186,13 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.touch_pin(pool, session).await,
             AnyStore::Redis(s) => s.touch_pin(pool, session).await,
+        }
+    }
+
+    async fn rate_limit(&self, limits: &[RateLimit]) -> Result<Vec<RateDecision>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.rate_limit(limits).await,
+            AnyStore::Redis(s) => s.rate_limit(limits).await,
         }
     }
 

@@ -256,6 +256,64 @@ pub fn pin(endpoint: &str, moves: u32) -> SessionPin {
 pub async fn suite<S: Store>(store: &S) {
     response_suite(store).await;
     pin_suite(store).await;
+    rate_suite(store).await;
+}
+
+/// Rate limits: a budget spent to the last unit, refusals with `retry_after`, all-or-nothing
+/// checks of several limits, oversized costs, one round trip each. Use a fresh store (or a fresh
+/// key prefix) per call. Time moves during the run, so the figures allow a little refill.
+pub async fn rate_suite<S: Store>(store: &S) {
+    use crate::rate::RateLimit;
+    // A period long enough that the refill during the test is well under one unit.
+    let hour = Duration::from_secs(3600);
+    let rpm = |cost| RateLimit {
+        key: "team:a:requests".into(),
+        limit: 3,
+        period: hour,
+        cost,
+    };
+    let tpm = |cost| RateLimit {
+        key: "team:a:tokens".into(),
+        limit: 1000,
+        period: hour,
+        cost,
+    };
+    macro_rules! check {
+        ($limits:expr) => {
+            at_most_one_round_trip(store, "rate_limit", store.rate_limit(&$limits))
+                .await
+                .unwrap_or_else(|e| panic!("rate_limit failed: {e}"))
+        };
+    }
+    let d = check!([rpm(1), tpm(600)]);
+    assert!(d.iter().all(|d| d.allowed()), "{d:?}");
+    assert_eq!((d[0].remaining, d[1].remaining), (2, 400));
+    assert!(d[1].reset_after > Duration::from_secs(2000), "{d:?}");
+    // Tokens refuse: nothing is charged, not even the request.
+    let d = check!([rpm(1), tpm(600)]);
+    assert!(d[0].allowed() && !d[1].allowed(), "{d:?}");
+    let retry = d[1].retry_after.expect("a refusal says when to retry");
+    assert!(
+        retry > Duration::from_secs(700) && retry <= Duration::from_secs(721),
+        "{retry:?}"
+    );
+    let d = check!([rpm(1), tpm(100)]);
+    assert!(d.iter().all(|d| d.allowed()), "{d:?}");
+    assert_eq!((d[0].remaining, d[1].remaining), (1, 300));
+    let d = check!([rpm(1)]);
+    assert_eq!(d[0].remaining, 0);
+    let d = check!([rpm(1)]);
+    assert!(!d[0].allowed() && !d[0].too_large, "{d:?}");
+    // More than the whole budget can never fit.
+    let d = check!([tpm(1001)]);
+    assert!(d[0].too_large && !d[0].allowed(), "{d:?}");
+    // Other keys are independent.
+    let d = check!([RateLimit {
+        key: "team:b:requests".into(),
+        ..rpm(1)
+    }]);
+    assert!(d[0].allowed());
+    assert!(check!([]).is_empty());
 }
 
 /// Session pins: get, compare-and-set swaps, a race of two swaps, touch, and session keys that

@@ -572,3 +572,32 @@ async fn pin_swaps_still_run_after_the_server_forgets_the_script() {
         .expect("swap");
     assert_eq!(set, pin("e0", 0));
 }
+
+#[tokio::test]
+async fn two_gateways_on_one_redis_share_one_rate_budget() {
+    let redis = TestRedis::start();
+    let opts = StoreOptions {
+        key_prefix: unique_prefix("rate_shared"),
+        ..StoreOptions::default()
+    };
+    let a = connect(&redis, opts.clone()).await;
+    let b = connect(&redis, opts).await;
+    let limit = agentgate_sessions::RateLimit {
+        key: "team:acme:requests".into(),
+        limit: 4,
+        period: Duration::from_secs(3600),
+        cost: 1,
+    };
+    let mut allowed = 0;
+    for i in 0..8 {
+        let store = if i % 2 == 0 { &a } else { &b };
+        let d = store
+            .rate_limit(std::slice::from_ref(&limit))
+            .await
+            .unwrap();
+        if d[0].allowed() {
+            allowed += 1;
+        }
+    }
+    assert_eq!(allowed, 4, "the budget is shared, not per gateway");
+}

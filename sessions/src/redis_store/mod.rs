@@ -22,6 +22,7 @@ use ::redis::{Cmd, ErrorKind, FromRedisValue, ServerErrorKind};
 use serde_json::Value;
 
 use crate::pins::{decode_pin, encode_pin, pin_key};
+use crate::rate::{RateDecision, RateLimit};
 use crate::record::response_status;
 use crate::{History, ResponseRecord, SessionPin, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
 
@@ -50,6 +51,7 @@ pub struct RedisStore {
     update_script: LuaScript,
     delete_script: LuaScript,
     swap_pin_script: LuaScript,
+    rate_script: LuaScript,
 }
 
 /// How long to wait for a TCP connection to Redis.
@@ -86,6 +88,7 @@ impl RedisStore {
             update_script: LuaScript::new(include_str!("update_if_active.lua")),
             delete_script: LuaScript::new(include_str!("delete.lua")),
             swap_pin_script: LuaScript::new(include_str!("swap_pin.lua")),
+            rate_script: LuaScript::new(include_str!("rate_limit.lua")),
         };
         store.load_scripts().await?;
         Ok(store)
@@ -109,6 +112,7 @@ impl RedisStore {
             &self.update_script,
             &self.delete_script,
             &self.swap_pin_script,
+            &self.rate_script,
         ] {
             pipe.cmd("SCRIPT").arg("LOAD").arg(script.source).ignore();
         }
@@ -133,9 +137,19 @@ impl RedisStore {
         key: &str,
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
+        self.run_script_keys(script, &[key], args).await
+    }
+
+    /// [`Self::run_script`] with several keys.
+    async fn run_script_keys<T: FromRedisValue>(
+        &self,
+        script: &LuaScript,
+        keys: &[&str],
+        args: &[&[u8]],
+    ) -> Result<T, StoreError> {
         let build = |verb: &str, body: &str| {
             let mut cmd = ::redis::cmd(verb);
-            cmd.arg(body).arg(1).arg(key);
+            cmd.arg(body).arg(keys.len()).arg(keys);
             for arg in args {
                 cmd.arg(*arg);
             }
@@ -373,6 +387,50 @@ impl Store for RedisStore {
         cmd.arg(self.pin_key(pool, session)).arg(self.pin_ttl_ms);
         let _applied: i64 = self.query(&cmd).await?;
         Ok(())
+    }
+
+    async fn rate_limit(&self, limits: &[RateLimit]) -> Result<Vec<RateDecision>, StoreError> {
+        if limits.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = limits
+            .iter()
+            .map(|l| format!("{}rate:{}", self.key_prefix, l.key))
+            .collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let args: Vec<String> = limits
+            .iter()
+            .flat_map(|l| {
+                [
+                    millis(l.period).to_string(),
+                    l.limit.to_string(),
+                    l.cost.to_string(),
+                ]
+            })
+            .collect();
+        let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
+        let reply: Vec<i64> = self
+            .run_script_keys(&self.rate_script, &keys, &args)
+            .await?;
+        if reply.len() != 1 + 4 * limits.len() {
+            return Err(StoreError::Backend(format!(
+                "rate limit script returned {} values for {} limits",
+                reply.len(),
+                limits.len()
+            )));
+        }
+        let ms = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
+        Ok(limits
+            .iter()
+            .zip(reply[1..].chunks_exact(4))
+            .map(|(l, r)| RateDecision {
+                limit: l.limit,
+                remaining: u64::try_from(r[0]).unwrap_or(0),
+                reset_after: ms(r[1]),
+                retry_after: (r[2] >= 0).then(|| ms(r[2])),
+                too_large: r[3] == 1,
+            })
+            .collect())
     }
 
     fn round_trips(&self) -> u64 {

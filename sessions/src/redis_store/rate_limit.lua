@@ -1,0 +1,54 @@
+-- GCRA over several limits at once, all-or-nothing (see sessions/src/rate.rs for the formulas).
+-- KEYS[i]: the counter of limit i (holds its theoretical arrival time, ms)
+-- ARGV[3i-2], ARGV[3i-1], ARGV[3i]: period in ms, units per period, cost of limit i
+-- Returns {passed, then per limit: remaining, reset_after_ms, retry_after_ms (-1: none),
+-- too_large (0/1)}. The server's clock is used, so every gateway agrees on "now".
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local passed = 1
+local out = {}
+local new_tats = {}
+for i = 1, #KEYS do
+  local period = tonumber(ARGV[3 * i - 2])
+  local limit = tonumber(ARGV[3 * i - 1])
+  local cost = tonumber(ARGV[3 * i])
+  local per = period / math.max(limit, 1)
+  local tat = tonumber(redis.call('GET', KEYS[i]) or now) or now
+  if tat < now then tat = now end
+  local new_tat = tat + per * cost
+  local allow_at = new_tat - period
+  local remaining, reset_after, retry_after, too_large
+  if cost > limit then
+    passed = 0
+    remaining = math.floor((now - (tat - period)) / per + 1e-6)
+    reset_after = tat - now
+    retry_after = -1
+    too_large = 1
+  elseif allow_at > now then
+    passed = 0
+    remaining = math.floor((now - (tat - period)) / per + 1e-6)
+    reset_after = tat - now
+    retry_after = math.ceil(allow_at - now)
+    too_large = 0
+  else
+    remaining = math.floor((now - allow_at) / per + 1e-6)
+    reset_after = new_tat - now
+    retry_after = -1
+    too_large = 0
+  end
+  new_tats[i] = new_tat
+  out[#out + 1] = math.max(remaining, 0)
+  out[#out + 1] = math.ceil(math.max(reset_after, 0))
+  out[#out + 1] = retry_after
+  out[#out + 1] = too_large
+end
+if passed == 1 then
+  for i = 1, #KEYS do
+    local ttl = math.ceil(new_tats[i] - now)
+    if ttl > 0 then
+      redis.call('SET', KEYS[i], string.format('%.3f', new_tats[i]), 'PX', ttl)
+    end
+  end
+end
+table.insert(out, 1, passed)
+return out
