@@ -1,5 +1,8 @@
 //! agentgate's scheduler: which endpoint serves a request (and, later, when it is admitted).
 //!
+//! - [`flow`]: multi-team flow control, the [`FlowController`]: priority bands, weighted fair
+//!   queuing across teams over tokens, turn-first order within a team, shedding, queue TTLs
+//!   and per-team rate limits (formulas in its module doc);
 //! - [`endpoint`]: one engine replica and the gateway's own live view of its load (in-flight
 //!   requests and prompt tokens, counted by RAII guards, fresher than any metrics scrape);
 //! - [`picker`]: the [`Picker`] trait and the baseline policies, [`RoundRobin`] and
@@ -19,6 +22,7 @@
 //! [`Picker::crowded`] says no, and otherwise asks the picker and re-pins.
 
 pub mod endpoint;
+pub mod flow;
 pub mod picker;
 pub mod policy;
 pub mod prefix_aware;
@@ -26,6 +30,10 @@ pub mod prefix_index;
 pub mod session_key;
 
 pub use endpoint::{Endpoint, InFlight, LoadReport, Role, Saturation};
+pub use flow::{
+    BandSpec, CapacitySignal, FlowConfig, FlowController, FlowSnapshot, LocalRateLimiter,
+    MaxInFlight, Permit, RateLimiter, Rejection, TeamSpec, Ticket,
+};
 pub use picker::{LeastLoaded, PickRequest, Picker, RoundRobin};
 pub use policy::Policy;
 pub use prefix_aware::{PrefixAware, PrefixWeights};

@@ -1,0 +1,99 @@
+//! Whether the pool can take more work: the signal that gates every dispatch.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The controller's own load, handed to the [`CapacitySignal`] on every question.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FlowLoad {
+    /// Requests dispatched by this controller and not yet finished.
+    pub in_flight: u64,
+    /// Their estimated tokens.
+    pub in_flight_tokens: u64,
+    /// Requests waiting, over all bands.
+    pub queued: usize,
+}
+
+/// Whether the pool can take another request now.
+///
+/// The controller asks before each dispatch and when a sheddable request arrives. Methods are
+/// called with the controller's lock held: they must be quick and must not call back into the
+/// controller. A signal fed by periodic metrics scrapes changes without any permit being
+/// released, so the gateway calls [`FlowController::notify`](super::FlowController::notify)
+/// after each scrape. A scraped signal stays "can dispatch" until the next scrape; combining it
+/// with a cap on `load.in_flight` keeps one scrape interval from releasing the whole queue.
+pub trait CapacitySignal: Send + Sync {
+    /// `true` while the pool is not saturated.
+    fn can_dispatch(&self, load: &FlowLoad) -> bool;
+
+    /// How saturated the pool is, in `0..=1`, for probabilistic shedding
+    /// ([`ShedCurve::Linear`](super::ShedCurve::Linear)). Defaults to 1 when
+    /// [`can_dispatch`](Self::can_dispatch) says no, 0 otherwise.
+    fn saturation(&self, load: &FlowLoad) -> f64 {
+        if self.can_dispatch(load) {
+            0.0
+        } else {
+            1.0
+        }
+    }
+}
+
+/// At most `limit` requests in flight through the controller; saturation is
+/// `in_flight / limit`. The limit can change at run time ([`MaxInFlight::set_limit`], then
+/// [`FlowController::notify`](super::FlowController::notify)).
+#[derive(Debug)]
+pub struct MaxInFlight {
+    limit: AtomicU64,
+}
+
+impl MaxInFlight {
+    /// At most `limit` in flight (0 dispatches nothing).
+    pub fn new(limit: u64) -> Self {
+        MaxInFlight {
+            limit: AtomicU64::new(limit),
+        }
+    }
+
+    /// The current limit.
+    pub fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Change the limit.
+    pub fn set_limit(&self, limit: u64) {
+        self.limit.store(limit, Ordering::Relaxed);
+    }
+}
+
+impl CapacitySignal for MaxInFlight {
+    fn can_dispatch(&self, load: &FlowLoad) -> bool {
+        load.in_flight < self.limit()
+    }
+
+    fn saturation(&self, load: &FlowLoad) -> f64 {
+        match self.limit() {
+            0 => 1.0,
+            limit => (load.in_flight as f64 / limit as f64).min(1.0),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_in_flight_counts_against_its_limit() {
+        let cap = MaxInFlight::new(2);
+        let load = |in_flight| FlowLoad {
+            in_flight,
+            ..FlowLoad::default()
+        };
+        assert!(cap.can_dispatch(&load(1)));
+        assert!(!cap.can_dispatch(&load(2)));
+        assert_eq!(cap.saturation(&load(1)), 0.5);
+        assert_eq!(cap.saturation(&load(5)), 1.0);
+        cap.set_limit(0);
+        assert!(!cap.can_dispatch(&load(0)));
+        assert_eq!(cap.saturation(&load(0)), 1.0);
+    }
+}

@@ -1,0 +1,951 @@
+//! The [`FlowController`]: admission, queueing, dispatch, permits and reconfiguration.
+
+use std::cmp::Reverse;
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::capacity::{CapacitySignal, FlowLoad};
+use super::config::{ConfigError, FlowConfig, TeamSpec};
+use super::metrics::{BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits};
+use super::queue::{BandQueue, Entry, Pick, Reply, TurnKind};
+use super::rate_limit::{LocalRateLimiter, RateCost, RateLimiter, RateLimits, RateStatus};
+use super::rejection::{QueueLimit, Rejection};
+
+/// A deadline for a TTL too long to represent: effectively never.
+const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// A request asking to be admitted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ticket {
+    /// The team the request's API key belongs to.
+    pub team: String,
+    /// The band the client asked for; `None` is the team's default band. Checked as in
+    /// [`FlowConfig::band_for`].
+    pub band: Option<String>,
+    /// Estimated input tokens + max output tokens: the cost for fairness and the tokens limit.
+    pub cost_tokens: u64,
+    /// Request body size, for `max_queued_bytes`.
+    pub bytes: u64,
+    /// The agent session this request belongs to, if known.
+    pub session: Option<String>,
+    /// Whether the request continues an earlier turn (it has a `previous_response_id`, a
+    /// conversation, or prior turns in its input).
+    pub continuing: bool,
+}
+
+impl Ticket {
+    /// A new-session request of `team` in its default band.
+    pub fn new(team: impl Into<String>, cost_tokens: u64) -> Self {
+        Ticket {
+            team: team.into(),
+            band: None,
+            cost_tokens,
+            bytes: 0,
+            session: None,
+            continuing: false,
+        }
+    }
+
+    /// Ask for `band`.
+    pub fn band(mut self, band: impl Into<String>) -> Self {
+        self.band = Some(band.into());
+        self
+    }
+
+    /// Set the body size.
+    pub fn bytes(mut self, bytes: u64) -> Self {
+        self.bytes = bytes;
+        self
+    }
+
+    /// Set the session.
+    pub fn session(mut self, session: impl Into<String>) -> Self {
+        self.session = Some(session.into());
+        self
+    }
+
+    /// Mark as continuing (or not).
+    pub fn continuing(mut self, continuing: bool) -> Self {
+        self.continuing = continuing;
+        self
+    }
+}
+
+/// A dispatched request's slot. Dropping it frees the slot and dispatches the next request.
+pub struct Permit {
+    inner: Arc<Inner>,
+    released: bool,
+    team: String,
+    band: String,
+    cost: u64,
+    session: Option<String>,
+    waited: Duration,
+    kind: TurnKind,
+    promoted: bool,
+    rate: Option<RateStatus>,
+    actual_tokens: Option<u64>,
+}
+
+impl Permit {
+    /// The team.
+    pub fn team(&self) -> &str {
+        &self.team
+    }
+
+    /// The band it was dispatched from.
+    pub fn band(&self) -> &str {
+        &self.band
+    }
+
+    /// How long it waited in the queue.
+    pub fn waited(&self) -> Duration {
+        self.waited
+    }
+
+    /// Whether it was queued as a continuing turn or a new session.
+    pub fn turn_kind(&self) -> TurnKind {
+        self.kind
+    }
+
+    /// Whether it was a new session sent ahead of a waiting continuing turn because it aged.
+    pub fn promoted(&self) -> bool {
+        self.promoted
+    }
+
+    /// The estimated tokens it was charged.
+    pub fn cost_tokens(&self) -> u64 {
+        self.cost
+    }
+
+    /// The team's rate-limit buckets after this request was charged (`None` when the team has
+    /// no limits), for the `x-ratelimit-*` response headers.
+    pub fn rate_status(&self) -> Option<&RateStatus> {
+        self.rate.as_ref()
+    }
+
+    /// Release the slot, recording the tokens the request actually used (input + output), so
+    /// fairness and the dispatched-tokens counters reflect real usage instead of the estimate.
+    pub fn finish(mut self, actual_tokens: u64) {
+        self.actual_tokens = Some(actual_tokens);
+    }
+
+    /// Undo this permit's accounting. Marks it released so `Drop` does nothing more.
+    fn release_locked(&mut self, state: &mut State, now: Instant) {
+        if std::mem::replace(&mut self.released, true) {
+            return;
+        }
+        state.in_flight = state.in_flight.saturating_sub(1);
+        state.in_flight_tokens = state.in_flight_tokens.saturating_sub(self.cost);
+        if let Some(team) = state.teams.get_mut(&self.team) {
+            team.in_flight = team.in_flight.saturating_sub(1);
+            if let Some(actual) = self.actual_tokens {
+                team.dispatched_tokens = team
+                    .dispatched_tokens
+                    .saturating_sub(self.cost)
+                    .saturating_add(actual);
+            }
+        }
+        if let Some(actual) = self.actual_tokens {
+            let weight = state.team_spec(&self.team).map(|t| t.weight);
+            let band = state.band_index.get(&self.band).copied();
+            if let (Some(weight), Some(band)) = (weight, band) {
+                let delta = actual as f64 - self.cost as f64;
+                state.bands[band].recharge(&self.team, delta, weight);
+            }
+        }
+        if let Some(session) = &self.session {
+            state.sessions.released(session, now);
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        let inner = Arc::clone(&self.inner);
+        let mut out = VecDeque::new();
+        {
+            let mut state = inner.lock();
+            self.release_locked(&mut state, Instant::now());
+            state.pump(&inner, &mut out);
+        }
+        deliver(&inner, out);
+    }
+}
+
+impl fmt::Debug for Permit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit")
+            .field("team", &self.team)
+            .field("band", &self.band)
+            .field("cost", &self.cost)
+            .field("waited", &self.waited)
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Multi-team flow control: admits requests into priority bands and dispatches them as
+/// capacity allows (see the [module doc](super) for the policy). Cheap to clone; all clones
+/// share one queue.
+#[derive(Clone)]
+pub struct FlowController {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for FlowController {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FlowController").finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    state: Mutex<State>,
+    capacity: Arc<dyn CapacitySignal>,
+    limiter: Arc<dyn RateLimiter>,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+type Delivery = (Reply, Result<Permit, Rejection>);
+
+/// Send answers outside the lock. An answer whose client is gone comes back: a permit is
+/// released at once and the next request dispatched in its place (no recursion).
+fn deliver(inner: &Arc<Inner>, mut out: VecDeque<Delivery>) {
+    while let Some((reply, result)) = out.pop_front() {
+        if let Err(Ok(mut permit)) = reply.send(result) {
+            let mut state = inner.lock();
+            permit.release_locked(&mut state, Instant::now());
+            state.pump(inner, &mut out);
+        }
+    }
+}
+
+/// Removes a still-queued request when its `admit` future is dropped (client gone).
+struct QueuedGuard {
+    inner: Arc<Inner>,
+    id: Option<u64>,
+}
+
+impl Drop for QueuedGuard {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            let _ = self.inner.lock().remove_queued(id, Outcome::Cancelled);
+        }
+    }
+}
+
+impl FlowController {
+    /// A controller with rate limits kept in this process ([`LocalRateLimiter`]).
+    pub fn new(config: FlowConfig, capacity: Arc<dyn CapacitySignal>) -> Result<Self, ConfigError> {
+        Self::with_rate_limiter(config, capacity, Arc::new(LocalRateLimiter::new()))
+    }
+
+    /// A controller whose rate limits live in `limiter` (e.g. shared through Redis).
+    pub fn with_rate_limiter(
+        config: FlowConfig,
+        capacity: Arc<dyn CapacitySignal>,
+        limiter: Arc<dyn RateLimiter>,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let mut state = State {
+            config: FlowConfig::new(Vec::new(), Vec::new()),
+            bands: Vec::new(),
+            band_index: HashMap::new(),
+            team_index: HashMap::new(),
+            teams: HashMap::new(),
+            entries: HashMap::new(),
+            next_id: 0,
+            in_flight: 0,
+            in_flight_tokens: 0,
+            sessions: SessionTracker::default(),
+            turns: TurnWaits::default(),
+        };
+        state.install(config);
+        Ok(FlowController {
+            inner: Arc::new(Inner {
+                state: Mutex::new(state),
+                capacity,
+                limiter,
+            }),
+        })
+    }
+
+    /// Admit `ticket`: check its band, shed it if its band is sheddable and the pool is
+    /// saturated, charge its team's rate limits, then queue it until it is dispatched (the
+    /// returned [`Permit`]) or its band's TTL passes ([`Rejection::Timeout`], at the TTL).
+    /// Dropping the future takes the request out of the queue. Runs on a Tokio runtime with
+    /// the time driver enabled (the TTL is a Tokio timer).
+    pub async fn admit(&self, ticket: Ticket) -> Result<Permit, Rejection> {
+        let inner = &self.inner;
+        let limits = {
+            let mut state = inner.lock();
+            let band = state
+                .config
+                .band_for(&ticket.team, ticket.band.as_deref())?;
+            let (band_name, sheddable) = (band.name.clone(), band.sheddable);
+            let limits = state
+                .team_spec(&ticket.team)
+                .map(|t| RateLimits {
+                    rpm: t.rpm,
+                    tpm: t.tpm,
+                })
+                .unwrap_or_default();
+            if sheddable && state.should_shed(&*inner.capacity) {
+                return Err(state.count_shed(&ticket.team, &band_name));
+            }
+            limits
+        };
+        let rate = if limits.is_unlimited() {
+            None
+        } else {
+            let cost = RateCost {
+                requests: 1,
+                tokens: ticket.cost_tokens,
+            };
+            match inner.limiter.check(&ticket.team, limits, cost).await {
+                Ok(status) => Some(status),
+                Err(limited) => {
+                    if let Some(team) = inner.lock().teams.get_mut(&ticket.team) {
+                        team.rate_limited += 1;
+                    }
+                    return Err(Rejection::RateLimited(limited));
+                }
+            }
+        };
+        let (reply, mut answer) = oneshot::channel();
+        let mut out = VecDeque::new();
+        let queued = inner.lock().enqueue(inner, ticket, rate, reply, &mut out);
+        deliver(inner, out);
+        let Queued {
+            id,
+            band,
+            enqueued_at,
+            deadline,
+        } = queued?;
+        let mut guard = QueuedGuard {
+            inner: Arc::clone(inner),
+            id: Some(id),
+        };
+        let timed_out = match tokio::time::timeout_at(deadline, &mut answer).await {
+            Ok(result) => {
+                guard.id = None;
+                return flatten(result, band, enqueued_at);
+            }
+            Err(_elapsed) => {
+                guard.id = None;
+                inner.lock().remove_queued(id, Outcome::TimedOut)
+            }
+        };
+        match timed_out {
+            Some(rejection) => Err(rejection),
+            // Dispatched at the deadline: the permit is on its way.
+            None => flatten(answer.await, band, enqueued_at),
+        }
+    }
+
+    /// The band a request of `team` asking for `requested` runs in
+    /// ([`FlowConfig::band_for`]).
+    pub fn band_for(&self, team: &str, requested: Option<&str>) -> Result<String, Rejection> {
+        let state = self.inner.lock();
+        state
+            .config
+            .band_for(team, requested)
+            .map(|b| b.name.clone())
+    }
+
+    /// The band background responses of `team` run in by default: its lowest.
+    pub fn background_band(&self, team: &str) -> Option<String> {
+        let state = self.inner.lock();
+        state.config.background_band(team).map(|b| b.name.clone())
+    }
+
+    /// Dispatch whatever capacity allows now: call after the [`CapacitySignal`] may have
+    /// changed without a permit being released (after each metrics scrape).
+    pub fn notify(&self) {
+        let mut out = VecDeque::new();
+        self.inner.lock().pump(&self.inner, &mut out);
+        deliver(&self.inner, out);
+    }
+
+    /// Switch to `config`, keeping queued requests: each stays in its band if its team may
+    /// still use it, else moves to its team's default band (arrival order and deadline kept);
+    /// requests of removed teams are refused with [`Rejection::TeamRemoved`]. An invalid
+    /// config changes nothing.
+    pub fn reconfigure(&self, config: FlowConfig) -> Result<(), ConfigError> {
+        config.validate()?;
+        let mut out = VecDeque::new();
+        {
+            let mut state = self.inner.lock();
+            state.install(config);
+            state.requeue(&mut out);
+            state.pump(&self.inner, &mut out);
+        }
+        deliver(&self.inner, out);
+        Ok(())
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> FlowConfig {
+        self.inner.lock().config.clone()
+    }
+
+    /// Counters, queue depths and wait histograms now.
+    pub fn snapshot(&self) -> FlowSnapshot {
+        self.inner.lock().snapshot()
+    }
+}
+
+/// A request just queued by [`State::enqueue`].
+struct Queued {
+    id: u64,
+    band: String,
+    enqueued_at: Instant,
+    deadline: Instant,
+}
+
+fn flatten(
+    answer: Result<Result<Permit, Rejection>, oneshot::error::RecvError>,
+    band: String,
+    enqueued_at: Instant,
+) -> Result<Permit, Rejection> {
+    // The sender is only dropped unanswered by this request's own removal, so a closed channel
+    // cannot be observed here; answer it as a timeout rather than panic.
+    answer.unwrap_or_else(|_| {
+        Err(Rejection::Timeout {
+            band,
+            waited: enqueued_at.elapsed(),
+            retry_after: Duration::from_secs(1),
+        })
+    })
+}
+
+/// Why a request leaves the queue without being dispatched.
+enum Outcome {
+    Cancelled,
+    TimedOut,
+    QueueFull(QueueLimit),
+}
+
+/// Per-team counters and live counts.
+#[derive(Debug, Default)]
+struct TeamState {
+    in_flight: u64,
+    queued: usize,
+    dispatched_requests: u64,
+    dispatched_tokens: u64,
+    shed: u64,
+    rate_limited: u64,
+    queue_full: u64,
+    timed_out: u64,
+    cancelled: u64,
+}
+
+/// Recently active sessions, for turn-first ordering.
+#[derive(Debug)]
+struct SessionTracker {
+    sessions: HashMap<String, Activity>,
+    prune_at: usize,
+}
+
+#[derive(Debug)]
+struct Activity {
+    in_flight: u32,
+    last: Instant,
+}
+
+impl Default for SessionTracker {
+    fn default() -> Self {
+        SessionTracker {
+            sessions: HashMap::new(),
+            prune_at: 1024,
+        }
+    }
+}
+
+impl SessionTracker {
+    /// `Some(active)` for a session seen here, `None` for one never seen (or forgotten).
+    fn active(&self, session: &str, now: Instant, window: Duration) -> Option<bool> {
+        self.sessions
+            .get(session)
+            .map(|a| a.in_flight > 0 || now.saturating_duration_since(a.last) <= window)
+    }
+
+    fn dispatched(&mut self, session: &str, now: Instant, window: Duration) {
+        if self.sessions.len() >= self.prune_at {
+            self.sessions
+                .retain(|_, a| a.in_flight > 0 || now.saturating_duration_since(a.last) <= window);
+            self.prune_at = (self.sessions.len() * 2).max(1024);
+        }
+        let activity = self
+            .sessions
+            .entry(session.to_string())
+            .or_insert(Activity {
+                in_flight: 0,
+                last: now,
+            });
+        activity.in_flight += 1;
+        activity.last = now;
+    }
+
+    fn released(&mut self, session: &str, now: Instant) {
+        if let Some(activity) = self.sessions.get_mut(session) {
+            activity.in_flight = activity.in_flight.saturating_sub(1);
+            activity.last = now;
+        }
+    }
+}
+
+struct State {
+    config: FlowConfig,
+    /// Highest priority first.
+    bands: Vec<BandQueue>,
+    band_index: HashMap<String, usize>,
+    team_index: HashMap<String, usize>,
+    teams: HashMap<String, TeamState>,
+    entries: HashMap<u64, Entry>,
+    next_id: u64,
+    in_flight: u64,
+    in_flight_tokens: u64,
+    sessions: SessionTracker,
+    turns: TurnWaits,
+}
+
+impl State {
+    fn team_spec(&self, team: &str) -> Option<&TeamSpec> {
+        self.team_index.get(team).map(|&i| &self.config.teams[i])
+    }
+
+    fn load(&self) -> FlowLoad {
+        FlowLoad {
+            in_flight: self.in_flight,
+            in_flight_tokens: self.in_flight_tokens,
+            queued: self.entries.len(),
+        }
+    }
+
+    /// Install a validated config: band queues reused by name (virtual times, counters), new
+    /// ones created, removed ones dropped. Queued entries are not placed: see
+    /// [`requeue`](Self::requeue).
+    fn install(&mut self, config: FlowConfig) {
+        let mut old: HashMap<String, BandQueue> = self
+            .bands
+            .drain(..)
+            .map(|band| (band.spec.name.clone(), band))
+            .collect();
+        let mut specs = config.bands.clone();
+        specs.sort_by_key(|b| Reverse(b.priority));
+        self.bands = specs
+            .into_iter()
+            .map(|spec| match old.remove(&spec.name) {
+                Some(mut band) => {
+                    band.spec = spec;
+                    band.clear();
+                    band
+                }
+                None => BandQueue::new(spec),
+            })
+            .collect();
+        self.band_index = self
+            .bands
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.spec.name.clone(), i))
+            .collect();
+        self.team_index = config
+            .teams
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        for band in &mut self.bands {
+            band.flows
+                .retain(|team, _| self.team_index.contains_key(team));
+        }
+        for team in &config.teams {
+            self.teams.entry(team.name.clone()).or_default();
+        }
+        self.teams
+            .retain(|name, t| self.team_index.contains_key(name) || t.in_flight > 0);
+        self.config = config;
+    }
+
+    /// Place every queued entry again, in arrival order, after [`install`](Self::install).
+    fn requeue(&mut self, out: &mut VecDeque<Delivery>) {
+        let mut ids: Vec<u64> = self.entries.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            let Some(entry) = self.entries.get_mut(&id) else {
+                continue;
+            };
+            let Some(&team_at) = self.team_index.get(&entry.team) else {
+                if let Some(entry) = self.entries.remove(&id) {
+                    let rejection = Rejection::TeamRemoved {
+                        team: entry.team.clone(),
+                    };
+                    out.push_back((entry.reply, Err(rejection)));
+                }
+                continue;
+            };
+            if self
+                .config
+                .band_for(&entry.team, Some(&entry.band))
+                .is_err()
+            {
+                entry.band = self.config.teams[team_at].default_band.clone();
+            }
+            let Some(&band) = self.band_index.get(&entry.band) else {
+                continue;
+            };
+            self.bands[band].push(id, &entry.team, entry.kind, entry.bytes);
+        }
+        for team in self.teams.values_mut() {
+            team.queued = 0;
+        }
+        for entry in self.entries.values() {
+            if let Some(team) = self.teams.get_mut(&entry.team) {
+                team.queued += 1;
+            }
+        }
+    }
+
+    fn should_shed(&self, capacity: &dyn CapacitySignal) -> bool {
+        let load = self.load();
+        if capacity.can_dispatch(&load) {
+            return false;
+        }
+        let p = self
+            .config
+            .shed_curve
+            .probability(capacity.saturation(&load));
+        p >= 1.0 || (p > 0.0 && fastrand::f64() < p)
+    }
+
+    fn count_shed(&mut self, team: &str, band: &str) -> Rejection {
+        if let Some(&b) = self.band_index.get(band) {
+            self.bands[b].counters.shed += 1;
+        }
+        if let Some(t) = self.teams.get_mut(team) {
+            t.shed += 1;
+        }
+        Rejection::Shed {
+            band: band.to_string(),
+            retry_after: self.config.retry_after,
+        }
+    }
+
+    fn turn_kind(&self, ticket: &Ticket, now: Instant) -> TurnKind {
+        let active = ticket
+            .session
+            .as_deref()
+            .and_then(|s| self.sessions.active(s, now, self.config.turn_window));
+        match active {
+            Some(true) => TurnKind::Continuing,
+            Some(false) => TurnKind::New,
+            None if ticket.continuing => TurnKind::Continuing,
+            None => TurnKind::New,
+        }
+    }
+
+    /// Queue `ticket`, dispatch what can be, and refuse it if it is still queued over its
+    /// band's caps.
+    fn enqueue(
+        &mut self,
+        inner: &Arc<Inner>,
+        ticket: Ticket,
+        rate: Option<RateStatus>,
+        reply: Reply,
+        out: &mut VecDeque<Delivery>,
+    ) -> Result<Queued, Rejection> {
+        // Resolved again: the config may have been reloaded while the rate limit was checked.
+        let band = self.config.band_for(&ticket.team, ticket.band.as_deref())?;
+        let (band_name, ttl) = (band.name.clone(), band.queue_ttl);
+        let Some(&b) = self.band_index.get(&band_name) else {
+            return Err(Rejection::UnknownBand { band: band_name });
+        };
+        let now = Instant::now();
+        let deadline = now.checked_add(ttl).unwrap_or_else(|| now + FAR_FUTURE);
+        let kind = self.turn_kind(&ticket, now);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.bands[b].push(id, &ticket.team, kind, ticket.bytes);
+        if let Some(team) = self.teams.get_mut(&ticket.team) {
+            team.queued += 1;
+        }
+        self.entries.insert(
+            id,
+            Entry {
+                team: ticket.team,
+                band: band_name.clone(),
+                cost: ticket.cost_tokens,
+                bytes: ticket.bytes,
+                session: ticket.session,
+                kind,
+                enqueued_at: now,
+                rate,
+                reply,
+            },
+        );
+        self.pump(inner, out);
+        if self.entries.contains_key(&id) {
+            let band = &self.bands[b];
+            let over = if band.queued > band.spec.max_queued {
+                Some(QueueLimit::Requests)
+            } else if band.queued_bytes > band.spec.max_queued_bytes {
+                Some(QueueLimit::Bytes)
+            } else {
+                None
+            };
+            if let Some(limit) = over {
+                if let Some(rejection) = self.remove_queued(id, Outcome::QueueFull(limit)) {
+                    return Err(rejection);
+                }
+            }
+        }
+        Ok(Queued {
+            id,
+            band: band_name,
+            enqueued_at: now,
+            deadline,
+        })
+    }
+
+    /// Take a queued entry out without dispatching it; `None` if it is no longer queued
+    /// (dispatched, or already removed).
+    fn remove_queued(&mut self, id: u64, outcome: Outcome) -> Option<Rejection> {
+        let entry = self.entries.remove(&id)?;
+        let mut band = None;
+        if let Some(&b) = self.band_index.get(&entry.band) {
+            let queue = &mut self.bands[b];
+            queue.remove(id, &entry.team, entry.kind, entry.bytes);
+            band = Some(&mut queue.counters);
+        }
+        let mut team = self.teams.get_mut(&entry.team);
+        if let Some(t) = team.as_deref_mut() {
+            t.queued = t.queued.saturating_sub(1);
+        }
+        let bump = |counter: Option<&mut u64>| {
+            if let Some(c) = counter {
+                *c += 1;
+            }
+        };
+        let retry_after = self.config.retry_after;
+        match outcome {
+            Outcome::Cancelled => {
+                bump(band.map(|c| &mut c.cancelled));
+                bump(team.map(|t| &mut t.cancelled));
+                None
+            }
+            Outcome::TimedOut => {
+                bump(band.map(|c| &mut c.timed_out));
+                bump(team.map(|t| &mut t.timed_out));
+                Some(Rejection::Timeout {
+                    band: entry.band,
+                    waited: entry.enqueued_at.elapsed(),
+                    retry_after,
+                })
+            }
+            Outcome::QueueFull(limit) => {
+                bump(band.map(|c| &mut c.queue_full));
+                bump(team.map(|t| &mut t.queue_full));
+                Some(Rejection::QueueFull {
+                    band: entry.band,
+                    limit,
+                    retry_after,
+                })
+            }
+        }
+    }
+
+    /// Dispatch while the capacity signal allows: the highest band with an eligible team
+    /// first, then fair queuing and turn order within it.
+    fn pump(&mut self, inner: &Arc<Inner>, out: &mut VecDeque<Delivery>) {
+        let now = Instant::now();
+        while !self.entries.is_empty() && inner.capacity.can_dispatch(&self.load()) {
+            let Some((b, pick)) = self.pick(now) else {
+                break;
+            };
+            if let Some(delivery) = self.dispatch(inner, b, &pick, now) {
+                out.push_back(delivery);
+            }
+        }
+    }
+
+    fn pick(&self, now: Instant) -> Option<(usize, Pick)> {
+        let eligible = |team: &str| {
+            let limit = self.team_spec(team).map(|t| t.max_concurrent);
+            let in_flight = self.teams.get(team).map_or(0, |t| t.in_flight);
+            match limit {
+                Some(Some(max)) => in_flight < u64::from(max),
+                Some(None) => true,
+                None => false,
+            }
+        };
+        let enqueued_at = |id: u64| self.entries.get(&id).map(|e| e.enqueued_at);
+        self.bands.iter().enumerate().find_map(|(b, band)| {
+            if band.queued == 0 {
+                return None;
+            }
+            band.pick(enqueued_at, eligible, now, self.config.aging)
+                .map(|pick| (b, pick))
+        })
+    }
+
+    fn dispatch(
+        &mut self,
+        inner: &Arc<Inner>,
+        b: usize,
+        pick: &Pick,
+        now: Instant,
+    ) -> Option<Delivery> {
+        let weight = self.team_spec(&pick.team).map_or(1.0, |t| t.weight);
+        let (cost, bytes) = match self.entries.get(&pick.id) {
+            Some(entry) => (entry.cost, entry.bytes),
+            None => (0, 0),
+        };
+        let taken = self.bands[b].take(pick, cost, weight, bytes);
+        let entry = self.entries.remove(&pick.id);
+        let (true, Some(entry)) = (taken, entry) else {
+            // Inconsistent queue (cannot happen): drop the stale id and carry on.
+            return None;
+        };
+        let waited = now.saturating_duration_since(entry.enqueued_at);
+        let band = &mut self.bands[b];
+        band.counters.dispatched += 1;
+        band.counters.wait.observe(waited);
+        if let Some(team) = self.teams.get_mut(&entry.team) {
+            team.in_flight += 1;
+            team.queued = team.queued.saturating_sub(1);
+            team.dispatched_requests += 1;
+            team.dispatched_tokens = team.dispatched_tokens.saturating_add(entry.cost);
+        }
+        self.in_flight += 1;
+        self.in_flight_tokens = self.in_flight_tokens.saturating_add(entry.cost);
+        match entry.kind {
+            TurnKind::Continuing => self.turns.continuing.observe(waited),
+            TurnKind::New => self.turns.new.observe(waited),
+        }
+        if pick.promoted {
+            self.turns.promoted += 1;
+        }
+        if let Some(session) = &entry.session {
+            self.sessions
+                .dispatched(session, now, self.config.turn_window);
+        }
+        let permit = Permit {
+            inner: Arc::clone(inner),
+            released: false,
+            team: entry.team,
+            band: band.spec.name.clone(),
+            cost: entry.cost,
+            session: entry.session,
+            waited,
+            kind: entry.kind,
+            promoted: pick.promoted,
+            rate: entry.rate,
+            actual_tokens: None,
+        };
+        Some((entry.reply, Ok(permit)))
+    }
+
+    fn snapshot(&self) -> FlowSnapshot {
+        let bands = self
+            .bands
+            .iter()
+            .map(|band| BandSnapshot {
+                name: band.spec.name.clone(),
+                priority: band.spec.priority,
+                queued: band.queued,
+                queued_bytes: band.queued_bytes,
+                dispatched: band.counters.dispatched,
+                shed: band.counters.shed,
+                queue_full: band.counters.queue_full,
+                timed_out: band.counters.timed_out,
+                cancelled: band.counters.cancelled,
+                wait: band.counters.wait.clone(),
+            })
+            .collect();
+        let teams = self
+            .config
+            .teams
+            .iter()
+            .map(|spec| {
+                let t = self.teams.get(&spec.name);
+                let get = |f: fn(&TeamState) -> u64| t.map_or(0, f);
+                TeamSnapshot {
+                    name: spec.name.clone(),
+                    queued: t.map_or(0, |t| t.queued),
+                    in_flight: get(|t| t.in_flight),
+                    dispatched_requests: get(|t| t.dispatched_requests),
+                    dispatched_tokens: get(|t| t.dispatched_tokens),
+                    shed: get(|t| t.shed),
+                    rate_limited: get(|t| t.rate_limited),
+                    queue_full: get(|t| t.queue_full),
+                    timed_out: get(|t| t.timed_out),
+                    cancelled: get(|t| t.cancelled),
+                }
+            })
+            .collect();
+        FlowSnapshot {
+            in_flight: self.in_flight,
+            in_flight_tokens: self.in_flight_tokens,
+            bands,
+            teams,
+            turns: self.turns.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flow::{BandSpec, MaxInFlight};
+
+    /// A client can leave between its request's dispatch and the delivery of its permit (the
+    /// permit is sent after the lock is released). The returned permit must free its slot and
+    /// pass it on.
+    #[tokio::test(start_paused = true)]
+    async fn a_permit_nobody_receives_is_passed_on() {
+        let config = FlowConfig::new(vec![BandSpec::new("b", 0)], vec![TeamSpec::new("t", "b")]);
+        let capacity = Arc::new(MaxInFlight::new(0));
+        let flow = FlowController::new(config, capacity.clone()).unwrap();
+        for _ in 0..2 {
+            let (reply, answer) = oneshot::channel();
+            drop(answer);
+            let mut out = VecDeque::new();
+            let queued =
+                flow.inner
+                    .lock()
+                    .enqueue(&flow.inner, Ticket::new("t", 5), None, reply, &mut out);
+            assert!(queued.is_ok() && out.is_empty());
+        }
+        let live = tokio::spawn({
+            let flow = flow.clone();
+            async move { flow.admit(Ticket::new("t", 7)).await }
+        });
+        while flow.snapshot().queued() < 3 {
+            tokio::task::yield_now().await;
+        }
+        capacity.set_limit(1);
+        flow.notify();
+        let permit = live.await.unwrap().unwrap();
+        assert_eq!(permit.cost_tokens(), 7);
+        let snapshot = flow.snapshot();
+        assert_eq!((snapshot.in_flight, snapshot.in_flight_tokens), (1, 7));
+        assert_eq!(snapshot.queued(), 0);
+        assert_eq!(snapshot.team("t").unwrap().dispatched_requests, 3);
+        drop(permit);
+        assert_eq!(flow.snapshot().in_flight, 0);
+    }
+}

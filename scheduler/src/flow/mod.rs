@@ -1,0 +1,118 @@
+//! Multi-team flow control: who waits, and in which order, when the fleet is full.
+//!
+//! The operator writes the policy down ([`FlowConfig`]): priority bands ([`BandSpec`]) and
+//! teams ([`TeamSpec`]) with a default band, the bands they may use, a weight and limits. The
+//! gateway maps the API key to a team, asks [`FlowController::admit`] before routing, and holds
+//! the returned [`Permit`] until the response ends.
+//!
+//! # Admission
+//!
+//! [`FlowController::admit`] takes a [`Ticket`] through these steps, in order:
+//!
+//! 1. **Band.** The requested band (or the team's default) is checked by
+//!    [`FlowConfig::band_for`]: a team may ask for a lower band than its default among its
+//!    allowed bands, never a higher one ([`Rejection::BandNotAllowed`]). Background responses
+//!    use [`FlowConfig::background_band`], the team's lowest.
+//! 2. **Shedding.** If the band is `sheddable` and the [`CapacitySignal`] says the pool cannot
+//!    take work, the request is refused at once ([`Rejection::Shed`]) with probability
+//!    `p(saturation)` from the [`ShedCurve`] (default: always). While the pool can take work,
+//!    nothing is shed. Shedding comes before rate limiting so a retry storm during saturation
+//!    neither spends the team's budget nor loads a shared store.
+//! 3. **Rate limits.** The team's requests- and tokens-per-minute buckets are charged through
+//!    the [`RateLimiter`] ([`Rejection::RateLimited`]); see [`rate_limit`] for the GCRA.
+//! 4. **Queue.** The request joins its band's queue and dispatch runs at once, so an idle pool
+//!    admits without waiting. If it is still queued and the band holds more than
+//!    `max_queued` requests or `max_queued_bytes` bytes, it is refused
+//!    ([`Rejection::QueueFull`]); a band with `max_queued = 0` dispatches or refuses.
+//! 5. **Wait.** The future resolves with a [`Permit`] when the request is dispatched, or with
+//!    [`Rejection::Timeout`] when its band's `queue_ttl` passes. The TTL is a timer in the
+//!    future itself, so the answer comes at the TTL, not at the next dispatch. Dropping the
+//!    future (client gone) takes the request out of the queue.
+//!
+//! # Dispatch
+//!
+//! Dispatch runs whenever a request arrives, a permit is released, the configuration changes
+//! or the gateway calls [`FlowController::notify`] (after a metrics scrape), and dispatches
+//! while [`CapacitySignal::can_dispatch`] says yes:
+//!
+//! - **Between bands, strict priority.** The highest-priority band with a dispatchable request
+//!   goes first. A request is dispatchable unless its team is at `max_concurrent` (counted
+//!   over all bands); a band whose waiting teams are all at their cap does not hold back lower
+//!   bands. A lower band can wait as long as higher bands stay backlogged: its TTL bounds that
+//!   wait.
+//! - **Within a band, weighted fair queuing across teams**, start-time fair queuing over
+//!   tokens. Each band keeps a virtual time `V`; each team `i` in it a tag `F_i`; a request's
+//!   cost `c` is its estimated tokens (input + max output), `w_i` the team's weight:
+//!
+//!   ```text
+//!   a request arrives and team i had none queued:  F_i = max(F_i, V)
+//!   next team:        the team with queued requests and the smallest F_i (ties: earliest arrival)
+//!   dispatch cost c:  S = F_i;  V = max(V, S);  F_i = S + c / w_i
+//!   Permit::finish(a): F_i = F_i + (a - c) / w_i      (actual tokens replace the estimate)
+//!   ```
+//!
+//!   While teams `i` and `j` both stay backlogged, `|T_i / w_i - T_j / w_j|` (tokens dispatched
+//!   since) stays below `c_max,i / w_i + c_max,j / w_j`: dispatched tokens split by weight,
+//!   whatever each team offers, and a team that sends ten times more only queues more. A team
+//!   that was idle starts at `V` (no saved-up credit).
+//! - **Within a team, turn-first with aging.** At arrival a request is a *continuing* turn or
+//!   a *new* session ([`TurnKind`]): if the controller has seen its session, it is continuing
+//!   iff that session had a request in flight within `turn_window` (in flight now, or finished
+//!   at most `turn_window` ago: its KV cache is likely warm); a session never seen here (first
+//!   turn, another replica served it, restart) or no session at all falls back to
+//!   [`Ticket::continuing`]. The team's next request is its oldest continuing turn, unless its
+//!   oldest new session has waited at least `aging` and arrived earlier: then that one goes
+//!   (counted as promoted). Aged requests are thus ordered by arrival with continuing turns,
+//!   and none waits behind an endless stream of them. `aging = 0` gives plain arrival order.
+//!   The team's fair-queuing tag does not depend on which of its requests goes, so this order
+//!   never changes the team's share.
+//!
+//! # Permits, cancellation, leaks
+//!
+//! A queued request holds a oneshot sender; its `admit` future holds the receiver and a guard
+//! that removes the request from the queue when the future is dropped. Answers are sent after
+//! the controller's lock is released; a permit whose receiver is already gone comes back and is
+//! released at once, dispatching the next request in its place. Dropping a [`Permit`] (or
+//! [`Permit::finish`]) frees its slot and its team's `max_concurrent` slot and dispatches. No
+//! path keeps a slot without a live permit.
+//!
+//! # Reconfiguration
+//!
+//! [`FlowController::reconfigure`] validates the new configuration and swaps it in under the
+//! lock, keeping every queued request in arrival order and with the deadline it was admitted
+//! with. A request stays in its band if its team may still use it and otherwise moves to the
+//! team's default band; requests of removed teams are answered with
+//! [`Rejection::TeamRemoved`]. Virtual times and counters of bands kept by name survive.
+//! Queue caps apply to new arrivals only, so moved requests are never dropped for them.
+//!
+//! # Metrics
+//!
+//! [`FlowController::snapshot`] returns, per band, the queue depth and bytes, dispatched,
+//! shed, queue-full, timed-out and cancelled counters and a wait-time histogram
+//! ([`WAIT_BUCKETS_SECONDS`]); per team, queued, in flight, dispatched requests and tokens,
+//! shed, rate-limited, queue-full, timed-out and cancelled; and wait histograms of continuing
+//! turns and new sessions.
+
+mod capacity;
+mod config;
+mod controller;
+mod metrics;
+mod queue;
+pub mod rate_limit;
+mod rejection;
+
+pub use capacity::{CapacitySignal, FlowLoad, MaxInFlight};
+pub use config::{BandSpec, ConfigError, FlowConfig, ShedCurve, TeamSpec};
+pub use controller::{FlowController, Permit, Ticket};
+pub use metrics::{
+    BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits, WaitHistogram, WAIT_BUCKETS_SECONDS,
+};
+pub use queue::TurnKind;
+pub use rate_limit::{
+    LocalRateLimiter, Quota, RateCheck, RateCost, RateKind, RateLimited, RateLimiter, RateLimits,
+    RateStatus,
+};
+pub use rejection::{QueueLimit, Rejection};
+
+#[cfg(test)]
+mod tests;
