@@ -91,6 +91,26 @@ pub struct Saturation {
     pub staleness: Option<Duration>,
 }
 
+impl Saturation {
+    /// Whether an endpoint whose latest load report is `report` counts as saturated at `now`:
+    /// metrics are expected (`staleness` set) and the report is missing or older than
+    /// `staleness`, or the engine's queue is at `max_waiting`, or its KV cache is at
+    /// `max_kv_usage` with requests waiting.
+    pub fn saturated(&self, report: Option<&LoadReport>, now: Instant) -> bool {
+        if let Some(staleness) = self.staleness {
+            match report {
+                None => return true,
+                Some(r) if now.saturating_duration_since(r.at) > staleness => return true,
+                _ => {}
+            }
+        }
+        report.is_some_and(|r| {
+            r.waiting >= self.max_waiting
+                || (r.waiting > 0.0 && r.kv_usage.is_some_and(|u| u >= self.max_kv_usage))
+        })
+    }
+}
+
 impl Default for Saturation {
     fn default() -> Self {
         Saturation {
@@ -210,20 +230,10 @@ impl Endpoint {
     }
 
     /// Saturated: metrics are expected and stale (or missing), or the engine's queue is at
-    /// `max_waiting`, or its KV cache is at `max_kv_usage` with requests waiting.
+    /// `max_waiting`, or its KV cache is at `max_kv_usage` with requests waiting (see
+    /// [`Saturation::saturated`]).
     pub fn saturated(&self, limits: &Saturation, now: Instant) -> bool {
-        let report = self.load_report();
-        if let Some(staleness) = limits.staleness {
-            match report {
-                None => return true,
-                Some(r) if now.saturating_duration_since(r.at) > staleness => return true,
-                _ => {}
-            }
-        }
-        report.is_some_and(|r| {
-            r.waiting >= limits.max_waiting
-                || (r.waiting > 0.0 && r.kv_usage.is_some_and(|u| u >= limits.max_kv_usage))
-        })
+        limits.saturated(self.load_report().as_ref(), now)
     }
 
     /// Count a request as in flight until the returned guard drops; `uncached_tokens` of its

@@ -1,41 +1,67 @@
-//! agentgate's scheduler: which endpoint serves a request (and, later, when it is admitted).
+//! agentgate's scheduler: when a request is admitted and which endpoint serves it.
 //!
-//! - [`flow`]: multi-team flow control, the [`FlowController`]: priority bands, weighted fair
-//!   queuing across teams over tokens, turn-first order within a team, shedding, queue TTLs
-//!   and per-team rate limits (formulas in its module doc);
-//! - [`endpoint`]: one engine replica and the gateway's own live view of its load (in-flight
-//!   requests and prompt tokens, counted by RAII guards, fresher than any metrics scrape);
-//! - [`picker`]: the [`Picker`] trait and the baseline policies, [`RoundRobin`] and
-//!   [`LeastLoaded`];
+//! Admission is [`flow`] control: the [`FlowController`] orders waiting work by priority
+//! band, fairly across teams within a band (weighted fair queuing over tokens), continuing
+//! turns before new sessions within a team, and sheds, times out or rate-limits what cannot be
+//! served (formulas in its module doc).
+//!
+//! Picking is a pipeline, as in llm-d's router: **filters** narrow the pool to the endpoints
+//! that may take the request, weighted **scorers** rate each one in [0, 1], and the highest
+//! total wins, random among ties. The pick says why ([`Reason`]: `pin`, `prefix`, `load`), how
+//! much of the prompt the engine will probably have to prefill, and what became of the
+//! session's pin ([`PinOutcome`]).
+//!
+//! - [`endpoint`]: one engine replica and the gateway's live view of it: health, the last
+//!   scraped load report, and its own exact counts of in-flight requests, prompt tokens and
+//!   pending prefill tokens (RAII guards); [`Saturation`] limits;
+//! - [`picker`]: the [`Picker`] trait, [`PickRequest`] and [`Pick`], and the baselines
+//!   [`RoundRobin`] and [`LeastLoaded`];
+//! - [`filter`]: the [`Filter`] trait and the filters (available, not excluded, role,
+//!   prefer unsaturated);
+//! - [`scorer`]: the [`Scorer`] trait and the scorers `session_pin`, `prefix` (with the
+//!   anti-herding gate), `queue`, `kv_usage`, `in_flight_tokens`, with their formulas;
+//! - [`pin`]: sticky until saturated: when a session's pin breaks, in tokens of prefill work
+//!   (wait on the pinned endpoint against the cost of recomputing the prefix elsewhere);
+//! - [`pipeline`]: the [`Pipeline`] picker that composes them from a [`ScoringConfig`]
+//!   (weights by scorer name), how it attributes the reason, and the default weights;
 //! - [`policy`]: the policy names the configuration accepts (`round_robin`, `least_loaded`,
-//!   `prefix`, `session`);
-//! - [`prefix_aware`]: the [`PrefixAware`] picker behind `prefix` and `session`: prefix match
-//!   times an anti-herding gate, plus load (formula in its module doc);
+//!   `prefix` = prefix and load scorers, `session` = the full pipeline with pins);
 //! - [`prefix_index`]: the [`PrefixIndex`], chained chunk hashes of rendered prompts and, per
-//!   endpoint, an LRU model of which prefixes its KV cache holds, scored in [0, 1];
+//!   endpoint slot, an LRU model of which prefixes its KV cache holds, corrected by the cached
+//!   token counts the engines report back;
 //! - [`session_key`](mod@session_key): which agent session a request belongs to ([`session_key()`]), from the
 //!   configured session header, the coding agents' native headers, `prompt_cache_key`, the
 //!   `previous_response_id` chain root or the `conversation` id.
 //!
 //! Session pins themselves live in the store (`agentgate-sessions`), so every gateway replica
-//! sees the same pin; the gateway reads the pin, keeps the session on it while
-//! [`Picker::crowded`] says no, and otherwise asks the picker and re-pins.
+//! sees the same pin. Per request, the caller reads the pin and passes its position in the
+//! endpoint list as [`PickRequest::pinned`]; the pick holds it or reports why it broke, and the
+//! caller re-pins (and counts the move) when the chosen endpoint differs. The prefix index is
+//! keyed by [`Endpoint::slot`], so it survives changes to the endpoint list.
 
 pub mod endpoint;
+pub mod filter;
 pub mod flow;
 pub mod picker;
+pub mod pin;
+pub mod pipeline;
 pub mod policy;
-pub mod prefix_aware;
 pub mod prefix_index;
+pub mod scorer;
 pub mod session_key;
 
 pub use endpoint::{Endpoint, InFlight, LoadReport, Role, Saturation};
+pub use filter::{Filter, PoolView};
 pub use flow::{
     BandSpec, CapacitySignal, FlowConfig, FlowController, FlowSnapshot, LocalRateLimiter,
     MaxInFlight, Permit, RateLimiter, Rejection, TeamSpec, Ticket,
 };
-pub use picker::{LeastLoaded, PickRequest, Picker, RoundRobin};
+pub use picker::{
+    BreakCause, LeastLoaded, Pick, PickRequest, Picker, PinOutcome, Pinned, Reason, RoundRobin,
+};
+pub use pin::{PinCost, PinRule};
+pub use pipeline::{Pipeline, ScoringConfig};
 pub use policy::Policy;
-pub use prefix_aware::{PrefixAware, PrefixWeights};
-pub use prefix_index::{chunk_hashes, PrefixIndex, PrefixIndexConfig};
+pub use prefix_index::{chunk_hashes, Occupancy, PrefixIndex, PrefixIndexConfig};
+pub use scorer::{ScoreContext, Scorer, SCORER_NAMES};
 pub use session_key::{chain_root_key, session_key, SessionKey, SessionKeyConfig, SessionSource};

@@ -4,6 +4,16 @@
 //! approximate model of each replica's prefix cache, fed by its routing decisions and trimmed by
 //! what the engines report back, and turns it into a prefix-match score in [0, 1] per endpoint.
 //!
+//! # Slots
+//!
+//! The index is keyed by each endpoint's stable [`Endpoint::slot`](crate::Endpoint::slot), never
+//! by its position in the pool's current endpoint list, so a discovery reload that reorders,
+//! adds or removes endpoints does not scramble what was learnt about the ones that stay. A slot
+//! is added the first time it is recorded or sized ([`PrefixIndex::record`],
+//! [`PrefixIndex::set_capacity`]); [`PrefixIndex::clear`] forgets one whose endpoint went away
+//! or restarted, so the slot can be reused by the next endpoint. Slots at or above
+//! [`MAX_SLOTS`] are ignored.
+//!
 //! # Chunk hashes
 //!
 //! The gateway does not tokenize. It hashes the *rendered prompt text* (the same bytes every turn
@@ -22,9 +32,9 @@
 //! hashes: two prompts share their leading `k` hashes exactly when they share their first `k`
 //! chunks. Hashing streams at GB/s with one allocation (the output vector).
 //!
-//! # Per-endpoint LRU
+//! # Per-slot LRU
 //!
-//! Each endpoint holds an LRU set of chunk hashes whose capacity, in chunks, follows the engine's
+//! Each slot holds an LRU set of chunk hashes whose capacity, in chunks, follows the engine's
 //! reported KV capacity (vLLM's `vllm:cache_config_info{block_size, num_gpu_blocks}`, see
 //! [`kv_capacity_tokens`]):
 //!
@@ -40,7 +50,22 @@
 //! A prompt longer than the capacity records only its first `capacity_chunks` chunks.
 //!
 //! The LRU is a slab of nodes in a doubly linked list (u32 links, free list) plus a hash map from
-//! chunk hash to slot: touch, insert, evict and remove are O(1).
+//! chunk hash to node: touch, insert, evict and remove are O(1).
+//!
+//! # Occupancy
+//!
+//! An index-wide logical clock ticks once per [`PrefixIndex::record`], and every chunk carries
+//! the tick of the record that last touched it. [`PrefixIndex::occupancy`] reports, per slot,
+//!
+//! ```text
+//! fraction(e) = held_chunks(e) / capacity_chunks(e)          (1 when the capacity is 0)
+//! idle(e)     = clock - stamp(least recently used chunk of e)  (0 when e holds nothing)
+//! ```
+//!
+//! An insertion into a full slot evicts its least recently used chunk, so `idle` says how cold
+//! the victim of the next insertion is. Placing new prefixes where there is free room, and among
+//! full slots where the victim is coldest, makes the fleet evict roughly as one LRU cache of its
+//! total size would (the `kv_usage` scorer in [`crate::scorer`] does this).
 //!
 //! # Match and score
 //!
@@ -49,37 +74,50 @@
 //! score(e, h)     = match_len(e, h) / n                       (0 when n = 0)
 //! ```
 //!
-//! Scoring does not scan each endpoint's set. Next to the LRUs the index keeps a sharded map from
-//! chunk hash to the bitmask of endpoints holding it (one map per group of 64 endpoints), and
-//! [`PrefixIndex::match_lens`] walks the chunks once, AND-ing an "alive" mask: the cost is at
-//! most `n` lookups, whatever the number of endpoints, and stops at the longest match.
+//! Scoring does not scan each slot's set. Next to the LRUs the index keeps a sharded map from
+//! chunk hash to the bitmask of slots holding it (one map per group of 64 slots), and
+//! [`PrefixIndex::match_lens`] walks the chunks once per group that has candidates, AND-ing an
+//! "alive" mask: the cost is at most `n` lookups per such group, whatever the number of
+//! endpoints in it, and stops at the longest match.
 //!
 //! # Corrections
 //!
-//! Responses carry `usage.input_tokens_details.cached_tokens`. When the engine reports fewer
-//! cached tokens than the index holds for that prompt, [`PrefixIndex::correct`] forgets, on that
-//! endpoint, every chunk past the reported prefix:
+//! Responses carry `usage.input_tokens_details.cached_tokens`: how much of the prompt the
+//! engine found cached *before* running it. By the time the report arrives the engine has run
+//! the prompt and holds all of it (it caches what it computes), and the index recorded all of
+//! it at routing, so the report says nothing wrong about this prompt. It does check the
+//! prediction: when the request was picked the index believed the endpoint held `matched`
+//! leading chunks, and the engine had only `reported` of them. Those it had lost were evicted
+//! by traffic the index did not see (other gateway replicas, a smaller cache than modelled, a
+//! restart), and an LRU evicts the coldest first, so [`PrefixIndex::correct`] forgets as many
+//! of the slot's least recently used chunks, sparing the prompt just run (its most recent ones):
 //!
 //! ```text
-//! reported = floor(cached_tokens / tokens_per_chunk);   forget h_reported .. h_{n-1} on e
+//! reported = floor(cached_tokens / tokens_per_chunk)
+//! over     = max(0, matched - reported)
+//! forget   min(over, held(e) - min(n, held(e)))  least recently used chunks of e
 //! ```
 //!
-//! The engine's report wins: it proves the index over-estimated (other traffic, a restart, a
-//! smaller cache than reported). The chunks are learnt again by the next [`PrefixIndex::record`]
-//! on that endpoint, so an error only ever errs towards a lower score.
+//! The model then turns over at least as fast as the engine did; chunks forgotten in error are
+//! learnt again by the next [`PrefixIndex::record`], so a correction only ever errs towards a
+//! lower score. A report of more cached tokens than predicted changes nothing (another replica
+//! put the prefix there; the routing record already has it).
 //!
 //! # Concurrency
 //!
-//! One mutex per endpoint guards its LRU; the holder maps are split in 16 read-write-locked
-//! shards. Writers (record, correct, capacity changes) hold their endpoint's mutex while they set
-//! or clear that endpoint's bits, so the bits converge to the LRU contents; scoring takes only
-//! shard read locks, one lookup at a time. Map hashing is keyed per index with a random key, so
+//! One mutex per slot guards its LRU; the holder maps are split in 16 read-write-locked shards.
+//! Writers (record, correct, capacity changes) hold their slot's mutex while they set or clear
+//! that slot's bits, so the bits converge to the LRU contents; scoring takes only shard read
+//! locks, one lookup at a time. The slot table itself sits behind a read-write lock that only
+//! the addition of a slot takes for writing. Occupancy figures are atomics copied out of the LRU
+//! after every change, so reading them never waits for a writer. Map hashing is keyed per index with a random key, so
 //! crafted prompts cannot pile chunk hashes into one bucket.
 
 use std::collections::hash_map::{Entry, RandomState};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::{Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -90,7 +128,11 @@ pub const DEFAULT_BYTES_PER_TOKEN: usize = 4;
 /// Default per-endpoint KV capacity in tokens, used until the engine reports its own.
 pub const DEFAULT_CAPACITY_TOKENS: u64 = 512 * 1024;
 
-/// Endpoints per holder bitmask.
+/// Slots an index tracks at most; records for higher slots are ignored (an endpoint list reuses
+/// the slots of removed endpoints, so a pool never needs this many).
+pub const MAX_SLOTS: usize = 1 << 16;
+
+/// Slots per holder bitmask.
 const GROUP: usize = 64;
 /// Shards per holder map.
 const SHARDS: usize = 16;
@@ -145,36 +187,106 @@ impl Default for PrefixIndexConfig {
     }
 }
 
-/// Per-endpoint LRU sets of chunk hashes, plus a chunk -> endpoints map for fast scoring.
+/// Per-slot LRU sets of chunk hashes, plus a chunk -> slots map for fast scoring.
 #[derive(Debug)]
 pub struct PrefixIndex {
     config: PrefixIndexConfig,
     tokens_per_chunk: u64,
-    endpoints: Box<[Mutex<Lru>]>,
-    holders: Box<[Holders]>,
+    default_capacity: usize,
+    hash_state: ChunkHashState,
+    /// Logical clock: one tick per [`PrefixIndex::record`], stamped on the chunks it touches.
+    clock: AtomicU64,
+    table: RwLock<Table>,
 }
 
-impl PrefixIndex {
-    /// An empty index for `endpoints` endpoints, addressed by their position in the pool.
-    pub fn new(endpoints: usize, config: PrefixIndexConfig) -> Self {
-        let tokens_per_chunk = (config.chunk_bytes / config.bytes_per_token.max(1)).max(1) as u64;
-        let hash_state = ChunkHashState::random();
-        let capacity = chunks_for(config.default_capacity_tokens, tokens_per_chunk);
-        PrefixIndex {
-            config,
-            tokens_per_chunk,
-            endpoints: (0..endpoints)
-                .map(|_| Mutex::new(Lru::new(capacity, hash_state.clone())))
-                .collect(),
-            holders: (0..endpoints.div_ceil(GROUP))
-                .map(|_| Holders::new(&hash_state))
-                .collect(),
+/// The per-slot state and the holder maps; grown (never shrunk) under the write lock.
+#[derive(Debug)]
+struct Table {
+    slots: Vec<Slot>,
+    holders: Vec<Holders>,
+}
+
+/// One slot: its LRU, and lock-free copies of the figures [`PrefixIndex::occupancy`] reads.
+#[derive(Debug)]
+struct Slot {
+    lru: Mutex<Lru>,
+    held: AtomicUsize,
+    capacity: AtomicUsize,
+    /// Stamp of the least recently used chunk (meaningless while empty).
+    oldest: AtomicU64,
+}
+
+impl Slot {
+    fn new(capacity: usize, hash_state: &ChunkHashState) -> Self {
+        Slot {
+            lru: Mutex::new(Lru::new(capacity, hash_state.clone())),
+            held: AtomicUsize::new(0),
+            capacity: AtomicUsize::new(capacity),
+            oldest: AtomicU64::new(0),
         }
     }
 
-    /// Number of endpoints the index was built for.
-    pub fn endpoints(&self) -> usize {
-        self.endpoints.len()
+    /// Copy the LRU's figures out; called with the LRU locked after every change.
+    fn publish(&self, lru: &Lru) {
+        self.held.store(lru.map.len(), Ordering::Relaxed);
+        self.capacity.store(lru.capacity, Ordering::Relaxed);
+        self.oldest.store(lru.oldest_stamp(), Ordering::Relaxed);
+    }
+}
+
+/// How full a slot's modelled cache is, and how stale its eviction victim (see
+/// [`PrefixIndex::occupancy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Occupancy {
+    /// Chunks held.
+    pub held_chunks: usize,
+    /// Capacity in chunks.
+    pub capacity_chunks: usize,
+    /// Records (index-wide) since the least recently used chunk was last touched: how cold the
+    /// chunk the next insertion would evict is. 0 when the slot holds nothing.
+    pub idle: u64,
+}
+
+impl Occupancy {
+    /// Whether an insertion would evict (a slot of capacity 0 is always full).
+    pub fn is_full(&self) -> bool {
+        self.held_chunks >= self.capacity_chunks
+    }
+
+    /// `held / capacity` in [0, 1]; 1 for a slot of capacity 0.
+    pub fn fraction(&self) -> f64 {
+        if self.capacity_chunks == 0 {
+            1.0
+        } else {
+            (self.held_chunks as f64 / self.capacity_chunks as f64).min(1.0)
+        }
+    }
+}
+
+impl PrefixIndex {
+    /// An empty index with room for slots `0..slots` (more are added when first used).
+    pub fn new(slots: usize, config: PrefixIndexConfig) -> Self {
+        let tokens_per_chunk = (config.chunk_bytes / config.bytes_per_token.max(1)).max(1) as u64;
+        let index = PrefixIndex {
+            config,
+            tokens_per_chunk,
+            default_capacity: chunks_for(config.default_capacity_tokens, tokens_per_chunk),
+            hash_state: ChunkHashState::random(),
+            clock: AtomicU64::new(0),
+            table: RwLock::new(Table {
+                slots: Vec::new(),
+                holders: Vec::new(),
+            }),
+        };
+        if slots > 0 {
+            index.grow(slots - 1);
+        }
+        index
+    }
+
+    /// Number of slots tracked (one past the highest slot used so far).
+    pub fn slots(&self) -> usize {
+        self.read().slots.len()
     }
 
     /// The sizes the index was built with.
@@ -192,53 +304,84 @@ impl PrefixIndex {
         chunk_hashes(model, prompt, self.config.chunk_bytes)
     }
 
-    /// Size an endpoint's LRU from its KV capacity in tokens, evicting at once what no longer fits.
-    /// Unknown endpoints are ignored.
-    pub fn set_capacity(&self, endpoint: usize, kv_tokens: u64) {
-        let Some(slot) = self.endpoints.get(endpoint) else {
+    /// Size a slot's LRU from its endpoint's KV capacity in tokens, evicting at once what no
+    /// longer fits. Adds the slot if new; slots at or above [`MAX_SLOTS`] are ignored.
+    pub fn set_capacity(&self, slot: usize, kv_tokens: u64) {
+        self.grow(slot);
+        let table = self.read();
+        let Some(s) = table.slots.get(slot) else {
             return;
         };
-        let mut lru = lock(slot);
+        let mut lru = lock(&s.lru);
         let mut changes = Vec::new();
         lru.set_capacity(chunks_for(kv_tokens, self.tokens_per_chunk), &mut changes);
-        self.apply(endpoint, &changes);
+        apply(&table, slot, &changes);
+        s.publish(&lru);
     }
 
-    /// An endpoint's LRU capacity in chunks (0 for unknown endpoints).
-    pub fn capacity_chunks(&self, endpoint: usize) -> usize {
-        self.endpoints.get(endpoint).map_or(0, |m| lock(m).capacity)
+    /// A slot's LRU capacity in chunks (0 for unknown slots).
+    pub fn capacity_chunks(&self, slot: usize) -> usize {
+        self.occupancy(slot).capacity_chunks
     }
 
-    /// Chunks an endpoint currently holds (0 for unknown endpoints).
-    pub fn held_chunks(&self, endpoint: usize) -> usize {
-        self.endpoints
-            .get(endpoint)
-            .map_or(0, |m| lock(m).map.len())
+    /// Chunks a slot currently holds (0 for unknown slots).
+    pub fn held_chunks(&self, slot: usize) -> usize {
+        self.occupancy(slot).held_chunks
     }
 
-    /// Leading chunks of `hashes` an endpoint holds, stopping at the first miss.
-    pub fn match_len(&self, endpoint: usize, hashes: &[u64]) -> usize {
-        let Some(slot) = self.endpoints.get(endpoint) else {
+    /// How full a slot is and how cold its eviction victim is, read without taking its LRU lock
+    /// (all zeros for unknown slots).
+    pub fn occupancy(&self, slot: usize) -> Occupancy {
+        let table = self.read();
+        let Some(s) = table.slots.get(slot) else {
+            return Occupancy::default();
+        };
+        let held_chunks = s.held.load(Ordering::Relaxed);
+        let idle = if held_chunks == 0 {
+            0
+        } else {
+            self.clock
+                .load(Ordering::Relaxed)
+                .saturating_sub(s.oldest.load(Ordering::Relaxed))
+        };
+        Occupancy {
+            held_chunks,
+            capacity_chunks: s.capacity.load(Ordering::Relaxed),
+            idle,
+        }
+    }
+
+    /// Leading chunks of `hashes` a slot holds, stopping at the first miss.
+    pub fn match_len(&self, slot: usize, hashes: &[u64]) -> usize {
+        let table = self.read();
+        let Some(s) = table.slots.get(slot) else {
             return 0;
         };
-        let lru = lock(slot);
+        let lru = lock(&s.lru);
         hashes.iter().take_while(|h| lru.contains(**h)).count()
     }
 
-    /// [`PrefixIndex::match_len`] for each of `candidates` (endpoint positions; unknown ones get
-    /// 0), in one walk over the chunks.
-    pub fn match_lens(&self, hashes: &[u64], candidates: &[usize]) -> Vec<usize> {
-        let mut lens = vec![0; candidates.len()];
+    /// [`PrefixIndex::match_len`] for each of `slots` (in any order, repeats allowed, unknown
+    /// slots get 0), in one walk over the chunks per group of 64 slots.
+    pub fn match_lens(&self, hashes: &[u64], slots: &[usize]) -> Vec<usize> {
+        let mut lens = vec![0; slots.len()];
+        let table = self.read();
+        let known = table.slots.len();
+        // (slot, position in `slots`), sorted so each group's slots are adjacent.
+        let mut order: Vec<(usize, usize)> = slots
+            .iter()
+            .enumerate()
+            .filter(|(_, &s)| s < known)
+            .map(|(k, &s)| (s, k))
+            .collect();
+        order.sort_unstable();
         let mut group_lens = [0usize; GROUP];
-        for (g, holders) in self.holders.iter().enumerate() {
-            let base = g * GROUP;
-            let mut alive = candidates
-                .iter()
-                .filter(|&&e| e >= base && e < base + GROUP && e < self.endpoints.len())
-                .fold(0u64, |m, &e| m | 1 << (e - base));
-            if alive == 0 {
+        for members in order.chunk_by(|a, b| a.0 / GROUP == b.0 / GROUP) {
+            let group = members[0].0 / GROUP;
+            let Some(holders) = table.holders.get(group) else {
                 continue;
-            }
+            };
+            let mut alive = members.iter().fold(0u64, |m, &(s, _)| m | 1 << (s % GROUP));
             group_lens.fill(0);
             let mut matched = 0;
             for h in hashes {
@@ -255,85 +398,127 @@ impl PrefixIndex {
             for bit in Bits(alive) {
                 group_lens[bit] = matched;
             }
-            for (len, &e) in lens.iter_mut().zip(candidates) {
-                if e >= base && e < base + GROUP {
-                    *len = group_lens[e - base];
-                }
+            for &(s, k) in members {
+                lens[k] = group_lens[s % GROUP];
             }
         }
         lens
     }
 
-    /// Prefix-match score in [0, 1] for each of `candidates`: matched chunks / chunks in the prompt.
-    pub fn score(&self, hashes: &[u64], candidates: &[usize]) -> Vec<f64> {
+    /// Prefix-match score in [0, 1] for each of `slots`: matched chunks / chunks in the prompt.
+    pub fn score(&self, hashes: &[u64], slots: &[usize]) -> Vec<f64> {
         if hashes.is_empty() {
-            return vec![0.0; candidates.len()];
+            return vec![0.0; slots.len()];
         }
         let total = hashes.len() as f64;
-        self.match_lens(hashes, candidates)
+        self.match_lens(hashes, slots)
             .into_iter()
             .map(|m| m as f64 / total)
             .collect()
     }
 
-    /// After routing a prompt to an endpoint: insert or touch its chunks (first chunk most recent),
-    /// evicting the least recently used beyond capacity. Unknown endpoints are ignored.
-    pub fn record(&self, endpoint: usize, hashes: &[u64]) {
-        let Some(slot) = self.endpoints.get(endpoint) else {
+    /// After routing a prompt to a slot's endpoint: insert or touch its chunks (first chunk most
+    /// recent), evicting the least recently used beyond capacity. Adds the slot if new; slots at
+    /// or above [`MAX_SLOTS`] are ignored.
+    pub fn record(&self, slot: usize, hashes: &[u64]) {
+        self.grow(slot);
+        let table = self.read();
+        let Some(s) = table.slots.get(slot) else {
             return;
         };
-        let mut lru = lock(slot);
+        let stamp = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut lru = lock(&s.lru);
         let take = hashes.len().min(lru.capacity);
         let mut changes = Vec::new();
         for h in hashes[..take].iter().rev() {
-            lru.touch(*h, &mut changes);
+            lru.touch(*h, stamp, &mut changes);
         }
-        self.apply(endpoint, &changes);
+        apply(&table, slot, &changes);
+        s.publish(&lru);
     }
 
-    /// The engine reported `cached_tokens` for a prompt sent to `endpoint`: forget that endpoint's
-    /// chunks past the reported prefix. Returns how many chunks were forgotten.
-    pub fn correct(&self, endpoint: usize, hashes: &[u64], cached_tokens: u64) -> usize {
-        let Some(slot) = self.endpoints.get(endpoint) else {
-            return 0;
-        };
+    /// The engine reported `cached_tokens` for the prompt `hashes`, sent to the slot's endpoint
+    /// when the index believed it held `matched_chunks` leading chunks of it: forget as many of
+    /// the slot's least recently used chunks as the prediction over-counted, sparing the
+    /// prompt's own (see the module doc). Returns how many chunks were forgotten.
+    pub fn correct(
+        &self,
+        slot: usize,
+        hashes: &[u64],
+        matched_chunks: usize,
+        cached_tokens: u64,
+    ) -> usize {
         let reported = usize::try_from(cached_tokens / self.tokens_per_chunk).unwrap_or(usize::MAX);
-        let Some(past) = hashes.get(reported..) else {
+        let over = matched_chunks.saturating_sub(reported);
+        if over == 0 {
+            return 0;
+        }
+        let table = self.read();
+        let Some(s) = table.slots.get(slot) else {
             return 0;
         };
-        let mut lru = lock(slot);
-        let changes: Vec<(u64, bool)> = past
-            .iter()
-            .filter(|h| lru.remove(**h))
-            .map(|h| (*h, false))
-            .collect();
-        self.apply(endpoint, &changes);
+        let mut lru = lock(&s.lru);
+        let held = lru.map.len();
+        let forget = over.min(held - hashes.len().min(held));
+        let mut changes = Vec::with_capacity(forget);
+        for _ in 0..forget {
+            match lru.pop_lru() {
+                Some(h) => changes.push((h, false)),
+                None => break,
+            }
+        }
+        apply(&table, slot, &changes);
+        s.publish(&lru);
         changes.len()
     }
 
-    /// Forget everything an endpoint holds (engine restarted or cleared its cache).
-    pub fn clear(&self, endpoint: usize) {
-        let Some(slot) = self.endpoints.get(endpoint) else {
+    /// Forget everything a slot holds (its endpoint went away, restarted or cleared its cache).
+    /// The capacity stays; a new endpoint in the slot sets its own with
+    /// [`PrefixIndex::set_capacity`].
+    pub fn clear(&self, slot: usize) {
+        let table = self.read();
+        let Some(s) = table.slots.get(slot) else {
             return;
         };
-        let mut lru = lock(slot);
+        let mut lru = lock(&s.lru);
         let mut changes = Vec::with_capacity(lru.map.len());
         while let Some(h) = lru.pop_lru() {
             changes.push((h, false));
         }
-        self.apply(endpoint, &changes);
+        apply(&table, slot, &changes);
+        s.publish(&lru);
     }
 
-    /// Mirror LRU changes (`(hash, held)`, in order) into the holder bitmasks. Called with the
-    /// endpoint's LRU locked, so its bits follow its LRU.
-    fn apply(&self, endpoint: usize, changes: &[(u64, bool)]) {
-        let Some(holders) = self.holders.get(endpoint / GROUP) else {
+    /// Make sure `slot` exists (when below [`MAX_SLOTS`]).
+    fn grow(&self, slot: usize) {
+        if slot >= MAX_SLOTS || slot < self.read().slots.len() {
             return;
-        };
-        let bit = 1u64 << (endpoint % GROUP);
-        for &(h, held) in changes {
-            holders.set(h, bit, held);
         }
+        let mut table = self.table.write().unwrap_or_else(PoisonError::into_inner);
+        while table.slots.len() <= slot {
+            table
+                .slots
+                .push(Slot::new(self.default_capacity, &self.hash_state));
+        }
+        while table.holders.len() < table.slots.len().div_ceil(GROUP) {
+            table.holders.push(Holders::new(&self.hash_state));
+        }
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, Table> {
+        self.table.read().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Mirror LRU changes (`(hash, held)`, in order) into the holder bitmasks. Called with the
+/// slot's LRU locked, so its bits follow its LRU.
+fn apply(table: &Table, slot: usize, changes: &[(u64, bool)]) {
+    let Some(holders) = table.holders.get(slot / GROUP) else {
+        return;
+    };
+    let bit = 1u64 << (slot % GROUP);
+    for &(h, held) in changes {
+        holders.set(h, bit, held);
     }
 }
 
@@ -347,7 +532,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Chunk hash -> bitmask of the endpoints (of one group of 64) holding it, in shards.
+/// Chunk hash -> bitmask of the slots (of one group of 64) holding it, in shards.
 #[derive(Debug)]
 struct Holders {
     shards: Box<[RwLock<HashMap<u64, u64, ChunkHashState>>]>,
@@ -407,6 +592,8 @@ impl Iterator for Bits {
 #[derive(Debug, Clone, Copy)]
 struct Node {
     hash: u64,
+    /// Clock value of the record that last touched the chunk.
+    stamp: u64,
     prev: u32,
     next: u32,
 }
@@ -438,10 +625,20 @@ impl Lru {
         self.map.contains_key(&h)
     }
 
-    /// Make `h` the most recent, inserting it (and evicting the least recent beyond capacity) if
-    /// absent. Pushes `(hash, held)` for every membership change.
-    fn touch(&mut self, h: u64, changes: &mut Vec<(u64, bool)>) {
+    /// Stamp of the least recently used hash (0 when empty).
+    fn oldest_stamp(&self) -> u64 {
+        if self.tail == NIL {
+            0
+        } else {
+            self.nodes[self.tail as usize].stamp
+        }
+    }
+
+    /// Make `h` the most recent, stamped `stamp`, inserting it (and evicting the least recent
+    /// beyond capacity) if absent. Pushes `(hash, held)` for every membership change.
+    fn touch(&mut self, h: u64, stamp: u64, changes: &mut Vec<(u64, bool)>) {
         if let Some(&slot) = self.map.get(&h) {
+            self.nodes[slot as usize].stamp = stamp;
             self.unlink(slot);
             self.push_front(slot);
             return;
@@ -457,6 +654,7 @@ impl Lru {
         }
         let node = Node {
             hash: h,
+            stamp,
             prev: NIL,
             next: NIL,
         };
@@ -474,18 +672,6 @@ impl Lru {
         self.map.insert(h, slot);
         self.push_front(slot);
         changes.push((h, true));
-    }
-
-    /// Remove `h`; false if absent.
-    fn remove(&mut self, h: u64) -> bool {
-        match self.map.remove(&h) {
-            Some(slot) => {
-                self.unlink(slot);
-                self.free.push(slot);
-                true
-            }
-            None => false,
-        }
     }
 
     /// Remove and return the least recently used hash.
@@ -612,6 +798,13 @@ mod tests {
         (0..bytes).map(|_| rng.lowercase() as u8).collect()
     }
 
+    /// A slot's hashes from most to least recent.
+    fn order(index: &PrefixIndex, slot: usize) -> Vec<u64> {
+        let table = index.read();
+        let lru = lock(&table.slots[slot].lru);
+        lru.order()
+    }
+
     fn config(chunk_bytes: usize, capacity_tokens: u64) -> PrefixIndexConfig {
         PrefixIndexConfig {
             chunk_bytes,
@@ -659,7 +852,7 @@ mod tests {
         assert_eq!(index.match_len(0, &[9, 1, 2]), 0);
         assert_eq!(index.match_len(0, &[]), 0);
         assert_eq!(index.match_len(1, &[1, 2]), 0);
-        assert_eq!(index.match_len(7, &[1, 2]), 0, "unknown endpoint");
+        assert_eq!(index.match_len(7, &[1, 2]), 0, "unknown slot");
     }
 
     #[test]
@@ -668,27 +861,27 @@ mod tests {
         let index = PrefixIndex::new(1, config(4, 4));
         assert_eq!(index.capacity_chunks(0), 4);
         index.record(0, &[1, 2, 3]);
-        assert_eq!(lock(&index.endpoints[0]).order(), vec![1, 2, 3]);
+        assert_eq!(order(&index, 0), vec![1, 2, 3]);
         index.record(0, &[1, 2, 10, 11]); // 3 is least recent: evicted
-        assert_eq!(lock(&index.endpoints[0]).order(), vec![1, 2, 10, 11]);
+        assert_eq!(order(&index, 0), vec![1, 2, 10, 11]);
         assert_eq!(index.held_chunks(0), 4);
         assert_eq!(index.match_len(0, &[1, 2, 3]), 2);
         // A touch refreshes without inserting.
         index.record(0, &[11]);
-        assert_eq!(lock(&index.endpoints[0]).order(), vec![11, 1, 2, 10]);
+        assert_eq!(order(&index, 0), vec![11, 1, 2, 10]);
         index.record(0, &[20]);
-        assert_eq!(lock(&index.endpoints[0]).order(), vec![20, 11, 1, 2]);
+        assert_eq!(order(&index, 0), vec![20, 11, 1, 2]);
         // A prompt longer than the capacity records only its first chunks.
         index.record(0, &[30, 31, 32, 33, 34, 35]);
-        assert_eq!(lock(&index.endpoints[0]).order(), vec![30, 31, 32, 33]);
+        assert_eq!(order(&index, 0), vec![30, 31, 32, 33]);
         assert_eq!(index.match_lens(&[30, 31, 32, 33, 34], &[0]), vec![4]);
         // Shrinking evicts at once; growing keeps contents.
         index.set_capacity(0, 2);
-        assert_eq!(lock(&index.endpoints[0]).order(), vec![30, 31]);
+        assert_eq!(order(&index, 0), vec![30, 31]);
         assert_eq!(index.match_lens(&[30, 31, 32], &[0]), vec![2]);
         index.set_capacity(0, 8);
         index.record(0, &[40, 41]);
-        assert_eq!(lock(&index.endpoints[0]).order(), vec![40, 41, 30, 31]);
+        assert_eq!(order(&index, 0), vec![40, 41, 30, 31]);
         // Capacity 0 holds nothing.
         index.set_capacity(0, 0);
         index.record(0, &[50]);
@@ -719,35 +912,42 @@ mod tests {
             index.record(0, &hashes);
             assert_eq!(index.match_len(0, &hashes), 60);
         }
-        let lru = lock(&index.endpoints[0]);
+        let table = index.read();
+        let lru = lock(&table.slots[0].lru);
         assert_eq!(lru.map.len(), 100);
         assert!(lru.nodes.len() <= 100, "slab grew to {}", lru.nodes.len());
         assert_eq!(lru.order().len(), 100);
     }
 
     #[test]
-    fn correction_forgets_past_the_reported_prefix() {
-        // 4 tokens per chunk.
-        let index = PrefixIndex::new(2, config(16, 1000));
-        let hashes = [1, 2, 3, 4, 5, 6];
-        index.record(0, &hashes);
-        index.record(1, &hashes);
-        // 9 cached tokens = 2 full chunks.
-        assert_eq!(index.correct(0, &hashes, 9), 4);
-        assert_eq!(index.match_len(0, &hashes), 2);
-        assert_eq!(index.held_chunks(0), 2);
-        assert_eq!(index.match_lens(&hashes, &[0, 1]), vec![2, 6]);
-        // Reporting as much as (or more than) the index holds changes nothing.
-        assert_eq!(index.correct(1, &hashes, 24), 0);
-        assert_eq!(index.correct(1, &hashes, u64::MAX), 0);
-        assert_eq!(index.match_len(1, &hashes), 6);
-        // Zero cached tokens forgets the whole prompt there.
-        assert_eq!(index.correct(1, &hashes, 0), 6);
-        assert_eq!(index.match_lens(&hashes, &[0, 1]), vec![2, 0]);
-        // The next routing decision teaches it again.
-        index.record(1, &hashes);
-        assert_eq!(index.match_len(1, &hashes), 6);
-        assert_eq!(index.correct(9, &hashes, 0), 0, "unknown endpoint");
+    fn corrections_forget_as_many_cold_chunks_as_were_over_predicted() {
+        // 4 tokens per chunk, 12 chunks per slot.
+        let index = PrefixIndex::new(2, config(16, 48));
+        let old = [100, 101, 102, 103];
+        let session = [1, 2, 3, 4, 5, 6];
+        index.record(0, &old);
+        index.record(0, &session[..4]);
+        // The next turn was picked believing 4 chunks held; routing recorded all 6.
+        index.record(0, &session);
+        assert_eq!(index.held_chunks(0), 10);
+        // The engine had only 9 tokens = 2 chunks: 2 chunks over-predicted. The coldest go:
+        // the tail of the old prompt.
+        assert_eq!(index.correct(0, &session, 4, 9), 2);
+        assert_eq!(index.match_len(0, &old), 2);
+        assert_eq!(index.match_len(0, &session), 6, "the prompt just run stays");
+        // A prediction the engine met or beat changes nothing.
+        assert_eq!(index.correct(0, &session, 6, 24), 0);
+        assert_eq!(index.correct(0, &session, 0, 0), 0, "a cold first turn");
+        assert_eq!(index.correct(0, &session, 6, u64::MAX), 0);
+        // Never more than the chunks outside the prompt just run.
+        assert_eq!(index.correct(0, &session, 1000, 0), 2);
+        assert_eq!(index.match_len(0, &old), 0);
+        assert_eq!(index.match_len(0, &session), 6);
+        assert_eq!(index.correct(0, &session, 1000, 0), 0);
+        // Holder bits follow, and other slots are untouched.
+        index.record(1, &old);
+        assert_eq!(index.match_lens(&old, &[0, 1]), vec![0, 4]);
+        assert_eq!(index.correct(9, &session, 6, 0), 0, "unknown slot");
     }
 
     #[test]
@@ -795,18 +995,21 @@ mod tests {
 
     #[test]
     fn concurrent_records_and_scores_stay_consistent() {
-        let index = PrefixIndex::new(8, config(4, 200));
+        // Slots spread over three groups of 64 and added while other threads score and record.
+        let slots: Vec<usize> = (0..8).map(|e| e * 20).collect();
+        let index = PrefixIndex::new(0, config(4, 200));
         std::thread::scope(|s| {
             for t in 0..4u64 {
-                let index = &index;
+                let (index, slots) = (&index, &slots);
                 s.spawn(move || {
                     for round in 0..200u64 {
-                        let e = ((t + round) % 8) as usize;
+                        let e = slots[((t + round) % 8) as usize];
                         let hashes: Vec<u64> = (0..50).map(|i| (round % 7) * 100 + i).collect();
                         index.record(e, &hashes);
-                        let _ = index.score(&hashes, &[0, 1, 2, 3, 4, 5, 6, 7]);
+                        let _ = index.score(&hashes, slots);
+                        let _ = index.occupancy(e);
                         if round % 5 == 0 {
-                            index.correct(e, &hashes, 40);
+                            index.correct(e, &hashes[..10], 50, 40);
                         }
                     }
                 });
@@ -815,9 +1018,81 @@ mod tests {
         // Quiescent: the bitmasks agree with the LRUs.
         for round in 0..7u64 {
             let hashes: Vec<u64> = (0..50).map(|i| round * 100 + i).collect();
-            let all: Vec<usize> = (0..8).collect();
-            let expected: Vec<usize> = all.iter().map(|&e| index.match_len(e, &hashes)).collect();
-            assert_eq!(index.match_lens(&hashes, &all), expected);
+            let expected: Vec<usize> = slots.iter().map(|&e| index.match_len(e, &hashes)).collect();
+            assert_eq!(index.match_lens(&hashes, &slots), expected);
         }
+        for &e in &slots {
+            let lru_len = lock(&index.read().slots[e].lru).map.len();
+            assert_eq!(index.held_chunks(e), lru_len);
+        }
+    }
+
+    #[test]
+    fn slots_are_added_on_first_use_and_sparse_slots_score() {
+        let index = PrefixIndex::new(0, config(4, 1000));
+        assert_eq!(index.slots(), 0);
+        assert_eq!(index.score(&[1, 2], &[0, 3]), vec![0.0, 0.0]);
+        index.record(3, &[1, 2, 3, 4]);
+        assert_eq!(index.slots(), 4);
+        assert_eq!(index.capacity_chunks(3), 1000);
+        // A slot in a later group of 64, and slots asked for out of order.
+        index.record(200, &[1, 2]);
+        index.set_capacity(130, 5);
+        assert_eq!(index.slots(), 201);
+        assert_eq!(index.capacity_chunks(130), 5);
+        assert_eq!(
+            index.match_lens(&[1, 2, 3, 4], &[200, 3, 0, 130, 3, 999]),
+            vec![2, 4, 0, 0, 4, 0]
+        );
+        // Forgetting one slot leaves the others.
+        index.clear(3);
+        assert_eq!(index.match_lens(&[1, 2, 3, 4], &[3, 200]), vec![0, 2]);
+        assert_eq!(index.capacity_chunks(3), 1000, "clear keeps the capacity");
+        // Beyond the limit: ignored, never allocated.
+        index.record(MAX_SLOTS, &[1]);
+        index.set_capacity(usize::MAX, 10);
+        assert_eq!(index.slots(), 201);
+        assert_eq!(index.match_len(MAX_SLOTS, &[1]), 0);
+        assert_eq!(index.occupancy(usize::MAX), Occupancy::default());
+    }
+
+    #[test]
+    fn occupancy_tracks_fill_and_the_coldest_victim() {
+        // 1 token per chunk; capacity 4 chunks.
+        let index = PrefixIndex::new(2, config(4, 4));
+        let empty = index.occupancy(0);
+        assert_eq!(
+            (empty.held_chunks, empty.capacity_chunks, empty.idle),
+            (0, 4, 0)
+        );
+        assert_eq!(empty.fraction(), 0.0);
+        assert!(!empty.is_full());
+        index.record(0, &[1, 2]); // clock 1
+        index.record(1, &[5, 6, 7, 8]); // clock 2
+        index.record(1, &[9]); // clock 3: evicts 8, victim now 7 (touched at 2)
+        let a = index.occupancy(0);
+        assert_eq!((a.held_chunks, a.idle), (2, 2));
+        assert_eq!(a.fraction(), 0.5);
+        let b = index.occupancy(1);
+        assert_eq!((b.held_chunks, b.idle), (4, 1));
+        assert!(b.is_full());
+        index.record(0, &[1, 2, 3, 4]); // clock 4: slot 0 full, every chunk fresh
+        assert_eq!(index.occupancy(0).idle, 0);
+        assert_eq!(index.occupancy(1).idle, 2);
+        // Corrections and clears update the figures too.
+        assert_eq!(index.correct(1, &[9], 3, 1), 2);
+        assert_eq!(index.occupancy(1).held_chunks, 2);
+        index.clear(1);
+        assert_eq!(
+            index.occupancy(1),
+            Occupancy {
+                held_chunks: 0,
+                capacity_chunks: 4,
+                idle: 0
+            }
+        );
+        index.set_capacity(1, 0);
+        assert!(index.occupancy(1).is_full());
+        assert_eq!(index.occupancy(1).fraction(), 1.0);
     }
 }

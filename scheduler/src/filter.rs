@@ -1,0 +1,221 @@
+//! Filters: the first stage of a scoring pipeline, deciding which endpoints may take a request.
+//!
+//! A [`Filter`] narrows the candidate list (positions in the pool's endpoint list) in place.
+//! The pipeline runs, in order:
+//!
+//! 1. [`Available`]: healthy and not retired;
+//! 2. [`NotExcluded`]: not already tried (and failed) for this request;
+//! 3. [`RoleMatch`]: of the role the request asks for, when it asks for one;
+//! 4. [`PreferUnsaturated`]: drop saturated endpoints (stale or missing metrics where metrics
+//!    are expected, a full engine queue, a full KV cache with requests waiting; see
+//!    [`Saturation::saturated`]) *unless every candidate is saturated*, in which case all stay:
+//!    saturation steers work away from an endpoint while there is somewhere else to go, and
+//!    admission control (not the picker) decides whether to queue or shed when there is not.
+//!
+//! Every filter sees the same [`PoolView`], taken once per pick, so they agree with each other
+//! and with the scorers about each endpoint's load report.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::endpoint::{Endpoint, LoadReport, Saturation};
+use crate::picker::PickRequest;
+
+/// One pick's view of the pool: the endpoints, the request, the time, and each endpoint's
+/// load report read once.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolView<'a> {
+    /// The pool's endpoints; candidates are positions in this list.
+    pub endpoints: &'a [Arc<Endpoint>],
+    /// The request being placed.
+    pub request: &'a PickRequest<'a>,
+    /// When the pick happens (for metrics staleness).
+    pub now: Instant,
+    /// `endpoints[i].load_report()`, read once per pick.
+    pub reports: &'a [Option<LoadReport>],
+}
+
+impl PoolView<'_> {
+    /// Requests this gateway has in flight on the endpoint at `position` (0 if out of range).
+    pub fn in_flight_requests(&self, position: usize) -> u64 {
+        self.endpoints
+            .get(position)
+            .map_or(0, |e| e.in_flight_requests())
+    }
+
+    /// Pending prefill tokens on the endpoint at `position` (0 if out of range).
+    pub fn pending_prefill_tokens(&self, position: usize) -> u64 {
+        self.endpoints
+            .get(position)
+            .map_or(0, |e| e.pending_prefill_tokens())
+    }
+
+    /// The load report of the endpoint at `position`, if any.
+    pub fn report(&self, position: usize) -> Option<&LoadReport> {
+        self.reports.get(position).and_then(Option::as_ref)
+    }
+
+    /// Requests waiting in the engine's queue at `position` per its last report (0 without one).
+    pub fn engine_waiting(&self, position: usize) -> f64 {
+        self.report(position).map_or(0.0, |r| r.waiting).max(0.0)
+    }
+
+    /// Whether the endpoint at `position` is saturated under `limits`.
+    pub fn saturated(&self, position: usize, limits: &Saturation) -> bool {
+        limits.saturated(self.report(position), self.now)
+    }
+}
+
+/// Keeps or drops candidates.
+pub trait Filter: Send + Sync + std::fmt::Debug {
+    /// Name for logs and configuration.
+    fn name(&self) -> &'static str;
+
+    /// Remove from `candidates` (positions in `view.endpoints`) the endpoints that may not
+    /// take the request.
+    fn filter(&self, view: &PoolView<'_>, candidates: &mut Vec<usize>);
+}
+
+/// Healthy and not retired.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Available;
+
+impl Filter for Available {
+    fn name(&self) -> &'static str {
+        "available"
+    }
+
+    fn filter(&self, view: &PoolView<'_>, candidates: &mut Vec<usize>) {
+        candidates.retain(|&i| view.endpoints.get(i).is_some_and(|e| e.is_available()));
+    }
+}
+
+/// Not in [`PickRequest::exclude`].
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NotExcluded;
+
+impl Filter for NotExcluded {
+    fn name(&self) -> &'static str {
+        "not_excluded"
+    }
+
+    fn filter(&self, view: &PoolView<'_>, candidates: &mut Vec<usize>) {
+        if !view.request.exclude.is_empty() {
+            candidates.retain(|i| !view.request.exclude.contains(i));
+        }
+    }
+}
+
+/// Of [`PickRequest::role`], when set.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RoleMatch;
+
+impl Filter for RoleMatch {
+    fn name(&self) -> &'static str {
+        "role"
+    }
+
+    fn filter(&self, view: &PoolView<'_>, candidates: &mut Vec<usize>) {
+        if let Some(role) = view.request.role {
+            candidates.retain(|&i| view.endpoints.get(i).is_some_and(|e| e.role == role));
+        }
+    }
+}
+
+/// Drops saturated endpoints while at least one candidate is not saturated.
+#[derive(Debug, Clone, Copy)]
+pub struct PreferUnsaturated {
+    /// What counts as saturated.
+    pub limits: Saturation,
+}
+
+impl Filter for PreferUnsaturated {
+    fn name(&self) -> &'static str {
+        "prefer_unsaturated"
+    }
+
+    fn filter(&self, view: &PoolView<'_>, candidates: &mut Vec<usize>) {
+        if candidates.iter().any(|&i| !view.saturated(i, &self.limits)) {
+            candidates.retain(|&i| !view.saturated(i, &self.limits));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::Role;
+    use std::time::Duration;
+
+    #[test]
+    fn filters_drop_unavailable_excluded_and_wrong_role() {
+        let endpoints: Vec<Arc<Endpoint>> = (0..5)
+            .map(|i| {
+                let role = if i == 4 { Role::Decode } else { Role::Both };
+                let ep = Endpoint::new(format!("p/{i}"), "http://x").with_slot(i);
+                Arc::new(ep.with_role(role))
+            })
+            .collect();
+        endpoints[1].set_healthy(false);
+        endpoints[2].retire();
+        let request = PickRequest {
+            exclude: &[3],
+            role: Some(Role::Both),
+            ..PickRequest::default()
+        };
+        let reports = vec![None; endpoints.len()];
+        let view = PoolView {
+            endpoints: &endpoints,
+            request: &request,
+            now: Instant::now(),
+            reports: &reports,
+        };
+        let mut candidates: Vec<usize> = (0..7).collect(); // 5 and 6 do not exist
+        Available.filter(&view, &mut candidates);
+        assert_eq!(candidates, [0, 3, 4]);
+        NotExcluded.filter(&view, &mut candidates);
+        assert_eq!(candidates, [0, 4]);
+        RoleMatch.filter(&view, &mut candidates);
+        assert_eq!(candidates, [0]);
+    }
+
+    #[test]
+    fn saturated_endpoints_are_dropped_only_while_another_is_not() {
+        let now = Instant::now();
+        let endpoints: Vec<Arc<Endpoint>> = (0..3)
+            .map(|i| Arc::new(Endpoint::new(format!("p/{i}"), "http://x").with_slot(i)))
+            .collect();
+        let report = |waiting| LoadReport {
+            at: now,
+            waiting,
+            running: 1.0,
+            kv_usage: Some(0.5),
+        };
+        let filter = PreferUnsaturated {
+            limits: Saturation {
+                max_waiting: 8.0,
+                max_kv_usage: 0.98,
+                staleness: Some(Duration::from_secs(5)),
+            },
+        };
+        let request = PickRequest::default();
+        // 0: queue full; 1: fine; 2: never scraped (stale).
+        let reports = vec![Some(report(8.0)), Some(report(1.0)), None];
+        let view = PoolView {
+            endpoints: &endpoints,
+            request: &request,
+            now,
+            reports: &reports,
+        };
+        let mut candidates = vec![0, 1, 2];
+        filter.filter(&view, &mut candidates);
+        assert_eq!(candidates, [1]);
+        // Without 1, everything left is saturated: keep it all.
+        let mut candidates = vec![0, 2];
+        filter.filter(&view, &mut candidates);
+        assert_eq!(candidates, [0, 2]);
+        assert_eq!(view.engine_waiting(0), 8.0);
+        assert_eq!(view.engine_waiting(2), 0.0);
+        assert_eq!(view.engine_waiting(9), 0.0);
+    }
+}
