@@ -37,6 +37,8 @@ pub struct AppState {
     pub background: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
     /// Bounds how many background runs execute at once.
     pub background_slots: Arc<tokio::sync::Semaphore>,
+    /// The gateway's own metrics.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl AppState {
@@ -77,6 +79,7 @@ impl AppState {
             hosted_tools,
             background: Mutex::new(HashMap::new()),
             background_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
+            metrics: Arc::new(crate::metrics::Metrics::default()),
         }))
     }
 }

@@ -185,6 +185,54 @@ pub struct PoolConfig {
     /// Start simulated replicas in-process for this pool (no GPU needed).
     #[serde(default)]
     pub simulate: Option<SimulateConfig>,
+    /// `[pools.scoring]`: scorer weights and the pin rule's constants for the `prefix` and
+    /// `session` policies; unset keys keep the policy's defaults.
+    #[serde(default)]
+    pub scoring: ScoringToml,
+}
+
+/// `[pools.scoring]` (see `agentgate_scheduler::pipeline` for the formulas).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScoringToml {
+    /// Weight per scorer: `session_pin`, `prefix`, `queue`, `kv_usage`, `in_flight_tokens`.
+    #[serde(default)]
+    pub weights: std::collections::BTreeMap<String, f64>,
+    /// Anti-herding: an endpoint above this many times the mean in-flight count loses its
+    /// prefix score.
+    pub herd_factor: Option<f64>,
+    /// Anti-herding: slack added to that threshold, in requests.
+    pub herd_slack: Option<f64>,
+    /// Pin rule: prefill tokens charged per request waiting in an engine's queue.
+    pub queue_penalty_tokens: Option<f64>,
+    /// Pin rule: prefill tokens by which moving must win before a pin breaks.
+    pub pin_hysteresis_tokens: Option<f64>,
+}
+
+impl ScoringToml {
+    /// The policy's defaults with this table's values laid over them.
+    pub fn resolve(
+        &self,
+        policy: agentgate_scheduler::Policy,
+    ) -> agentgate_scheduler::ScoringConfig {
+        let mut s = agentgate_scheduler::ScoringConfig::for_policy(policy);
+        for (name, weight) in &self.weights {
+            s.weights.insert(name.clone(), *weight);
+        }
+        if let Some(v) = self.herd_factor {
+            s.herd_factor = v;
+        }
+        if let Some(v) = self.herd_slack {
+            s.herd_slack = v;
+        }
+        if let Some(v) = self.queue_penalty_tokens {
+            s.queue_penalty_tokens = v;
+        }
+        if let Some(v) = self.pin_hysteresis_tokens {
+            s.pin_hysteresis_tokens = v;
+        }
+        s
+    }
 }
 
 fn default_bytes_per_token() -> usize {
@@ -351,8 +399,14 @@ impl Config {
             if pool.prefix_bytes_per_token == 0 {
                 return Err(err(at("prefix_bytes_per_token"), "must be at least 1"));
             }
-            agentgate_scheduler::Policy::parse(&pool.policy)
+            let policy = agentgate_scheduler::Policy::parse(&pool.policy)
                 .map_err(|reason| err(at("policy"), reason))?;
+            policy
+                .picker(
+                    agentgate_scheduler::PrefixIndexConfig::default(),
+                    &pool.scoring.resolve(policy),
+                )
+                .map_err(|reason| err(at("scoring"), reason))?;
             let simulated = pool.simulate.as_ref().map_or(0, |s| s.replicas);
             if pool.endpoints.is_empty() && simulated == 0 {
                 return Err(err(

@@ -24,6 +24,7 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod handlers;
+pub mod metrics;
 pub mod openapi;
 pub mod pools;
 pub mod request;

@@ -95,13 +95,15 @@ impl Pools {
                 bytes_per_token: pc.prefix_bytes_per_token,
                 ..PrefixIndexConfig::default()
             };
-            let picker = policy.picker(endpoints.len(), index_config);
+            let picker = policy
+                .picker(index_config, &pc.scoring.resolve(policy))
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
             if let Some(index) = picker.prefix_index() {
-                for (j, ep) in endpoints.iter().enumerate() {
+                for ep in &endpoints {
                     match engines.scrape_metrics(pc.flavor, &ep.base_url).await {
                         Ok(m) => {
                             if let Some(tokens) = m.kv_capacity_tokens() {
-                                index.set_capacity(j, tokens);
+                                index.set_capacity(ep.slot, tokens);
                             }
                         }
                         Err(e) => {

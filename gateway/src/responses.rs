@@ -212,7 +212,7 @@ fn json_with_endpoint(value: Value, endpoint: Option<&Endpoint>) -> Response {
     resp
 }
 
-/// Header naming why the endpoint was chosen (`pin`, `repin`, or the pool's policy).
+/// Header naming what decided the endpoint: `pin`, `prefix`, `load` or `round_robin`.
 pub const ROUTE_REASON_HEADER: &str = "x-agentgate-route-reason";
 
 /// The request's session key (configured header, agents' native headers, `prompt_cache_key`,
@@ -560,7 +560,7 @@ pub async fn input_tokens(
     let ep = pool
         .picker
         .pick(&endpoints, &crate::pools::PickRequest::default())
-        .and_then(|i| endpoints.get(i))
+        .and_then(|p| endpoints.get(p.index))
         .ok_or_else(|| {
             HttpError::server(503, "no endpoint available", "upstream_unavailable")
                 .with_retry_after(1)

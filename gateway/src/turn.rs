@@ -18,7 +18,7 @@ use agentgate_sessions::{ResponseRecord, Store};
 
 use crate::app::AppState;
 use crate::error::HttpError;
-use agentgate_scheduler::{InFlight, Policy};
+use agentgate_scheduler::{Endpoint, InFlight, PinOutcome, Pinned};
 use agentgate_sessions::SessionPin;
 
 use crate::pools::{PickRequest, Pool};
@@ -113,18 +113,19 @@ pub async fn open_turn(
     }
 }
 
-/// Where a request was sent: the in-flight guard, the endpoint's position in its pool, and the
+/// Where a request was sent: the in-flight guard, the endpoint's slot in its pool, and the
 /// prompt's chunk hashes when the pool's policy routes by prefix.
 #[derive(Debug)]
 pub struct Routed {
     /// Counts the request on its endpoint until dropped.
     pub in_flight: InFlight,
-    /// Position of the endpoint in the pool.
-    pub index: usize,
+    /// The endpoint's slot in the pool's per-endpoint tables.
+    pub slot: usize,
+    /// Leading prompt chunks the prefix index expected the endpoint to hold.
+    pub matched_chunks: usize,
     /// Chunk hashes of the rendered prompt (empty unless the policy uses a prefix index).
     pub prefix: Vec<u64>,
-    /// Why this endpoint: `pin` (the session's pinned endpoint), `repin` (the session moved or
-    /// got its first pin), or the pool's policy name.
+    /// Why this endpoint: `pin`, `prefix`, `load` or `round_robin` (the scorer that decided).
     pub reason: &'static str,
 }
 
@@ -135,102 +136,87 @@ impl Routed {
     }
 }
 
-/// The session's pinned endpoint, if the pool pins sessions and the pin is usable: the endpoint
-/// still exists, has not failed this request, and is not crowded (sticky until crowded).
-async fn pinned_endpoint(
-    state: &AppState,
-    pool: &Pool,
-    session: Option<&str>,
-) -> (Option<SessionPin>, Option<usize>) {
-    let Some(key) = session.filter(|_| pool.policy == Policy::Session) else {
-        return (None, None);
-    };
-    let pin = match state.store.get_pin(&pool.name, key).await {
+/// The session's pin in the store, when the pool's policy pins sessions. A store error is
+/// logged and treated as no pin: routing goes on by prefix and load.
+async fn session_pin(state: &AppState, pool: &Pool, session: Option<&str>) -> Option<SessionPin> {
+    let key = session.filter(|_| pool.policy.uses_pins())?;
+    match state.store.get_pin(&pool.name, key).await {
         Ok(pin) => pin,
         Err(e) => {
             tracing::warn!("session pin unavailable ({e}); routing by prefix and load");
-            return (None, None);
+            None
         }
-    };
-    let endpoints = pool.endpoints();
-    let usable = pin.as_ref().and_then(|p| {
-        endpoints
-            .iter()
-            .position(|e| e.name == p.endpoint)
-            .filter(|&i| !pool.picker.crowded(&endpoints, i))
-    });
-    (pin, usable)
+    }
 }
 
 /// Open a chat stream on one of the pool's endpoints, trying the others when an endpoint is
 /// unreachable or answers 5xx. A 4xx from the engine is the client's problem and returned as 400.
-/// Under the `session` policy a session goes to its pinned endpoint while that is usable, and
-/// is re-pinned (in the store, so every gateway replica agrees) when it moves.
+///
+/// The pool's picker chooses (see `agentgate_scheduler::pipeline`): under the `session` policy
+/// the session's pin (read from the store, so every gateway replica agrees) holds until its
+/// endpoint is unavailable or saturated, or waiting there costs more than recomputing the
+/// prefix elsewhere; when the chosen endpoint differs from the pin, the session is re-pinned in
+/// the store and the move counted with its cause.
 pub async fn open_upstream(
     state: &AppState,
     pool: &Pool,
     body: &Value,
     session: Option<&str>,
 ) -> Result<(ChunkStream, Routed), HttpError> {
-    let (pin, mut pinned) = pinned_endpoint(state, pool, session).await;
+    let pin = session_pin(state, pool, session).await;
+    let endpoints = pool.endpoints();
+    let pinned = match &pin {
+        None => Pinned::None,
+        Some(p) => endpoints
+            .iter()
+            .position(|e| e.name == p.endpoint)
+            .map_or(Pinned::Gone, Pinned::At),
+    };
     let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
     let prefix: Vec<u64> = match pool.picker.prefix_index() {
         Some(index) => index.chunk_hashes(&pool.model, &agentgate_adapters::prompt_text(body)),
         None => Vec::new(),
     };
-    let endpoints = pool.endpoints();
     let mut tried: Vec<usize> = Vec::new();
-    let mut last = String::from("no endpoints");
+    let mut last = String::from("no available endpoint");
     loop {
         let request = PickRequest {
             exclude: &tried,
-            prefix: (!prefix.is_empty()).then_some(prefix.as_slice()),
+            prefix: &prefix,
+            prompt_tokens,
+            pinned,
+            role: None,
         };
-        let from_pin = pinned.take().filter(|i| !tried.contains(i));
-        let Some(i) = from_pin.or_else(|| pool.picker.pick(&endpoints, &request)) else {
+        let Some(pick) = pool.picker.pick(&endpoints, &request) else {
             break;
         };
-        tried.push(i);
-        let ep = &endpoints[i];
-        let in_flight = ep.begin(prompt_tokens, prompt_tokens);
+        tried.push(pick.index);
+        let ep = &endpoints[pick.index];
+        let in_flight = ep.begin(prompt_tokens, pick.uncached_tokens_estimate);
         match state.engines.chat_stream(&ep.base_url, body).await {
             Ok(stream) => {
-                pool.picker.routed(
-                    i,
-                    &PickRequest {
-                        exclude: &[],
-                        prefix: (!prefix.is_empty()).then_some(prefix.as_slice()),
-                    },
+                pool.picker.routed(ep.slot, &prefix);
+                state
+                    .metrics
+                    .routing_decision(&pool.name, &ep.name, pick.reason.as_str());
+                if let Some(key) = session.filter(|_| pool.policy.uses_pins()) {
+                    repin(state, pool, key, pin.as_ref(), ep, pick.pin).await;
+                }
+                tracing::debug!(
+                    endpoint = %ep.name,
+                    reason = pick.reason.as_str(),
+                    pin = pick.pin.as_str(),
+                    uncached = pick.uncached_tokens_estimate,
+                    "routed"
                 );
-                let reason = match session.filter(|_| pool.policy == Policy::Session) {
-                    None => pool.policy.name(),
-                    Some(_) if pin.as_ref().is_some_and(|p| p.endpoint == ep.name) => "pin",
-                    Some(key) => {
-                        let new = SessionPin {
-                            endpoint: ep.name.clone(),
-                            moves: pin.as_ref().map_or(0, |p| p.moves + 1),
-                        };
-                        if let Err(e) = state
-                            .store
-                            .swap_pin(&pool.name, key, pin.as_ref(), &new)
-                            .await
-                        {
-                            tracing::warn!("could not store the session pin: {e}");
-                        }
-                        if pin.is_some() {
-                            tracing::info!(endpoint = %ep.name, moves = new.moves, "session re-pinned");
-                        }
-                        "repin"
-                    }
-                };
-                tracing::debug!(endpoint = %ep.name, reason, "routed");
                 return Ok((
                     stream,
                     Routed {
                         in_flight,
-                        index: i,
+                        slot: ep.slot,
+                        matched_chunks: pick.matched_chunks,
                         prefix,
-                        reason,
+                        reason: pick.reason.as_str(),
                     },
                 ));
             }
@@ -261,6 +247,36 @@ pub async fn open_upstream(
     .with_retry_after(1))
 }
 
+/// Point the session's pin at `ep` when it points elsewhere (or nowhere yet), and count a move.
+async fn repin(
+    state: &AppState,
+    pool: &Pool,
+    key: &str,
+    pin: Option<&SessionPin>,
+    ep: &Endpoint,
+    outcome: PinOutcome,
+) {
+    if pin.is_some_and(|p| p.endpoint == ep.name) {
+        return;
+    }
+    let new = SessionPin {
+        endpoint: ep.name.clone(),
+        moves: pin.map_or(0, |p| p.moves + 1),
+    };
+    if let Err(e) = state.store.swap_pin(&pool.name, key, pin, &new).await {
+        tracing::warn!("could not store the session pin: {e}");
+    }
+    if let Some(old) = pin {
+        // A pin that held but whose endpoint then failed this request moved because it failed.
+        let cause = match outcome {
+            PinOutcome::Broken(cause) => cause.as_str(),
+            _ => "failed",
+        };
+        state.metrics.pin_moved(&pool.name, cause);
+        tracing::info!(from = %old.endpoint, to = %ep.name, moves = new.moves, cause, "session re-pinned");
+    }
+}
+
 fn new_stream(turn: &Turn) -> ResponseStream {
     ResponseStream::new(turn.skeleton.clone(), turn.plan.tool_names.clone())
         .with_encrypted_reasoning(turn.encrypted_reasoning)
@@ -283,7 +299,7 @@ pub async fn drive(
     state: Arc<AppState>,
     turn: Turn,
     mut chunks: ChunkStream,
-    routed: Routed,
+    mut routed: Routed,
     tx: Option<mpsc::Sender<Bytes>>,
     mut cancel: Option<watch::Receiver<bool>>,
 ) -> Value {
@@ -303,6 +319,8 @@ pub async fn drive(
         };
         match next {
             Some(Ok(chunk)) => {
+                // The engine is past this request's prefill: it no longer delays new work there.
+                routed.in_flight.prefill_done();
                 let events = rs.on_chunk(&chunk);
                 emit(&tx, events).await;
             }
@@ -337,7 +355,7 @@ pub async fn drive(
             .unwrap_or(0);
         turn.pool
             .picker
-            .completed(routed.index, &routed.prefix, cached);
+            .completed(routed.slot, &routed.prefix, routed.matched_chunks, cached);
     }
     drop(routed);
     emit(&tx, terminal).await;
