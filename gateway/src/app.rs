@@ -16,8 +16,10 @@ use agentgate_sessions::{AnyStore, StoreOptions};
 use crate::auth::KeyRing;
 use crate::config::{Config, HostedTools};
 use crate::error::HttpError;
+use crate::metrics::Metrics;
 use crate::pools::Pools;
-use crate::{handlers, responses};
+use crate::probe::LiveTasks;
+use crate::{handlers, metrics, responses};
 
 /// Everything a handler needs, shared by all requests.
 pub struct AppState {
@@ -37,8 +39,8 @@ pub struct AppState {
     pub background: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
     /// Bounds how many background runs execute at once.
     pub background_slots: Arc<tokio::sync::Semaphore>,
-    /// The gateway's own metrics.
-    pub metrics: Arc<crate::metrics::Metrics>,
+    /// The gateway's Prometheus metrics (`GET /metrics`).
+    pub metrics: Arc<Metrics>,
 }
 
 impl AppState {
@@ -79,7 +81,7 @@ impl AppState {
             hosted_tools,
             background: Mutex::new(HashMap::new()),
             background_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
-            metrics: Arc::new(crate::metrics::Metrics::default()),
+            metrics: Arc::new(Metrics::new()),
         }))
     }
 }
@@ -103,6 +105,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{model}", get(handlers::get_model))
         .route("/health/live", get(handlers::live))
         .route("/health/ready", get(handlers::ready))
+        .route("/metrics", get(metrics::handler))
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
@@ -129,12 +132,15 @@ async fn method_not_allowed(method: Method, uri: Uri) -> HttpError {
     )
 }
 
-/// A running gateway (for tests, benchmarks and `serve`).
+/// A running gateway (for tests, benchmarks and `serve`): the HTTP server and the background
+/// tasks that keep endpoint state live (health probes, metrics scrapes, endpoints-file
+/// watchers; see [`crate::probe`]).
 pub struct Gateway {
     addr: SocketAddr,
     state: Arc<AppState>,
     shutdown: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
+    live: LiveTasks,
 }
 
 impl Gateway {
@@ -148,6 +154,12 @@ impl Gateway {
             .await
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr()?;
+        let live = LiveTasks::start(
+            state.pools.all(),
+            &state.engines,
+            &state.metrics,
+            &state.config.routing,
+        );
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = router(state.clone());
         // SSE streams are many small writes: disable Nagle so events leave at once.
@@ -166,6 +178,7 @@ impl Gateway {
             state,
             shutdown: tx,
             task,
+            live,
         })
     }
 
@@ -186,12 +199,15 @@ impl Gateway {
 
     /// Wait until the server stops (it stops on [`Gateway::shutdown`]).
     pub async fn wait(self) -> std::io::Result<()> {
-        self.task.await.map_err(std::io::Error::other)?
+        let result = self.task.await.map_err(std::io::Error::other)?;
+        self.live.shutdown().await;
+        result
     }
 
-    /// Stop accepting connections and finish in-flight requests.
+    /// Stop accepting connections, finish in-flight requests, then stop the background tasks.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(());
         let _ = self.task.await;
+        self.live.shutdown().await;
     }
 }

@@ -4,13 +4,15 @@
 //! Unknown keys are rejected, and a bad value fails at start with the key's path and the reason,
 //! so a typo never silently changes behaviour.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
 
 use agentgate_adapters::Flavor;
+use agentgate_scheduler::Role;
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -94,7 +96,8 @@ pub enum HostedTools {
     Reject,
 }
 
-/// `[routing]` section.
+/// `[routing]` section: how sessions are identified, and the live endpoint state routing reads
+/// (health probes, engine metrics scrapes, saturation limits, endpoints-file polling).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RoutingConfig {
@@ -102,13 +105,78 @@ pub struct RoutingConfig {
     pub session_header: String,
     /// Also read the native session headers of Claude Code, Codex and OpenCode.
     pub native_session_headers: bool,
+    /// How often each endpoint's `/metrics` is scraped, in milliseconds; 0 disables scraping
+    /// (and with it the staleness rule).
+    pub scrape_interval_ms: u64,
+    /// A scrape older than this counts as saturated, in milliseconds; default 5x
+    /// `scrape_interval_ms`.
+    pub metrics_staleness_ms: Option<u64>,
+    /// How often each endpoint's `/health` is probed, in milliseconds; 0 disables probing.
+    pub health_interval_ms: u64,
+    /// Longest wait for one health probe or metrics scrape, in milliseconds.
+    pub probe_timeout_ms: u64,
+    /// Consecutive failed probes after which an endpoint is taken out.
+    pub unhealthy_after: u32,
+    /// Consecutive good probes after which an unhealthy endpoint returns.
+    pub healthy_after: u32,
+    /// Engine queue depth (requests waiting) at which an endpoint is saturated.
+    pub saturation_queue_depth: f64,
+    /// Engine KV-cache usage (0..=1) at which an endpoint with requests waiting is saturated.
+    pub saturation_kv_usage: f64,
+    /// How often an `endpoints_file` is checked for changes (mtime and length), in milliseconds.
+    pub discovery_interval_ms: u64,
 }
 
 impl Default for RoutingConfig {
     fn default() -> Self {
+        let saturation = agentgate_scheduler::Saturation::default();
         RoutingConfig {
             session_header: "x-session-id".into(),
             native_session_headers: true,
+            scrape_interval_ms: 1_000,
+            metrics_staleness_ms: None,
+            health_interval_ms: 2_000,
+            probe_timeout_ms: 1_000,
+            unhealthy_after: 2,
+            healthy_after: 1,
+            saturation_queue_depth: saturation.max_waiting,
+            saturation_kv_usage: saturation.max_kv_usage,
+            discovery_interval_ms: 1_000,
+        }
+    }
+}
+
+impl RoutingConfig {
+    /// The scrape interval, or None when scraping is disabled.
+    pub fn scrape_interval(&self) -> Option<Duration> {
+        (self.scrape_interval_ms > 0).then(|| Duration::from_millis(self.scrape_interval_ms))
+    }
+
+    /// The health probe interval, or None when probing is disabled.
+    pub fn health_interval(&self) -> Option<Duration> {
+        (self.health_interval_ms > 0).then(|| Duration::from_millis(self.health_interval_ms))
+    }
+
+    /// Age past which a scrape counts as stale, or None when scraping is disabled.
+    pub fn metrics_staleness(&self) -> Option<Duration> {
+        self.scrape_interval()?;
+        let ms = self
+            .metrics_staleness_ms
+            .unwrap_or(self.scrape_interval_ms.saturating_mul(5));
+        Some(Duration::from_millis(ms))
+    }
+
+    /// The saturation limits for a pool whose engines speak `flavor`: engines without known
+    /// metrics (`openai`) are never scraped, so the staleness rule does not apply to them.
+    pub fn saturation(&self, flavor: Flavor) -> agentgate_scheduler::Saturation {
+        agentgate_scheduler::Saturation {
+            max_waiting: self.saturation_queue_depth,
+            max_kv_usage: self.saturation_kv_usage,
+            staleness: if flavor == Flavor::Openai {
+                None
+            } else {
+                self.metrics_staleness()
+            },
         }
     }
 }
@@ -189,6 +257,28 @@ pub struct PoolConfig {
     /// `session` policies; unset keys keep the policy's defaults.
     #[serde(default)]
     pub scoring: ScoringToml,
+    /// Role of the pool's endpoints: `both` (default), `prefill` or `decode`. An endpoints-file
+    /// entry may override it with the `llm-d.ai/role` label.
+    #[serde(default = "default_role")]
+    pub role: String,
+    /// Labels given to every endpoint of the pool (an endpoints-file entry's own labels win).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// A watched endpoints file (YAML or JSON, `endpoints: [{name, address, port, labels}]`),
+    /// reloaded when it changes. A relative path is resolved against the config file's folder.
+    #[serde(default)]
+    pub endpoints_file: Option<PathBuf>,
+}
+
+impl PoolConfig {
+    /// The pool's role (`both` when the configured name is unknown; validation rejects that).
+    pub fn role(&self) -> Role {
+        Role::parse(&self.role).unwrap_or_default()
+    }
+}
+
+fn default_role() -> String {
+    Role::Both.name().into()
 }
 
 /// `[pools.scoring]` (see `agentgate_scheduler::pipeline` for the formulas).
@@ -321,7 +411,16 @@ impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| err(path.display().to_string(), format!("cannot read file: {e}")))?;
-        Config::parse(&text)
+        let mut config = Config::parse(&text)?;
+        let base = path.parent().unwrap_or(Path::new(""));
+        for pool in &mut config.pools {
+            if let Some(file) = pool.endpoints_file.as_mut() {
+                if file.is_relative() {
+                    *file = base.join(&*file);
+                }
+            }
+        }
+        Ok(config)
     }
 
     /// Parse and validate configuration text.
@@ -365,6 +464,44 @@ impl Config {
                 "must be a header name (letters, digits, '-' and '_')",
             ));
         }
+        let r = &self.routing;
+        if r.scrape_interval_ms > 0 {
+            if let Some(staleness) = r.metrics_staleness_ms {
+                if staleness < r.scrape_interval_ms {
+                    return Err(err(
+                        "routing.metrics_staleness_ms",
+                        format!(
+                            "must be at least routing.scrape_interval_ms ({} ms), or every scrape is stale before the next one",
+                            r.scrape_interval_ms
+                        ),
+                    ));
+                }
+            }
+        }
+        if r.probe_timeout_ms == 0 {
+            return Err(err("routing.probe_timeout_ms", "must be at least 1"));
+        }
+        if r.unhealthy_after == 0 {
+            return Err(err("routing.unhealthy_after", "must be at least 1"));
+        }
+        if r.healthy_after == 0 {
+            return Err(err("routing.healthy_after", "must be at least 1"));
+        }
+        if !(r.saturation_queue_depth.is_finite() && r.saturation_queue_depth > 0.0) {
+            return Err(err(
+                "routing.saturation_queue_depth",
+                "must be a positive number of waiting requests",
+            ));
+        }
+        if !(r.saturation_kv_usage > 0.0 && r.saturation_kv_usage <= 1.0) {
+            return Err(err(
+                "routing.saturation_kv_usage",
+                "must be a fraction in (0, 1], e.g. 0.98",
+            ));
+        }
+        if r.discovery_interval_ms == 0 {
+            return Err(err("routing.discovery_interval_ms", "must be at least 1"));
+        }
         if self.background.max_concurrent == 0 {
             return Err(err("background.max_concurrent", "must be at least 1"));
         }
@@ -407,11 +544,23 @@ impl Config {
                     &pool.scoring.resolve(policy),
                 )
                 .map_err(|reason| err(at("scoring"), reason))?;
+            Role::parse(&pool.role).map_err(|reason| err(at("role"), reason))?;
+            if pool.labels.keys().any(|k| k.trim().is_empty()) {
+                return Err(err(at("labels"), "label names must not be empty"));
+            }
+            if let Some(file) = &pool.endpoints_file {
+                if file.as_os_str().is_empty() {
+                    return Err(err(
+                        at("endpoints_file"),
+                        "must be a path to a YAML or JSON endpoints file",
+                    ));
+                }
+            }
             let simulated = pool.simulate.as_ref().map_or(0, |s| s.replicas);
-            if pool.endpoints.is_empty() && simulated == 0 {
+            if pool.endpoints.is_empty() && simulated == 0 && pool.endpoints_file.is_none() {
                 return Err(err(
                     at("endpoints"),
-                    "a pool needs engine endpoints or [pools.simulate] replicas",
+                    "a pool needs engine endpoints, an endpoints_file or [pools.simulate] replicas",
                 ));
             }
             for (j, ep) in pool.endpoints.iter().enumerate() {
@@ -563,6 +712,89 @@ endpoints = ["http://127.0.0.1:8000"]
         let text = format!("{MINIMAL}\n[[teams]]\nname = \"a\"\napi_key_sha256 = [\"abc\"]\n");
         let e = Config::parse(&text).unwrap_err();
         assert_eq!(e.key, "teams[0].api_key_sha256[0]");
+    }
+
+    #[test]
+    fn live_state_keys_have_defaults_and_map_to_saturation() {
+        let c = Config::parse(MINIMAL).unwrap();
+        let r = &c.routing;
+        assert_eq!(r.scrape_interval(), Some(Duration::from_secs(1)));
+        assert_eq!(r.metrics_staleness(), Some(Duration::from_secs(5)));
+        assert_eq!(r.health_interval(), Some(Duration::from_secs(2)));
+        assert_eq!((r.unhealthy_after, r.healthy_after), (2, 1));
+        assert_eq!(c.pools[0].role(), Role::Both);
+        assert!(c.pools[0].labels.is_empty());
+        assert_eq!(c.pools[0].endpoints_file, None);
+
+        let text = format!(
+            "[routing]\nscrape_interval_ms = 200\nmetrics_staleness_ms = 300\nhealth_interval_ms = 0\n\
+             saturation_queue_depth = 8\nsaturation_kv_usage = 0.9\n{MINIMAL}role = \"decode\"\n\
+             labels = {{ zone = \"a\" }}\n"
+        );
+        let c = Config::parse(&text).unwrap();
+        assert_eq!(c.routing.health_interval(), None);
+        assert_eq!(c.pools[0].role(), Role::Decode);
+        assert_eq!(c.pools[0].labels["zone"], "a");
+        let sat = c.routing.saturation(Flavor::Vllm);
+        assert_eq!(sat.max_waiting, 8.0);
+        assert_eq!(sat.max_kv_usage, 0.9);
+        assert_eq!(sat.staleness, Some(Duration::from_millis(300)));
+        assert_eq!(
+            c.routing.saturation(Flavor::Openai).staleness,
+            None,
+            "engines without metrics are never stale"
+        );
+        let off = Config::parse(&format!("[routing]\nscrape_interval_ms = 0\n{MINIMAL}")).unwrap();
+        assert_eq!(off.routing.saturation(Flavor::Sglang).staleness, None);
+    }
+
+    #[test]
+    fn bad_live_state_values_name_their_key() {
+        for (routing, key) in [
+            (
+                "scrape_interval_ms = 1000\nmetrics_staleness_ms = 10",
+                "routing.metrics_staleness_ms",
+            ),
+            ("unhealthy_after = 0", "routing.unhealthy_after"),
+            ("healthy_after = 0", "routing.healthy_after"),
+            ("probe_timeout_ms = 0", "routing.probe_timeout_ms"),
+            (
+                "saturation_queue_depth = 0",
+                "routing.saturation_queue_depth",
+            ),
+            ("saturation_kv_usage = 1.5", "routing.saturation_kv_usage"),
+            ("discovery_interval_ms = 0", "routing.discovery_interval_ms"),
+        ] {
+            let e = Config::parse(&format!("[routing]\n{routing}\n{MINIMAL}")).unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+        }
+        let e = Config::parse(&format!("{MINIMAL}role = \"encode\"\n")).unwrap_err();
+        assert_eq!(e.key, "pools[0].role");
+        assert!(e.reason.contains("both, prefill, decode"), "{e}");
+        let e = Config::parse(&format!("{MINIMAL}labels = {{ \"\" = \"x\" }}\n")).unwrap_err();
+        assert_eq!(e.key, "pools[0].labels");
+        let e = Config::parse(&format!("{MINIMAL}endpoints_file = 3\n")).unwrap_err();
+        assert!(e.key.contains("endpoints_file"), "{e}");
+    }
+
+    #[test]
+    fn endpoints_file_alone_makes_a_pool_and_resolves_beside_the_config() {
+        let text = "[[pools]]\nname = \"main\"\nmodel = \"m\"\nendpoints_file = \"eps.yaml\"\n";
+        let c = Config::parse(text).unwrap();
+        assert_eq!(
+            c.pools[0].endpoints_file.as_deref(),
+            Some(Path::new("eps.yaml"))
+        );
+        let dir = std::env::temp_dir().join(format!("agentgate-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("gateway.toml");
+        std::fs::write(&file, text).unwrap();
+        let c = Config::load(&file).unwrap();
+        assert_eq!(c.pools[0].endpoints_file, Some(dir.join("eps.yaml")));
+        std::fs::remove_dir_all(&dir).unwrap();
+        let none = "[[pools]]\nname = \"main\"\nmodel = \"m\"\n";
+        let e = Config::parse(none).unwrap_err();
+        assert!(e.reason.contains("endpoints_file"), "{e}");
     }
 
     #[test]

@@ -9,7 +9,12 @@
 //!   input tokens); [`turn`] runs one turn against an engine and persists it;
 //! - [`response_object`]: the Response object skeleton and ids;
 //! - [`pools`]: engine pools per model, each routing with the picker its `policy` names
-//!   (`agentgate-scheduler`); the prefix index is sized from the engines' reported KV capacity;
+//!   (`agentgate-scheduler`) over the endpoints that are available; the prefix index is sized
+//!   from the engines' reported KV capacity;
+//! - [`probe`]: live endpoint state, kept by background tasks: health probes take failing
+//!   endpoints out and return them, `/metrics` scrapes feed load and saturation, and
+//!   [`discovery`] applies a watched endpoints file without dropping in-flight requests;
+//! - [`metrics`]: the gateway's own Prometheus metrics (`GET /metrics`);
 //! - [`handlers`]: models and health; [`openapi`]: the OpenAPI document of all of the above;
 //! - [`app`]: shared state, router and server start/stop.
 //!
@@ -22,11 +27,13 @@
 pub mod app;
 pub mod auth;
 pub mod config;
+pub mod discovery;
 pub mod error;
 pub mod handlers;
 pub mod metrics;
 pub mod openapi;
 pub mod pools;
+pub mod probe;
 pub mod request;
 pub mod response_object;
 pub mod responses;

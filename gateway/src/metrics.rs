@@ -1,28 +1,617 @@
-//! The gateway's own counters (rendered at `GET /metrics` once the endpoint exists).
+//! The gateway's own Prometheus metrics, served on `GET /metrics` in the text exposition format
+//! (version 0.0.4).
+//!
+//! A small registry without dependencies: [`CounterVec`], [`GaugeVec`] and [`HistogramVec`],
+//! each a metric family with a fixed list of label names (the label count is part of the type,
+//! so a call site cannot pass the wrong number of values). Label values are escaped as the
+//! format requires (`\\`, `"`, newline).
+//!
+//! Two kinds of series:
+//!
+//! - **events**, counted as they happen through [`Metrics`]' methods: routing decisions and
+//!   their reason, session pin moves and their cause, discovery reloads, endpoint health
+//!   transitions, probe failures and probe latency;
+//! - **live endpoint state**, read from the pools at scrape time (nothing to keep in step):
+//!
+//! | series | meaning |
+//! |---|---|
+//! | `agentgate_endpoint_info{pool,endpoint,role,slot}` | 1 per endpoint in the pool's current list |
+//! | `agentgate_endpoint_healthy{pool,endpoint}` | 1 when the last probes passed |
+//! | `agentgate_endpoint_saturated{pool,endpoint}` | 1 when the engine's queue or KV cache is at the pool's limit, or its metrics are stale |
+//! | `agentgate_endpoint_in_flight_requests{pool,endpoint}` | requests this gateway has running there |
+//! | `agentgate_endpoint_in_flight_tokens{pool,endpoint}` | their prompt tokens (estimated) |
+//! | `agentgate_endpoint_pending_prefill_tokens{pool,endpoint}` | uncached prompt tokens of those still before their first token |
+//! | `agentgate_endpoint_engine_waiting{pool,endpoint}` | the engine's queue depth, last scrape |
+//! | `agentgate_endpoint_engine_running{pool,endpoint}` | the engine's running requests, last scrape |
+//! | `agentgate_endpoint_kv_usage{pool,endpoint}` | the engine's KV-cache usage 0..1, last scrape (when reported) |
+//! | `agentgate_endpoint_metrics_age_seconds{pool,endpoint}` | age of the last scrape (absent before the first) |
+//! | `agentgate_pool_endpoints{pool}`, `agentgate_pool_available_endpoints{pool}` | list size, and how many take new work |
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
 
-/// Routing counters.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    decisions: Mutex<HashMap<(String, String, String), u64>>,
-    moves: Mutex<HashMap<(String, String), u64>>,
+use axum::extract::State;
+use axum::http::header::CONTENT_TYPE;
+use axum::response::{IntoResponse, Response};
+
+use crate::app::AppState;
+use crate::pools::Pools;
+
+/// `Content-Type` of the text exposition format.
+pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Buckets (seconds) for probe and scrape latency.
+pub const PROBE_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-impl Metrics {
-    /// A routing decision for `endpoint` of `pool`, decided by `reason`.
-    pub fn routing_decision(&self, pool: &str, endpoint: &str, reason: &str) {
-        if let Ok(mut m) = self.decisions.lock() {
-            *m.entry((pool.into(), endpoint.into(), reason.into()))
-                .or_default() += 1;
+/// A float as the format writes it (`+Inf`, `-Inf`, `NaN`, else Rust's shortest form).
+fn number(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v == f64::INFINITY {
+        "+Inf".into()
+    } else if v == f64::NEG_INFINITY {
+        "-Inf".into()
+    } else {
+        v.to_string()
+    }
+}
+
+fn escape_label(v: &str, out: &mut String) {
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+}
+
+/// `{a="x",b="y"}` (with `extra` appended, e.g. `le`), or nothing for no labels.
+fn labels(names: &[&str], values: &[String], extra: Option<(&str, &str)>, out: &mut String) {
+    let mut pairs = names
+        .iter()
+        .zip(values)
+        .map(|(n, v)| (*n, v.as_str()))
+        .chain(extra)
+        .peekable();
+    if pairs.peek().is_none() {
+        return;
+    }
+    out.push('{');
+    let mut first = true;
+    for (name, value) in pairs {
+        if !first {
+            out.push(',');
+        }
+        first = false;
+        out.push_str(name);
+        out.push_str("=\"");
+        escape_label(value, out);
+        out.push('"');
+    }
+    out.push('}');
+}
+
+fn header(name: &str, help: &str, kind: &str, out: &mut String) {
+    let help = help.replace('\\', "\\\\").replace('\n', "\\n");
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+fn key<const N: usize>(values: [&str; N]) -> Vec<String> {
+    values.iter().map(|v| v.to_string()).collect()
+}
+
+/// A counter family with `N` label names.
+#[derive(Debug)]
+pub struct CounterVec<const N: usize> {
+    name: &'static str,
+    help: &'static str,
+    label_names: [&'static str; N],
+    values: Mutex<BTreeMap<Vec<String>, u64>>,
+}
+
+impl<const N: usize> CounterVec<N> {
+    /// An empty family.
+    pub fn new(name: &'static str, help: &'static str, label_names: [&'static str; N]) -> Self {
+        CounterVec {
+            name,
+            help,
+            label_names,
+            values: Mutex::new(BTreeMap::new()),
         }
     }
 
-    /// A session pin of `pool` moved because of `cause`.
+    /// Add one to the series with these label values.
+    pub fn inc(&self, values: [&str; N]) {
+        self.inc_by(values, 1);
+    }
+
+    /// Add `n` to the series with these label values.
+    pub fn inc_by(&self, values: [&str; N], n: u64) {
+        let mut map = lock(&self.values);
+        let v = map.entry(key(values)).or_insert(0);
+        *v = v.saturating_add(n);
+    }
+
+    /// The series' value (0 if never counted).
+    pub fn get(&self, values: [&str; N]) -> u64 {
+        lock(&self.values).get(&key(values)).copied().unwrap_or(0)
+    }
+
+    /// Append the family in the text format.
+    pub fn encode(&self, out: &mut String) {
+        header(self.name, self.help, "counter", out);
+        for (values, v) in lock(&self.values).iter() {
+            out.push_str(self.name);
+            labels(&self.label_names, values, None, out);
+            let _ = writeln!(out, " {v}");
+        }
+    }
+}
+
+/// A gauge family with `N` label names.
+#[derive(Debug)]
+pub struct GaugeVec<const N: usize> {
+    name: &'static str,
+    help: &'static str,
+    label_names: [&'static str; N],
+    values: Mutex<BTreeMap<Vec<String>, f64>>,
+}
+
+impl<const N: usize> GaugeVec<N> {
+    /// An empty family.
+    pub fn new(name: &'static str, help: &'static str, label_names: [&'static str; N]) -> Self {
+        GaugeVec {
+            name,
+            help,
+            label_names,
+            values: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Set the series with these label values.
+    pub fn set(&self, values: [&str; N], v: f64) {
+        lock(&self.values).insert(key(values), v);
+    }
+
+    /// The series' value, if set.
+    pub fn get(&self, values: [&str; N]) -> Option<f64> {
+        lock(&self.values).get(&key(values)).copied()
+    }
+
+    /// Append the family in the text format.
+    pub fn encode(&self, out: &mut String) {
+        header(self.name, self.help, "gauge", out);
+        for (values, v) in lock(&self.values).iter() {
+            out.push_str(self.name);
+            labels(&self.label_names, values, None, out);
+            let _ = writeln!(out, " {}", number(*v));
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Histogram {
+    /// Per bucket (not cumulative), plus one for above the last bound.
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+/// A histogram family with `N` label names and fixed bucket bounds.
+#[derive(Debug)]
+pub struct HistogramVec<const N: usize> {
+    name: &'static str,
+    help: &'static str,
+    label_names: [&'static str; N],
+    bounds: &'static [f64],
+    values: Mutex<BTreeMap<Vec<String>, Histogram>>,
+}
+
+impl<const N: usize> HistogramVec<N> {
+    /// An empty family with bucket upper bounds `bounds` (ascending; `+Inf` is implied).
+    pub fn new(
+        name: &'static str,
+        help: &'static str,
+        label_names: [&'static str; N],
+        bounds: &'static [f64],
+    ) -> Self {
+        HistogramVec {
+            name,
+            help,
+            label_names,
+            bounds,
+            values: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Record one observation (NaN is ignored).
+    pub fn observe(&self, values: [&str; N], v: f64) {
+        if v.is_nan() {
+            return;
+        }
+        let bucket = self
+            .bounds
+            .iter()
+            .position(|b| v <= *b)
+            .unwrap_or(self.bounds.len());
+        let mut map = lock(&self.values);
+        let h = map.entry(key(values)).or_insert_with(|| Histogram {
+            counts: vec![0; self.bounds.len() + 1],
+            sum: 0.0,
+            count: 0,
+        });
+        if let Some(c) = h.counts.get_mut(bucket) {
+            *c += 1;
+        }
+        h.sum += v;
+        h.count += 1;
+    }
+
+    /// Observations recorded for these label values.
+    pub fn count(&self, values: [&str; N]) -> u64 {
+        lock(&self.values).get(&key(values)).map_or(0, |h| h.count)
+    }
+
+    /// Append the family in the text format (cumulative `_bucket`s, `_sum`, `_count`).
+    pub fn encode(&self, out: &mut String) {
+        header(self.name, self.help, "histogram", out);
+        for (values, h) in lock(&self.values).iter() {
+            let mut cumulative = 0;
+            let bounds = self.bounds.iter().map(|b| number(*b));
+            for (le, c) in bounds
+                .chain(std::iter::once("+Inf".to_string()))
+                .zip(&h.counts)
+            {
+                cumulative += c;
+                let _ = write!(out, "{}_bucket", self.name);
+                labels(&self.label_names, values, Some(("le", &le)), out);
+                let _ = writeln!(out, " {cumulative}");
+            }
+            let _ = write!(out, "{}_sum", self.name);
+            labels(&self.label_names, values, None, out);
+            let _ = writeln!(out, " {}", number(h.sum));
+            let _ = write!(out, "{}_count", self.name);
+            labels(&self.label_names, values, None, out);
+            let _ = writeln!(out, " {}", h.count);
+        }
+    }
+}
+
+/// Every metric the gateway exports.
+#[derive(Debug)]
+pub struct Metrics {
+    /// `agentgate_routing_decisions_total{pool,endpoint,reason}`.
+    pub routing_decisions: CounterVec<3>,
+    /// `agentgate_session_pin_moves_total{pool,cause}`.
+    pub pin_moves: CounterVec<2>,
+    /// `agentgate_discovery_reloads_total{pool,result}`.
+    pub discovery_reloads: CounterVec<2>,
+    /// `agentgate_endpoint_health_transitions_total{pool,endpoint,state}`.
+    pub health_transitions: CounterVec<3>,
+    /// `agentgate_endpoint_probe_failures_total{pool,endpoint,probe}`.
+    pub probe_failures: CounterVec<3>,
+    /// `agentgate_endpoint_probe_duration_seconds{pool,probe}`.
+    pub probe_duration: HistogramVec<2>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Metrics {
+            routing_decisions: CounterVec::new(
+                "agentgate_routing_decisions_total",
+                "Requests routed to an endpoint, by the reason that decided it.",
+                ["pool", "endpoint", "reason"],
+            ),
+            pin_moves: CounterVec::new(
+                "agentgate_session_pin_moves_total",
+                "Session pins moved to another endpoint, by cause.",
+                ["pool", "cause"],
+            ),
+            discovery_reloads: CounterVec::new(
+                "agentgate_discovery_reloads_total",
+                "Endpoint lists read from a discovery source, by result (ok or error).",
+                ["pool", "result"],
+            ),
+            health_transitions: CounterVec::new(
+                "agentgate_endpoint_health_transitions_total",
+                "Endpoints taken out (state=unhealthy) or returned (state=healthy) by health probes.",
+                ["pool", "endpoint", "state"],
+            ),
+            probe_failures: CounterVec::new(
+                "agentgate_endpoint_probe_failures_total",
+                "Failed health probes (probe=health) and metrics scrapes (probe=metrics).",
+                ["pool", "endpoint", "probe"],
+            ),
+            probe_duration: HistogramVec::new(
+                "agentgate_endpoint_probe_duration_seconds",
+                "Latency of health probes and metrics scrapes, failed ones included.",
+                ["pool", "probe"],
+                PROBE_BUCKETS,
+            ),
+        }
+    }
+
+    /// A request was routed to `endpoint` for `reason` (`pin`, `prefix`, `load`, ...).
+    pub fn routing_decision(&self, pool: &str, endpoint: &str, reason: &str) {
+        self.routing_decisions.inc([pool, endpoint, reason]);
+    }
+
+    /// A session's pin moved for `cause` (`unavailable`, `saturated`, `wait`, ...).
     pub fn pin_moved(&self, pool: &str, cause: &str) {
-        if let Ok(mut m) = self.moves.lock() {
-            *m.entry((pool.into(), cause.into())).or_default() += 1;
+        self.pin_moves.inc([pool, cause]);
+    }
+
+    /// A discovery source was read: `result` is `ok` or `error`.
+    pub fn discovery_reload(&self, pool: &str, result: &str) {
+        self.discovery_reloads.inc([pool, result]);
+    }
+
+    /// The text exposition of every metric, live endpoint state read from `pools` at `now`.
+    pub fn render(&self, pools: &Pools, now: Instant) -> String {
+        let mut out = String::with_capacity(4096);
+        endpoint_state(pools, now, &mut out);
+        self.routing_decisions.encode(&mut out);
+        self.pin_moves.encode(&mut out);
+        self.discovery_reloads.encode(&mut out);
+        self.health_transitions.encode(&mut out);
+        self.probe_failures.encode(&mut out);
+        self.probe_duration.encode(&mut out);
+        out
+    }
+}
+
+/// The live-state gauges of the module doc's table.
+fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
+    let ep = ["pool", "endpoint"];
+    let g = |name, help| GaugeVec::new(name, help, ep);
+    let info = GaugeVec::new(
+        "agentgate_endpoint_info",
+        "One series per endpoint in its pool's current list.",
+        ["pool", "endpoint", "role", "slot"],
+    );
+    let healthy = g(
+        "agentgate_endpoint_healthy",
+        "1 when the endpoint's last health probes passed.",
+    );
+    let saturated = g(
+        "agentgate_endpoint_saturated",
+        "1 when the engine's queue or KV cache is at the pool's limit, or its metrics are stale.",
+    );
+    let requests = g(
+        "agentgate_endpoint_in_flight_requests",
+        "Requests this gateway has in flight on the endpoint.",
+    );
+    let tokens = g(
+        "agentgate_endpoint_in_flight_tokens",
+        "Prompt tokens (estimated) of the requests in flight.",
+    );
+    let prefill = g(
+        "agentgate_endpoint_pending_prefill_tokens",
+        "Uncached prompt tokens of in-flight requests still waiting for their first token.",
+    );
+    let waiting = g(
+        "agentgate_endpoint_engine_waiting",
+        "Requests waiting in the engine's queue, from its last metrics scrape.",
+    );
+    let running = g(
+        "agentgate_endpoint_engine_running",
+        "Requests running in the engine, from its last metrics scrape.",
+    );
+    let kv = g(
+        "agentgate_endpoint_kv_usage",
+        "KV-cache usage (0..1) the engine reported in its last metrics scrape.",
+    );
+    let age = g(
+        "agentgate_endpoint_metrics_age_seconds",
+        "Seconds since the endpoint's last successful metrics scrape.",
+    );
+    let pool_size = GaugeVec::new(
+        "agentgate_pool_endpoints",
+        "Endpoints in the pool's current list.",
+        ["pool"],
+    );
+    let pool_available = GaugeVec::new(
+        "agentgate_pool_available_endpoints",
+        "Endpoints of the pool that take new work (healthy, not retired).",
+        ["pool"],
+    );
+    let flag = |b: bool| if b { 1.0 } else { 0.0 };
+    for pool in pools.all() {
+        let endpoints = pool.endpoints();
+        let p = pool.name.as_str();
+        pool_size.set([p], endpoints.len() as f64);
+        pool_available.set(
+            [p],
+            endpoints.iter().filter(|e| e.is_available()).count() as f64,
+        );
+        for e in endpoints.iter() {
+            let l = [p, e.name.as_str()];
+            info.set([p, &e.name, e.role.name(), &e.slot.to_string()], 1.0);
+            healthy.set(l, flag(e.is_healthy()));
+            saturated.set(l, flag(e.saturated(&pool.saturation, now)));
+            requests.set(l, e.in_flight_requests() as f64);
+            tokens.set(l, e.in_flight_tokens() as f64);
+            prefill.set(l, e.pending_prefill_tokens() as f64);
+            if let Some(r) = e.load_report() {
+                waiting.set(l, r.waiting);
+                running.set(l, r.running);
+                if let Some(u) = r.kv_usage {
+                    kv.set(l, u);
+                }
+                age.set(l, now.saturating_duration_since(r.at).as_secs_f64());
+            }
+        }
+    }
+    pool_size.encode(out);
+    pool_available.encode(out);
+    info.encode(out);
+    for family in [
+        &healthy, &saturated, &requests, &tokens, &prefill, &waiting, &running, &kv, &age,
+    ] {
+        family.encode(out);
+    }
+}
+
+/// `GET /metrics`: the text exposition (unauthenticated, like the health checks; it names
+/// pools and endpoints, never keys or teams).
+pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
+    let body = state.metrics.render(&state.pools, Instant::now());
+    ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], body).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_render_with_escaped_labels() {
+        let c = CounterVec::new("t_total", "Help with \\ and\nnewline.", ["a", "b"]);
+        c.inc(["x", "q\"uo\\te\nd"]);
+        c.inc_by(["x", "q\"uo\\te\nd"], 2);
+        c.inc(["a", "b"]);
+        assert_eq!(c.get(["x", "q\"uo\\te\nd"]), 3);
+        assert_eq!(c.get(["none", "none"]), 0);
+        let mut out = String::new();
+        c.encode(&mut out);
+        assert_eq!(
+            out,
+            "# HELP t_total Help with \\\\ and\\nnewline.\n# TYPE t_total counter\n\
+             t_total{a=\"a\",b=\"b\"} 1\n\
+             t_total{a=\"x\",b=\"q\\\"uo\\\\te\\nd\"} 3\n"
+        );
+    }
+
+    #[test]
+    fn gauges_render_special_floats_and_no_braces_without_labels() {
+        let g = GaugeVec::new("g", "G.", []);
+        g.set([], f64::INFINITY);
+        let mut out = String::new();
+        g.encode(&mut out);
+        assert!(out.ends_with("\ng +Inf\n"), "{out}");
+        let g = GaugeVec::new("h", "H.", ["x"]);
+        g.set(["1"], 0.25);
+        g.set(["1"], f64::NAN);
+        g.set(["2"], -1.5);
+        let mut out = String::new();
+        g.encode(&mut out);
+        assert!(out.contains("h{x=\"1\"} NaN\nh{x=\"2\"} -1.5\n"), "{out}");
+    }
+
+    #[test]
+    fn histograms_are_cumulative_with_sum_and_count() {
+        const B: &[f64] = &[0.1, 1.0];
+        let h = HistogramVec::new("lat_seconds", "L.", ["p"], B);
+        for v in [0.0625, 0.09375, 0.5, 3.0, f64::NAN] {
+            h.observe(["a"], v);
+        }
+        assert_eq!(h.count(["a"]), 4);
+        let mut out = String::new();
+        h.encode(&mut out);
+        let body: Vec<&str> = out.lines().skip(2).collect();
+        assert_eq!(
+            body,
+            [
+                "lat_seconds_bucket{p=\"a\",le=\"0.1\"} 2",
+                "lat_seconds_bucket{p=\"a\",le=\"1\"} 3",
+                "lat_seconds_bucket{p=\"a\",le=\"+Inf\"} 4",
+                "lat_seconds_sum{p=\"a\"} 3.65625",
+                "lat_seconds_count{p=\"a\"} 4",
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn live_endpoint_state_is_read_at_render_time() {
+        let config = crate::Config::parse(
+            "[routing]\nscrape_interval_ms = 0\nhealth_interval_ms = 0\n\
+             [[pools]]\nname = \"main\"\nmodel = \"m\"\nrole = \"decode\"\n\
+             endpoints = [\"http://127.0.0.1:9\", \"http://127.0.0.1:10\"]\n",
+        )
+        .unwrap();
+        let engines = agentgate_adapters::EngineClient::new(Default::default());
+        let pools = Pools::start(&config, &engines).await.unwrap();
+        let pool = pools.for_model("m").unwrap();
+        let eps = pool.endpoints();
+        let _guard = eps[0].begin(100, 60);
+        eps[1].set_healthy(false);
+        let now = Instant::now();
+        eps[0].set_load_report(agentgate_scheduler::LoadReport {
+            at: now,
+            waiting: 3.0,
+            running: 5.0,
+            kv_usage: Some(0.5),
+        });
+        let m = Metrics::new();
+        m.routing_decision("main", "main/0", "load");
+        let out = m.render(&pools, now + std::time::Duration::from_millis(1500));
+        for line in [
+            "agentgate_pool_endpoints{pool=\"main\"} 2",
+            "agentgate_pool_available_endpoints{pool=\"main\"} 1",
+            "agentgate_endpoint_info{pool=\"main\",endpoint=\"main/1\",role=\"decode\",slot=\"1\"} 1",
+            "agentgate_endpoint_healthy{pool=\"main\",endpoint=\"main/0\"} 1",
+            "agentgate_endpoint_healthy{pool=\"main\",endpoint=\"main/1\"} 0",
+            "agentgate_endpoint_in_flight_requests{pool=\"main\",endpoint=\"main/0\"} 1",
+            "agentgate_endpoint_in_flight_tokens{pool=\"main\",endpoint=\"main/0\"} 100",
+            "agentgate_endpoint_pending_prefill_tokens{pool=\"main\",endpoint=\"main/0\"} 60",
+            "agentgate_endpoint_engine_waiting{pool=\"main\",endpoint=\"main/0\"} 3",
+            "agentgate_endpoint_engine_running{pool=\"main\",endpoint=\"main/0\"} 5",
+            "agentgate_endpoint_kv_usage{pool=\"main\",endpoint=\"main/0\"} 0.5",
+            "agentgate_endpoint_metrics_age_seconds{pool=\"main\",endpoint=\"main/0\"} 1.5",
+            "agentgate_endpoint_saturated{pool=\"main\",endpoint=\"main/0\"} 0",
+            "agentgate_routing_decisions_total{pool=\"main\",endpoint=\"main/0\",reason=\"load\"} 1",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} missing in\n{out}");
+        }
+        // Never scraped: no engine series for main/1.
+        assert!(
+            !out.contains("agentgate_endpoint_engine_waiting{pool=\"main\",endpoint=\"main/1\"}")
+        );
+        // Every sample line is `name{labels} value` or `name value`.
+        for line in out.lines().filter(|l| !l.starts_with('#')) {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            assert!(series.starts_with("agentgate_"), "{line}");
+            assert!(
+                value == "NaN" || value.ends_with("Inf") || value.parse::<f64>().is_ok(),
+                "{line}"
+            );
+        }
+        pools.shutdown().await;
+    }
+
+    #[test]
+    fn event_api_counts_into_the_named_series() {
+        let m = Metrics::new();
+        m.routing_decision("main", "main/0", "prefix");
+        m.routing_decision("main", "main/0", "prefix");
+        m.pin_moved("main", "unavailable");
+        m.discovery_reload("main", "error");
+        let mut out = String::new();
+        m.routing_decisions.encode(&mut out);
+        m.pin_moves.encode(&mut out);
+        m.discovery_reloads.encode(&mut out);
+        for line in [
+            "agentgate_routing_decisions_total{pool=\"main\",endpoint=\"main/0\",reason=\"prefix\"} 2",
+            "agentgate_session_pin_moves_total{pool=\"main\",cause=\"unavailable\"} 1",
+            "agentgate_discovery_reloads_total{pool=\"main\",result=\"error\"} 1",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} missing in\n{out}");
         }
     }
 }

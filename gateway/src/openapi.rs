@@ -120,6 +120,15 @@ pub const ROUTES: &[RouteDoc] = &[
         errors: &[503],
         query: &[],
     },
+    RouteDoc {
+        method: "get",
+        path: "/metrics",
+        summary: "The gateway's Prometheus metrics: live endpoint state, routing decisions, pin moves, discovery reloads, probes.",
+        request: None,
+        response: "PrometheusText",
+        errors: &[],
+        query: &[],
+    },
 ];
 
 fn schema_ref(name: &str) -> Value {
@@ -226,7 +235,11 @@ pub fn document() -> Value {
         if let Some(req) = r.request {
             op.insert("requestBody".into(), json!({"required": true, "content": {"application/json": {"schema": schema_ref(req)}}}));
         }
-        let mut content = json!({"application/json": {"schema": schema_ref(r.response)}});
+        let mut content = if r.response == "PrometheusText" {
+            json!({"text/plain": {"schema": {"type": "string", "description": "Prometheus text exposition format, version 0.0.4"}}})
+        } else {
+            json!({"application/json": {"schema": schema_ref(r.response)}})
+        };
         if r.path == "/v1/responses" && r.method == "post" {
             content["text/event-stream"] = json!({"schema": {"type": "string", "description": "Server-sent Responses events (event: TYPE, data: JSON) with gapless sequence_number"}});
         }

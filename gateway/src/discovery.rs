@@ -1,0 +1,726 @@
+//! Endpoint discovery: endpoints a pool learns about at run time, beside the fixed ones from the
+//! config's `endpoints` and `[pools.simulate]`.
+//!
+//! # Sources
+//!
+//! A [`Discovery`] source yields whole endpoint lists ([`Update::Endpoints`]) or says why it
+//! could not produce one ([`Update::Failed`]; the pool keeps its current list). Today's source
+//! is [`FileDiscovery`], a watched file; a Kubernetes source (EndpointSlices of a Service or
+//! pods by label selector) implements the same trait and needs nothing else changed.
+//!
+//! # The endpoints file
+//!
+//! The shape of llm-d's static endpoint lists, in YAML (JSON, being a subset, parses too):
+//!
+//! ```yaml
+//! endpoints:
+//!   - name: vllm-a            # unique in the pool; shown in logs, metrics and session pins
+//!     address: 10.0.0.5       # host name, IPv4 or IPv6 address
+//!     port: 8000
+//!     labels:                 # optional; merged over the pool's `labels`
+//!       llm-d.ai/role: decode # optional; overrides the pool's `role` (both|prefill|decode)
+//!       zone: us-east-1a
+//! ```
+//!
+//! Unknown keys, duplicate names, names taken by the pool's fixed endpoints, an empty file and
+//! a bad role are errors: the whole file is refused and the pool keeps its current list, so a
+//! half-written or mistyped file never empties a pool. To empty one, write `endpoints: []`.
+//! The file is polled every `routing.discovery_interval_ms` for a change of modification time
+//! or length (no file-system notification needed); writers should replace it atomically
+//! (write a temporary file, then rename it over the old one).
+//!
+//! # Applying a new list (see [`diff`])
+//!
+//! Endpoints are matched by name:
+//!
+//! - **unchanged** (same name, address, port, role and labels): the same `Arc<Endpoint>` stays,
+//!   so its in-flight counts, health streak and load report carry on;
+//! - **relabelled** (same name and address, new role or labels): the same engine, so the new
+//!   endpoint takes the old one's slot (the prefix index keeps what it learnt), health verdict
+//!   and load report; the old one is retired;
+//! - **added** (or moved to another address): a new endpoint in a fresh slot, the lowest slot
+//!   not held by a live endpoint nor by a removed one that still has requests in flight. A slot
+//!   freed earlier is reused so per-slot tables stay small; the prefix index forgets what it
+//!   knew for a reused slot before the new endpoint takes it;
+//! - **removed**: [`Endpoint::retire`]d and left out of the next snapshot. Requests already
+//!   running on it hold their own `Arc` and finish normally; new requests never see it.
+//!
+//! The pool's endpoint list is a snapshot swapped whole, so a request routes over one
+//! consistent list while the next one sees the new list.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use agentgate_scheduler::{Endpoint, Role};
+
+/// The label that sets an endpoint's role, as llm-d's deployments label their pods.
+pub const ROLE_LABEL: &str = "llm-d.ai/role";
+
+/// Largest endpoints file read, in bytes.
+const MAX_FILE_BYTES: u64 = 16 * 1024 * 1024;
+
+/// Deepest YAML nesting accepted (the format itself needs four levels).
+const MAX_DEPTH: usize = 32;
+
+/// One endpoint as a discovery source describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiscoveredEndpoint {
+    /// Unique name within the pool.
+    pub name: String,
+    /// Host name or IP address.
+    pub address: String,
+    /// TCP port.
+    pub port: u16,
+    /// Free-form labels; [`ROLE_LABEL`] sets the role.
+    pub labels: BTreeMap<String, String>,
+}
+
+impl DiscoveredEndpoint {
+    /// `http://address:port` (IPv6 addresses in brackets).
+    pub fn base_url(&self) -> String {
+        if self.address.contains(':') && !self.address.starts_with('[') {
+            format!("http://[{}]:{}", self.address, self.port)
+        } else {
+            format!("http://{}:{}", self.address, self.port)
+        }
+    }
+
+    /// The role its [`ROLE_LABEL`] names (`prefill-decode` is accepted for `both`), else
+    /// `default`.
+    pub fn role(&self, default: Role) -> Result<Role, String> {
+        match self.labels.get(ROLE_LABEL).map(|r| r.trim()) {
+            None => Ok(default),
+            Some("prefill-decode") => Ok(Role::Both),
+            Some(name) => Role::parse(name).map_err(|e| {
+                format!(
+                    "endpoint `{}`: label {ROLE_LABEL}: {e} (or prefill-decode)",
+                    self.name
+                )
+            }),
+        }
+    }
+}
+
+/// What a discovery source produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Update {
+    /// The complete new endpoint list.
+    Endpoints(Vec<DiscoveredEndpoint>),
+    /// The source could not be read or parsed; the pool keeps its current list.
+    Failed(String),
+}
+
+/// A source of endpoint lists for one pool: a watched file today, Kubernetes later.
+pub trait Discovery: Send + 'static {
+    /// What the source watches, for logs (`file /etc/agentgate/endpoints.yaml`).
+    fn describe(&self) -> String;
+
+    /// Wait until the source changes and return the new list (or why it cannot be read).
+    /// Cancel-safe: dropping the future loses no change.
+    fn next(&mut self) -> impl Future<Output = Update> + Send;
+}
+
+/// The modification time and length last seen, or that the file was missing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stamp {
+    Missing,
+    Present(Option<SystemTime>, u64),
+}
+
+/// Watches an endpoints file: polls its modification time and length, re-reads it when either
+/// changes.
+#[derive(Debug)]
+pub struct FileDiscovery {
+    path: PathBuf,
+    interval: Duration,
+    seen: Option<Stamp>,
+}
+
+impl FileDiscovery {
+    /// Watch `path`, checking every `interval`. The first [`Discovery::next`] reads the file
+    /// as it is now (unless it is missing).
+    pub fn new(path: impl Into<PathBuf>, interval: Duration) -> Self {
+        FileDiscovery {
+            path: path.into(),
+            interval,
+            seen: None,
+        }
+    }
+
+    /// Read and parse an endpoints file once: `Ok(None)` when it does not exist.
+    pub fn read(path: &Path) -> Result<Option<Vec<DiscoveredEndpoint>>, String> {
+        match std::fs::metadata(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+            Ok(m) if m.len() > MAX_FILE_BYTES => {
+                return Err(format!(
+                    "{} is larger than {MAX_FILE_BYTES} bytes",
+                    path.display()
+                ))
+            }
+            Ok(_) => {}
+        }
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        parse_endpoints(&text)
+            .map(Some)
+            .map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    fn stamp(&self) -> Stamp {
+        match std::fs::metadata(&self.path) {
+            Ok(m) => Stamp::Present(m.modified().ok(), m.len()),
+            Err(_) => Stamp::Missing,
+        }
+    }
+
+    /// One check: the update to report, if the file changed since the last check.
+    fn check(&mut self) -> Option<Update> {
+        let stamp = self.stamp();
+        let previous = self.seen.replace(stamp);
+        if previous == Some(stamp) {
+            return None;
+        }
+        match stamp {
+            // Never seen: nothing to report. Seen before: say so once, keep the list.
+            Stamp::Missing => previous.map(|_| {
+                Update::Failed(format!(
+                    "{} is missing; keeping the current endpoints",
+                    self.path.display()
+                ))
+            }),
+            Stamp::Present(..) => Some(match Self::read(&self.path) {
+                Ok(Some(list)) => Update::Endpoints(list),
+                Ok(None) => Update::Failed(format!("{} vanished while read", self.path.display())),
+                Err(e) => Update::Failed(e),
+            }),
+        }
+    }
+}
+
+impl Discovery for FileDiscovery {
+    fn describe(&self) -> String {
+        format!("file {}", self.path.display())
+    }
+
+    async fn next(&mut self) -> Update {
+        loop {
+            if self.seen.is_some() {
+                tokio::time::sleep(self.interval).await;
+            }
+            if let Some(update) = self.check() {
+                return update;
+            }
+        }
+    }
+}
+
+/// One `endpoints` entry.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileEntry {
+    name: String,
+    address: String,
+    port: u16,
+    #[serde(default)]
+    labels: BTreeMap<String, LabelValue>,
+}
+
+/// Label values are strings; numbers and booleans are taken as written.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum LabelValue {
+    Text(String),
+    Integer(i64),
+    Number(f64),
+    Flag(bool),
+}
+
+impl LabelValue {
+    fn into_string(self) -> String {
+        match self {
+            LabelValue::Text(s) => s,
+            LabelValue::Integer(i) => i.to_string(),
+            LabelValue::Number(f) => f.to_string(),
+            LabelValue::Flag(b) => b.to_string(),
+        }
+    }
+}
+
+/// Parse an endpoints file (YAML, or JSON) into its entries, checking each one.
+pub fn parse_endpoints(text: &str) -> Result<Vec<DiscoveredEndpoint>, String> {
+    let docs = yaml_rust2::YamlLoader::load_from_str(text).map_err(|e| e.to_string())?;
+    let doc = match docs.as_slice() {
+        [] => return Err("the file is empty; write `endpoints: []` for no endpoints".into()),
+        [doc] => doc,
+        _ => return Err("the file holds several YAML documents; use one".into()),
+    };
+    let Value::Object(mut top) = yaml_to_json(doc, 0)? else {
+        return Err("expected a mapping with an `endpoints` list".into());
+    };
+    let endpoints = top
+        .remove("endpoints")
+        .ok_or("missing the `endpoints` list")?;
+    if let Some(key) = top.keys().next() {
+        return Err(format!(
+            "unknown key `{key}`; the file has one key, `endpoints`"
+        ));
+    }
+    let Value::Array(items) = endpoints else {
+        return Err("`endpoints` must be a list (`endpoints: []` for none)".into());
+    };
+    let mut names = HashSet::new();
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        let at = format!("endpoints[{i}]");
+        let entry = FileEntry::deserialize(item).map_err(|e| format!("{at}: {e}"))?;
+        let name = entry.name.trim().to_string();
+        if name.is_empty() || name.chars().any(char::is_control) {
+            return Err(format!("{at}.name: must be a non-empty name"));
+        }
+        if !names.insert(name.clone()) {
+            return Err(format!("{at}.name: `{name}` appears twice"));
+        }
+        let address = entry.address.trim().to_string();
+        if address.is_empty()
+            || address
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control() || "/?#@".contains(c))
+        {
+            return Err(format!(
+                "{at}.address: `{address}` is not a host name or IP address"
+            ));
+        }
+        if entry.port == 0 {
+            return Err(format!("{at}.port: must be 1-65535"));
+        }
+        let labels: BTreeMap<String, String> = entry
+            .labels
+            .into_iter()
+            .map(|(k, v)| (k, v.into_string()))
+            .collect();
+        if labels.keys().any(|k| k.trim().is_empty()) {
+            return Err(format!("{at}.labels: label names must not be empty"));
+        }
+        let endpoint = DiscoveredEndpoint {
+            name,
+            address,
+            port: entry.port,
+            labels,
+        };
+        endpoint.role(Role::Both)?;
+        out.push(endpoint);
+    }
+    Ok(out)
+}
+
+/// A YAML node as JSON, for serde. Mapping keys must be scalars.
+fn yaml_to_json(node: &yaml_rust2::Yaml, depth: usize) -> Result<Value, String> {
+    use yaml_rust2::Yaml;
+    if depth > MAX_DEPTH {
+        return Err(format!("nested deeper than {MAX_DEPTH} levels"));
+    }
+    Ok(match node {
+        Yaml::Null => Value::Null,
+        Yaml::Boolean(b) => Value::Bool(*b),
+        Yaml::Integer(i) => Value::from(*i),
+        Yaml::Real(text) => match node.as_f64().and_then(serde_json::Number::from_f64) {
+            Some(n) => Value::Number(n),
+            None => Value::String(text.clone()),
+        },
+        Yaml::String(s) => Value::String(s.clone()),
+        Yaml::Array(items) => Value::Array(
+            items
+                .iter()
+                .map(|item| yaml_to_json(item, depth + 1))
+                .collect::<Result<_, _>>()?,
+        ),
+        Yaml::Hash(map) => {
+            let mut out = serde_json::Map::new();
+            for (k, v) in map {
+                let key = match k {
+                    Yaml::String(s) | Yaml::Real(s) => s.clone(),
+                    Yaml::Integer(i) => i.to_string(),
+                    Yaml::Boolean(b) => b.to_string(),
+                    _ => return Err("mapping keys must be plain scalars".into()),
+                };
+                out.insert(key, yaml_to_json(v, depth + 1)?);
+            }
+            Value::Object(out)
+        }
+        Yaml::Alias(_) | Yaml::BadValue => return Err("unsupported YAML node".into()),
+    })
+}
+
+/// What every discovered endpoint of a pool inherits.
+#[derive(Debug, Clone, Default)]
+pub struct Defaults {
+    /// The pool's role (an entry's [`ROLE_LABEL`] wins).
+    pub role: Role,
+    /// The pool's labels (an entry's own labels win).
+    pub labels: BTreeMap<String, String>,
+}
+
+/// The outcome of applying a new list (see the module doc).
+#[derive(Debug, Default)]
+pub struct Diff {
+    /// The discovered part of the pool's next snapshot, in the source's order.
+    pub endpoints: Vec<Arc<Endpoint>>,
+    /// New endpoints (fresh slots).
+    pub added: Vec<Arc<Endpoint>>,
+    /// Endpoints to retire: gone from the list, or moved to another address.
+    pub removed: Vec<Arc<Endpoint>>,
+    /// Same engine (name and address), new role or labels: `(old, new)`. The new endpoint
+    /// takes the old one's slot, health verdict and load report; the old one is retired.
+    pub relabelled: Vec<(Arc<Endpoint>, Arc<Endpoint>)>,
+    /// Endpoints kept as they were.
+    pub kept: usize,
+}
+
+impl Diff {
+    /// Whether the list changed at all.
+    pub fn changed(&self) -> bool {
+        !self.added.is_empty() || !self.removed.is_empty() || !self.relabelled.is_empty()
+    }
+}
+
+/// Match `desired` against the pool's current discovered endpoints by name (see the module
+/// doc). `fixed` are the config's endpoints (their names and slots are taken), `draining` are
+/// retired endpoints whose slots stay reserved while they have requests in flight. Fails,
+/// changing nothing, when a name clashes with a fixed endpoint or a role label is invalid.
+pub fn diff(
+    pool: &str,
+    fixed: &[Arc<Endpoint>],
+    current: &[Arc<Endpoint>],
+    desired: &[DiscoveredEndpoint],
+    defaults: &Defaults,
+    draining: &[Arc<Endpoint>],
+) -> Result<Diff, String> {
+    /// What becomes of one desired entry.
+    enum Plan {
+        Keep(Arc<Endpoint>),
+        Relabel(Arc<Endpoint>),
+        New,
+    }
+
+    let fixed_names: HashSet<&str> = fixed.iter().map(|e| e.name.as_str()).collect();
+    let mut wanted = Vec::with_capacity(desired.len());
+    let mut names = HashSet::new();
+    for d in desired {
+        if fixed_names.contains(d.name.as_str()) {
+            return Err(format!(
+                "endpoint name `{}` is already used by pool `{pool}`'s configured endpoints",
+                d.name
+            ));
+        }
+        if !names.insert(d.name.as_str()) {
+            return Err(format!("endpoint name `{}` appears twice", d.name));
+        }
+        let role = d.role(defaults.role)?;
+        let mut labels = defaults.labels.clone();
+        labels.extend(d.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
+        wanted.push((d, d.base_url(), role, labels));
+    }
+
+    let mut taken: BTreeSet<usize> = fixed.iter().map(|e| e.slot).collect();
+    taken.extend(
+        draining
+            .iter()
+            .filter(|e| e.in_flight_requests() > 0)
+            .map(|e| e.slot),
+    );
+    // First pass: what stays (as it is, or relabelled in its slot), so its slot is never
+    // handed out.
+    let mut plans = Vec::with_capacity(wanted.len());
+    for (d, url, role, labels) in &wanted {
+        let plan = match current
+            .iter()
+            .find(|e| e.name == d.name && &e.base_url == url)
+        {
+            Some(e) if e.role == *role && &e.labels == labels => Plan::Keep(e.clone()),
+            Some(e) => Plan::Relabel(e.clone()),
+            None => Plan::New,
+        };
+        if let Plan::Keep(e) | Plan::Relabel(e) = &plan {
+            taken.insert(e.slot);
+        }
+        plans.push(plan);
+    }
+    let mut out = Diff::default();
+    for e in current {
+        let stays = plans
+            .iter()
+            .any(|p| matches!(p, Plan::Keep(k) | Plan::Relabel(k) if Arc::ptr_eq(k, e)));
+        if !stays {
+            if e.in_flight_requests() > 0 {
+                taken.insert(e.slot);
+            }
+            out.removed.push(e.clone());
+        }
+    }
+    for ((d, url, role, labels), plan) in wanted.into_iter().zip(plans) {
+        let fresh = |slot: usize| {
+            Arc::new(
+                Endpoint::new(d.name.clone(), url.clone())
+                    .with_slot(slot)
+                    .with_role(role)
+                    .with_labels(labels.clone()),
+            )
+        };
+        match plan {
+            Plan::Keep(e) => {
+                out.kept += 1;
+                out.endpoints.push(e);
+            }
+            Plan::Relabel(old) => {
+                let e = fresh(old.slot);
+                e.set_healthy(old.is_healthy());
+                if let Some(report) = old.load_report() {
+                    e.set_load_report(report);
+                }
+                out.relabelled.push((old, e.clone()));
+                out.endpoints.push(e);
+            }
+            Plan::New => {
+                let slot = (0..).find(|s| !taken.contains(s)).unwrap_or(taken.len());
+                taken.insert(slot);
+                let e = fresh(slot);
+                out.added.push(e.clone());
+                out.endpoints.push(e);
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixed(n: usize) -> Vec<Arc<Endpoint>> {
+        (0..n)
+            .map(|i| {
+                Arc::new(
+                    Endpoint::new(format!("p/{i}"), format!("http://127.0.0.1:{i}")).with_slot(i),
+                )
+            })
+            .collect()
+    }
+
+    fn entry(name: &str, port: u16) -> DiscoveredEndpoint {
+        DiscoveredEndpoint {
+            name: name.into(),
+            address: "10.0.0.1".into(),
+            port,
+            labels: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn yaml_and_json_files_parse_alike() {
+        let yaml = "endpoints:\n  - name: a\n    address: 10.0.0.5\n    port: 8000\n    labels:\n      llm-d.ai/role: decode\n      gpus: 8\n  - name: b\n    address: \"::1\"\n    port: 8001\n";
+        let json = r#"{"endpoints": [{"name": "a", "address": "10.0.0.5", "port": 8000, "labels": {"llm-d.ai/role": "decode", "gpus": 8}}, {"name": "b", "address": "::1", "port": 8001}]}"#;
+        let a = parse_endpoints(yaml).unwrap();
+        assert_eq!(a, parse_endpoints(json).unwrap());
+        assert_eq!(a.len(), 2);
+        assert_eq!(a[0].base_url(), "http://10.0.0.5:8000");
+        assert_eq!(a[0].labels["gpus"], "8");
+        assert_eq!(a[0].role(Role::Both).unwrap(), Role::Decode);
+        assert_eq!(a[1].base_url(), "http://[::1]:8001");
+        assert_eq!(a[1].role(Role::Prefill).unwrap(), Role::Prefill);
+        assert!(parse_endpoints("endpoints: []").unwrap().is_empty());
+    }
+
+    #[test]
+    fn example_endpoints_file_parses() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/endpoints.yaml");
+        let list = FileDiscovery::read(&path)
+            .unwrap()
+            .expect("the example exists");
+        assert_eq!(list.len(), 2);
+        assert!(list.iter().all(|e| e.role(Role::Both) == Ok(Role::Decode)));
+    }
+
+    #[test]
+    fn bad_files_are_refused_with_the_reason() {
+        let cases = [
+            ("", "empty"),
+            ("endpoints:\n  - name: a\n    address: x\n", "port"),
+            ("endpoints:\n  - name: a\n    adress: x\n    port: 1\n", "adress"),
+            (
+                "endpoints:\n  - {name: a, address: x, port: 1}\n  - {name: a, address: y, port: 2}\n",
+                "twice",
+            ),
+            ("endpoints:\n  - {name: a, address: x, port: 70000}\n", "endpoints"),
+            ("endpoints:\n  - {name: a, address: x, port: 0}\n", "port"),
+            ("endpoints:\n  - {name: a, address: 'http://x', port: 1}\n", "address"),
+            (
+                "endpoints:\n  - {name: a, address: x, port: 1, labels: {llm-d.ai/role: mixed}}\n",
+                "unknown role",
+            ),
+            ("endpoints: [{name: a, address: x, port: 1}", "flow"),
+            ("{\"endpoints\": [", ""),
+            ("- a\n- b\n", ""),
+            ("endpoints: 3\n", "list"),
+            ("endpoints: []\nextra: 1\n", "extra"),
+            ("a: 1\n---\nb: 2\n", "several"),
+            (&"[".repeat(200), ""),
+        ];
+        for (text, needle) in cases {
+            let e = parse_endpoints(text).expect_err(text);
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn diff_keeps_unchanged_arcs_adds_fresh_slots_and_retires_removed() {
+        let fixed = fixed(2);
+        let defaults = Defaults::default();
+        let first = diff(
+            "p",
+            &fixed,
+            &[],
+            &[entry("a", 1), entry("b", 2)],
+            &defaults,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(first.added.len(), 2);
+        let slots: Vec<usize> = first.endpoints.iter().map(|e| e.slot).collect();
+        assert_eq!(slots, [2, 3]);
+
+        // b unchanged, a removed, c added, b's port unchanged.
+        let a = first.endpoints[0].clone();
+        let b = first.endpoints[1].clone();
+        let guard = a.begin(10, 10);
+        let second = diff(
+            "p",
+            &fixed,
+            &first.endpoints,
+            &[entry("b", 2), entry("c", 3)],
+            &defaults,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(second.kept, 1);
+        assert!(
+            Arc::ptr_eq(&second.endpoints[0], &b),
+            "unchanged keeps its Arc"
+        );
+        assert_eq!(second.removed.len(), 1);
+        assert!(Arc::ptr_eq(&second.removed[0], &a));
+        // a still has a request in flight: its slot 2 is not reused.
+        assert_eq!(second.endpoints[1].slot, 4);
+        assert_eq!(second.endpoints[1].name, "c");
+
+        // Once a drained, its slot is free again; a changed address means a new endpoint.
+        drop(guard);
+        let third = diff(
+            "p",
+            &fixed,
+            &second.endpoints,
+            &[entry("b", 9), entry("c", 3), entry("d", 4)],
+            &defaults,
+            &second.removed,
+        )
+        .unwrap();
+        assert_eq!(third.kept, 1);
+        assert_eq!(third.removed.len(), 1);
+        assert!(
+            Arc::ptr_eq(&third.removed[0], &b),
+            "b moved: the old b goes"
+        );
+        let slots: Vec<usize> = third.endpoints.iter().map(|e| e.slot).collect();
+        assert_eq!(slots, [2, 4, 3], "freed slots are reused, lowest first");
+        assert_eq!(third.endpoints[0].base_url, "http://10.0.0.1:9");
+    }
+
+    #[test]
+    fn new_labels_on_the_same_engine_keep_its_slot_and_state() {
+        let first = diff("p", &[], &[], &[entry("a", 1)], &Defaults::default(), &[]).unwrap();
+        let a = first.endpoints[0].clone();
+        a.set_healthy(false);
+        let mut relabelled = entry("a", 1);
+        relabelled.labels.insert("zone".into(), "x".into());
+        let defaults = Defaults {
+            role: Role::Decode,
+            labels: BTreeMap::from([("pool".into(), "p".into())]),
+        };
+        let second = diff("p", &[], &first.endpoints, &[relabelled], &defaults, &[]).unwrap();
+        assert!(second.changed());
+        assert!(second.added.is_empty() && second.removed.is_empty());
+        let (old, new) = &second.relabelled[0];
+        assert!(Arc::ptr_eq(old, &a));
+        assert_eq!(new.slot, a.slot);
+        assert!(!new.is_healthy(), "the health verdict carries over");
+        assert_eq!(new.role, Role::Decode);
+        assert_eq!(new.labels["pool"], "p");
+        assert_eq!(new.labels["zone"], "x");
+        // Applying the same list again changes nothing.
+        let third = diff(
+            "p",
+            &[],
+            &second.endpoints,
+            &[{
+                let mut e = entry("a", 1);
+                e.labels.insert("zone".into(), "x".into());
+                e
+            }],
+            &defaults,
+            &[],
+        )
+        .unwrap();
+        assert!(!third.changed());
+        assert_eq!(third.kept, 1);
+    }
+
+    #[test]
+    fn diff_refuses_clashing_names_and_changes_nothing() {
+        let fixed = fixed(1);
+        let e = diff(
+            "p",
+            &fixed,
+            &[],
+            &[entry("p/0", 1)],
+            &Defaults::default(),
+            &[],
+        )
+        .unwrap_err();
+        assert!(e.contains("already used"), "{e}");
+        let mut bad = entry("x", 1);
+        bad.labels.insert(ROLE_LABEL.into(), "encode".into());
+        assert!(diff("p", &fixed, &[], &[bad], &Defaults::default(), &[]).is_err());
+    }
+
+    #[test]
+    fn file_discovery_reports_changes_and_keeps_quiet_otherwise() {
+        let dir = std::env::temp_dir().join(format!(
+            "agentgate-discovery-{}-{}",
+            std::process::id(),
+            fastrand::u64(..)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("endpoints.yaml");
+        let mut watch = FileDiscovery::new(&path, Duration::from_millis(1));
+        // Missing at first: nothing to report.
+        assert_eq!(watch.check(), None);
+        std::fs::write(&path, "endpoints:\n  - {name: a, address: h, port: 1}\n").unwrap();
+        match watch.check() {
+            Some(Update::Endpoints(list)) => assert_eq!(list[0].name, "a"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(watch.check(), None, "unchanged file");
+        std::fs::write(&path, "endpoints: [").unwrap();
+        assert!(matches!(watch.check(), Some(Update::Failed(_))));
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(watch.check(), Some(Update::Failed(e)) if e.contains("missing")));
+        assert_eq!(watch.check(), None, "missing is reported once");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

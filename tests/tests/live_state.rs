@@ -1,0 +1,260 @@
+//! End-to-end: live endpoint state over real simulated replicas. A replica whose `/health`
+//! fails is taken out and returns when it recovers; an endpoints file adds and removes
+//! replicas at run time without cutting a request in flight; `/metrics` shows both.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use agentgate::pools::{Endpoint, Pool};
+use agentgate_tests::*;
+
+/// Poll `done` every 20 ms, for at most 15 s; fails the test with `what` if it never holds.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..750 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+fn endpoint(pool: &Pool, name: &str) -> Option<Arc<Endpoint>> {
+    pool.endpoints().iter().find(|e| e.name == name).cloned()
+}
+
+/// One short non-streaming turn: (status, the endpoint that served it).
+async fn turn(base: &str) -> (u16, String) {
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/v1/responses"))
+        .json(&json!({"model": "sim-model", "input": "hello", "max_output_tokens": 16}))
+        .send()
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    let served = resp
+        .headers()
+        .get("x-agentgate-endpoint")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let _: Value = resp.json().await.expect("json body");
+    (status, served)
+}
+
+async fn metrics_text(base: &str) -> String {
+    let resp = reqwest::get(format!("{base}/metrics"))
+        .await
+        .expect("metrics");
+    assert_eq!(resp.status().as_u16(), 200);
+    let ct = resp.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(ct.starts_with("text/plain; version=0.0.4"), "{ct}");
+    resp.text().await.unwrap()
+}
+
+async fn sim_faults(sim: &agentgate_sim::SimHandle, spec: Option<Value>) {
+    let client = reqwest::Client::new();
+    let url = format!("{}/sim/faults", sim.base_url());
+    let resp = match spec {
+        Some(spec) => client.post(url).json(&spec).send().await,
+        None => client.delete(url).send().await,
+    }
+    .expect("sim faults");
+    assert!(resp.status().is_success(), "{}", resp.status());
+}
+
+const FAST_PROBES: &str = "[routing]\nhealth_interval_ms = 50\nscrape_interval_ms = 50\n\
+    unhealthy_after = 2\nhealthy_after = 1\ndiscovery_interval_ms = 50\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_replica_is_taken_out_and_returns_when_it_recovers() {
+    let sims = [
+        start_sim("sim-model").await,
+        start_sim("sim-model").await,
+        start_sim("sim-model").await,
+    ];
+    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
+    let gw = start_gateway(&config_toml(
+        &urls,
+        None,
+        &format!("policy = \"round_robin\"\n{FAST_PROBES}"),
+    ))
+    .await;
+    let base = gw.base_url();
+    let pool = gw.state().pools.for_model("sim-model").unwrap();
+    let sick = endpoint(&pool, "sim/1").unwrap();
+    eventually("every endpoint has a load report", || {
+        pool.endpoints().iter().all(|e| e.load_report().is_some())
+    })
+    .await;
+
+    sim_faults(&sims[1], Some(json!({"unhealthy": true}))).await;
+    eventually("sim/1 is taken out", || !sick.is_available()).await;
+    assert!(!sick.is_healthy() && !sick.is_retired());
+    for _ in 0..9 {
+        let (status, served) = turn(&base).await;
+        assert_eq!(status, 200);
+        assert!(
+            served == "sim/0" || served == "sim/2",
+            "served by {served:?} while sim/1 is unhealthy"
+        );
+    }
+    let m = metrics_text(&base).await;
+    for line in [
+        "agentgate_endpoint_healthy{pool=\"sim\",endpoint=\"sim/1\"} 0",
+        "agentgate_endpoint_healthy{pool=\"sim\",endpoint=\"sim/0\"} 1",
+        "agentgate_pool_available_endpoints{pool=\"sim\"} 2",
+        "agentgate_endpoint_health_transitions_total{pool=\"sim\",endpoint=\"sim/1\",state=\"unhealthy\"} 1",
+    ] {
+        assert!(m.lines().any(|l| l == line), "{line} missing in\n{m}");
+    }
+    let ready = reqwest::get(format!("{base}/health/ready")).await.unwrap();
+    assert_eq!(ready.status().as_u16(), 200, "two replicas still serve");
+
+    sim_faults(&sims[1], None).await;
+    eventually("sim/1 returns", || sick.is_available()).await;
+    let mut served_by_sick = false;
+    for _ in 0..6 {
+        let (status, served) = turn(&base).await;
+        assert_eq!(status, 200);
+        served_by_sick |= served == "sim/1";
+    }
+    assert!(served_by_sick, "round robin reaches the recovered replica");
+
+    // Every replica down: not ready, and requests are refused rather than sent to them.
+    for sim in &sims {
+        sim_faults(sim, Some(json!({"unhealthy": true}))).await;
+    }
+    eventually("every endpoint is taken out", || {
+        pool.endpoints().iter().all(|e| !e.is_available())
+    })
+    .await;
+    let ready = reqwest::get(format!("{base}/health/ready")).await.unwrap();
+    assert_eq!(ready.status().as_u16(), 503);
+    assert_eq!(turn(&base).await.0, 503);
+
+    gw.shutdown().await;
+    for sim in sims {
+        sim.shutdown().await;
+    }
+}
+
+fn write_atomically(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_file_adds_and_retires_replicas_without_cutting_requests() {
+    let fixed = start_sim("sim-model").await;
+    let extra = start_sim("sim-model").await;
+    let dir = std::env::temp_dir().join(unique_prefix("agentgate-live-state").replace(':', "-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("endpoints.yaml");
+    write_atomically(&file, "endpoints: []\n");
+    let gw = start_gateway(&config_toml(
+        &[fixed.base_url()],
+        None,
+        &format!(
+            "policy = \"round_robin\"\nendpoints_file = \"{}\"\n{FAST_PROBES}",
+            file.display()
+        ),
+    ))
+    .await;
+    let base = gw.base_url();
+    let pool = gw.state().pools.for_model("sim-model").unwrap();
+    assert_eq!(pool.endpoints().len(), 1);
+
+    // Added: the new replica gets the next slot and takes traffic.
+    let port = extra.addr().port();
+    write_atomically(
+        &file,
+        &format!(
+            "endpoints:\n  - name: file-b\n    address: 127.0.0.1\n    port: {port}\n    labels:\n      zone: b\n"
+        ),
+    );
+    eventually("file-b is added", || endpoint(&pool, "file-b").is_some()).await;
+    let b = endpoint(&pool, "file-b").unwrap();
+    assert_eq!(b.slot, 1);
+    assert_eq!(b.labels["zone"], "b");
+    assert_eq!(b.base_url, extra.base_url());
+
+    // A file that does not parse changes nothing.
+    write_atomically(&file, "endpoints: [{name: broken\n");
+    eventually("the bad file is counted", || {
+        gw.state().metrics.discovery_reloads.get(["sim", "error"]) >= 1
+    })
+    .await;
+    let still = endpoint(&pool, "file-b").expect("file-b survives a bad file");
+    assert!(
+        Arc::ptr_eq(&still, &b),
+        "an unchanged endpoint keeps its state"
+    );
+
+    // Hold requests on file-b before their first token, and start one there.
+    sim_faults(&extra, Some(json!({"stall_ms": 5000}))).await;
+    let mut held = None;
+    for _ in 0..8 {
+        let task = tokio::spawn(turn_owned(base.clone()));
+        eventually("the request is placed", || {
+            task.is_finished() || b.in_flight_requests() > 0
+        })
+        .await;
+        if b.in_flight_requests() > 0 {
+            held = Some(task);
+            break;
+        }
+        let (status, served) = task.await.unwrap();
+        assert_eq!((status, served.as_str()), (200, "sim/0"));
+    }
+    let held = held.expect("round robin reaches file-b");
+
+    // Removed while that request runs: retired at once, the request still finishes there.
+    write_atomically(&file, "endpoints: []\n");
+    eventually("file-b is removed", || endpoint(&pool, "file-b").is_none()).await;
+    assert!(b.is_retired() && !b.is_available());
+    assert_eq!(b.in_flight_requests(), 1, "the request is still running");
+    for _ in 0..3 {
+        assert_eq!(turn(&base).await, (200, "sim/0".to_string()));
+    }
+    let (status, served) = held.await.unwrap();
+    assert_eq!((status, served.as_str()), (200, "file-b"));
+    assert_eq!(b.in_flight_requests(), 0);
+
+    let m = metrics_text(&base).await;
+    assert!(
+        m.contains("agentgate_pool_endpoints{pool=\"sim\"} 1\n"),
+        "{m}"
+    );
+    assert!(
+        !m.contains("endpoint=\"file-b\"}"),
+        "a removed endpoint leaves the gauges"
+    );
+    assert!(
+        gw.state().metrics.discovery_reloads.get(["sim", "ok"]) >= 2,
+        "{m}"
+    );
+
+    // Added again: a new endpoint (fresh state), in the slot the old one freed.
+    write_atomically(
+        &file,
+        &format!("endpoints:\n  - {{name: file-b, address: 127.0.0.1, port: {port}}}\n"),
+    );
+    eventually("file-b is back", || endpoint(&pool, "file-b").is_some()).await;
+    let b2 = endpoint(&pool, "file-b").unwrap();
+    assert!(!Arc::ptr_eq(&b, &b2));
+    assert_eq!(b2.slot, 1);
+    assert!(b2.is_available());
+
+    gw.shutdown().await;
+    fixed.shutdown().await;
+    extra.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+async fn turn_owned(base: String) -> (u16, String) {
+    turn(&base).await
+}
