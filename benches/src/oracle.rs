@@ -103,6 +103,15 @@ impl ReuseOracle {
         }
     }
 
+    /// Distinct blocks an unlimited oracle holds (every full block it was ever given); None for
+    /// a bounded one.
+    pub fn distinct_blocks(&self) -> Option<u64> {
+        match &self.cache {
+            Cache::Unlimited(stored) => Some(stored.len() as u64),
+            Cache::Bounded(_) => None,
+        }
+    }
+
     /// Totals so far.
     pub fn result(&self) -> ReuseResult {
         ReuseResult {

@@ -1,12 +1,15 @@
 //! End to end: `agentgate-bench run` on a tiny agentic workload against two baseline policies
 //! (in-process replicas and gateway, time scale 0), checking that summary.json is complete and
-//! consistent and that the report and charts are written; and that an unavailable policy fails
-//! before anything runs.
+//! consistent and that the report and charts are written; that an unavailable policy fails
+//! before anything runs; that two gateways sharing one Redis serve a session policy run whose
+//! turns alternate between them; and that killing a replica mid-run is accounted for.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use agentgate_bench::run::summary::PolicySummary;
 use agentgate_bench::run::{execute, Args};
+use agentgate_sessions::testing::TestRedis;
 use serde_json::Value;
 
 fn out_dir(name: &str) -> PathBuf {
@@ -19,6 +22,9 @@ fn tiny_args(policies: &[&str], out: PathBuf) -> Args {
     Args {
         workload: "agentic".into(),
         replicas: 2,
+        gateways: 1,
+        redis_url: None,
+        kill_replica: None,
         policies: policies.iter().map(|p| p.to_string()).collect(),
         sessions: 3,
         duration: Duration::from_secs(3),
@@ -50,6 +56,9 @@ const FIELDS: &[&str] = &[
     "output_tokens_per_s",
     "prefill_tokens_computed",
     "gpu_seconds_per_million_tokens",
+    "no_eviction_kv_blocks",
+    "requests_per_gateway",
+    "requests_per_replica",
     "teams",
 ];
 
@@ -117,6 +126,11 @@ async fn tiny_agentic_run_writes_a_complete_consistent_summary() {
         assert!(f(policy, "e2e_p50_ms") <= f(policy, "e2e_p99_ms"));
         assert!(f(policy, "output_tokens_per_s") > 0.0);
         assert!(u(policy, "prefill_tokens_computed") <= u(&policy["engine"], "prompt_tokens"));
+        assert!(u(policy, "no_eviction_kv_blocks") > 0);
+        assert!(
+            u(policy, "no_eviction_kv_blocks") < args.kv_blocks as u64,
+            "a tiny run fits in the replicas' caches: {policy}"
+        );
         let teams = policy["teams"].as_object().expect("teams object");
         let team_requests: u64 = teams.values().map(|t| u(t, "requests")).sum();
         assert_eq!(team_requests, requests, "teams partition the requests");
@@ -127,6 +141,10 @@ async fn tiny_agentic_run_writes_a_complete_consistent_summary() {
     assert!(
         report.contains("agentgate-bench run (test)"),
         "command line in the report"
+    );
+    assert!(
+        report.contains("No replica can have evicted anything"),
+        "eviction check in the report"
     );
     for chart in ["ttft_cdf.svg", "cache_hit_ratio.svg", "replica_load.svg"] {
         let svg = std::fs::read_to_string(out.join(chart)).expect("chart written");
@@ -152,4 +170,154 @@ async fn an_unavailable_policy_fails_clearly_before_running() {
     assert!(message.contains("fastest"), "{message}");
     assert!(message.contains("policy"), "{message}");
     assert!(!out.join("summary.json").exists(), "nothing ran");
+}
+
+/// requests = successes + errors + shed, and the gateways' and replicas' counts add up.
+fn assert_consistent(policy: &PolicySummary) {
+    assert!(policy.requests > 0, "no request was sent: {policy:?}");
+    assert_eq!(
+        policy.requests,
+        policy.successes + policy.errors + policy.shed,
+        "requests = successes + errors + shed: {policy:?}"
+    );
+    assert_eq!(
+        policy.requests_per_gateway.iter().sum::<u64>(),
+        policy.requests,
+        "every request went to one gateway"
+    );
+    assert!(
+        policy.requests_per_replica.iter().sum::<u64>() >= policy.successes,
+        "every success names the replica that served it: {:?}",
+        policy.requests_per_replica
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_sharing_one_redis_serve_alternating_turns() {
+    let redis = TestRedis::start();
+    let out = out_dir("gateways");
+    let args = Args {
+        gateways: 2,
+        redis_url: Some(redis.url().to_string()),
+        ..tiny_args(&["session"], out.clone())
+    };
+    let summary = execute(&args, "agentgate-bench run (test)", false)
+        .await
+        .expect("the run succeeds");
+    assert_eq!((summary.gateways, summary.store.as_str()), (2, "redis"));
+    let policy = &summary.policies[0];
+    assert_consistent(policy);
+    // Chained turns continue a response the other gateway stored: without a shared store they
+    // would fail.
+    assert_eq!(
+        (policy.errors, policy.shed),
+        (0, 0),
+        "{:?}",
+        policy.first_error
+    );
+    assert_eq!(policy.requests_per_gateway.len(), 2);
+    assert!(
+        policy.requests_per_gateway.iter().all(|&n| n > 0),
+        "both gateways served: {:?}",
+        policy.requests_per_gateway
+    );
+    assert!(policy.cached_tokens > 0, "later turns reuse the cache");
+
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("summary.json")).expect("summary.json written"),
+    )
+    .expect("summary.json is JSON");
+    assert_eq!(json["gateways"], 2);
+    assert_eq!(json["store"], "redis");
+    assert!(
+        json["policies"][0].get("kill").is_none(),
+        "no kill requested"
+    );
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
+    assert!(
+        report.contains("(s + t) mod 2"),
+        "assignment rule in the report"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_replica_mid_run_loses_no_request_and_is_reported() {
+    let out = out_dir("kill");
+    // Short chat turns keep every request quick even in a debug build, so the replay follows
+    // the simulated clock closely and traffic is running on both sides of the kill.
+    let args = Args {
+        workload: "chat".into(),
+        sessions: 20,
+        duration: Duration::from_secs(30),
+        time_scale: 0.02,
+        kill_replica: Some(Duration::from_secs(15)),
+        ..tiny_args(&["round_robin"], out.clone())
+    };
+    let summary = execute(&args, "agentgate-bench run (test)", false)
+        .await
+        .expect("the run succeeds");
+    assert_eq!(summary.kill_replica_s, Some(15.0));
+    let policy = &summary.policies[0];
+    assert_consistent(policy);
+    assert!(
+        policy.requests_per_replica[0] > 0,
+        "round robin sent replica 0 some of the requests sent before the kill: {policy:?}"
+    );
+    let kill = policy.kill.as_ref().expect("kill section");
+    assert_eq!((kill.at_s, kill.replica), (15.0, 0));
+    assert!(kill.performed, "the replay was still running at 15 s");
+    assert!(kill.killed_at_s.is_some_and(|t| t >= 15.0), "{kill:?}");
+    assert!(kill.errors_in_flight <= kill.in_flight, "{kill:?}");
+    assert_eq!(
+        kill.errors_in_flight + kill.errors_after + kill.errors_other,
+        policy.errors,
+        "every error is classified once: {kill:?}"
+    );
+    assert!(kill.shed_after <= policy.shed);
+    assert_eq!(
+        kill.routed_to_killed_after, 0,
+        "nothing is served by a dead replica"
+    );
+    assert!(kill.requests_after > 0, "the replay went on after the kill");
+    assert!(
+        kill.hit_ratio_after_60s.is_some(),
+        "requests sent after the kill still succeed on the other replica: {kill:?}"
+    );
+    for ratio in [
+        kill.hit_ratio_before,
+        kill.hit_ratio_after_60s,
+        kill.hit_ratio_late,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        assert!((0.0..=1.0).contains(&ratio), "{kill:?}");
+    }
+
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("summary.json")).expect("summary.json written"),
+    )
+    .expect("summary.json is JSON");
+    let section = &json["policies"][0]["kill"];
+    for field in [
+        "at_s",
+        "replica",
+        "errors_in_flight",
+        "errors_after",
+        "hit_ratio_before",
+        "hit_ratio_after_60s",
+        "hit_ratio_late",
+    ] {
+        assert!(
+            section.get(field).is_some(),
+            "kill.{field} missing: {section}"
+        );
+    }
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
+    assert!(
+        report.contains("### Replica kill"),
+        "kill section in the report"
+    );
+    let _ = std::fs::remove_dir_all(&out);
 }

@@ -10,14 +10,27 @@
 //!
 //! Simulated time is wall time divided by `--time-scale`; at time scale 0 the replicas do not
 //! sleep at all, think times are skipped and latencies are reported in wall milliseconds.
+//!
+//! `--gateways N` starts N gateways per policy over the same replicas, sharing one store
+//! ([`store`]: Redis when N > 1); turn `t` of session `s` is sent to gateway `(s + t) % N`
+//! ([`replay::gateway_for`]), so consecutive turns of a session alternate between gateways and
+//! keep their cache reuse only if stored responses and session pins are shared through the store.
+//!
+//! `--kill-replica AT` crashes replica 0 at simulated second AT of each replay ([`kill`]): the
+//! gateways reach the replicas through killable TCP relays ([`relay`]), and killing one refuses
+//! new connections and breaks every stream in flight on it. The summary then counts the failures
+//! and the cache hit ratio before, right after and late after the kill.
 
 pub mod clock;
+pub mod kill;
 pub mod metrics;
 pub mod progress;
+pub mod relay;
 pub mod replay;
 pub mod report;
 pub mod reuse;
 pub mod sse;
+pub mod store;
 pub mod summary;
 pub mod svg;
 
@@ -30,6 +43,9 @@ use std::time::{Duration, Instant};
 use crate::workload::{self, Workload, WorkloadKind, WorkloadParams};
 
 use clock::SimClock;
+use kill::{KillOutcome, Killer, KILLED_REPLICA};
+use relay::Relay;
+use store::{SharedStore, StoreTarget};
 use summary::{PolicyRun, PolicySummary, RunSummary};
 
 /// Model name the simulated replicas serve and the benchmark requests.
@@ -48,6 +64,18 @@ pub struct Args {
     /// Simulated replicas behind the gateway.
     #[arg(long, default_value_t = 4)]
     pub replicas: usize,
+    /// Gateways per policy, all over the same replicas and sharing one store (Redis when more
+    /// than one); turn t of session s is sent to gateway (s + t) % N.
+    #[arg(long, default_value_t = 1)]
+    pub gateways: usize,
+    /// Redis the gateways keep their state in (default: in memory with one gateway, a private
+    /// redis-server on a free port with several).
+    #[arg(long)]
+    pub redis_url: Option<String>,
+    /// Kill replica 0 at this simulated time (e.g. 150s): it refuses connections from then on and
+    /// the streams in flight on it break.
+    #[arg(long, value_parser = crate::duration::parse_duration)]
+    pub kill_replica: Option<Duration>,
     /// Routing policies to compare, comma-separated (round_robin, least_loaded, prefix, session).
     #[arg(
         long,
@@ -104,7 +132,15 @@ pub async fn execute(
 ) -> Result<RunSummary, String> {
     validate_args(args)?;
     for policy in &args.policies {
-        gateway_config(policy, &["http://127.0.0.1:9".to_string()], &[])?;
+        gateway_config(
+            policy,
+            &["http://127.0.0.1:9".to_string()],
+            &[],
+            &StoreTarget::Memory,
+        )?;
+    }
+    if let Some(url) = &args.redis_url {
+        store::check_url(url)?;
     }
     let kind: WorkloadKind = args.workload.parse()?;
     let params = WorkloadParams {
@@ -124,15 +160,17 @@ pub async fn execute(
     }
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    let store = SharedStore::open(args.gateways, args.redis_url.as_deref()).await?;
 
     let mut runs = Vec::new();
     for policy in &args.policies {
-        runs.push(run_policy(args, policy, &workload, args.time_scale, show_progress).await?);
+        let scale = args.time_scale;
+        runs.push(run_policy(args, policy, &workload, &store, scale, show_progress).await?);
     }
     let mut check = Vec::new();
     if let Some(scale) = args.compare_time_scale {
         for policy in &args.policies {
-            let run = run_policy(args, policy, &workload, scale, show_progress).await?;
+            let run = run_policy(args, policy, &workload, &store, scale, show_progress).await?;
             check.push(run.summary);
         }
     }
@@ -140,6 +178,9 @@ pub async fn execute(
         workload: workload.name.clone(),
         command: command_line.to_string(),
         replicas: args.replicas,
+        gateways: args.gateways,
+        store: store.kind().to_string(),
+        kill_replica_s: args.kill_replica.map(|at| at.as_secs_f64()),
         sessions: workload.sessions.len(),
         duration_s: args.duration.as_secs_f64(),
         time_scale: args.time_scale,
@@ -162,6 +203,9 @@ pub async fn execute(
 fn validate_args(args: &Args) -> Result<(), String> {
     if args.replicas == 0 {
         return Err("--replicas must be at least 1".into());
+    }
+    if args.gateways == 0 {
+        return Err("--gateways must be at least 1".into());
     }
     if args.policies.is_empty() {
         return Err("--policies needs at least one policy, e.g. round_robin,least_loaded".into());
@@ -186,6 +230,22 @@ fn validate_args(args: &Args) -> Result<(), String> {
     if args.duration.is_zero() {
         return Err("--duration must be positive, e.g. 120s".into());
     }
+    if let Some(at) = args.kill_replica {
+        if at.is_zero() || at >= args.duration {
+            return Err(format!(
+                "--kill-replica {}s must fall inside the replayed span (0s, {}s)",
+                at.as_secs_f64(),
+                args.duration.as_secs_f64()
+            ));
+        }
+        let scales = std::iter::once(args.time_scale).chain(args.compare_time_scale);
+        if scales.into_iter().any(|scale| scale <= 0.0) {
+            return Err(
+                "--kill-replica is a simulated time, which needs a time scale above 0 (e.g. --time-scale 0.2)"
+                    .into(),
+            );
+        }
+    }
     Ok(())
 }
 
@@ -198,18 +258,37 @@ fn team_key(team: &str) -> String {
 /// filler text, ~5-7 letters plus a space), so the prefix index is sized like the replicas' caches.
 const SIM_BYTES_PER_TOKEN: usize = 6;
 
-/// The gateway configuration for one policy: one pool over `endpoints`, and one API key per team
-/// when there are several teams (so the gateway sees who sends what).
+/// Name of the gateway's one pool.
+pub const POOL: &str = "bench";
+
+/// The gateway's name for the endpoint of replica `index` (the gateway names the endpoints of a
+/// pool `POOL/INDEX`, in configuration order, and reports it in `x-agentgate-endpoint`).
+pub fn endpoint_name(index: usize) -> String {
+    format!("{POOL}/{index}")
+}
+
+/// The replica index of an endpoint name, if it is one of ours.
+pub fn replica_of(endpoint: &str) -> Option<usize> {
+    endpoint
+        .strip_prefix(POOL)
+        .and_then(|rest| rest.strip_prefix('/'))
+        .and_then(|index| index.parse().ok())
+}
+
+/// The gateway configuration for one policy: one pool over `endpoints`, one API key per team
+/// when there are several teams (so the gateway sees who sends what), and the `store`.
 pub fn gateway_config(
     policy: &str,
     endpoints: &[String],
     teams: &[String],
+    store: &StoreTarget,
 ) -> Result<agentgate::Config, String> {
     let quoted: Vec<String> = endpoints.iter().map(|e| format!("\"{e}\"")).collect();
     let mut text = format!(
-        "[upstream]\nfirst_byte_timeout_s = 3600.0\nidle_timeout_s = 3600.0\n\n\
-         [[pools]]\nname = \"bench\"\nmodel = \"{MODEL}\"\nflavor = \"vllm\"\npolicy = \"{policy}\"\n\
+        "{}[upstream]\nfirst_byte_timeout_s = 3600.0\nidle_timeout_s = 3600.0\n\n\
+         [[pools]]\nname = \"{POOL}\"\nmodel = \"{MODEL}\"\nflavor = \"vllm\"\npolicy = \"{policy}\"\n\
          prefix_bytes_per_token = {SIM_BYTES_PER_TOKEN}\nendpoints = [{}]\n",
+        store.toml(),
         quoted.join(", ")
     );
     if teams.len() > 1 {
@@ -231,11 +310,13 @@ fn teams_of(workload: &Workload) -> Vec<String> {
     set.into_iter().map(str::to_string).collect()
 }
 
-/// One policy: fresh replicas, a gateway, the replay, the final scrape and the oracle.
+/// One policy: fresh replicas (behind relays when one is to be killed), the gateways, the replay
+/// (with the kill, if any), the final scrape and the oracle.
 async fn run_policy(
     args: &Args,
     policy: &str,
     workload: &Arc<Workload>,
+    store: &SharedStore,
     time_scale: f64,
     show_progress: bool,
 ) -> Result<PolicyRun, String> {
@@ -254,14 +335,35 @@ async fn run_policy(
         let sim = agentgate_sim::spawn(config)
             .await
             .map_err(|e| format!("cannot start simulated replica {index}: {e}"))?;
-        sims.push(sim);
+        sims.push(Some(sim));
     }
-    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
+    let urls: Vec<String> = sims.iter().flatten().map(|s| s.base_url()).collect();
+    let kill_at = args.kill_replica.map(|at| at.as_secs_f64());
+    // Every replica gets a relay when one is to be killed, so all pay the same extra hop.
+    let mut relays: Vec<Option<Relay>> = Vec::new();
+    if kill_at.is_some() {
+        for (index, sim) in sims.iter().flatten().enumerate() {
+            let relay = Relay::start(sim.addr())
+                .await
+                .map_err(|e| format!("cannot start the relay of replica {index}: {e}"))?;
+            relays.push(Some(relay));
+        }
+    }
+    let targets: Vec<String> = if relays.is_empty() {
+        urls.clone()
+    } else {
+        relays.iter().flatten().map(Relay::base_url).collect()
+    };
     let teams = teams_of(workload);
-    let config = gateway_config(policy, &urls, &teams)?;
-    let gateway = agentgate::Gateway::start(config, SocketAddr::from(([127, 0, 0, 1], 0)))
-        .await
-        .map_err(|e| format!("cannot start the gateway for policy `{policy}`: {e}"))?;
+    let config = gateway_config(policy, &targets, &teams, &store.for_replay(policy))?;
+    let mut gateways = Vec::with_capacity(args.gateways);
+    for index in 0..args.gateways {
+        let gateway =
+            agentgate::Gateway::start(config.clone(), SocketAddr::from(([127, 0, 0, 1], 0)))
+                .await
+                .map_err(|e| format!("cannot start gateway {index} for policy `{policy}`: {e}"))?;
+        gateways.push(gateway);
+    }
 
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(1024)
@@ -276,7 +378,10 @@ async fn run_policy(
         Default::default()
     };
     let replay_config = replay::ReplayConfig {
-        url: format!("{}/v1/responses", gateway.base_url()),
+        urls: gateways
+            .iter()
+            .map(|g| format!("{}/v1/responses", g.base_url()))
+            .collect(),
         model: MODEL.to_string(),
         duration_s: args.duration.as_secs_f64(),
         drain_s: drain_limit_s(args.duration.as_secs_f64()),
@@ -284,8 +389,26 @@ async fn run_policy(
         keys,
     };
     let capacity = args.kv_blocks.saturating_mul(args.replicas);
-    let reuse = reuse::ReuseFeed::start(args.block_size, capacity)
+    // With a kill, the windows after it compare against the capacity of the replicas left.
+    let survivors = kill_at.map(|_| {
+        args.kv_blocks
+            .saturating_mul(args.replicas.saturating_sub(1))
+    });
+    let reuse = reuse::ReuseFeed::start(args.block_size, capacity, survivors)
         .map_err(|e| format!("cannot start the reuse oracle: {e}"))?;
+    let killer = match kill_at {
+        Some(at) => {
+            let relay = relays.get_mut(KILLED_REPLICA).and_then(Option::take);
+            let sim = sims.get_mut(KILLED_REPLICA).and_then(Option::take);
+            match (relay, sim) {
+                (Some(relay), Some(sim)) => {
+                    Some(Killer::start(clock, at, relay, sim, client.clone()))
+                }
+                _ => return Err(format!("there is no replica {KILLED_REPLICA} to kill")),
+            }
+        }
+        None => None,
+    };
     let started = Instant::now();
     let progress = progress::Progress::start(policy, show_progress);
     let outcome = replay::replay(
@@ -299,26 +422,70 @@ async fn run_policy(
     .await;
     progress.finish().await;
     let wall_s = started.elapsed().as_secs_f64();
+    let mut kill_event = None;
+    let mut killed_metrics = None;
+    if let Some(killer) = killer {
+        match killer.finish().await {
+            Some(KillOutcome::Killed { event, metrics }) => {
+                kill_event = Some(event);
+                killed_metrics = Some(metrics);
+            }
+            Some(KillOutcome::NotReached { relay, sim }) => {
+                if let Some(slot) = relays.get_mut(KILLED_REPLICA) {
+                    *slot = Some(relay);
+                }
+                if let Some(slot) = sims.get_mut(KILLED_REPLICA) {
+                    *slot = Some(sim);
+                }
+            }
+            None => {}
+        }
+    }
     let samples = sampler.stop().await;
-    let engine = metrics::scrape_fleet(&client, &urls).await?;
-    gateway.shutdown().await;
-    for sim in sims {
+    // A replica that is gone contributes its counters as of the kill.
+    let mut replicas = Vec::with_capacity(urls.len());
+    for (sim, url) in sims.iter().zip(&urls) {
+        match sim {
+            Some(_) => replicas.push(metrics::scrape(&client, url).await?),
+            None => replicas.push(killed_metrics.unwrap_or_default()),
+        }
+    }
+    let engine = metrics::fleet_totals(replicas);
+    for gateway in gateways {
+        gateway.shutdown().await;
+    }
+    for sim in sims.into_iter().flatten() {
         sim.shutdown().await;
     }
+    drop(relays);
 
     let mut records = outcome.records;
     records.sort_by_key(|r| r.seq);
-    let (available, infinite) = tokio::task::spawn_blocking(move || reuse.finish())
+    let oracle = tokio::task::spawn_blocking(move || reuse.finish())
         .await
         .map_err(|e| format!("the reuse oracle failed: {e}"))??;
-    let summary = PolicySummary::build(summary::BuildInput {
+    let mut summary = PolicySummary::build(summary::BuildInput {
         policy,
         time_scale,
         records: &records,
-        available: &available,
-        infinite: &infinite,
+        available: &oracle.available,
+        infinite: &oracle.infinite,
+        distinct_prompt_blocks: oracle.distinct_prompt_blocks,
+        block_size: args.block_size,
         engine: &engine,
+        gateways: args.gateways,
+        replicas: args.replicas,
         wall_s,
+    });
+    summary.kill = kill_at.map(|at| {
+        kill::summarize(
+            &records,
+            &oracle.per_request,
+            at,
+            KILLED_REPLICA,
+            &endpoint_name(KILLED_REPLICA),
+            kill_event,
+        )
     });
     Ok(PolicyRun {
         summary,
@@ -359,12 +526,99 @@ mod tests {
     #[test]
     fn baseline_policies_configure_and_unknown_ones_fail_clearly() {
         let urls = ["http://127.0.0.1:1".to_string()];
-        assert!(gateway_config("round_robin", &urls, &[]).is_ok());
+        let memory = StoreTarget::Memory;
+        assert!(gateway_config("round_robin", &urls, &[], &memory).is_ok());
         let teams = ["agents".to_string(), "interactive".to_string()];
-        let config = gateway_config("least_loaded", &urls, &teams).unwrap();
+        let config = gateway_config("least_loaded", &urls, &teams, &memory).unwrap();
         assert_eq!(config.teams.len(), 2);
-        let message = gateway_config("no_such_policy", &urls, &[]).unwrap_err();
+        assert_eq!(config.store.url, None);
+        let message = gateway_config("no_such_policy", &urls, &[], &memory).unwrap_err();
         assert!(message.contains("no_such_policy"), "{message}");
         assert!(message.contains("pools[0].policy"), "{message}");
+    }
+
+    #[test]
+    fn shared_store_goes_into_every_gateways_configuration() {
+        let urls = [
+            "http://127.0.0.1:1".to_string(),
+            "http://127.0.0.1:2".to_string(),
+        ];
+        let redis = StoreTarget::Redis {
+            url: "redis://127.0.0.1:6390/0".into(),
+            key_prefix: "agentgate-bench:test:".into(),
+        };
+        let config = gateway_config("session", &urls, &[], &redis).unwrap();
+        assert_eq!(
+            config.store.url.as_deref(),
+            Some("redis://127.0.0.1:6390/0")
+        );
+        assert_eq!(config.store.key_prefix, "agentgate-bench:test:");
+        let bad = StoreTarget::Redis {
+            url: "http://127.0.0.1:6390".into(),
+            key_prefix: "p:".into(),
+        };
+        let message = gateway_config("session", &urls, &[], &bad).unwrap_err();
+        assert!(message.contains("store.url"), "{message}");
+    }
+
+    #[test]
+    fn endpoint_names_round_trip() {
+        assert_eq!(endpoint_name(3), "bench/3");
+        assert_eq!(replica_of(&endpoint_name(3)), Some(3));
+        assert_eq!(replica_of("bench/"), None);
+        assert_eq!(replica_of("benchy/1"), None);
+        assert_eq!(replica_of("other/1"), None);
+    }
+
+    fn args() -> Args {
+        Args {
+            workload: "agentic".into(),
+            replicas: 2,
+            gateways: 1,
+            redis_url: None,
+            kill_replica: None,
+            policies: vec!["session".into()],
+            sessions: 3,
+            duration: Duration::from_secs(60),
+            time_scale: 0.1,
+            kv_blocks: 1024,
+            block_size: 16,
+            seed: 1,
+            compare_time_scale: None,
+            out: PathBuf::from("unused"),
+        }
+    }
+
+    #[test]
+    fn gateways_and_kill_time_are_validated() {
+        assert!(validate_args(&args()).is_ok());
+        let zero = Args {
+            gateways: 0,
+            ..args()
+        };
+        assert!(validate_args(&zero).unwrap_err().contains("--gateways"));
+        let inside = Args {
+            kill_replica: Some(Duration::from_secs(30)),
+            ..args()
+        };
+        assert!(validate_args(&inside).is_ok());
+        for at in [0, 60, 90] {
+            let outside = Args {
+                kill_replica: Some(Duration::from_secs(at)),
+                ..args()
+            };
+            let message = validate_args(&outside).unwrap_err();
+            assert!(message.contains("--kill-replica"), "{message}");
+        }
+        let instant = Args {
+            time_scale: 0.0,
+            ..inside.clone()
+        };
+        assert!(validate_args(&instant).unwrap_err().contains("time scale"));
+        let compare_instant = Args {
+            compare_time_scale: Some(0.0),
+            ..inside
+        };
+        assert!(validate_args(&compare_instant).is_err());
     }
 }

@@ -9,6 +9,13 @@
 //! was stored, inline otherwise); the parent waits for its sub-agents before its next turn.
 //! No turn starts after `duration_s`; requests still running `drain_s` after it are cut and
 //! counted as errors. Errors and load rejections (429/503, "shed") are counted, never fatal.
+//!
+//! With several gateways (`urls`), turn `t` (0-based) of session `s` (its index in
+//! [`Workload::sessions`], sub-agents included) goes to gateway `(s + t) % urls.len()`: a session
+//! alternates between gateways from one turn to the next, and neighbouring sessions start on
+//! different ones, so a turn's stored predecessor and its session pin were almost always written
+//! by another gateway and reach it only through the shared store. Each record keeps the gateway
+//! it went to and the endpoint that served it (the gateway's `x-agentgate-endpoint` header).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -28,8 +35,8 @@ use super::sse::SseParser;
 /// Where and how to replay.
 #[derive(Debug, Clone)]
 pub struct ReplayConfig {
-    /// `http://HOST:PORT/v1/responses` of the gateway.
-    pub url: String,
+    /// `http://HOST:PORT/v1/responses` of each gateway (at least one); see [`gateway_for`].
+    pub urls: Vec<String>,
     /// Model name to request.
     pub model: String,
     /// Simulated seconds after which no new turn starts.
@@ -60,6 +67,13 @@ pub struct RequestRecord {
     pub seq: u64,
     /// Index of the session in the workload.
     pub session: usize,
+    /// Index of the turn in its session.
+    pub turn: usize,
+    /// Index of the gateway it was sent to.
+    pub gateway: usize,
+    /// The endpoint the gateway streamed it from (`x-agentgate-endpoint`, e.g. `bench/0`); None
+    /// when the gateway answered without one (an error before any engine was reached).
+    pub endpoint: Option<String>,
     /// The session's team.
     pub team: String,
     /// Simulated time the request was sent, seconds since the start.
@@ -177,13 +191,20 @@ fn run_session(shared: Arc<Shared>, index: usize, conversation: Conversation) ->
             return;
         };
         let mut conversation = conversation;
-        for turn in &plan.turns {
+        for (turn_index, turn) in plan.turns.iter().enumerate() {
             shared.clock.sleep(turn.think_s).await;
             if shared.clock.now_s() > shared.config.duration_s {
                 return;
             }
             let new_items = turn_items(&turn.input, &conversation.last_output);
-            send_turn(&shared, index, plan, &mut conversation, new_items).await;
+            send_turn(
+                &shared,
+                (index, turn_index),
+                plan,
+                &mut conversation,
+                new_items,
+            )
+            .await;
             if turn.spawn.is_empty() || shared.clock.now_s() > shared.config.duration_s {
                 continue;
             }
@@ -254,10 +275,20 @@ fn turn_items(input: &TurnInput, last_output: &[Value]) -> Vec<Value> {
     }
 }
 
-/// Send one turn, record it, and advance the conversation when it succeeded.
+/// The gateway that turn `turn` of session `session` is sent to, out of `gateways`:
+/// `(session + turn) % gateways` (0 when there are none).
+pub fn gateway_for(session: usize, turn: usize, gateways: usize) -> usize {
+    if gateways == 0 {
+        0
+    } else {
+        (session % gateways + turn % gateways) % gateways
+    }
+}
+
+/// Send turn `at.1` of session `at.0`, record it, and advance the conversation when it succeeded.
 async fn send_turn(
     shared: &Shared,
-    index: usize,
+    at: (usize, usize),
     plan: &SessionPlan,
     conversation: &mut Conversation,
     new_items: Vec<Value>,
@@ -303,7 +334,16 @@ async fn send_turn(
     let sent = Instant::now();
     shared.counters.in_flight.fetch_add(1, Ordering::Relaxed);
     let key = shared.config.keys.get(&plan.team).map(String::as_str);
-    let exchange = stream_response(shared, &body, key, sent);
+    let (index, turn_index) = at;
+    let gateway = gateway_for(index, turn_index, shared.config.urls.len());
+    let url = shared
+        .config
+        .urls
+        .get(gateway)
+        .map(String::as_str)
+        .unwrap_or_default();
+    let mut endpoint = None;
+    let exchange = stream_response(shared, url, &body, key, sent, &mut endpoint);
     let result = match shared.hard_stop {
         Some(stop) => match tokio::time::timeout_at(stop.into(), exchange).await {
             Ok(result) => result,
@@ -320,6 +360,9 @@ async fn send_turn(
     let mut record = RequestRecord {
         seq,
         session: index,
+        turn: turn_index,
+        gateway,
+        endpoint,
         team: plan.team.clone(),
         sent_s,
         outcome: result.outcome.clone(),
@@ -401,6 +444,9 @@ impl Exchange {
     }
 }
 
+/// Response header naming the endpoint that served a request.
+pub const ENDPOINT_HEADER: &str = "x-agentgate-endpoint";
+
 /// Event types that carry generated tokens (the first one marks time to first token).
 const DELTA_EVENTS: &[&str] = &[
     "response.output_text.delta",
@@ -408,14 +454,17 @@ const DELTA_EVENTS: &[&str] = &[
     "response.reasoning_text.delta",
 ];
 
-/// POST the body and read the event stream to its terminal event.
+/// POST the body to `url` and read the event stream to its terminal event; `endpoint` is set
+/// from the response headers as soon as they arrive (so it is known even if the stream is cut).
 async fn stream_response(
     shared: &Shared,
+    url: &str,
     body: &Value,
     key: Option<&str>,
     sent: Instant,
+    endpoint: &mut Option<String>,
 ) -> Exchange {
-    let mut request = shared.client.post(&shared.config.url).json(body);
+    let mut request = shared.client.post(url).json(body);
     if let Some(key) = key {
         request = request.bearer_auth(key);
     }
@@ -423,6 +472,11 @@ async fn stream_response(
         Ok(response) => response,
         Err(e) => return Exchange::failed(Outcome::Error(format!("transport: {e}")), None),
     };
+    *endpoint = response
+        .headers()
+        .get(ENDPOINT_HEADER)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_string);
     let status = response.status().as_u16();
     if status == 429 || status == 503 {
         return Exchange::failed(Outcome::Shed, None);
@@ -490,6 +544,20 @@ async fn stream_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn turns_alternate_between_gateways_and_neighbouring_sessions_start_apart() {
+        assert_eq!(gateway_for(5, 3, 1), 0);
+        assert_eq!(gateway_for(0, 0, 0), 0, "no gateways: no panic");
+        let session0: Vec<usize> = (0..4).map(|t| gateway_for(0, t, 2)).collect();
+        let session1: Vec<usize> = (0..4).map(|t| gateway_for(1, t, 2)).collect();
+        assert_eq!(session0, [0, 1, 0, 1]);
+        assert_eq!(session1, [1, 0, 1, 0]);
+        assert_eq!(gateway_for(7, 2, 3), 0);
+        // (s + t) % n without overflow: 2^64 - 1 is divisible by 3.
+        assert_eq!(gateway_for(usize::MAX, usize::MAX, 3), 0);
+        assert_eq!(gateway_for(usize::MAX, 1, 3), 1);
+    }
 
     #[test]
     fn tool_outputs_answer_every_call_of_the_previous_response() {

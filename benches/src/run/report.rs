@@ -1,5 +1,6 @@
 //! `report.md`: the run's parameters and command line, the comparison table, per-team figures, a
-//! one-paragraph reading, and how much the figures move with the time scale.
+//! one-paragraph reading, how requests were spread over gateways, what killing a replica did
+//! (`--kill-replica`), and how much the figures move with the time scale.
 
 use std::fmt::Write;
 
@@ -166,6 +167,27 @@ pub fn reading(summary: &RunSummary) -> String {
             "{failed} requests failed or were shed in total; their latencies are excluded. "
         );
     }
+    let bound = policies
+        .iter()
+        .map(|p| p.no_eviction_kv_blocks)
+        .max()
+        .unwrap_or(0);
+    if bound > 0 {
+        if summary.kv_blocks as u64 >= bound {
+            let _ = write!(
+                text,
+                "No replica can have evicted anything: each had {} KV blocks, and {bound} would \
+                 hold everything any replica was sent. ",
+                summary.kv_blocks
+            );
+        } else {
+            let _ = write!(
+                text,
+                "Replicas may have evicted cached blocks; with `--kv-blocks {bound}` or more none \
+                 could have. "
+            );
+        }
+    }
     if !summary.engine_busy_counter {
         text.push_str(
             "The replicas do not expose simulated engine busy time, so GPU seconds are not \
@@ -230,18 +252,123 @@ fn time_scale_section(summary: &RunSummary) -> String {
     out
 }
 
+fn optional_pct(value: Option<f64>) -> String {
+    value.map_or_else(|| "n/a".to_string(), pct)
+}
+
+fn optional_ratio(value: Option<f64>) -> String {
+    value.map_or_else(|| "n/a".to_string(), |v| format!("{v:.2}"))
+}
+
+/// How the gateways shared the work: the assignment rule and the requests each received.
+fn gateway_section(summary: &RunSummary) -> String {
+    let mut out = format!(
+        "{} gateways per policy over the same replicas, sharing one {} store (responses and \
+         session pins). Turn t (0-based) of session s (its index in the workload, sub-agents \
+         included) was sent to gateway (s + t) mod {}: every session alternates between gateways \
+         from one turn to the next, so its history and its pin reach the next gateway only \
+         through the store.\n\n| policy | requests per gateway | requests per replica |\n|---|---|---|\n",
+        summary.gateways, summary.store, summary.gateways
+    );
+    for p in &summary.policies {
+        let list = |counts: &[u64]| {
+            counts
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(" / ")
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} |",
+            p.policy,
+            list(&p.requests_per_gateway),
+            list(&p.requests_per_replica)
+        );
+    }
+    out
+}
+
+/// What killing a replica did, per policy.
+fn kill_section(summary: &RunSummary) -> Option<String> {
+    let at = summary.kill_replica_s?;
+    let window = summary
+        .policies
+        .iter()
+        .find_map(|p| p.kill.as_ref().map(|k| k.window_s))
+        .unwrap_or(super::kill::WINDOW_S);
+    let mut out = format!(
+        "Replica {} was killed at {at} simulated seconds: its port stopped accepting connections \
+         and every connection to it closed at once, breaking the streams in flight (the gateway \
+         was not told). \"In flight\" counts the requests the gateway was streaming from it at \
+         that moment (by the `x-agentgate-endpoint` header); \"engine\" is what its own gauges \
+         reported just before. \"After\" counts requests sent after the kill. Cache hit ratios \
+         are over the successful requests sent in the {window:.0} s before the kill, the \
+         {window:.0} s after it, and from then on to the end; \"captured\" divides each by the \
+         pooled-cache oracle's hit ratio on the same requests (an ideal cache with the whole \
+         fleet's capacity before the kill and the surviving replicas' after it), so reuse has \
+         recovered when captured late is back near captured before.\n\n\
+         | policy | killed at s | engine in flight | in flight | errors in flight | requests after | errors after | shed after | other errors | hit before | hit right after | hit late | captured before | captured right after | captured late |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        super::kill::KILLED_REPLICA
+    );
+    for p in &summary.policies {
+        let Some(k) = &p.kill else {
+            continue;
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            p.policy,
+            k.killed_at_s
+                .map_or_else(|| "not reached".to_string(), |t| format!("{t:.1}")),
+            k.engine_in_flight
+                .map_or_else(|| "n/a".to_string(), |n| n.to_string()),
+            k.in_flight,
+            k.errors_in_flight,
+            k.requests_after,
+            k.errors_after,
+            k.shed_after,
+            k.errors_other,
+            optional_pct(k.hit_ratio_before),
+            optional_pct(k.hit_ratio_after_60s),
+            optional_pct(k.hit_ratio_late),
+            optional_ratio(k.captured_before),
+            optional_ratio(k.captured_after_60s),
+            optional_ratio(k.captured_late),
+        );
+    }
+    let misrouted: u64 = summary
+        .policies
+        .iter()
+        .filter_map(|p| p.kill.as_ref())
+        .map(|k| k.routed_to_killed_after)
+        .sum();
+    if misrouted > 0 {
+        let _ = writeln!(
+            out,
+            "\n{misrouted} requests sent after the kill were still reported as served by the killed \
+             replica."
+        );
+    }
+    Some(out)
+}
+
 /// The whole `report.md`.
 pub fn render(summary: &RunSummary) -> String {
     let mut out = format!("# agentgate-bench run: {}\n\n", summary.workload);
     let _ = writeln!(out, "```sh\n{}\n```\n", summary.command);
     let _ = writeln!(
         out,
-        "{} replicas per policy, each with {} KV blocks of {} tokens; {} sessions (sub-agents \
-         included) over {} simulated seconds at time scale {}; seed {}. Times are simulated \
-         milliseconds; every policy starts from cold caches.\n",
+        "{} replicas per policy, each with {} KV blocks of {} tokens, behind {} gateway{} ({} \
+         store); {} sessions (sub-agents included) over {} simulated seconds at time scale {}; \
+         seed {}. Times are simulated milliseconds; every policy starts from cold caches.\n",
         summary.replicas,
         summary.kv_blocks,
         summary.block_size,
+        summary.gateways,
+        if summary.gateways == 1 { "" } else { "s" },
+        summary.store,
         summary.sessions,
         summary.duration_s,
         summary.time_scale,
@@ -253,6 +380,16 @@ pub fn render(summary: &RunSummary) -> String {
     if let Some(teams) = team_table(&summary.policies) {
         out.push_str("### Per team\n\n");
         out.push_str(&teams);
+        out.push('\n');
+    }
+    if summary.gateways > 1 {
+        out.push_str("### Gateways\n\n");
+        out.push_str(&gateway_section(summary));
+        out.push('\n');
+    }
+    if let Some(kill) = kill_section(summary) {
+        out.push_str("### Replica kill\n\n");
+        out.push_str(&kill);
         out.push('\n');
     }
     out.push_str("## Reading\n\n");

@@ -2,7 +2,13 @@
 //! prompts never occupies more than one core, and never the async workers that run the gateway
 //! and the replicas). Requests are reported in completion order and replayed in send order: a
 //! small reorder buffer holds prompts that finished before earlier requests, so no prompt is kept
-//! once the requests sent before it have finished.
+//! once the requests sent before it have finished. Besides the totals, it keeps what the oracle
+//! with the fleet's capacity saw for each request ([`OracleHit`]), so figures over a time window
+//! (see `run::kill`) can be set against what an ideal cache would have served in that window.
+//! Optionally a third oracle has a smaller capacity (the fleet left after a replica is killed):
+//! by LRU's stack property (an LRU cache of C blocks holds the C most recently used blocks,
+//! whatever its earlier size), from the kill on it holds exactly what the pooled cache would hold
+//! had it lost that capacity at the kill.
 
 use std::collections::BTreeMap;
 use std::sync::mpsc;
@@ -42,10 +48,36 @@ impl ReuseJob {
     }
 }
 
+/// What the oracle with the fleet's capacity saw for one served request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OracleHit {
+    /// Send order of the request.
+    pub seq: u64,
+    /// Its prompt tokens.
+    pub prompt_tokens: u64,
+    /// Those the oracle found cached.
+    pub hit_tokens: u64,
+    /// Those the smaller oracle found cached, when there is one.
+    pub survivor_hit_tokens: Option<u64>,
+}
+
+/// Everything the oracles computed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReuseOutcome {
+    /// One LRU cache with the fleet's capacity.
+    pub available: ReuseResult,
+    /// One cache of unlimited capacity.
+    pub infinite: ReuseResult,
+    /// Per served request, in send order: the fleet-capacity oracle's view.
+    pub per_request: Vec<OracleHit>,
+    /// Distinct full prompt blocks over all served requests (the unlimited oracle's contents).
+    pub distinct_prompt_blocks: u64,
+}
+
 /// The oracles' thread: one with the fleet's capacity, one unlimited.
 pub struct ReuseFeed {
     sender: mpsc::Sender<ReuseJob>,
-    worker: std::thread::JoinHandle<(ReuseResult, ReuseResult)>,
+    worker: std::thread::JoinHandle<ReuseOutcome>,
 }
 
 /// Token ids of a served request (empty for a failed one).
@@ -62,35 +94,55 @@ fn tokens_of(job: ReuseJob) -> Option<Vec<u32>> {
 }
 
 impl ReuseFeed {
-    /// Start the thread: oracles of `capacity_blocks` and of unlimited capacity, `block_size` tokens a block.
-    pub fn start(block_size: usize, capacity_blocks: usize) -> std::io::Result<ReuseFeed> {
+    /// Start the thread: oracles of `capacity_blocks` and of unlimited capacity, and one of
+    /// `survivor_blocks` if given; `block_size` tokens a block.
+    pub fn start(
+        block_size: usize,
+        capacity_blocks: usize,
+        survivor_blocks: Option<usize>,
+    ) -> std::io::Result<ReuseFeed> {
         let (sender, jobs) = mpsc::channel::<ReuseJob>();
         let worker = std::thread::Builder::new()
             .name("reuse-oracle".into())
             .spawn(move || {
                 let mut available = ReuseOracle::new(block_size, Some(capacity_blocks));
                 let mut infinite = ReuseOracle::new(block_size, None);
+                let mut survivors =
+                    survivor_blocks.map(|blocks| ReuseOracle::new(block_size, Some(blocks)));
                 let mut next_seq = 0u64;
                 let mut pending: BTreeMap<u64, Option<Vec<u32>>> = BTreeMap::new();
-                let mut observe = |prompt: Option<Vec<u32>>| {
+                let mut per_request = Vec::new();
+                let mut observe = |seq: u64, prompt: Option<Vec<u32>>| {
                     if let Some(prompt) = prompt {
-                        available.observe(&prompt);
+                        let hit = available.observe(&prompt);
                         infinite.observe(&prompt);
+                        let survivor_hit = survivors.as_mut().map(|o| o.observe(&prompt) as u64);
+                        per_request.push(OracleHit {
+                            seq,
+                            prompt_tokens: prompt.len() as u64,
+                            hit_tokens: hit as u64,
+                            survivor_hit_tokens: survivor_hit,
+                        });
                     }
                 };
                 for job in jobs {
                     let seq = job.seq();
                     pending.insert(seq, tokens_of(job));
                     while let Some(prompt) = pending.remove(&next_seq) {
-                        observe(prompt);
+                        observe(next_seq, prompt);
                         next_seq += 1;
                     }
                 }
                 // Sequence numbers that were never reported leave gaps: replay the rest in order.
-                for (_, prompt) in std::mem::take(&mut pending) {
-                    observe(prompt);
+                for (seq, prompt) in std::mem::take(&mut pending) {
+                    observe(seq, prompt);
                 }
-                (available.result(), infinite.result())
+                ReuseOutcome {
+                    available: available.result(),
+                    infinite: infinite.result(),
+                    per_request,
+                    distinct_prompt_blocks: infinite.distinct_blocks().unwrap_or(0),
+                }
             })?;
         Ok(ReuseFeed { sender, worker })
     }
@@ -100,9 +152,9 @@ impl ReuseFeed {
         self.sender.clone()
     }
 
-    /// Wait until every reported request is replayed; returns (fleet capacity, unlimited).
-    /// Blocking; every other sender must have been dropped.
-    pub fn finish(self) -> Result<(ReuseResult, ReuseResult), String> {
+    /// Wait until every reported request is replayed. Blocking; every other sender must have
+    /// been dropped.
+    pub fn finish(self) -> Result<ReuseOutcome, String> {
         drop(self.sender);
         self.worker
             .join()
@@ -123,7 +175,8 @@ mod tests {
         let mut second = first.clone();
         second.push(reply);
         second.push(json!({"type": "message", "role": "user", "content": "now read them"}));
-        let feed = ReuseFeed::start(4, 1000).unwrap();
+        // The survivor oracle is too small for the first prompt: it never hits.
+        let feed = ReuseFeed::start(4, 1000, Some(1)).unwrap();
         let sender = feed.sender();
         // Sent: 0 = first, 1 = failed, 2 = second (extends first). Completed: 2, 1, 0.
         for job in [
@@ -144,7 +197,8 @@ mod tests {
             sender.send(job).unwrap();
         }
         drop(sender);
-        let (available, infinite) = feed.finish().unwrap();
+        let outcome = feed.finish().unwrap();
+        let (available, infinite) = (outcome.available, outcome.infinite);
         let first_len = oracle::prompt_tokens(&body, &[], &first).len() as u64;
         let second_len = oracle::prompt_tokens(&body, &[], &second).len() as u64;
         assert_eq!(available.prompt_tokens, first_len + second_len);
@@ -154,5 +208,28 @@ mod tests {
             "the second prompt reuses the first one's full blocks"
         );
         assert_eq!(infinite.hit_tokens, available.hit_tokens);
+        assert_eq!(
+            outcome.distinct_prompt_blocks,
+            second_len / 4,
+            "the second prompt's full blocks include the first one's"
+        );
+        assert_eq!(
+            outcome.per_request,
+            [
+                OracleHit {
+                    seq: 0,
+                    prompt_tokens: first_len,
+                    hit_tokens: 0,
+                    survivor_hit_tokens: Some(0),
+                },
+                OracleHit {
+                    seq: 2,
+                    prompt_tokens: second_len,
+                    hit_tokens: first_len / 4 * 4,
+                    survivor_hit_tokens: Some(0),
+                },
+            ],
+            "per request, in send order, failed ones left out"
+        );
     }
 }

@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use crate::oracle::ReuseResult;
 
+use super::kill::KillSummary;
 use super::metrics::{FleetMetrics, Sample};
 use super::replay::{Outcome, RequestRecord};
 
@@ -19,6 +20,14 @@ pub struct RunSummary {
     pub command: String,
     /// Replicas per policy.
     pub replicas: usize,
+    /// Gateways per policy; turn `t` of session `s` goes to gateway `(s + t) % gateways`.
+    pub gateways: usize,
+    /// Where the gateways keep conversation state and session pins: `memory` (one gateway) or
+    /// `redis` (shared by all gateways of a policy).
+    pub store: String,
+    /// `--kill-replica`: simulated second at which replica 0 is killed, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kill_replica_s: Option<f64>,
     /// Sessions in the workload (sub-agents included).
     pub sessions: usize,
     /// Simulated span replayed, seconds.
@@ -122,6 +131,11 @@ pub struct PolicySummary {
     pub captured_reuse: f64,
     /// Prompt tokens the oracle replayed (equals prompt_tokens when the token model matches).
     pub oracle_prompt_tokens: u64,
+    /// KV blocks per replica with which no replica could have evicted anything in this replay:
+    /// distinct full prompt blocks of the successful requests, plus per successful request
+    /// `ceil(output_tokens / block_size) + 2` (blocks holding its output, and its partial block
+    /// while running). Conservative; requests that failed are not counted.
+    pub no_eviction_kv_blocks: u64,
     /// Time to first token, median.
     pub ttft_p50_ms: f64,
     /// Time to first token, 90th percentile.
@@ -143,8 +157,16 @@ pub struct PolicySummary {
     pub span_s: f64,
     /// Wall seconds the replay took.
     pub wall_s: f64,
-    /// Engine-side totals.
+    /// Engine-side totals (a killed replica contributes its counters as of the kill).
     pub engine: EngineSummary,
+    /// Requests sent to each gateway, in gateway order.
+    pub requests_per_gateway: Vec<u64>,
+    /// Requests the gateways reported (`x-agentgate-endpoint`) as served by each replica, in
+    /// replica order, whatever their outcome; requests without an endpoint are not counted.
+    pub requests_per_replica: Vec<u64>,
+    /// What killing a replica did (`--kill-replica`); see `run::kill`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kill: Option<KillSummary>,
     /// Per team (the gateway's unit of priority bands), by name.
     pub teams: BTreeMap<String, TeamSummary>,
     /// The first error message seen, to show what went wrong.
@@ -174,8 +196,16 @@ pub struct BuildInput<'a> {
     pub available: &'a ReuseResult,
     /// Oracle with unlimited capacity.
     pub infinite: &'a ReuseResult,
+    /// Distinct full prompt blocks the unlimited oracle holds.
+    pub distinct_prompt_blocks: u64,
+    /// Tokens per KV block.
+    pub block_size: usize,
     /// Final scrape.
     pub engine: &'a FleetMetrics,
+    /// Gateways the requests were spread over.
+    pub gateways: usize,
+    /// Replicas behind the gateways.
+    pub replicas: usize,
     /// Wall seconds of the replay.
     pub wall_s: f64,
 }
@@ -302,6 +332,25 @@ impl PolicySummary {
                 busy / processed as f64 * 1e6
             }
         });
+        let block_size = input.block_size.max(1) as u64;
+        let output_blocks: u64 = records
+            .iter()
+            .filter(|r| r.outcome == Outcome::Success)
+            .map(|r| r.output_tokens.div_ceil(block_size) + 2)
+            .sum();
+        let mut requests_per_gateway = vec![0u64; input.gateways.max(1)];
+        for record in records {
+            if let Some(count) = requests_per_gateway.get_mut(record.gateway) {
+                *count += 1;
+            }
+        }
+        let mut requests_per_replica = vec![0u64; input.replicas];
+        for record in records {
+            let replica = record.endpoint.as_deref().and_then(super::replica_of);
+            if let Some(count) = replica.and_then(|i| requests_per_replica.get_mut(i)) {
+                *count += 1;
+            }
+        }
         let first_error = records.iter().find_map(|r| match &r.outcome {
             Outcome::Error(message) => Some(message.clone()),
             _ => None,
@@ -325,6 +374,7 @@ impl PolicySummary {
                 0.0
             },
             oracle_prompt_tokens: input.available.prompt_tokens,
+            no_eviction_kv_blocks: input.distinct_prompt_blocks + output_blocks,
             ttft_p50_ms: percentile(&all.ttft, 50.0),
             ttft_p90_ms: percentile(&all.ttft, 90.0),
             ttft_p99_ms: percentile(&all.ttft, 99.0),
@@ -346,6 +396,9 @@ impl PolicySummary {
                 busy_seconds: engine.busy_seconds,
                 prefill_counter_exposed: engine.prefill_counter_exposed,
             },
+            requests_per_gateway,
+            requests_per_replica,
+            kill: None,
             teams,
             first_error,
         }
@@ -360,6 +413,9 @@ mod tests {
         RequestRecord {
             seq,
             session: 0,
+            turn: seq as usize,
+            gateway: (seq % 2) as usize,
+            endpoint: Some("bench/0".into()),
             team: team.into(),
             sent_s: seq as f64,
             outcome,
@@ -407,7 +463,11 @@ mod tests {
             records: &records,
             available: &oracle,
             infinite: &oracle,
+            distinct_prompt_blocks: 100,
+            block_size: 4,
             engine: &engine,
+            gateways: 2,
+            replicas: 2,
             wall_s: 1.0,
         });
         assert_eq!(summary.requests, 4);
@@ -427,6 +487,11 @@ mod tests {
             (2, 1, 1)
         );
         assert_eq!(summary.teams["agents"].cached_tokens, 1000);
+        assert_eq!(summary.requests_per_gateway, [2, 2]);
+        assert_eq!(summary.requests_per_replica, [4, 0]);
+        // 100 distinct blocks + two successes with 10 output tokens: (3 + 2) each.
+        assert_eq!(summary.no_eviction_kv_blocks, 110);
+        assert_eq!(summary.kill, None);
         // span: first send at 0 s, last completion at 3 s + 1 s.
         assert_eq!(summary.span_s, 4.0);
     }
