@@ -115,22 +115,30 @@ pub fn new_bootstrap_room() -> u64 {
 }
 
 impl EngineClient {
+    /// POST a chat completion and return the engine's answer once its status is good.
+    async fn post_chat(
+        &self,
+        base_url: &str,
+        body: &Value,
+    ) -> Result<(String, reqwest::Response), UpstreamError> {
+        let url = v1_url(base_url, "chat/completions");
+        let limit = self.options().first_byte_timeout;
+        let request = self.authorized(self.http.post(&url)).json(body);
+        let response = match tokio::time::timeout(limit, request.send()).await {
+            Err(_) => {
+                return Err(UpstreamError::Timeout(format!(
+                    "no response from {url} within {limit:?}"
+                )))
+            }
+            Ok(Err(err)) => return Err(crate::client::send_error(&url, err)),
+            Ok(Ok(response)) => response,
+        };
+        Ok((url, self.check_status(response).await?))
+    }
+
     /// POST a non-streaming chat completion and return its JSON body.
     pub async fn chat_json(&self, base_url: &str, body: &Value) -> Result<Value, UpstreamError> {
-        let url = v1_url(base_url, "chat/completions");
-        let request = self.authorized(self.http.post(&url)).json(body);
-        let response =
-            match tokio::time::timeout(self.options().first_byte_timeout, request.send()).await {
-                Err(_) => {
-                    return Err(UpstreamError::Timeout(format!(
-                        "no response from {url} within {:?}",
-                        self.options().first_byte_timeout
-                    )))
-                }
-                Ok(Err(err)) => return Err(crate::client::send_error(&url, err)),
-                Ok(Ok(response)) => response,
-            };
-        let response = self.check_status(response).await?;
+        let (url, response) = self.post_chat(base_url, body).await?;
         response
             .json::<Value>()
             .await
@@ -139,20 +147,8 @@ impl EngineClient {
 
     /// POST a chat completion and read its answer (JSON or SSE) to the end, discarding it.
     pub async fn chat_discard(&self, base_url: &str, body: &Value) -> Result<(), UpstreamError> {
-        let url = v1_url(base_url, "chat/completions");
-        let request = self.authorized(self.http.post(&url)).json(body);
-        let response =
-            match tokio::time::timeout(self.options().first_byte_timeout, request.send()).await {
-                Err(_) => {
-                    return Err(UpstreamError::Timeout(format!(
-                        "no response from {url} within {:?}",
-                        self.options().first_byte_timeout
-                    )))
-                }
-                Ok(Err(err)) => return Err(crate::client::send_error(&url, err)),
-                Ok(Ok(response)) => response,
-            };
-        let mut body = self.check_status(response).await?.bytes_stream();
+        let (url, response) = self.post_chat(base_url, body).await?;
+        let mut body = response.bytes_stream();
         while let Some(chunk) = body.next().await {
             chunk.map_err(|e| crate::client::send_error(&url, e))?;
         }

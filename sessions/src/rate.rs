@@ -74,28 +74,16 @@ pub fn gcra_step(tat: Option<f64>, now_ms: f64, limit: &RateLimit) -> (RateDecis
     let new_tat = tat + t * limit.cost as f64;
     let allow_at = new_tat - period;
     let ms = |v: f64| Duration::from_secs_f64(v.max(0.0) / 1000.0);
-    if limit.cost > limit.limit {
-        let remaining = units_left(now_ms - (tat - period), t);
+    let too_large = limit.cost > limit.limit;
+    if too_large || allow_at > now_ms {
+        // Refused: nothing is charged, so the figures are those before this request.
         return (
             RateDecision {
                 limit: limit.limit,
-                remaining,
+                remaining: units_left(now_ms - (tat - period), t),
                 reset_after: ms(tat - now_ms),
-                retry_after: None,
-                too_large: true,
-            },
-            tat,
-        );
-    }
-    if allow_at > now_ms {
-        let remaining = units_left(now_ms - (tat - period), t);
-        return (
-            RateDecision {
-                limit: limit.limit,
-                remaining,
-                reset_after: ms(tat - now_ms),
-                retry_after: Some(ms(allow_at - now_ms)),
-                too_large: false,
+                retry_after: (!too_large).then(|| ms(allow_at - now_ms)),
+                too_large,
             },
             tat,
         );
