@@ -16,9 +16,11 @@ use agentgate_sessions::{AnyStore, StoreOptions};
 use crate::auth::KeyRing;
 use crate::config::{Config, HostedTools};
 use crate::error::HttpError;
+use crate::flow::{FlowControl, StoreRateLimiter};
 use crate::metrics::Metrics;
 use crate::pools::Pools;
 use crate::probe::LiveTasks;
+use crate::reload::ConfigWatcher;
 use crate::{handlers, metrics, responses};
 
 /// Everything a handler needs, shared by all requests.
@@ -27,8 +29,8 @@ pub struct AppState {
     pub config: Config,
     /// API key -> team.
     pub keys: KeyRing,
-    /// Conversation state.
-    pub store: AnyStore,
+    /// Conversation state (and the rate-limit counters).
+    pub store: Arc<AnyStore>,
     /// Engine pools by model.
     pub pools: Pools,
     /// HTTP client for engines (connection reuse across requests).
@@ -41,6 +43,8 @@ pub struct AppState {
     pub background_slots: Arc<tokio::sync::Semaphore>,
     /// The gateway's Prometheus metrics (`GET /metrics`).
     pub metrics: Arc<Metrics>,
+    /// Flow control: one controller per pool, admission before routing.
+    pub flow: FlowControl,
 }
 
 impl AppState {
@@ -72,6 +76,11 @@ impl AppState {
             HostedTools::Reject => HostedToolPolicy::Reject,
         };
         let slots = config.background.max_concurrent;
+        let store = Arc::new(store);
+        let metrics = Arc::new(Metrics::new());
+        let limiter = Arc::new(StoreRateLimiter::new(store.clone(), metrics.clone()));
+        let flow =
+            FlowControl::new(&config, &pools, limiter).map_err(|e| format!("flow control: {e}"))?;
         Ok(Arc::new(AppState {
             config,
             keys,
@@ -81,7 +90,8 @@ impl AppState {
             hosted_tools,
             background: Mutex::new(HashMap::new()),
             background_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
-            metrics: Arc::new(Metrics::new()),
+            metrics,
+            flow,
         }))
     }
 }
@@ -134,13 +144,15 @@ async fn method_not_allowed(method: Method, uri: Uri) -> HttpError {
 
 /// A running gateway (for tests, benchmarks and `serve`): the HTTP server and the background
 /// tasks that keep endpoint state live (health probes, metrics scrapes, endpoints-file
-/// watchers; see [`crate::probe`]).
+/// watchers; see [`crate::probe`]) and reload the config file's flow-control sections (see
+/// [`crate::reload`]).
 pub struct Gateway {
     addr: SocketAddr,
     state: Arc<AppState>,
     shutdown: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     live: LiveTasks,
+    reload: Option<ConfigWatcher>,
 }
 
 impl Gateway {
@@ -154,12 +166,17 @@ impl Gateway {
             .await
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr()?;
+        // A scrape, a health verdict or an endpoints file can change a pool's capacity
+        // without any request finishing: let flow control dispatch what it now allows.
+        let flow_state = state.clone();
         let live = LiveTasks::start(
             state.pools.all(),
             &state.engines,
             &state.metrics,
             &state.config.routing,
+            Arc::new(move || flow_state.flow.notify()),
         );
+        let reload = ConfigWatcher::start(&state);
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = router(state.clone());
         // SSE streams are many small writes: disable Nagle so events leave at once.
@@ -179,6 +196,7 @@ impl Gateway {
             shutdown: tx,
             task,
             live,
+            reload,
         })
     }
 
@@ -201,6 +219,9 @@ impl Gateway {
     pub async fn wait(self) -> std::io::Result<()> {
         let result = self.task.await.map_err(std::io::Error::other)?;
         self.live.shutdown().await;
+        if let Some(reload) = self.reload {
+            reload.shutdown().await;
+        }
         result
     }
 
@@ -209,5 +230,8 @@ impl Gateway {
         let _ = self.shutdown.send(());
         let _ = self.task.await;
         self.live.shutdown().await;
+        if let Some(reload) = self.reload {
+            reload.shutdown().await;
+        }
     }
 }

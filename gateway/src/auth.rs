@@ -3,8 +3,11 @@
 //! With no `[[teams]]` configured the gateway runs open: every request (any bearer token or
 //! none) belongs to team `default`, and start-up says so. With teams configured, a request needs
 //! `Authorization: Bearer KEY` whose digest a team lists; anything else gets 401 in OpenAI's shape.
+//! The key ring is replaced whole when the config file's `[[teams]]` change
+//! ([`KeyRing::replace`]).
 
 use std::collections::HashMap;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use axum::http::{header, HeaderMap};
 use sha2::{Digest, Sha256};
@@ -20,9 +23,9 @@ pub struct Team(pub String);
 pub const OPEN_TEAM: &str = "default";
 
 /// Maps key digests to team names.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct KeyRing {
-    by_digest: HashMap<[u8; 32], String>,
+    by_digest: RwLock<Arc<HashMap<[u8; 32], String>>>,
 }
 
 /// SHA-256 of a key, lowercase hex (what `api_key_sha256` holds).
@@ -43,28 +46,51 @@ fn parse_hex32(s: &str) -> Option<[u8; 32]> {
     Some(out)
 }
 
+fn digests(teams: &[TeamConfig]) -> HashMap<[u8; 32], String> {
+    let mut by_digest = HashMap::new();
+    for team in teams {
+        for digest in &team.api_key_sha256 {
+            if let Some(d) = parse_hex32(&digest.to_ascii_lowercase()) {
+                by_digest.insert(d, team.name.clone());
+            }
+        }
+    }
+    by_digest
+}
+
 impl KeyRing {
     /// Build from the `[[teams]]` section (digests were validated with the config).
     pub fn new(teams: &[TeamConfig]) -> Self {
-        let mut by_digest = HashMap::new();
-        for team in teams {
-            for digest in &team.api_key_sha256 {
-                if let Some(d) = parse_hex32(&digest.to_ascii_lowercase()) {
-                    by_digest.insert(d, team.name.clone());
-                }
-            }
+        KeyRing {
+            by_digest: RwLock::new(Arc::new(digests(teams))),
         }
-        KeyRing { by_digest }
+    }
+
+    /// Switch to the keys of `teams` (a reloaded `[[teams]]` section). Requests already
+    /// authenticated keep their team.
+    pub fn replace(&self, teams: &[TeamConfig]) {
+        *self
+            .by_digest
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Arc::new(digests(teams));
+    }
+
+    fn current(&self) -> Arc<HashMap<[u8; 32], String>> {
+        self.by_digest
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// True when no keys are configured and every request runs as [`OPEN_TEAM`].
     pub fn is_open(&self) -> bool {
-        self.by_digest.is_empty()
+        self.current().is_empty()
     }
 
     /// The team for a request's headers, or 401.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Team, HttpError> {
-        if self.is_open() {
+        let by_digest = self.current();
+        if by_digest.is_empty() {
             return Ok(Team(OPEN_TEAM.to_string()));
         }
         let unauthorized = |msg: &str| {
@@ -90,7 +116,7 @@ impl KeyRing {
             .map(str::trim)
             .unwrap_or("");
         let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
-        self.by_digest
+        by_digest
             .get(&digest)
             .map(|name| Team(name.clone()))
             .ok_or_else(|| unauthorized("Incorrect API key provided."))
@@ -102,10 +128,7 @@ mod tests {
     use super::*;
 
     fn ring() -> KeyRing {
-        KeyRing::new(&[TeamConfig {
-            name: "alpha".into(),
-            api_key_sha256: vec![hash_key("sk-alpha")],
-        }])
+        KeyRing::new(&[TeamConfig::new("alpha", vec![hash_key("sk-alpha")])])
     }
 
     fn bearer(k: &str) -> HeaderMap {
@@ -138,6 +161,22 @@ mod tests {
                 .status,
             401
         );
+    }
+
+    #[test]
+    fn replaced_keys_apply_at_once() {
+        let ring = ring();
+        ring.replace(&[TeamConfig::new("beta", vec![hash_key("sk-beta")])]);
+        assert_eq!(ring.authenticate(&bearer("sk-beta")).unwrap().0, "beta");
+        assert_eq!(
+            ring.authenticate(&bearer("sk-alpha"))
+                .unwrap_err()
+                .error
+                .status,
+            401
+        );
+        ring.replace(&[]);
+        assert!(ring.is_open());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Configuration: the TOML file `agentgate serve --config FILE` reads, its defaults and validation.
 //!
-//! Every key is documented in `examples/quickstart.toml` and the README's configuration reference.
+//! Every key is documented in `examples/quickstart.toml` (flow control: `examples/teams.toml`)
+//! and the README's configuration reference.
 //! Unknown keys are rejected, and a bad value fails at start with the key's path and the reason,
 //! so a typo never silently changes behaviour.
 
@@ -42,6 +43,16 @@ pub struct Config {
     /// `[[teams]]`: API keys and the team each belongs to.
     #[serde(default)]
     pub teams: Vec<TeamConfig>,
+    /// `[[bands]]`: flow-control priority bands; none means one implicit band `default`.
+    #[serde(default)]
+    pub bands: Vec<BandConfig>,
+    /// `[flow]`: flow control (admission before routing: bands, fairness, shedding, rate limits).
+    #[serde(default)]
+    pub flow: FlowToml,
+    /// The file this configuration was read from ([`Config::load`]), watched for changes to
+    /// `[[bands]]`, `[[teams]]` and `[flow]`.
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
 }
 
 /// `[server]` section.
@@ -52,6 +63,9 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Largest request body accepted, in bytes; larger bodies get 413.
     pub max_body_bytes: usize,
+    /// How often the config file is checked for changes (modification time and length), in
+    /// milliseconds; a change reloads `[[bands]]`, `[[teams]]` and `[flow]`. 0 disables it.
+    pub reload_interval_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -59,6 +73,7 @@ impl Default for ServerConfig {
         ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             max_body_bytes: 32 * 1024 * 1024,
+            reload_interval_ms: 1_000,
         }
     }
 }
@@ -380,6 +395,148 @@ pub struct TeamConfig {
     /// SHA-256 hex digests of the team's API keys (`agentgate hash-key KEY` prints one).
     #[serde(default)]
     pub api_key_sha256: Vec<String>,
+    /// The band the team's requests run in unless the client asks for a lower one; required
+    /// when more than one `[[bands]]` entry is configured.
+    #[serde(default)]
+    pub default_band: Option<String>,
+    /// Further bands the team may ask for (header `x-agentgate-band` or a mapped
+    /// `service_tier`); none may rank above `default_band`, which is always allowed.
+    #[serde(default)]
+    pub bands: Vec<String>,
+    /// Share of a band relative to the other teams waiting in it (dispatched tokens).
+    #[serde(default = "default_weight")]
+    pub weight: f64,
+    /// Requests per minute; absent means no limit.
+    #[serde(default)]
+    pub requests_per_minute: Option<u64>,
+    /// Input + output tokens per minute (estimated at admission); absent means no limit.
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
+    /// Most requests of the team running at once per pool; absent means no limit.
+    #[serde(default)]
+    pub max_concurrent: Option<u32>,
+}
+
+impl TeamConfig {
+    /// A team with these key digests and every flow-control setting at its default.
+    pub fn new(name: impl Into<String>, api_key_sha256: Vec<String>) -> Self {
+        TeamConfig {
+            name: name.into(),
+            api_key_sha256,
+            default_band: None,
+            bands: Vec::new(),
+            weight: default_weight(),
+            requests_per_minute: None,
+            tokens_per_minute: None,
+            max_concurrent: None,
+        }
+    }
+}
+
+fn default_weight() -> f64 {
+    1.0
+}
+
+/// Name of the band used when no `[[bands]]` are configured.
+pub const IMPLICIT_BAND: &str = "default";
+
+/// `[[bands]]` entry: one flow-control priority band.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BandConfig {
+    /// Band name (`interactive`, `batch`, ...), unique.
+    pub name: String,
+    /// Higher is dispatched first; unique (the order between bands is strict).
+    pub priority: i32,
+    /// While the pool is saturated, new requests of this band are refused at once (429 with
+    /// `Retry-After`) instead of queued.
+    #[serde(default)]
+    pub sheddable: bool,
+    /// Most requests waiting in the band; more get 429 `queue_full`. 0: never queue.
+    #[serde(default = "default_max_queued")]
+    pub max_queued: usize,
+    /// Most request-body bytes waiting in the band; more get 429 `queue_full`.
+    #[serde(default = "default_max_queued_bytes")]
+    pub max_queued_bytes: u64,
+    /// Longest wait in the queue, in milliseconds, before 503 `queue_timeout`.
+    #[serde(default = "default_queue_ttl_ms")]
+    pub queue_ttl_ms: u64,
+}
+
+fn default_max_queued() -> usize {
+    10_000
+}
+
+fn default_max_queued_bytes() -> u64 {
+    1 << 30
+}
+
+fn default_queue_ttl_ms() -> u64 {
+    60_000
+}
+
+impl BandConfig {
+    /// The band used when no `[[bands]]` are configured: `default`, not sheddable, the
+    /// defaults of every other key.
+    pub fn implicit() -> Self {
+        BandConfig {
+            name: IMPLICIT_BAND.into(),
+            priority: 0,
+            sheddable: false,
+            max_queued: default_max_queued(),
+            max_queued_bytes: default_max_queued_bytes(),
+            queue_ttl_ms: default_queue_ttl_ms(),
+        }
+    }
+}
+
+/// `[flow]` section: flow control (see `crate::flow`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FlowToml {
+    /// Admit requests through flow control (bands, fairness, shedding, rate limits). Off:
+    /// every request goes straight to routing, in arrival order.
+    pub enabled: bool,
+    /// The gateway's own saturation limit: requests in flight per endpoint (the pool holds
+    /// this many per available endpoint). Work beyond it waits in the gateway's queues, where
+    /// bands and fairness apply, instead of in the engines' FIFO queues. 0: no limit (only the
+    /// engines' scraped queue depth, KV usage and staleness gate dispatch).
+    pub max_in_flight_per_endpoint: u64,
+    /// A session with a request in flight within this many seconds is active: its next turn
+    /// goes ahead of new sessions of the same team.
+    pub turn_window_s: f64,
+    /// A new session that has waited this many seconds is ordered by arrival with continuing
+    /// turns, so it cannot starve; 0 turns turn-first ordering off.
+    pub aging_s: f64,
+    /// Responses `service_tier` values mapped to bands, e.g. `{ flex = "batch" }`. Unmapped
+    /// values (`auto`, `default`, ...) run in the team's default band.
+    pub service_tier: BTreeMap<String, String>,
+    /// Probabilistic shedding: saturation (see `crate::flow`) at which sheddable requests
+    /// start being shed. Unset with `shed_full`: shed every sheddable request while saturated.
+    pub shed_start: Option<f64>,
+    /// Probabilistic shedding: saturation at which every sheddable request is shed.
+    pub shed_full: Option<f64>,
+    /// `Retry-After` sent with shed, queue-full and queue-timeout rejections, in seconds.
+    pub retry_after_s: f64,
+    /// Output tokens assumed for a request without `max_output_tokens`, in its cost (fair
+    /// queuing and `tokens_per_minute`).
+    pub default_max_output_tokens: u64,
+}
+
+impl Default for FlowToml {
+    fn default() -> Self {
+        FlowToml {
+            enabled: true,
+            max_in_flight_per_endpoint: 64,
+            turn_window_s: 60.0,
+            aging_s: 10.0,
+            service_tier: BTreeMap::new(),
+            shed_start: None,
+            shed_full: None,
+            retry_after_s: 1.0,
+            default_max_output_tokens: 1024,
+        }
+    }
 }
 
 /// A configuration problem: the key it concerns and what is wrong.
@@ -412,6 +569,7 @@ impl Config {
         let text = std::fs::read_to_string(path)
             .map_err(|e| err(path.display().to_string(), format!("cannot read file: {e}")))?;
         let mut config = Config::parse(&text)?;
+        config.source = Some(path.to_path_buf());
         let base = path.parent().unwrap_or(Path::new(""));
         for pool in &mut config.pools {
             if let Some(file) = pool.endpoints_file.as_mut() {
@@ -611,12 +769,269 @@ impl Config {
                 }
             }
         }
-        Ok(())
+        self.validate_flow()
     }
 
     /// The store TTL as a duration.
     pub fn store_ttl(&self) -> Duration {
         Duration::from_secs_f64(self.store.ttl_days * 86_400.0)
+    }
+}
+
+/// Seconds as a duration; validation keeps them finite and non-negative, anything else
+/// saturates.
+fn seconds(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s).unwrap_or(if s > 0.0 {
+        Duration::MAX
+    } else {
+        Duration::ZERO
+    })
+}
+
+/// The flow-control sections (`[[bands]]`, the flow keys of `[[teams]]`, `[flow]`): their
+/// validation and the scheduler's policy built from them. These sections reload without a
+/// restart (see `crate::reload`).
+impl Config {
+    /// The configured bands, or the implicit band `default` when none are.
+    pub fn flow_bands(&self) -> Vec<BandConfig> {
+        if self.bands.is_empty() {
+            vec![BandConfig::implicit()]
+        } else {
+            self.bands.clone()
+        }
+    }
+
+    /// Whether no team lists an API key: the gateway runs open and every request is team
+    /// `default` (see `crate::auth`).
+    pub fn runs_open(&self) -> bool {
+        self.teams.iter().all(|t| t.api_key_sha256.is_empty())
+    }
+
+    /// The scheduler's flow-control policy. Each team's allowed bands are its default band
+    /// plus `bands`. When the gateway runs open and no team is named `default`, that team is
+    /// added with the highest band as its default and every band allowed, so clients may
+    /// still ask for a lower band.
+    pub fn flow_config(&self) -> agentgate_scheduler::FlowConfig {
+        use agentgate_scheduler::flow::{BandSpec, FlowConfig, ShedCurve, TeamSpec};
+        let bands = self.flow_bands();
+        let mut by_priority: Vec<&BandConfig> = bands.iter().collect();
+        by_priority.sort_by_key(|b| std::cmp::Reverse(b.priority));
+        let highest = by_priority
+            .first()
+            .map_or(IMPLICIT_BAND.to_string(), |b| b.name.clone());
+        let specs = bands
+            .iter()
+            .map(|b| BandSpec {
+                name: b.name.clone(),
+                priority: b.priority,
+                sheddable: b.sheddable,
+                max_queued: b.max_queued,
+                max_queued_bytes: b.max_queued_bytes,
+                queue_ttl: Duration::from_millis(b.queue_ttl_ms),
+            })
+            .collect();
+        let mut teams: Vec<TeamSpec> = self
+            .teams
+            .iter()
+            .map(|t| {
+                let default_band = t.default_band.clone().unwrap_or_else(|| highest.clone());
+                let mut allowed_bands = Vec::new();
+                if !t.bands.is_empty() {
+                    allowed_bands.push(default_band.clone());
+                    for b in &t.bands {
+                        if !allowed_bands.contains(b) {
+                            allowed_bands.push(b.clone());
+                        }
+                    }
+                }
+                TeamSpec {
+                    name: t.name.clone(),
+                    default_band,
+                    allowed_bands,
+                    weight: t.weight,
+                    max_concurrent: t.max_concurrent,
+                    rpm: t.requests_per_minute,
+                    tpm: t.tokens_per_minute,
+                }
+            })
+            .collect();
+        let open_team = crate::auth::OPEN_TEAM;
+        if self.runs_open() && !teams.iter().any(|t| t.name == open_team) {
+            let mut team = TeamSpec::new(open_team, highest.clone());
+            if by_priority.len() > 1 {
+                team.allowed_bands = by_priority.iter().map(|b| b.name.clone()).collect();
+            }
+            teams.push(team);
+        }
+        let f = &self.flow;
+        let shed_curve = match (f.shed_start, f.shed_full) {
+            (Some(start), Some(full)) => ShedCurve::Linear { start, full },
+            _ => ShedCurve::Always,
+        };
+        FlowConfig {
+            bands: specs,
+            teams,
+            turn_window: seconds(f.turn_window_s),
+            aging: seconds(f.aging_s),
+            shed_curve,
+            retry_after: seconds(f.retry_after_s),
+        }
+    }
+
+    /// Check `[[bands]]`, the flow keys of `[[teams]]` and `[flow]`, naming the key at fault.
+    fn validate_flow(&self) -> Result<(), ConfigError> {
+        let f = &self.flow;
+        let seconds_ok = |s: f64| s.is_finite() && (0.0..=1e9).contains(&s);
+        for (key, value) in [
+            ("flow.turn_window_s", f.turn_window_s),
+            ("flow.aging_s", f.aging_s),
+            ("flow.retry_after_s", f.retry_after_s),
+        ] {
+            if !seconds_ok(value) {
+                return Err(err(key, "must be a number of seconds, 0 or more"));
+            }
+        }
+        if f.default_max_output_tokens == 0 {
+            return Err(err("flow.default_max_output_tokens", "must be at least 1"));
+        }
+        match (f.shed_start, f.shed_full) {
+            (Some(_), None) => {
+                return Err(err(
+                    "flow.shed_full",
+                    "must be set with flow.shed_start (or remove both to shed every sheddable request while saturated)",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(err(
+                    "flow.shed_start",
+                    "must be set with flow.shed_full (or remove both to shed every sheddable request while saturated)",
+                ))
+            }
+            (Some(start), Some(full)) => {
+                let ok = (0.0..=1.0).contains(&start) && (0.0..=1.0).contains(&full) && start < full;
+                if !ok {
+                    return Err(err(
+                        "flow.shed_start",
+                        format!("need 0 <= shed_start < shed_full <= 1, got {start} and {full}"),
+                    ));
+                }
+            }
+            (None, None) => {}
+        }
+        let mut seen = std::collections::HashSet::new();
+        let mut priorities: std::collections::HashMap<i32, &str> = std::collections::HashMap::new();
+        for (i, band) in self.bands.iter().enumerate() {
+            let at = |k: &str| format!("bands[{i}].{k}");
+            if band.name.trim().is_empty() {
+                return Err(err(at("name"), "must not be empty"));
+            }
+            if !seen.insert(band.name.as_str()) {
+                return Err(err(
+                    at("name"),
+                    format!("band `{}` is defined more than once", band.name),
+                ));
+            }
+            if let Some(other) = priorities.insert(band.priority, &band.name) {
+                return Err(err(
+                    at("priority"),
+                    format!(
+                        "band `{}` has the same priority ({}) as band `{other}`; priorities must differ, the order between bands is strict",
+                        band.name, band.priority
+                    ),
+                ));
+            }
+            if band.queue_ttl_ms == 0 {
+                return Err(err(
+                    at("queue_ttl_ms"),
+                    "must be at least 1 (use max_queued = 0 for a band that never queues)",
+                ));
+            }
+        }
+        let bands = self.flow_bands();
+        let band = |name: &str| bands.iter().find(|b| b.name == name);
+        let names = || {
+            bands
+                .iter()
+                .map(|b| b.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        for (i, team) in self.teams.iter().enumerate() {
+            let at = |k: &str| format!("teams[{i}].{k}");
+            let default = match &team.default_band {
+                None if bands.len() > 1 => {
+                    return Err(err(
+                        at("default_band"),
+                        format!(
+                            "required when several [[bands]] are configured (one of: {})",
+                            names()
+                        ),
+                    ))
+                }
+                None => &bands[0],
+                Some(name) => band(name).ok_or_else(|| {
+                    err(
+                        at("default_band"),
+                        format!(
+                            "`{name}` is not a configured band (configured: {})",
+                            names()
+                        ),
+                    )
+                })?,
+            };
+            for (j, name) in team.bands.iter().enumerate() {
+                let Some(b) = band(name) else {
+                    return Err(err(
+                        format!("teams[{i}].bands[{j}]"),
+                        format!(
+                            "`{name}` is not a configured band (configured: {})",
+                            names()
+                        ),
+                    ));
+                };
+                if b.priority > default.priority {
+                    return Err(err(
+                        format!("teams[{i}].bands[{j}]"),
+                        format!(
+                            "band `{name}` (priority {}) ranks above the team's default band `{}` (priority {}); a team may ask only for bands at or below its default",
+                            b.priority, default.name, default.priority
+                        ),
+                    ));
+                }
+            }
+            if !(team.weight.is_finite() && team.weight > 0.0) {
+                return Err(err(at("weight"), "must be a number greater than 0"));
+            }
+            for (key, zero) in [
+                ("requests_per_minute", team.requests_per_minute == Some(0)),
+                ("tokens_per_minute", team.tokens_per_minute == Some(0)),
+                ("max_concurrent", team.max_concurrent == Some(0)),
+            ] {
+                if zero {
+                    return Err(err(at(key), "must be at least 1; omit it for no limit"));
+                }
+            }
+        }
+        for (tier, name) in &f.service_tier {
+            if tier.trim().is_empty() {
+                return Err(err(
+                    "flow.service_tier",
+                    "service tier names must not be empty",
+                ));
+            }
+            if band(name).is_none() {
+                return Err(err(
+                    format!("flow.service_tier.{tier}"),
+                    format!(
+                        "`{name}` is not a configured band (configured: {})",
+                        names()
+                    ),
+                ));
+            }
+        }
+        self.flow_config()
+            .validate()
+            .map_err(|e| err("flow", e.to_string()))
     }
 }
 
@@ -795,6 +1210,148 @@ endpoints = ["http://127.0.0.1:8000"]
         let none = "[[pools]]\nname = \"main\"\nmodel = \"m\"\n";
         let e = Config::parse(none).unwrap_err();
         assert!(e.reason.contains("endpoints_file"), "{e}");
+    }
+
+    #[test]
+    fn without_bands_there_is_one_implicit_band_and_the_open_team() {
+        let c = Config::parse(MINIMAL).unwrap();
+        assert!(c.flow.enabled);
+        assert_eq!(c.flow.max_in_flight_per_endpoint, 64);
+        assert_eq!(c.server.reload_interval_ms, 1_000);
+        let f = c.flow_config();
+        assert_eq!(f.bands.len(), 1);
+        assert_eq!(f.bands[0].name, IMPLICIT_BAND);
+        assert!(!f.bands[0].sheddable);
+        assert_eq!(f.bands[0].queue_ttl, Duration::from_secs(60));
+        assert_eq!(f.teams.len(), 1);
+        assert_eq!(f.teams[0].name, crate::auth::OPEN_TEAM);
+        assert_eq!(f.turn_window, Duration::from_secs(60));
+        assert_eq!(f.aging, Duration::from_secs(10));
+        // Existing team entries keep working: the implicit band is their default.
+        let keyed = format!(
+            "{MINIMAL}[[teams]]\nname = \"a\"\napi_key_sha256 = [\"{}\"]\n",
+            "ab".repeat(32)
+        );
+        let f = Config::parse(&keyed).unwrap().flow_config();
+        assert_eq!(f.teams.len(), 1, "keys configured: no open team");
+        assert_eq!(f.teams[0].default_band, IMPLICIT_BAND);
+        assert_eq!(f.validate(), Ok(()));
+    }
+
+    const BANDS: &str = "[[bands]]\nname = \"interactive\"\npriority = 10\n\
+        [[bands]]\nname = \"batch\"\npriority = 0\nsheddable = true\nqueue_ttl_ms = 500\n";
+
+    #[test]
+    fn bands_teams_and_flow_map_to_the_scheduler_policy() {
+        let text = format!(
+            "{MINIMAL}{BANDS}[flow]\nturn_window_s = 30\naging_s = 0\nshed_start = 0.5\n\
+             shed_full = 0.9\nretry_after_s = 2.5\nservice_tier = {{ flex = \"batch\" }}\n\
+             [[teams]]\nname = \"chat\"\ndefault_band = \"interactive\"\nbands = [\"batch\"]\n\
+             weight = 2.5\nrequests_per_minute = 60\ntokens_per_minute = 1000\nmax_concurrent = 4\n\
+             [[teams]]\nname = \"bulk\"\ndefault_band = \"batch\"\n"
+        );
+        let c = Config::parse(&text).unwrap();
+        let f = c.flow_config();
+        let batch = f.band("batch").unwrap();
+        assert!(batch.sheddable);
+        assert_eq!(batch.queue_ttl, Duration::from_millis(500));
+        let chat = f.team("chat").unwrap();
+        assert_eq!(chat.allowed_bands, ["interactive", "batch"]);
+        assert_eq!(chat.weight, 2.5);
+        assert_eq!(
+            (chat.rpm, chat.tpm, chat.max_concurrent),
+            (Some(60), Some(1000), Some(4))
+        );
+        assert!(f.team("bulk").unwrap().allows("batch"));
+        assert!(!f.team("bulk").unwrap().allows("interactive"));
+        // No keys: the open team may use every band, from the highest down.
+        let open = f.team(crate::auth::OPEN_TEAM).unwrap();
+        assert_eq!(open.default_band, "interactive");
+        assert!(open.allows("batch"));
+        assert_eq!(f.turn_window, Duration::from_secs(30));
+        assert_eq!(f.aging, Duration::ZERO);
+        assert_eq!(f.retry_after, Duration::from_millis(2500));
+        assert_eq!(
+            f.shed_curve,
+            agentgate_scheduler::flow::ShedCurve::Linear {
+                start: 0.5,
+                full: 0.9
+            }
+        );
+        assert_eq!(c.flow.service_tier["flex"], "batch");
+    }
+
+    #[test]
+    fn bad_flow_values_name_their_key() {
+        let team =
+            |extra: &str| format!("[[teams]]\nname = \"t\"\ndefault_band = \"batch\"\n{extra}\n");
+        for (extra, key) in [
+            (
+                "[[bands]]\nname = \"batch\"\npriority = 3\n".to_string(),
+                "bands[2].name",
+            ),
+            (
+                "[[bands]]\nname = \"other\"\npriority = 10\n".to_string(),
+                "bands[2].priority",
+            ),
+            (
+                "[[bands]]\nname = \" \"\npriority = 3\n".to_string(),
+                "bands[2].name",
+            ),
+            (
+                "[[bands]]\nname = \"x\"\npriority = 3\nqueue_ttl_ms = 0\n".to_string(),
+                "bands[2].queue_ttl_ms",
+            ),
+            (
+                "[[teams]]\nname = \"t\"\n".to_string(),
+                "teams[0].default_band",
+            ),
+            (
+                "[[teams]]\nname = \"t\"\ndefault_band = \"gold\"\n".to_string(),
+                "teams[0].default_band",
+            ),
+            (team("bands = [\"interactive\"]"), "teams[0].bands[0]"),
+            (team("bands = [\"gold\"]"), "teams[0].bands[0]"),
+            (team("weight = 0"), "teams[0].weight"),
+            (
+                team("requests_per_minute = 0"),
+                "teams[0].requests_per_minute",
+            ),
+            (team("tokens_per_minute = 0"), "teams[0].tokens_per_minute"),
+            (team("max_concurrent = 0"), "teams[0].max_concurrent"),
+            (
+                "[flow]\nservice_tier = { flex = \"gold\" }\n".to_string(),
+                "flow.service_tier.flex",
+            ),
+            ("[flow]\nshed_start = 0.5\n".to_string(), "flow.shed_full"),
+            (
+                "[flow]\nshed_start = 0.9\nshed_full = 0.5\n".to_string(),
+                "flow.shed_start",
+            ),
+            ("[flow]\naging_s = -1\n".to_string(), "flow.aging_s"),
+            (
+                "[flow]\nturn_window_s = nan\n".to_string(),
+                "flow.turn_window_s",
+            ),
+            (
+                "[flow]\ndefault_max_output_tokens = 0\n".to_string(),
+                "flow.default_max_output_tokens",
+            ),
+        ] {
+            let e = Config::parse(&format!("{MINIMAL}{BANDS}{extra}")).unwrap_err();
+            assert_eq!(e.key, key, "{extra}: {e}");
+        }
+        let e = Config::parse(&format!("{MINIMAL}{BANDS}[flow]\nshed = 1\n")).unwrap_err();
+        assert!(e.to_string().contains("shed"), "{e}");
+        let e = Config::parse(&format!(
+            "{MINIMAL}{BANDS}{}",
+            team("bands = [\"interactive\"]")
+        ))
+        .unwrap_err();
+        assert!(
+            e.reason.contains("ranks above the team's default band"),
+            "{e}"
+        );
     }
 
     #[test]

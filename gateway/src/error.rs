@@ -16,7 +16,10 @@ pub struct HttpError {
     /// Status, message, type, param and code.
     pub error: ApiError,
     /// Seconds to put in `Retry-After`.
-    pub retry_after: Option<u64>,
+    pub retry_after: Option<u32>,
+    /// Further response headers (e.g. `x-ratelimit-*` on a rate-limited request); boxed to
+    /// keep the error small on the common path.
+    pub headers: Option<Box<Vec<(&'static str, String)>>>,
 }
 
 impl HttpError {
@@ -37,6 +40,7 @@ impl HttpError {
                 code: code.map(str::to_string),
             },
             retry_after: None,
+            headers: None,
         }
     }
 
@@ -63,7 +67,15 @@ impl HttpError {
 
     /// Add `Retry-After: secs`.
     pub fn with_retry_after(mut self, secs: u64) -> Self {
-        self.retry_after = Some(secs);
+        self.retry_after = Some(u32::try_from(secs).unwrap_or(u32::MAX));
+        self
+    }
+
+    /// Add response headers.
+    pub fn with_headers(mut self, headers: Vec<(&'static str, String)>) -> Self {
+        self.headers
+            .get_or_insert_with(Box::default)
+            .extend(headers);
         self
     }
 
@@ -90,6 +102,7 @@ impl From<ApiError> for HttpError {
         HttpError {
             error,
             retry_after: None,
+            headers: None,
         }
     }
 }
@@ -102,6 +115,11 @@ impl IntoResponse for HttpError {
         if let Some(secs) = self.retry_after {
             if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
                 resp.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+        for (name, value) in self.headers.into_iter().flat_map(|h| *h) {
+            if let Ok(v) = HeaderValue::from_str(&value) {
+                resp.headers_mut().insert(name, v);
             }
         }
         resp

@@ -4,6 +4,9 @@
 //!
 //! - [`config`]: the TOML configuration and its validation;
 //! - [`auth`]: API key -> team;
+//! - [`flow`]: flow control before routing: one `FlowController` per pool (priority bands,
+//!   fair queuing across teams, turn-first order, shedding, rate limits kept in the store);
+//!   [`reload`] applies changes to the config file's `[[bands]]`, `[[teams]]` and `[flow]`;
 //! - [`request`]: typed views and validation over raw JSON request bodies;
 //! - [`responses`]: the Responses API handlers (create, retrieve, delete, cancel, input items,
 //!   input tokens); [`turn`] runs one turn against an engine and persists it;
@@ -19,7 +22,8 @@
 //! - [`app`]: shared state, router and server start/stop.
 //!
 //! Request path: authenticate -> validate -> load history from the store (one round trip) ->
-//! identify the session -> translate for the engine flavor (`agentgate-adapters`) -> pick an
+//! identify the session -> translate for the engine flavor (`agentgate-adapters`) -> admit
+//! (flow control: band, shedding, rate limits, queue until the pool has room) -> pick an
 //! endpoint (session pin from the store, else prefix match and load, per the pool's policy) ->
 //! stream chat chunks back as Responses events -> persist the response as a delta
 //! (`agentgate-sessions`).
@@ -29,11 +33,13 @@ pub mod auth;
 pub mod config;
 pub mod discovery;
 pub mod error;
+pub mod flow;
 pub mod handlers;
 pub mod metrics;
 pub mod openapi;
 pub mod pools;
 pub mod probe;
+pub mod reload;
 pub mod request;
 pub mod response_object;
 pub mod responses;

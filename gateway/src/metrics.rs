@@ -10,7 +10,9 @@
 //!
 //! - **events**, counted as they happen through [`Metrics`]' methods: routing decisions and
 //!   their reason, session pin moves and their cause, discovery reloads, endpoint health
-//!   transitions, probe failures and probe latency;
+//!   transitions, probe failures and probe latency, config reloads, rate-limit store errors;
+//! - **flow control**, read from each pool's controller at scrape time ([`flow_state`]): queue
+//!   depths, wait histograms and outcome counters per band and per team;
 //! - **live endpoint state**, read from the pools at scrape time (nothing to keep in step):
 //!
 //! | series | meaning |
@@ -36,7 +38,10 @@ use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 
+use agentgate_scheduler::flow::WaitHistogram;
+
 use crate::app::AppState;
+use crate::flow::FlowControl;
 use crate::pools::Pools;
 
 /// `Content-Type` of the text exposition format.
@@ -302,6 +307,10 @@ pub struct Metrics {
     pub probe_failures: CounterVec<3>,
     /// `agentgate_endpoint_probe_duration_seconds{pool,probe}`.
     pub probe_duration: HistogramVec<2>,
+    /// `agentgate_config_reloads_total{result}`.
+    pub config_reloads: CounterVec<1>,
+    /// `agentgate_flow_rate_limit_store_errors_total`.
+    pub rate_limit_store_errors: CounterVec<0>,
 }
 
 impl Default for Metrics {
@@ -345,6 +354,16 @@ impl Metrics {
                 ["pool", "probe"],
                 PROBE_BUCKETS,
             ),
+            config_reloads: CounterVec::new(
+                "agentgate_config_reloads_total",
+                "Config file reloads of [[bands]], [[teams]] and [flow], by result (ok or error).",
+                ["result"],
+            ),
+            rate_limit_store_errors: CounterVec::new(
+                "agentgate_flow_rate_limit_store_errors_total",
+                "Rate-limit checks the store could not answer (admitted without limits).",
+                [],
+            ),
         }
     }
 
@@ -373,8 +392,179 @@ impl Metrics {
         self.health_transitions.encode(&mut out);
         self.probe_failures.encode(&mut out);
         self.probe_duration.encode(&mut out);
+        self.config_reloads.encode(&mut out);
+        self.rate_limit_store_errors.encode(&mut out);
         out
     }
+}
+
+/// A histogram family from flow-control snapshots' [`WaitHistogram`]s.
+fn encode_waits(
+    name: &str,
+    help: &str,
+    label_names: &[&str],
+    series: &[(Vec<String>, &WaitHistogram)],
+    out: &mut String,
+) {
+    header(name, help, "histogram", out);
+    for (values, h) in series {
+        for (le, cumulative) in h.cumulative() {
+            let _ = write!(out, "{name}_bucket");
+            labels(label_names, values, Some(("le", &number(le))), out);
+            let _ = writeln!(out, " {cumulative}");
+        }
+        let _ = write!(out, "{name}_sum");
+        labels(label_names, values, None, out);
+        let _ = writeln!(out, " {}", number(h.sum_seconds()));
+        let _ = write!(out, "{name}_count");
+        labels(label_names, values, None, out);
+        let _ = writeln!(out, " {}", h.count());
+    }
+}
+
+/// Flow-control series, read from every pool's controller at scrape time:
+///
+/// | series | meaning |
+/// |---|---|
+/// | `agentgate_flow_capacity_requests{pool}` | requests the pool may have in flight now (absent while no endpoint is available) |
+/// | `agentgate_flow_in_flight_requests{pool}` | requests admitted and not finished |
+/// | `agentgate_flow_queued_requests{pool,band}`, `agentgate_flow_queued_bytes{pool,band}` | waiting now |
+/// | `agentgate_flow_band_requests_total{pool,band,outcome}` | `dispatched`, `shed`, `queue_full`, `timed_out`, `cancelled` |
+/// | `agentgate_flow_queue_wait_seconds{pool,band}` | queue wait of dispatched requests (histogram) |
+/// | `agentgate_flow_team_queued_requests{pool,team}`, `agentgate_flow_team_in_flight_requests{pool,team}` | per team, now |
+/// | `agentgate_flow_team_requests_total{pool,team,outcome}` | `dispatched`, `shed`, `rate_limited`, `queue_full`, `timed_out`, `cancelled` |
+/// | `agentgate_flow_team_dispatched_tokens_total{pool,team}` | tokens dispatched (estimate, replaced by the actual count when the turn ends) |
+/// | `agentgate_flow_team_queue_wait_seconds{pool,team}` | queue wait of the team's dispatched requests (histogram) |
+/// | `agentgate_flow_turn_wait_seconds{pool,turn}` | queue wait by turn kind, `continuing` or `new` (histogram) |
+/// | `agentgate_flow_promoted_total{pool}` | new sessions sent ahead of continuing turns because they aged |
+pub fn flow_state(flow: &FlowControl, out: &mut String) {
+    let capacity = GaugeVec::new(
+        "agentgate_flow_capacity_requests",
+        "Requests the pool may have in flight now (gateway cap, less saturated endpoints).",
+        ["pool"],
+    );
+    let in_flight = GaugeVec::new(
+        "agentgate_flow_in_flight_requests",
+        "Requests admitted by flow control and not finished.",
+        ["pool"],
+    );
+    let queued = GaugeVec::new(
+        "agentgate_flow_queued_requests",
+        "Requests waiting in the band's queue.",
+        ["pool", "band"],
+    );
+    let queued_bytes = GaugeVec::new(
+        "agentgate_flow_queued_bytes",
+        "Request-body bytes waiting in the band's queue.",
+        ["pool", "band"],
+    );
+    let band_requests = CounterVec::new(
+        "agentgate_flow_band_requests_total",
+        "Requests of the band by outcome: dispatched, shed, queue_full, timed_out, cancelled.",
+        ["pool", "band", "outcome"],
+    );
+    let team_queued = GaugeVec::new(
+        "agentgate_flow_team_queued_requests",
+        "Requests of the team waiting, over all bands.",
+        ["pool", "team"],
+    );
+    let team_in_flight = GaugeVec::new(
+        "agentgate_flow_team_in_flight_requests",
+        "Requests of the team admitted and not finished.",
+        ["pool", "team"],
+    );
+    let team_requests = CounterVec::new(
+        "agentgate_flow_team_requests_total",
+        "Requests of the team by outcome: dispatched, shed, rate_limited, queue_full, timed_out, cancelled.",
+        ["pool", "team", "outcome"],
+    );
+    let team_tokens = CounterVec::new(
+        "agentgate_flow_team_dispatched_tokens_total",
+        "Tokens dispatched for the team: the estimate, replaced by the actual count when the turn ends.",
+        ["pool", "team"],
+    );
+    let promoted = CounterVec::new(
+        "agentgate_flow_promoted_total",
+        "New sessions dispatched ahead of waiting continuing turns because they aged.",
+        ["pool"],
+    );
+    let snapshots = flow.snapshots();
+    let mut band_waits = Vec::new();
+    let mut team_waits = Vec::new();
+    let mut turn_waits = Vec::new();
+    for (pool, s) in &snapshots {
+        let p = pool.as_str();
+        if let Some(c) = flow.capacity(p) {
+            capacity.set([p], c as f64);
+        }
+        in_flight.set([p], s.in_flight as f64);
+        for b in &s.bands {
+            let l = [p, b.name.as_str()];
+            queued.set(l, b.queued as f64);
+            queued_bytes.set(l, b.queued_bytes as f64);
+            for (outcome, n) in [
+                ("dispatched", b.dispatched),
+                ("shed", b.shed),
+                ("queue_full", b.queue_full),
+                ("timed_out", b.timed_out),
+                ("cancelled", b.cancelled),
+            ] {
+                band_requests.inc_by([p, &b.name, outcome], n);
+            }
+            band_waits.push((key(l), &b.wait));
+        }
+        for t in &s.teams {
+            let l = [p, t.name.as_str()];
+            team_queued.set(l, t.queued as f64);
+            team_in_flight.set(l, t.in_flight as f64);
+            team_tokens.inc_by(l, t.dispatched_tokens);
+            team_waits.push((key(l), &t.wait));
+            for (outcome, n) in [
+                ("dispatched", t.dispatched_requests),
+                ("shed", t.shed),
+                ("rate_limited", t.rate_limited),
+                ("queue_full", t.queue_full),
+                ("timed_out", t.timed_out),
+                ("cancelled", t.cancelled),
+            ] {
+                team_requests.inc_by([p, &t.name, outcome], n);
+            }
+        }
+        promoted.inc_by([p], s.turns.promoted);
+        turn_waits.push((key([p, "continuing"]), &s.turns.continuing));
+        turn_waits.push((key([p, "new"]), &s.turns.new));
+    }
+    capacity.encode(out);
+    in_flight.encode(out);
+    queued.encode(out);
+    queued_bytes.encode(out);
+    band_requests.encode(out);
+    encode_waits(
+        "agentgate_flow_queue_wait_seconds",
+        "Queue wait of dispatched requests, by band.",
+        &["pool", "band"],
+        &band_waits,
+        out,
+    );
+    team_queued.encode(out);
+    team_in_flight.encode(out);
+    team_requests.encode(out);
+    team_tokens.encode(out);
+    encode_waits(
+        "agentgate_flow_team_queue_wait_seconds",
+        "Queue wait of dispatched requests, by team.",
+        &["pool", "team"],
+        &team_waits,
+        out,
+    );
+    encode_waits(
+        "agentgate_flow_turn_wait_seconds",
+        "Queue wait of dispatched requests, by turn kind (continuing or new).",
+        &["pool", "turn"],
+        &turn_waits,
+        out,
+    );
+    promoted.encode(out);
 }
 
 /// The live-state gauges of the module doc's table.
@@ -470,9 +660,10 @@ fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
 }
 
 /// `GET /metrics`: the text exposition (unauthenticated, like the health checks; it names
-/// pools and endpoints, never keys or teams).
+/// pools, endpoints, bands and teams, never keys).
 pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
-    let body = state.metrics.render(&state.pools, Instant::now());
+    let mut body = state.metrics.render(&state.pools, Instant::now());
+    flow_state(&state.flow, &mut body);
     ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], body).into_response()
 }
 
@@ -592,6 +783,55 @@ mod tests {
                 "{line}"
             );
         }
+        pools.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn flow_series_are_read_from_the_controllers() {
+        let config = crate::Config::parse(
+            "[routing]\nscrape_interval_ms = 0\nhealth_interval_ms = 0\n\
+             [[pools]]\nname = \"main\"\nmodel = \"m\"\nendpoints = [\"http://127.0.0.1:9\"]\n\
+             [flow]\nmax_in_flight_per_endpoint = 1\n",
+        )
+        .unwrap();
+        let engines = agentgate_adapters::EngineClient::new(Default::default());
+        let pools = Pools::start(&config, &engines).await.unwrap();
+        let limiter = Arc::new(agentgate_scheduler::LocalRateLimiter::new());
+        let flow = FlowControl::new(&config, &pools, limiter).unwrap();
+        let controller = flow.controller("main").unwrap();
+        let permit = controller
+            .admit(agentgate_scheduler::Ticket::new("default", 40))
+            .await
+            .unwrap();
+        let mut out = String::new();
+        flow_state(&flow, &mut out);
+        for line in [
+            "agentgate_flow_capacity_requests{pool=\"main\"} 1",
+            "agentgate_flow_in_flight_requests{pool=\"main\"} 1",
+            "agentgate_flow_queued_requests{pool=\"main\",band=\"default\"} 0",
+            "agentgate_flow_band_requests_total{pool=\"main\",band=\"default\",outcome=\"dispatched\"} 1",
+            "agentgate_flow_band_requests_total{pool=\"main\",band=\"default\",outcome=\"shed\"} 0",
+            "agentgate_flow_queue_wait_seconds_bucket{pool=\"main\",band=\"default\",le=\"0.005\"} 1",
+            "agentgate_flow_queue_wait_seconds_bucket{pool=\"main\",band=\"default\",le=\"+Inf\"} 1",
+            "agentgate_flow_queue_wait_seconds_count{pool=\"main\",band=\"default\"} 1",
+            "agentgate_flow_team_in_flight_requests{pool=\"main\",team=\"default\"} 1",
+            "agentgate_flow_team_requests_total{pool=\"main\",team=\"default\",outcome=\"dispatched\"} 1",
+            "agentgate_flow_team_dispatched_tokens_total{pool=\"main\",team=\"default\"} 40",
+            "agentgate_flow_team_queue_wait_seconds_count{pool=\"main\",team=\"default\"} 1",
+            "agentgate_flow_turn_wait_seconds_count{pool=\"main\",turn=\"new\"} 1",
+            "agentgate_flow_promoted_total{pool=\"main\"} 0",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} missing in\n{out}");
+        }
+        for line in out.lines().filter(|l| !l.starts_with('#')) {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            assert!(series.starts_with("agentgate_flow_"), "{line}");
+            assert!(value.parse::<f64>().is_ok(), "{line}");
+        }
+        drop(permit);
+        let mut out = String::new();
+        flow_state(&flow, &mut out);
+        assert!(out.contains("agentgate_flow_in_flight_requests{pool=\"main\"} 0\n"));
         pools.shutdown().await;
     }
 

@@ -18,6 +18,9 @@
 //!   ([`crate::pools::Pool::apply_discovered`]) and scrapes the new endpoints at once, so they
 //!   do not start out stale.
 //!
+//! After every round the loops call the hook given to [`LiveTasks::start`]: flow control
+//! re-reads the pools' capacity, which changes with every scrape and health verdict.
+//!
 //! Every loop stops on [`LiveTasks::shutdown`]; dropping [`LiveTasks`] aborts them.
 
 use std::collections::{HashMap, HashSet};
@@ -120,8 +123,13 @@ impl Streak {
     }
 }
 
+/// Called after each round that may have changed the pools' capacity (see
+/// [`LiveTasks::start`]).
+pub type CapacityChanged = Arc<dyn Fn() + Send + Sync>;
+
 /// What the loops share.
 struct Live {
+    changed: CapacityChanged,
     pools: Vec<Arc<Pool>>,
     engines: EngineClient,
     metrics: Arc<Metrics>,
@@ -284,6 +292,7 @@ async fn health_loop(live: Arc<Live>, every: Duration, mut stop: watch::Receiver
             _ = live.health_round(&mut streaks) => {}
             _ = stopped(&mut stop) => return,
         }
+        (live.changed)();
     }
 }
 
@@ -299,6 +308,7 @@ async fn scrape_loop(live: Arc<Live>, every: Duration, mut stop: watch::Receiver
             _ = live.scrape_round(&mut failing) => {}
             _ = stopped(&mut stop) => return,
         }
+        (live.changed)();
     }
 }
 
@@ -350,6 +360,7 @@ async fn discovery_loop<D: Discovery>(
             let scrapes = diff.added.iter().map(|e| live.scrape_one(&pool, e));
             futures_util::future::join_all(scrapes).await;
         }
+        (live.changed)();
     }
 }
 
@@ -361,15 +372,19 @@ pub struct LiveTasks {
 
 impl LiveTasks {
     /// Start the health loop, the scrape loop (each unless its interval is 0) and one watcher
-    /// per pool with an `endpoints_file`.
+    /// per pool with an `endpoints_file`. `changed` is called after every health round,
+    /// scrape round and applied endpoint list (flow control dispatches what the new capacity
+    /// allows).
     pub fn start(
         pools: &[Arc<Pool>],
         engines: &EngineClient,
         metrics: &Arc<Metrics>,
         routing: &RoutingConfig,
+        changed: CapacityChanged,
     ) -> LiveTasks {
         let (stop, rx) = watch::channel(false);
         let live = Arc::new(Live {
+            changed,
             pools: pools.to_vec(),
             engines: engines.clone(),
             metrics: metrics.clone(),

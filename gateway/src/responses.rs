@@ -1,7 +1,8 @@
 //! The Responses API handlers: create, retrieve, delete, cancel, input items, input tokens.
 //!
 //! `create` resolves the conversation (`previous_response_id` -> the stored history, in one store
-//! round trip), translates the turn for the pool's engine flavor, and hands it to [`crate::turn`].
+//! round trip), translates the turn for the pool's engine flavor, admits it through flow control
+//! ([`crate::flow`]: it may wait there while the pool is full) and hands it to [`crate::turn`].
 //! Every stored object is scoped to the team whose key created it: other teams get 404.
 
 use std::convert::Infallible;
@@ -25,6 +26,7 @@ use agentgate_sessions::{Store, StoreError};
 use crate::app::AppState;
 use crate::auth::Team;
 use crate::error::HttpError;
+use crate::flow;
 use crate::pools::{Endpoint, Pool};
 
 use crate::request::{parse_json, validate_common, CreateRequest};
@@ -252,6 +254,10 @@ pub async fn create(
         req.previous_response_id.as_deref(),
     )
     .await?;
+    let continuing = prepared.chain_root.is_some()
+        || !prepared.history.is_empty()
+        || req.body.get("conversation").is_some_and(|c| !c.is_null())
+        || flow::input_continues(&prepared.input_items);
     let id = new_id("resp");
     let status = if req.background {
         "queued"
@@ -280,7 +286,21 @@ pub async fn create(
                 .as_deref()
                 .or(req.store.then_some(id.as_str())),
         ),
+        permit: None,
     };
+    // Admission comes after the request is prepared (its token estimate exists) and before
+    // an endpoint is picked; a band the team may not use is refused here.
+    let admission = state.flow.pending(flow::FlowRequest {
+        team: &turn.team,
+        pool: &turn.pool.name,
+        headers: &headers,
+        body: &req.body,
+        prompt_tokens: agentgate_adapters::estimate_prompt_tokens(&turn.plan.body),
+        bytes: bytes.len() as u64,
+        session: turn.session.clone(),
+        continuing,
+        background: req.background,
+    })?;
 
     if req.background {
         state
@@ -299,7 +319,13 @@ pub async fn create(
         if let Ok(mut runs) = state.background.lock() {
             runs.insert(id, cancel_tx);
         }
-        tokio::spawn(turn::run_background(state.clone(), turn, tx, cancel_rx));
+        tokio::spawn(turn::run_background(
+            state.clone(),
+            turn,
+            admission,
+            tx,
+            cancel_rx,
+        ));
         return Ok(match rx {
             Some(rx) => sse_response(rx, None),
             None => Json(queued).into_response(),
@@ -307,6 +333,14 @@ pub async fn create(
     }
 
     let mut turn = turn;
+    let mut flow_headers = Vec::new();
+    if let Some(pending) = admission {
+        // Waits here while the pool is full; a client that leaves drops this future, which
+        // takes the request out of the queue.
+        let permit = pending.admit().await?;
+        flow_headers = flow::response_headers(&permit);
+        turn.permit = Some(permit);
+    }
     let (chunks, in_flight) = turn::open_turn(&state, &mut turn).await?;
     let endpoint = in_flight.endpoint().clone();
     let reason = in_flight.reason;
@@ -320,7 +354,8 @@ pub async fn create(
             Some(tx),
             None,
         ));
-        return Ok(with_reason(sse_response(rx, Some(&endpoint)), reason));
+        let resp = with_reason(sse_response(rx, Some(&endpoint)), reason);
+        return Ok(with_headers(resp, flow_headers));
     }
     let task = tokio::spawn(turn::drive(
         state.clone(),
@@ -345,15 +380,22 @@ pub async fn create(
             .to_string();
         return Err(HttpError::server(502, message, "upstream_error").with_retry_after(1));
     }
-    Ok(with_reason(
-        json_with_endpoint(response, Some(&endpoint)),
-        reason,
-    ))
+    let resp = with_reason(json_with_endpoint(response, Some(&endpoint)), reason);
+    Ok(with_headers(resp, flow_headers))
 }
 
 fn with_reason(mut resp: Response, reason: &'static str) -> Response {
     resp.headers_mut()
         .insert(ROUTE_REASON_HEADER, HeaderValue::from_static(reason));
+    resp
+}
+
+fn with_headers(mut resp: Response, headers: Vec<(&'static str, String)>) -> Response {
+    for (name, value) in headers {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            resp.headers_mut().insert(name, v);
+        }
+    }
     resp
 }
 

@@ -18,8 +18,10 @@ use agentgate_sessions::{ResponseRecord, Store};
 
 use crate::app::AppState;
 use crate::error::HttpError;
-use agentgate_scheduler::{Endpoint, InFlight, PinOutcome, Pinned};
+use agentgate_scheduler::{Endpoint, InFlight, Permit, PinOutcome, Pinned};
 use agentgate_sessions::SessionPin;
+
+use crate::flow::{self, Pending};
 
 use crate::pools::{PickRequest, Pool};
 
@@ -51,6 +53,9 @@ pub struct Turn {
     pub history: Vec<Value>,
     /// The session key, when the request carries one (see `agentgate_scheduler::session_key`).
     pub session: Option<String>,
+    /// The flow-control slot the turn was admitted with, released when the engine stream
+    /// ends (or with the turn, on any other path).
+    pub permit: Option<Permit>,
 }
 
 /// Most rounds of `truncation: "auto"` before the context-length error is returned.
@@ -297,7 +302,7 @@ async fn emit(tx: &Option<mpsc::Sender<Bytes>>, events: Vec<SseEvent>) {
 /// Returns the final Response object.
 pub async fn drive(
     state: Arc<AppState>,
-    turn: Turn,
+    mut turn: Turn,
     mut chunks: ChunkStream,
     mut routed: Routed,
     tx: Option<mpsc::Sender<Bytes>>,
@@ -358,6 +363,9 @@ pub async fn drive(
             .completed(routed.slot, &routed.prefix, routed.matched_chunks, cached);
     }
     drop(routed);
+    if let Some(permit) = turn.permit.take() {
+        flow::finish(permit, &response);
+    }
     emit(&tx, terminal).await;
     response
 }
@@ -405,10 +413,14 @@ pub fn queued_record(turn: &Turn) -> ResponseRecord {
     }
 }
 
-/// Run a background turn: wait for a slot, mark it `in_progress`, run it, record the result.
+/// Run a background turn: wait for a background slot, then for flow-control admission
+/// (`admission`, in the team's lowest band unless the request asked for one), mark it
+/// `in_progress`, run it, record the result. A refused admission fails the response with the
+/// refusal's code.
 pub async fn run_background(
     state: Arc<AppState>,
     mut turn: Turn,
+    admission: Option<Pending>,
     tx: Option<mpsc::Sender<Bytes>>,
     mut cancel: watch::Receiver<bool>,
 ) {
@@ -420,6 +432,23 @@ pub async fn run_background(
             return; // cancelled while queued
         }
     };
+    if let Some(pending) = admission {
+        let admitted = tokio::select! {
+            admitted = pending.admit() => admitted,
+            _ = cancel.wait_for(|c| *c) => {
+                forget_run(&state, &id);
+                return; // cancelled while queued
+            }
+        };
+        match admitted {
+            Ok(permit) => turn.permit = Some(permit),
+            Err(err) => {
+                fail_background(&state, &turn, &tx, &err).await;
+                forget_run(&state, &id);
+                return;
+            }
+        }
+    }
     let mut in_progress = turn.skeleton.clone();
     in_progress["status"] = Value::from("in_progress");
     match state
@@ -439,18 +468,27 @@ pub async fn run_background(
         Ok((chunks, ep)) => {
             drive(state.clone(), turn, chunks, ep, tx, Some(cancel)).await;
         }
-        Err(err) => {
-            let mut rs = new_stream(&turn);
-            let mut events = rs.start();
-            events.extend(rs.fail(
-                err.error.code.as_deref().unwrap_or("server_error"),
-                &err.error.message,
-            ));
-            persist(&state, &turn, rs.response(), rs.output_items()).await;
-            emit(&tx, events).await;
-        }
+        Err(err) => fail_background(&state, &turn, &tx, &err).await,
     }
     forget_run(&state, &id);
+}
+
+/// Record a background response that could not run as failed with `err`'s code and message,
+/// and tell a streaming client.
+async fn fail_background(
+    state: &AppState,
+    turn: &Turn,
+    tx: &Option<mpsc::Sender<Bytes>>,
+    err: &HttpError,
+) {
+    let mut rs = new_stream(turn);
+    let mut events = rs.start();
+    events.extend(rs.fail(
+        err.error.code.as_deref().unwrap_or("server_error"),
+        &err.error.message,
+    ));
+    persist(state, turn, rs.response(), rs.output_items()).await;
+    emit(tx, events).await;
 }
 
 fn forget_run(state: &AppState, id: &str) {

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use super::capacity::{CapacitySignal, FlowLoad};
 use super::config::{ConfigError, FlowConfig, TeamSpec};
-use super::metrics::{BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits};
+use super::metrics::{BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits, WaitHistogram};
 use super::queue::{BandQueue, Entry, Pick, Reply, TurnKind};
 use super::rate_limit::{LocalRateLimiter, RateCost, RateLimiter, RateLimits, RateStatus};
 use super::rejection::{QueueLimit, Rejection};
@@ -450,6 +450,7 @@ struct TeamState {
     queue_full: u64,
     timed_out: u64,
     cancelled: u64,
+    wait: WaitHistogram,
 }
 
 /// Recently active sessions, for turn-first ordering.
@@ -829,6 +830,7 @@ impl State {
             team.queued = team.queued.saturating_sub(1);
             team.dispatched_requests += 1;
             team.dispatched_tokens = team.dispatched_tokens.saturating_add(entry.cost);
+            team.wait.observe(waited);
         }
         self.in_flight += 1;
         self.in_flight_tokens = self.in_flight_tokens.saturating_add(entry.cost);
@@ -894,6 +896,7 @@ impl State {
                     queue_full: get(|t| t.queue_full),
                     timed_out: get(|t| t.timed_out),
                     cancelled: get(|t| t.cancelled),
+                    wait: t.map(|t| t.wait.clone()).unwrap_or_default(),
                 }
             })
             .collect();

@@ -127,6 +127,8 @@ pub struct TeamSnapshot {
     pub timed_out: u64,
     /// Requests whose client left while they waited.
     pub cancelled: u64,
+    /// Queue waits of the team's dispatched requests, over all bands.
+    pub wait: WaitHistogram,
 }
 
 /// Queue waits by turn kind, over all bands.

@@ -90,8 +90,8 @@
 //! [`FlowController::snapshot`] returns, per band, the queue depth and bytes, dispatched,
 //! shed, queue-full, timed-out and cancelled counters and a wait-time histogram
 //! ([`WAIT_BUCKETS_SECONDS`]); per team, queued, in flight, dispatched requests and tokens,
-//! shed, rate-limited, queue-full, timed-out and cancelled; and wait histograms of continuing
-//! turns and new sessions.
+//! shed, rate-limited, queue-full, timed-out and cancelled, and a wait-time histogram; and
+//! wait histograms of continuing turns and new sessions.
 
 mod capacity;
 mod config;

@@ -29,10 +29,9 @@
 //! # Shared limits
 //!
 //! [`LocalRateLimiter`] keeps the buckets in this process. Several gateway replicas share one
-//! budget by running [`REDIS_GCRA_LUA`] (the same arithmetic, on Redis's clock) through
-//! `EVALSHA` and turning its reply into a result with [`parse_redis_gcra_reply`]; the
-//! arguments come from [`redis_gcra_args`]. Each bucket is one string key holding `tat` in
-//! milliseconds, expiring when the bucket is full again, so idle teams cost nothing.
+//! budget through a [`RateLimiter`] over a shared store: `agentgate-sessions` runs the same
+//! arithmetic in one Redis round trip on the server's clock (`Store::rate_limit`), and the
+//! gateway adapts it to this trait.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -184,8 +183,9 @@ pub type RateCheck<'a> = Pin<Box<dyn Future<Output = Result<RateStatus, RateLimi
 /// `check` charges `cost` to `team`'s buckets if every limit in `limits` allows it and
 /// charges nothing otherwise. Limits come with each call, so a reloaded configuration applies
 /// at once and a shared store needs no copy of it. An implementation whose store is
-/// unreachable decides whether to fail open (allow, with a status of full buckets) and should
-/// log it; it must not hang: bound the round trip with a timeout.
+/// unreachable decides whether to fail open (allow, with an empty [`RateStatus`]: nothing is
+/// known about the buckets) or closed, and should log it; it must not hang: bound the round
+/// trip with a timeout.
 pub trait RateLimiter: Send + Sync {
     /// Check and charge one request.
     fn check<'a>(&'a self, team: &'a str, limits: RateLimits, cost: RateCost) -> RateCheck<'a>;
@@ -370,134 +370,6 @@ pub fn format_reset(d: Duration) -> String {
     }
 }
 
-/// GCRA over two buckets on Redis, the same arithmetic as [`LocalRateLimiter`] on Redis's
-/// clock (`TIME`), for limits shared by every gateway replica.
-///
-/// - `KEYS[1]`: the requests bucket, `KEYS[2]`: the tokens bucket (for example
-///   `{prefix}ratelimit:{team}:requests` and `...:tokens`; in Redis Cluster give both a hash tag
-///   so they share a slot).
-/// - `ARGV` ([`redis_gcra_args`]): requests limit, tokens limit (each `0` = unlimited),
-///   requests cost, tokens cost, period in milliseconds.
-/// - Reply ([`parse_redis_gcra_reply`]): eight integers `{allowed (1/0), refused_by (0 none,
-///   1 requests, 2 tokens), exceeds_limit (1/0), retry_after_ms, requests_remaining,
-///   requests_reset_ms, tokens_remaining, tokens_reset_ms}`: the buckets after the charge if
-///   allowed, untouched if refused; remaining is `-1` for an unlimited bucket.
-///
-/// Each key holds `tat` in milliseconds (Unix epoch) and expires when its bucket is full
-/// again; both are written only when both allow.
-pub const REDIS_GCRA_LUA: &str = r#"
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
-local period = tonumber(ARGV[5])
-
-local function step(key, limit, cost)
-  if limit <= 0 then
-    return {ok = true, limited = false, exceeds = 0, retry = 0}
-  end
-  local interval = period / limit
-  local tat = tonumber(redis.call('GET', key)) or now
-  if tat < now then tat = now end
-  local new_tat = tat + cost * interval
-  local allow_at = new_tat - period
-  if allow_at > now + 1e-6 then
-    local exceeds = 0
-    if cost > limit then exceeds = 1 end
-    return {ok = false, limited = true, exceeds = exceeds, retry = allow_at - now,
-            tat = tat, new_tat = new_tat, interval = interval}
-  end
-  return {ok = true, limited = true, key = key, exceeds = 0, retry = 0,
-          tat = tat, new_tat = new_tat, interval = interval}
-end
-
-local req = step(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[3]))
-local tok = step(KEYS[2], tonumber(ARGV[2]), tonumber(ARGV[4]))
-local allowed, refused_by, exceeds, retry = 1, 0, 0, 0
-for index, s in ipairs({req, tok}) do
-  if not s.ok then
-    allowed = 0
-    if refused_by == 0 or s.exceeds > exceeds or (s.exceeds == exceeds and s.retry > retry) then
-      refused_by, exceeds, retry = index, s.exceeds, s.retry
-    end
-  end
-end
-
--- The buckets charged if allowed, untouched if refused.
-local function quota(s)
-  if not s.limited then return -1, 0 end
-  local tat = s.tat
-  if allowed == 1 then tat = s.new_tat end
-  return math.max(0, math.floor((now + period - tat) / s.interval + 1e-9)), math.ceil(tat - now)
-end
-
-if allowed == 1 then
-  for _, s in ipairs({req, tok}) do
-    if s.key then
-      redis.call('SET', s.key, string.format('%.3f', s.new_tat), 'PX', math.ceil(s.new_tat - now) + 1)
-    end
-  end
-end
-local req_remaining, req_reset = quota(req)
-local tok_remaining, tok_reset = quota(tok)
-return {allowed, refused_by, exceeds, math.ceil(retry), req_remaining, req_reset,
-        tok_remaining, tok_reset}
-"#;
-
-/// `ARGV` for [`REDIS_GCRA_LUA`]: requests limit, tokens limit (0 = unlimited), requests cost,
-/// tokens cost, period in milliseconds.
-pub fn redis_gcra_args(limits: RateLimits, cost: RateCost) -> [u64; 5] {
-    [
-        limits.rpm.unwrap_or(0),
-        limits.tpm.unwrap_or(0),
-        cost.requests,
-        cost.tokens,
-        RATE_PERIOD.as_millis() as u64,
-    ]
-}
-
-/// The check result from [`REDIS_GCRA_LUA`]'s reply, or `None` if the reply is malformed.
-pub fn parse_redis_gcra_reply(
-    reply: &[i64],
-    limits: RateLimits,
-    cost: RateCost,
-) -> Option<Result<RateStatus, RateLimited>> {
-    let &[allowed, refused_by, exceeds, retry_ms, req_remaining, req_reset, tok_remaining, tok_reset] =
-        reply
-    else {
-        return None;
-    };
-    let millis = |ms: i64| Duration::from_millis(ms.max(0) as u64);
-    let quota = |limit: Option<u64>, remaining: i64, reset: i64| {
-        limit.map(|limit| Quota {
-            limit,
-            remaining: remaining.max(0) as u64,
-            reset: millis(reset),
-        })
-    };
-    let status = RateStatus {
-        requests: quota(limits.rpm, req_remaining, req_reset),
-        tokens: quota(limits.tpm, tok_remaining, tok_reset),
-    };
-    match (allowed, refused_by) {
-        (1, _) => Some(Ok(status)),
-        (0, 1) => Some(Err(RateLimited {
-            kind: RateKind::Requests,
-            retry_after: millis(retry_ms),
-            exceeds_limit: exceeds == 1,
-            requested: cost.requests,
-            status,
-        })),
-        (0, 2) => Some(Err(RateLimited {
-            kind: RateKind::Tokens,
-            retry_after: millis(retry_ms),
-            exceeds_limit: exceeds == 1,
-            requested: cost.tokens,
-            status,
-        })),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -630,38 +502,5 @@ mod tests {
         assert_eq!(format_reset(Duration::from_secs(360)), "6m0s");
         assert_eq!(format_reset(Duration::from_millis(2383)), "2.383s");
         assert_eq!(format_reset(Duration::from_millis(90_500)), "1m30.5s");
-    }
-
-    #[test]
-    fn redis_reply_parsing() {
-        let limits = RateLimits {
-            rpm: Some(3),
-            tpm: Some(1000),
-        };
-        let ok = parse_redis_gcra_reply(&[1, 0, 0, 0, 2, 20000, 900, 6000], limits, ONE);
-        assert_eq!(
-            ok,
-            Some(Ok(RateStatus {
-                requests: Some(Quota {
-                    limit: 3,
-                    remaining: 2,
-                    reset: Duration::from_secs(20)
-                }),
-                tokens: Some(Quota {
-                    limit: 1000,
-                    remaining: 900,
-                    reset: Duration::from_secs(6)
-                }),
-            }))
-        );
-        let refused = parse_redis_gcra_reply(&[0, 2, 0, 1500, 2, 0, 50, 57000], limits, ONE)
-            .unwrap()
-            .unwrap_err();
-        assert_eq!(refused.kind, RateKind::Tokens);
-        assert_eq!(refused.retry_after, Duration::from_millis(1500));
-        assert_eq!(refused.requested, 100);
-        assert!(parse_redis_gcra_reply(&[1, 0, 0], limits, ONE).is_none());
-        assert!(parse_redis_gcra_reply(&[0, 7, 0, 0, 0, 0, 0, 0], limits, ONE).is_none());
-        assert_eq!(redis_gcra_args(limits, ONE), [3, 1000, 1, 100, 60_000]);
     }
 }

@@ -123,6 +123,8 @@ async fn higher_bands_go_first() {
         assert_eq!(band.wait.count(), 2);
         assert_eq!(band.shed, 0);
     }
+    assert_eq!(snapshot.team("agents").unwrap().wait.count(), 3);
+    assert_eq!(snapshot.team("bulk").unwrap().wait.count(), 1);
 }
 
 /// Offer `offers` (team, requests, cost range) all at once, dispatch one at a time, and return

@@ -1,0 +1,947 @@
+//! Flow control in the gateway: who waits, in which order, when a pool is full.
+//!
+//! The policy itself (priority bands, weighted fair queuing across teams, turn-first order,
+//! shedding, queue TTLs, rate limits) is `agentgate_scheduler::flow`; this module wires it in:
+//! one [`FlowController`] per pool (saturation is per pool), a [`CapacitySignal`] over the
+//! pool's live endpoints ([`PoolCapacity`]), rate limits kept in the store
+//! ([`StoreRateLimiter`]), and the translation of a request into a [`Ticket`] and of a
+//! refusal into an OpenAI-shaped error.
+//!
+//! # Admission
+//!
+//! `POST /v1/responses` is parsed and prepared first (history loaded, engine request built),
+//! so the token estimate exists; then, before an endpoint is picked:
+//!
+//! 1. **Band.** The `x-agentgate-band` header, else the body's `service_tier` mapped through
+//!    `[flow] service_tier`, else the team's default band (for a background response: the
+//!    team's lowest band). A team may ask for a lower band than its default, never a higher
+//!    one: 403 `band_not_allowed` naming the header or `service_tier` as `param`; an unknown
+//!    band is 400 `unknown_band`.
+//! 2. **Ticket.** Cost = estimated prompt tokens + `max_output_tokens` (or
+//!    `[flow] default_max_output_tokens`); bytes = the request body's size; the session key;
+//!    *continuing* when the request carries earlier turns (`previous_response_id`, a
+//!    `conversation`, or assistant/tool items in its input).
+//! 3. **Admit** ([`FlowController::admit`]): shed, rate limits, queue, wait. The returned
+//!    [`Permit`] moves into the turn's task and is released when the engine stream ends (with
+//!    the actual token count, for fairness), on every path: an error drops it with the turn.
+//!    A client that disconnects while queued drops the admission future, which takes the
+//!    request out of the queue.
+//!
+//! Background responses are admitted inside their run, after a `[background]` slot, so a
+//! detached run never holds pool capacity while it waits for its own slot.
+//!
+//! Refusals ([`rejection_error`]): shed, queue full and rate-limited are 429, a queue timeout
+//! 503, each with `Retry-After` and a `code` naming the limit (`overloaded_shed`,
+//! `queue_full`, `queue_timeout`, `rate_limit_exceeded_requests`,
+//! `rate_limit_exceeded_tokens`, `request_too_large`). Rate-limited answers carry OpenAI's
+//! `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers, and so do admitted ones
+//! when the team has limits; admitted answers also say the band ([`BAND_HEADER`]) and the
+//! queue wait ([`QUEUE_WAIT_HEADER`]).
+//!
+//! # Capacity
+//!
+//! [`PoolCapacity`] says how many requests the pool may have in flight now: over the
+//! available endpoints that serve requests (role `both` or `decode`; all available ones if
+//! none do),
+//!
+//! ```text
+//! capacity = sum over endpoints e of:  max_in_flight_per_endpoint   if e is not saturated
+//!                                      in_flight(e)                 if e is saturated
+//! can_dispatch = in_flight(controller) < capacity
+//! ```
+//!
+//! A saturated endpoint keeps what it runs and takes nothing more; the others take up to the
+//! gateway-side cap. Saturated is `Endpoint::saturated` with the pool's limits: the engine's
+//! scraped queue depth at `routing.saturation_queue_depth`, its KV usage at
+//! `routing.saturation_kv_usage` with requests waiting, or metrics older than
+//! `routing.metrics_staleness_ms`. When *every* endpoint's metrics are stale the engine
+//! figures say nothing and the cap alone applies, so a metrics outage slows nothing down.
+//! With no available endpoint at all, dispatch is not held: routing answers 503 at once.
+//!
+//! The cap is what keeps waiting work in the gateway, where bands and fairness apply, instead
+//! of in each engine's FIFO queue; the scraped figures catch what the cap cannot see (other
+//! gateways' traffic, long contexts filling the KV cache). Its default, 64, is about the batch
+//! past which decode throughput stops growing on one accelerator, and near what a replica's KV
+//! cache holds of agent-length contexts: set it to the engines' `--max-num-seqs`
+//! (`--max-running-requests` for SGLang) or a little under, lower for long contexts.
+//!
+//! For probabilistic shedding (`[flow] shed_start`/`shed_full`) the pool's saturation is
+//! `(in_flight + queued) / (2 * capacity)`, clamped to 0..=1: 0.5 when the pool is exactly
+//! full with nothing waiting, 1 when a whole pool's worth of requests waits.
+//!
+//! The signal changes without any permit being released when a scrape, a health verdict or
+//! an endpoints file changes the pool, so the live-state loops call [`FlowControl::notify`]
+//! after each round.
+//!
+//! # Reconfiguration
+//!
+//! [`FlowControl::reconfigure`] applies a reloaded configuration (see `crate::reload`): the
+//! bands, teams and turn settings to every controller (queued requests stay queued), then the
+//! cap and the per-request settings. Turning `enabled` off sends new requests straight to
+//! routing; those already queued are dispatched as room frees up or answered at their TTL.
+//! A team's `max_concurrent` counts per pool, like everything a controller keeps.
+//!
+//! # Rate limits
+//!
+//! [`StoreRateLimiter`] charges `team:{NAME}:rpm` and `team:{NAME}:tpm` (the braces make the
+//! team name a Redis Cluster hash tag, so both keys share a slot) through `Store::rate_limit`:
+//! one round trip, all-or-nothing, on the server's clock. With Redis every gateway sharing it
+//! enforces one budget per team; with the memory store each process has its own. A team's
+//! budget covers every pool. When the store fails or takes longer than a second, the check
+//! **fails open**: the request is admitted without `x-ratelimit-*` headers, a warning is logged
+//! (at most every 30 s) and `agentgate_flow_rate_limit_store_errors_total` counts it. Limits
+//! protect budgets and fairness, not correctness; the queue and capacity gate still protect
+//! the engines, and an outage of the store should not become an outage of inference.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use axum::http::HeaderMap;
+use serde_json::Value;
+
+use agentgate_scheduler::flow::rate_limit::{format_reset, RATE_PERIOD};
+use agentgate_scheduler::flow::{
+    CapacitySignal, FlowLoad, Quota, RateCheck, RateCost, RateKind, RateLimited, RateLimiter,
+    RateLimits, RateStatus,
+};
+use agentgate_scheduler::{Endpoint, FlowController, Permit, Rejection, Role, Ticket};
+use agentgate_sessions::{AnyStore, RateDecision, RateLimit, Store};
+
+pub use agentgate_scheduler::flow::{BandSnapshot, TeamSnapshot, TurnWaits};
+pub use agentgate_scheduler::{FlowSnapshot, LoadReport};
+
+use crate::config::Config;
+use crate::error::HttpError;
+use crate::metrics::Metrics;
+use crate::pools::{Pool, Pools};
+
+/// Request header asking for a band (lower than the team's default); on a response, the band
+/// the request ran in.
+pub const BAND_HEADER: &str = "x-agentgate-band";
+
+/// Response header: how long the request waited in the flow-control queue, in milliseconds.
+pub const QUEUE_WAIT_HEADER: &str = "x-agentgate-queue-wait-ms";
+
+/// Longest wait for the store's rate-limit answer before failing open.
+const RATE_LIMIT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Least time between two warnings about a failing rate-limit store.
+const STORE_WARNING_EVERY: Duration = Duration::from_secs(30);
+
+/// The [`CapacitySignal`] of one pool (formula in the module doc).
+pub struct PoolCapacity {
+    pool: Arc<Pool>,
+    per_endpoint: Arc<AtomicU64>,
+}
+
+impl PoolCapacity {
+    /// Requests the pool may have in flight at `now`; `None` when no endpoint is available
+    /// (dispatch is then not held back: routing answers at once).
+    pub fn capacity(&self, now: Instant) -> Option<u64> {
+        let endpoints = self.pool.endpoints();
+        let available = || endpoints.iter().filter(|e| e.is_available());
+        let mut serving: Vec<&Arc<Endpoint>> =
+            available().filter(|e| e.role != Role::Prefill).collect();
+        if serving.is_empty() {
+            serving = available().collect();
+        }
+        if serving.is_empty() {
+            return None;
+        }
+        let limits = &self.pool.saturation;
+        let stale = |e: &Endpoint| {
+            limits.staleness.is_some_and(|max| {
+                e.load_report()
+                    .is_none_or(|r| now.saturating_duration_since(r.at) > max)
+            })
+        };
+        let engine_figures_known = !serving.iter().all(|e| stale(e));
+        let per = match self.per_endpoint.load(Ordering::Relaxed) {
+            0 => u64::MAX,
+            n => n,
+        };
+        Some(serving.iter().fold(0u64, |total, e| {
+            let saturated = engine_figures_known && e.saturated(limits, now);
+            total.saturating_add(if saturated {
+                e.in_flight_requests()
+            } else {
+                per
+            })
+        }))
+    }
+}
+
+impl CapacitySignal for PoolCapacity {
+    fn can_dispatch(&self, load: &FlowLoad) -> bool {
+        self.capacity(Instant::now())
+            .is_none_or(|capacity| load.in_flight < capacity)
+    }
+
+    fn saturation(&self, load: &FlowLoad) -> f64 {
+        match self.capacity(Instant::now()) {
+            None => 0.0,
+            Some(0) => 1.0,
+            Some(capacity) => {
+                let demand = load.in_flight as f64 + load.queued as f64;
+                (demand / (2.0 * capacity as f64)).min(1.0)
+            }
+        }
+    }
+}
+
+/// Team rate limits kept in the store (see the module doc): shared by every gateway on the
+/// same Redis, per process with the memory store. Fails open.
+pub struct StoreRateLimiter {
+    store: Arc<AnyStore>,
+    metrics: Arc<Metrics>,
+    warned_at: Mutex<Option<Instant>>,
+}
+
+impl StoreRateLimiter {
+    /// Limits in `store`; failures are counted in `metrics`.
+    pub fn new(store: Arc<AnyStore>, metrics: Arc<Metrics>) -> Self {
+        StoreRateLimiter {
+            store,
+            metrics,
+            warned_at: Mutex::new(None),
+        }
+    }
+
+    /// The store keys of `team`'s two buckets.
+    pub fn keys(team: &str) -> (String, String) {
+        (
+            format!("team:{{{team}}}:rpm"),
+            format!("team:{{{team}}}:tpm"),
+        )
+    }
+
+    fn fail_open(&self, team: &str, reason: &str) -> Result<RateStatus, RateLimited> {
+        self.metrics.rate_limit_store_errors.inc([]);
+        let mut warned_at = self
+            .warned_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        if warned_at.is_none_or(|at| now.saturating_duration_since(at) >= STORE_WARNING_EVERY) {
+            *warned_at = Some(now);
+            tracing::warn!(
+                team,
+                "rate limits unavailable ({reason}); admitting without them"
+            );
+        }
+        Ok(RateStatus::default())
+    }
+}
+
+/// The check result from the store's decisions, one per `kinds` entry.
+fn rate_result(
+    kinds: &[RateKind],
+    decisions: &[RateDecision],
+    cost: RateCost,
+) -> Result<RateStatus, RateLimited> {
+    let mut status = RateStatus::default();
+    for (kind, d) in kinds.iter().zip(decisions) {
+        let quota = Some(Quota {
+            limit: d.limit,
+            remaining: d.remaining,
+            reset: d.reset_after,
+        });
+        match kind {
+            RateKind::Requests => status.requests = quota,
+            RateKind::Tokens => status.tokens = quota,
+        }
+    }
+    let refused = kinds
+        .iter()
+        .zip(decisions)
+        .filter(|(_, d)| !d.allowed())
+        .max_by_key(|(_, d)| (d.too_large, d.retry_after.unwrap_or_default()));
+    match refused {
+        None => Ok(status),
+        Some((&kind, d)) => Err(RateLimited {
+            kind,
+            retry_after: d.retry_after.unwrap_or_default(),
+            exceeds_limit: d.too_large,
+            requested: match kind {
+                RateKind::Requests => cost.requests,
+                RateKind::Tokens => cost.tokens,
+            },
+            status,
+        }),
+    }
+}
+
+impl RateLimiter for StoreRateLimiter {
+    fn check<'a>(&'a self, team: &'a str, limits: RateLimits, cost: RateCost) -> RateCheck<'a> {
+        Box::pin(async move {
+            let (rpm_key, tpm_key) = Self::keys(team);
+            let mut kinds = Vec::new();
+            let mut checks = Vec::new();
+            if let Some(limit) = limits.rpm {
+                kinds.push(RateKind::Requests);
+                checks.push(RateLimit {
+                    key: rpm_key,
+                    limit,
+                    period: RATE_PERIOD,
+                    cost: cost.requests,
+                });
+            }
+            if let Some(limit) = limits.tpm {
+                kinds.push(RateKind::Tokens);
+                checks.push(RateLimit {
+                    key: tpm_key,
+                    limit,
+                    period: RATE_PERIOD,
+                    cost: cost.tokens,
+                });
+            }
+            if checks.is_empty() {
+                return Ok(RateStatus::default());
+            }
+            match tokio::time::timeout(RATE_LIMIT_TIMEOUT, self.store.rate_limit(&checks)).await {
+                Ok(Ok(decisions)) if decisions.len() == checks.len() => {
+                    rate_result(&kinds, &decisions, cost)
+                }
+                Ok(Ok(decisions)) => self.fail_open(
+                    team,
+                    &format!("{} decisions for {} limits", decisions.len(), checks.len()),
+                ),
+                Ok(Err(e)) => self.fail_open(team, &e.to_string()),
+                Err(_) => self.fail_open(
+                    team,
+                    &format!("no answer within {}", format_reset(RATE_LIMIT_TIMEOUT)),
+                ),
+            }
+        })
+    }
+}
+
+/// The `[flow]` settings read per request (reloadable).
+#[derive(Debug, Clone)]
+struct Settings {
+    enabled: bool,
+    service_tier: BTreeMap<String, String>,
+    default_max_output_tokens: u64,
+}
+
+impl Settings {
+    fn from_config(config: &Config) -> Self {
+        Settings {
+            enabled: config.flow.enabled,
+            service_tier: config.flow.service_tier.clone(),
+            default_max_output_tokens: config.flow.default_max_output_tokens,
+        }
+    }
+}
+
+struct PoolFlow {
+    controller: FlowController,
+    capacity: Arc<PoolCapacity>,
+}
+
+/// Flow control for every pool: one controller each, sharing the rate limiter and settings.
+pub struct FlowControl {
+    settings: RwLock<Arc<Settings>>,
+    pools: BTreeMap<String, PoolFlow>,
+    per_endpoint: Arc<AtomicU64>,
+}
+
+/// What admission needs to know about one request.
+#[derive(Debug)]
+pub struct FlowRequest<'a> {
+    /// The team the API key belongs to.
+    pub team: &'a str,
+    /// The pool serving the model.
+    pub pool: &'a str,
+    /// Request headers (for [`BAND_HEADER`]).
+    pub headers: &'a HeaderMap,
+    /// The request body (for `service_tier` and `max_output_tokens`).
+    pub body: &'a Value,
+    /// Estimated prompt tokens of the engine request.
+    pub prompt_tokens: u64,
+    /// Request body size.
+    pub bytes: u64,
+    /// The session key.
+    pub session: Option<String>,
+    /// Whether the request carries earlier turns.
+    pub continuing: bool,
+    /// A background response: runs in the team's lowest band unless it asks for one.
+    pub background: bool,
+}
+
+/// A request ready to be admitted into its pool's queue.
+pub struct Pending {
+    controller: FlowController,
+    ticket: Ticket,
+    /// What named the band, for errors about it.
+    param: Option<&'static str>,
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending")
+            .field("ticket", &self.ticket)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Pending {
+    /// The ticket that will be admitted.
+    pub fn ticket(&self) -> &Ticket {
+        &self.ticket
+    }
+
+    /// Wait for a slot (see [`FlowController::admit`]); a refusal comes back as the error to
+    /// answer with. Dropping the future leaves the queue.
+    pub async fn admit(self) -> Result<Permit, HttpError> {
+        let team = self.ticket.team.clone();
+        self.controller
+            .admit(self.ticket)
+            .await
+            .map_err(|rejection| {
+                tracing::debug!(team = %team, code = rejection.code(), "not admitted: {rejection}");
+                rejection_error(&rejection, self.param)
+            })
+    }
+}
+
+impl FlowControl {
+    /// A controller per pool of `pools`, with `config`'s bands, teams and `[flow]`, rate
+    /// limits in `limiter`.
+    pub fn new(
+        config: &Config,
+        pools: &Pools,
+        limiter: Arc<dyn RateLimiter>,
+    ) -> Result<FlowControl, String> {
+        let per_endpoint = Arc::new(AtomicU64::new(config.flow.max_in_flight_per_endpoint));
+        let flow_config = config.flow_config();
+        let mut by_pool = BTreeMap::new();
+        for pool in pools.all() {
+            let capacity = Arc::new(PoolCapacity {
+                pool: pool.clone(),
+                per_endpoint: per_endpoint.clone(),
+            });
+            let controller = FlowController::with_rate_limiter(
+                flow_config.clone(),
+                capacity.clone(),
+                limiter.clone(),
+            )
+            .map_err(|e| e.to_string())?;
+            by_pool.insert(
+                pool.name.clone(),
+                PoolFlow {
+                    controller,
+                    capacity,
+                },
+            );
+        }
+        Ok(FlowControl {
+            settings: RwLock::new(Arc::new(Settings::from_config(config))),
+            pools: by_pool,
+            per_endpoint,
+        })
+    }
+
+    fn settings(&self) -> Arc<Settings> {
+        self.settings
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Whether requests are admitted through flow control (`[flow] enabled`).
+    pub fn enabled(&self) -> bool {
+        self.settings().enabled
+    }
+
+    /// The controller of `pool`.
+    pub fn controller(&self, pool: &str) -> Option<&FlowController> {
+        self.pools.get(pool).map(|p| &p.controller)
+    }
+
+    /// Requests `pool` may have in flight now (`None`: no endpoint is available).
+    pub fn capacity(&self, pool: &str) -> Option<u64> {
+        self.pools
+            .get(pool)
+            .and_then(|p| p.capacity.capacity(Instant::now()))
+    }
+
+    /// Every pool's name and snapshot.
+    pub fn snapshots(&self) -> Vec<(String, FlowSnapshot)> {
+        self.pools
+            .iter()
+            .map(|(name, p)| (name.clone(), p.controller.snapshot()))
+            .collect()
+    }
+
+    /// Dispatch whatever capacity allows now, in every pool: call after anything that may
+    /// have changed the pools' capacity without a permit being released.
+    pub fn notify(&self) {
+        for pool in self.pools.values() {
+            pool.controller.notify();
+        }
+    }
+
+    /// Change the gateway-side cap (`[flow] max_in_flight_per_endpoint`) and dispatch what it
+    /// allows.
+    pub fn set_max_in_flight_per_endpoint(&self, limit: u64) {
+        self.per_endpoint.store(limit, Ordering::Relaxed);
+        self.notify();
+    }
+
+    /// Apply a reloaded configuration's `[[bands]]`, `[[teams]]` and `[flow]`, keeping every
+    /// queued request (see `FlowController::reconfigure`). On error nothing changes.
+    pub fn reconfigure(&self, config: &Config) -> Result<(), String> {
+        let flow_config = config.flow_config();
+        flow_config.validate().map_err(|e| e.to_string())?;
+        for (name, pool) in &self.pools {
+            pool.controller
+                .reconfigure(flow_config.clone())
+                .map_err(|e| format!("pool `{name}`: {e}"))?;
+        }
+        *self
+            .settings
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Arc::new(Settings::from_config(config));
+        self.set_max_in_flight_per_endpoint(config.flow.max_in_flight_per_endpoint);
+        Ok(())
+    }
+
+    /// The ticket for `request` with its band checked, or `None` when flow control is off.
+    /// A band the team may not use is refused here, before any work.
+    pub fn pending(&self, request: FlowRequest<'_>) -> Result<Option<Pending>, HttpError> {
+        let settings = self.settings();
+        if !settings.enabled {
+            return Ok(None);
+        }
+        let Some(pool) = self.pools.get(request.pool) else {
+            return Ok(None);
+        };
+        let controller = &pool.controller;
+        let asked = requested_band(&settings, request.headers, request.body)?;
+        let (band, param) = match asked {
+            Some((band, param)) => {
+                let band = controller
+                    .band_for(request.team, Some(&band))
+                    .map_err(|r| rejection_error(&r, Some(param)))?;
+                (Some(band), Some(param))
+            }
+            None if request.background => (controller.background_band(request.team), None),
+            None => (None, None),
+        };
+        let max_output = request
+            .body
+            .get("max_output_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(settings.default_max_output_tokens);
+        let ticket = Ticket {
+            team: request.team.to_string(),
+            band,
+            cost_tokens: request.prompt_tokens.saturating_add(max_output),
+            bytes: request.bytes,
+            session: request.session,
+            continuing: request.continuing,
+        };
+        Ok(Some(Pending {
+            controller: controller.clone(),
+            ticket,
+            param,
+        }))
+    }
+}
+
+/// The band a request asks for and what named it: the [`BAND_HEADER`], else a mapped
+/// `service_tier`. A header that is not text is a 400.
+fn requested_band(
+    settings: &Settings,
+    headers: &HeaderMap,
+    body: &Value,
+) -> Result<Option<(String, &'static str)>, HttpError> {
+    if let Some(value) = headers.get(BAND_HEADER) {
+        let band = value.to_str().map(str::trim).unwrap_or("");
+        if band.is_empty() {
+            return Err(HttpError::invalid(
+                format!("The '{BAND_HEADER}' header must name a band."),
+                Some(BAND_HEADER),
+                Some("unknown_band"),
+            ));
+        }
+        return Ok(Some((band.to_string(), BAND_HEADER)));
+    }
+    let tier = body.get("service_tier").and_then(Value::as_str);
+    Ok(tier
+        .and_then(|t| settings.service_tier.get(t))
+        .map(|band| (band.clone(), "service_tier")))
+}
+
+/// Whether a request's input carries earlier turns: assistant messages or tool calls, outputs
+/// and reasoning (clients that resend the whole history, such as Codex with `store: false`).
+pub fn input_continues(items: &[Value]) -> bool {
+    items
+        .iter()
+        .any(|item| match item.get("type").and_then(Value::as_str) {
+            None | Some("message") => item.get("role").and_then(Value::as_str) == Some("assistant"),
+            Some(_) => true,
+        })
+}
+
+/// Headers for an admitted response: the band, the queue wait and the team's rate limits.
+pub fn response_headers(permit: &Permit) -> Vec<(&'static str, String)> {
+    let mut headers = vec![
+        (BAND_HEADER, permit.band().to_string()),
+        (
+            QUEUE_WAIT_HEADER,
+            permit
+                .waited()
+                .as_millis()
+                .min(u128::from(u64::MAX))
+                .to_string(),
+        ),
+    ];
+    if let Some(status) = permit.rate_status() {
+        headers.extend(status.headers());
+    }
+    headers
+}
+
+/// Release `permit` with the tokens the response used (input + output), when it reports them.
+pub fn finish(permit: Permit, response: &Value) {
+    let usage = |key: &str| {
+        response
+            .get("usage")
+            .and_then(|u| u.get(key))
+            .and_then(Value::as_u64)
+    };
+    match (usage("input_tokens"), usage("output_tokens")) {
+        (Some(input), Some(output)) => permit.finish(input.saturating_add(output)),
+        _ => drop(permit),
+    }
+}
+
+/// The OpenAI-shaped error for a refusal; `param` names what asked for the band.
+pub fn rejection_error(rejection: &Rejection, param: Option<&str>) -> HttpError {
+    let status = rejection.http_status();
+    let kind = match rejection {
+        Rejection::RateLimited(limited) => match limited.kind {
+            RateKind::Requests => "requests",
+            RateKind::Tokens => "tokens",
+        },
+        _ if status == 429 => "rate_limit_error",
+        _ if status >= 500 => "server_error",
+        _ => "invalid_request_error",
+    };
+    let param = match rejection {
+        Rejection::UnknownBand { .. } | Rejection::BandNotAllowed { .. } => param,
+        _ => None,
+    };
+    let mut message = rejection.to_string();
+    if let Some(first) = message.get(..1) {
+        let upper = first.to_uppercase();
+        message.replace_range(..1, &upper);
+    }
+    if !message.ends_with('.') {
+        message.push('.');
+    }
+    let mut error = HttpError::new(status, kind, message, param, Some(rejection.code()));
+    if let Some(secs) = rejection.retry_after_secs() {
+        error = error.with_retry_after(secs);
+    }
+    if let Rejection::RateLimited(limited) = rejection {
+        error = error.with_headers(limited.status.headers());
+    }
+    error
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agentgate_scheduler::flow::{QueueLimit, Quota};
+    use serde_json::json;
+
+    fn config(extra: &str) -> Config {
+        Config::parse(&format!(
+            "[routing]\nscrape_interval_ms = 0\nhealth_interval_ms = 0\n\
+             [[pools]]\nname = \"p\"\nmodel = \"m\"\n\
+             endpoints = [\"http://127.0.0.1:9\", \"http://127.0.0.1:10\"]\n{extra}"
+        ))
+        .unwrap()
+    }
+
+    async fn pools(config: &Config) -> Pools {
+        let engines = agentgate_adapters::EngineClient::new(Default::default());
+        Pools::start(config, &engines).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn capacity_counts_the_cap_per_unsaturated_endpoint() {
+        let config = config("[flow]\nmax_in_flight_per_endpoint = 3\n");
+        let pools = pools(&config).await;
+        let pool = pools.for_model("m").unwrap();
+        let cap = PoolCapacity {
+            pool: pool.clone(),
+            per_endpoint: Arc::new(AtomicU64::new(3)),
+        };
+        let now = Instant::now();
+        assert_eq!(cap.capacity(now), Some(6));
+        let eps = pool.endpoints();
+        // A saturated endpoint keeps what it runs and takes nothing more.
+        let _a = eps[0].begin(10, 10);
+        let _b = eps[0].begin(10, 10);
+        eps[0].set_load_report(LoadReport {
+            at: now,
+            waiting: 1000.0,
+            running: 2.0,
+            kv_usage: None,
+        });
+        assert_eq!(cap.capacity(now), Some(3 + 2));
+        let load = |in_flight, queued| FlowLoad {
+            in_flight,
+            in_flight_tokens: 0,
+            queued,
+        };
+        assert!(cap.can_dispatch(&load(4, 0)));
+        assert!(!cap.can_dispatch(&load(5, 0)));
+        assert_eq!(cap.saturation(&load(5, 0)), 0.5);
+        assert_eq!(cap.saturation(&load(5, 5)), 1.0);
+        // No cap: only the engines' figures hold dispatch back.
+        cap.per_endpoint.store(0, Ordering::Relaxed);
+        assert_eq!(cap.capacity(now), Some(u64::MAX));
+        // Unavailable endpoints count for nothing; none available holds nothing back.
+        eps[1].set_healthy(false);
+        assert_eq!(cap.capacity(now), Some(2));
+        eps[0].set_healthy(false);
+        assert_eq!(cap.capacity(now), None);
+        assert!(cap.can_dispatch(&load(100, 0)));
+        pools.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn stale_metrics_saturate_unless_every_endpoint_is_stale() {
+        let mut config = config("[flow]\nmax_in_flight_per_endpoint = 4\n");
+        config.routing.scrape_interval_ms = 100;
+        config.routing.metrics_staleness_ms = Some(500);
+        let pools = pools(&config).await;
+        let pool = pools.for_model("m").unwrap();
+        let cap = PoolCapacity {
+            pool: pool.clone(),
+            per_endpoint: Arc::new(AtomicU64::new(4)),
+        };
+        let now = Instant::now();
+        // Nothing scraped at all: the engines' figures are unknown, the cap applies.
+        assert_eq!(cap.capacity(now), Some(8));
+        let eps = pool.endpoints();
+        eps[0].set_load_report(LoadReport {
+            at: now,
+            waiting: 0.0,
+            running: 0.0,
+            kv_usage: Some(0.1),
+        });
+        // One fresh, one never scraped: the stale one takes nothing more.
+        assert_eq!(cap.capacity(now), Some(4));
+        // Both stale again later: the cap alone.
+        assert_eq!(cap.capacity(now + Duration::from_secs(1)), Some(8));
+        pools.shutdown().await;
+    }
+
+    fn decision(limit: u64, remaining: u64, retry: Option<u64>, too_large: bool) -> RateDecision {
+        RateDecision {
+            limit,
+            remaining,
+            reset_after: Duration::from_secs(6),
+            retry_after: retry.map(Duration::from_millis),
+            too_large,
+        }
+    }
+
+    #[test]
+    fn store_decisions_become_rate_results() {
+        let kinds = [RateKind::Requests, RateKind::Tokens];
+        let cost = RateCost {
+            requests: 1,
+            tokens: 300,
+        };
+        let ok = rate_result(
+            &kinds,
+            &[
+                decision(3, 2, None, false),
+                decision(1000, 700, None, false),
+            ],
+            cost,
+        )
+        .unwrap();
+        assert_eq!(
+            ok.tokens,
+            Some(Quota {
+                limit: 1000,
+                remaining: 700,
+                reset: Duration::from_secs(6)
+            })
+        );
+        let refused = rate_result(
+            &kinds,
+            &[
+                decision(3, 0, Some(20_000), false),
+                decision(1000, 100, Some(12_000), false),
+            ],
+            cost,
+        )
+        .unwrap_err();
+        assert_eq!(refused.kind, RateKind::Requests, "the later to clear wins");
+        assert_eq!(refused.retry_after, Duration::from_secs(20));
+        assert_eq!(refused.requested, 1);
+        let too_large = rate_result(
+            &kinds,
+            &[
+                decision(3, 0, Some(20_000), false),
+                decision(100, 100, None, true),
+            ],
+            cost,
+        )
+        .unwrap_err();
+        assert!(too_large.exceeds_limit);
+        assert_eq!(
+            (too_large.kind, too_large.requested),
+            (RateKind::Tokens, 300)
+        );
+    }
+
+    #[test]
+    fn refusals_become_openai_errors() {
+        let shed = rejection_error(
+            &Rejection::Shed {
+                band: "batch".into(),
+                retry_after: Duration::from_millis(1500),
+            },
+            Some(BAND_HEADER),
+        );
+        assert_eq!(shed.error.status, 429);
+        assert_eq!(shed.error.code.as_deref(), Some("overloaded_shed"));
+        assert_eq!(shed.error.param, None);
+        assert_eq!(shed.retry_after, Some(2));
+        let not_allowed = rejection_error(
+            &Rejection::BandNotAllowed {
+                team: "t".into(),
+                band: "gold".into(),
+                default_band: "batch".into(),
+                allowed: vec!["batch".into()],
+            },
+            Some("service_tier"),
+        );
+        assert_eq!(not_allowed.error.status, 403);
+        assert_eq!(not_allowed.error.param.as_deref(), Some("service_tier"));
+        assert!(not_allowed
+            .error
+            .message
+            .starts_with("Team `t` may not use band `gold`"));
+        let full = rejection_error(
+            &Rejection::QueueFull {
+                band: "b".into(),
+                limit: QueueLimit::Bytes,
+                retry_after: Duration::from_secs(1),
+            },
+            None,
+        );
+        assert_eq!(
+            (full.error.status, full.error.code.as_deref()),
+            (429, Some("queue_full"))
+        );
+        let limited = RateLimited {
+            kind: RateKind::Tokens,
+            retry_after: Duration::from_millis(2500),
+            exceeds_limit: false,
+            requested: 50,
+            status: RateStatus {
+                requests: None,
+                tokens: Some(Quota {
+                    limit: 100,
+                    remaining: 10,
+                    reset: Duration::from_secs(54),
+                }),
+            },
+        };
+        let e = rejection_error(&Rejection::RateLimited(limited), None);
+        assert_eq!(e.error.r#type, "tokens");
+        assert_eq!(e.error.code.as_deref(), Some("rate_limit_exceeded_tokens"));
+        assert_eq!(e.retry_after, Some(3));
+        let headers = e.headers.as_deref().cloned().unwrap_or_default();
+        assert!(headers.contains(&("x-ratelimit-remaining-tokens", "10".to_string())));
+        assert!(headers.contains(&("x-ratelimit-reset-tokens", "54s".to_string())));
+    }
+
+    #[test]
+    fn continuing_input_is_recognised() {
+        assert!(!input_continues(&[
+            json!({"type": "message", "role": "user", "content": "hi"})
+        ]));
+        assert!(!input_continues(&[
+            json!({"role": "system", "content": "be brief"}),
+            json!({"role": "user", "content": "hi"})
+        ]));
+        assert!(input_continues(&[
+            json!({"role": "user", "content": "hi"}),
+            json!({"type": "message", "role": "assistant", "content": "hello"}),
+        ]));
+        assert!(input_continues(&[
+            json!({"type": "function_call_output", "call_id": "c", "output": "42"})
+        ]));
+    }
+
+    #[tokio::test]
+    async fn band_requests_by_header_and_service_tier() {
+        let config = config(
+            "[[bands]]\nname = \"interactive\"\npriority = 10\n\
+             [[bands]]\nname = \"batch\"\npriority = 0\n\
+             [flow]\nservice_tier = { flex = \"batch\", priority = \"interactive\" }\n\
+             [[teams]]\nname = \"agents\"\ndefault_band = \"batch\"\n",
+        );
+        let pools = pools(&config).await;
+        let limiter = Arc::new(agentgate_scheduler::LocalRateLimiter::new());
+        let flow = FlowControl::new(&config, &pools, limiter).unwrap();
+        let headers = HeaderMap::new();
+        let request = |headers, body| FlowRequest {
+            team: "agents",
+            pool: "p",
+            headers,
+            body,
+            prompt_tokens: 10,
+            bytes: 5,
+            session: None,
+            continuing: false,
+            background: false,
+        };
+        let flex = json!({"service_tier": "flex", "max_output_tokens": 7});
+        let pending = flow.pending(request(&headers, &flex)).unwrap().unwrap();
+        assert_eq!(pending.ticket().band.as_deref(), Some("batch"));
+        assert_eq!(pending.ticket().cost_tokens, 17);
+        let auto = json!({"service_tier": "auto"});
+        let pending = flow.pending(request(&headers, &auto)).unwrap().unwrap();
+        assert_eq!(
+            pending.ticket().band,
+            None,
+            "unmapped tiers use the default"
+        );
+        assert_eq!(pending.ticket().cost_tokens, 10 + 1024);
+        let priority = json!({"service_tier": "priority"});
+        let e = flow.pending(request(&headers, &priority)).unwrap_err();
+        assert_eq!(e.error.status, 403);
+        assert_eq!(e.error.param.as_deref(), Some("service_tier"));
+        let mut upgrade = HeaderMap::new();
+        upgrade.insert(BAND_HEADER, "interactive".parse().unwrap());
+        let e = flow.pending(request(&upgrade, &flex)).unwrap_err();
+        assert_eq!(
+            (e.error.status, e.error.param.as_deref()),
+            (403, Some(BAND_HEADER)),
+            "the header wins over service_tier"
+        );
+        let mut unknown = HeaderMap::new();
+        unknown.insert(BAND_HEADER, "gold".parse().unwrap());
+        let e = flow.pending(request(&unknown, &auto)).unwrap_err();
+        assert_eq!(
+            (e.error.status, e.error.code.as_deref()),
+            (400, Some("unknown_band"))
+        );
+        pools.shutdown().await;
+    }
+}

@@ -1,0 +1,113 @@
+//! Hot reload of the flow-control sections: `[[bands]]`, `[[teams]]` (API keys included) and
+//! `[flow]`.
+//!
+//! The config file is polled every `server.reload_interval_ms` for a change of modification
+//! time or length (as the endpoints-file watcher does). A changed file is read and validated
+//! whole; if it is valid, every pool's flow controller is reconfigured (queued requests stay
+//! queued, in arrival order, with their deadlines; see `FlowController::reconfigure`) and the
+//! key ring replaced. A file that does not parse or validate changes nothing: the reason is
+//! logged and `agentgate_config_reloads_total{result="error"}` counts it. Other sections take
+//! effect at the next start. Replace the file atomically (write, then rename).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::app::AppState;
+use crate::config::Config;
+
+/// What identifies a version of the file without reading it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp(Option<SystemTime>, u64);
+
+fn stamp(path: &Path) -> Option<Stamp> {
+    std::fs::metadata(path)
+        .ok()
+        .map(|m| Stamp(m.modified().ok(), m.len()))
+}
+
+/// Apply `config`'s `[[bands]]`, `[[teams]]` and `[flow]` to a running gateway: flow
+/// controllers first, then the key ring. On error nothing changes.
+pub fn apply(state: &AppState, config: &Config) -> Result<(), String> {
+    state.flow.reconfigure(config)?;
+    state.keys.replace(&config.teams);
+    Ok(())
+}
+
+/// Read `path` and apply it; the outcome is logged and counted.
+fn reload(state: &AppState, path: &Path) {
+    let outcome = Config::load(path)
+        .map_err(|e| e.to_string())
+        .and_then(|config| apply(state, &config).map(|()| config));
+    match outcome {
+        Ok(config) => {
+            state.metrics.config_reloads.inc(["ok"]);
+            tracing::info!(
+                file = %path.display(),
+                bands = config.flow_bands().len(),
+                teams = config.teams.len(),
+                flow = config.flow.enabled,
+                "config reloaded: [[bands]], [[teams]] and [flow] applied (other sections apply at the next start)"
+            );
+        }
+        Err(reason) => {
+            state.metrics.config_reloads.inc(["error"]);
+            tracing::warn!(file = %path.display(), "config not reloaded, keeping the current one: {reason}");
+        }
+    }
+}
+
+/// The task watching the config file.
+pub struct ConfigWatcher {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl ConfigWatcher {
+    /// Watch the file `state.config` was loaded from, unless it was not loaded from a file or
+    /// `server.reload_interval_ms` is 0.
+    pub fn start(state: &Arc<AppState>) -> Option<ConfigWatcher> {
+        let path = state.config.source.clone()?;
+        let every = Duration::from_millis(state.config.server.reload_interval_ms);
+        if every.is_zero() {
+            return None;
+        }
+        let (stop, rx) = watch::channel(false);
+        let task = tokio::spawn(watch_loop(state.clone(), path, every, rx));
+        Some(ConfigWatcher { stop, task })
+    }
+
+    /// Stop watching.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
+
+async fn watch_loop(
+    state: Arc<AppState>,
+    path: PathBuf,
+    every: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut seen = stamp(&path);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let now = stamp(&path);
+        if now == seen {
+            continue;
+        }
+        seen = now;
+        if now.is_none() {
+            tracing::warn!(file = %path.display(), "config file is missing; keeping the current configuration");
+            continue;
+        }
+        reload(&state, &path);
+    }
+}

@@ -1,0 +1,746 @@
+//! End-to-end: flow control in front of real simulated replicas.
+//!
+//! Each test owns its pool's saturation: engine metrics are not scraped, so the test sets
+//! every endpoint's load report itself (a deep engine queue saturates it) and asks the
+//! controllers to look again, exactly as a scrape does. Requests that must stay in flight are
+//! held by the simulator's first-token stall. Every wait is bounded polling on the
+//! controller's snapshot; no assertion depends on how long anything took.
+
+use std::time::{Duration, Instant};
+
+use reqwest::header::HeaderMap;
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+
+use agentgate::auth::hash_key;
+use agentgate::flow::{FlowSnapshot, LoadReport};
+use agentgate::Gateway;
+use agentgate_tests::*;
+
+/// No scraping (the test sets load reports) and no health probing.
+const STILL: &str = "[routing]\nscrape_interval_ms = 0\nhealth_interval_ms = 0\n";
+
+/// Two bands: `interactive` above `batch`.
+const BANDS: &str = "[[bands]]\nname = \"interactive\"\npriority = 10\n\
+    [[bands]]\nname = \"batch\"\npriority = 0\n";
+
+fn key(team: &str) -> String {
+    format!("sk-{team}")
+}
+
+/// A `[[teams]]` entry for `team` with key `sk-TEAM` and `extra` keys.
+fn team(name: &str, extra: &str) -> String {
+    format!(
+        "[[teams]]\nname = \"{name}\"\napi_key_sha256 = [\"{}\"]\n{extra}\n",
+        hash_key(&key(name))
+    )
+}
+
+/// Poll `done` every 10 ms, for at most 15 s; fails the test with `what` if it never holds.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..1500 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+fn snapshot(gw: &Gateway) -> FlowSnapshot {
+    gw.state()
+        .flow
+        .controller("sim")
+        .expect("the pool has a controller")
+        .snapshot()
+}
+
+fn queued(gw: &Gateway, band: &str) -> usize {
+    snapshot(gw).band(band).map_or(0, |b| b.queued)
+}
+
+/// Make every endpoint of the pool saturated (a deep engine queue) or not, then let flow
+/// control look again, as after a metrics scrape.
+fn saturate(gw: &Gateway, saturated: bool) {
+    let pool = gw.state().pools.for_model("sim-model").unwrap();
+    for e in pool.endpoints().iter() {
+        e.set_load_report(LoadReport {
+            at: Instant::now(),
+            waiting: if saturated { 1000.0 } else { 0.0 },
+            running: 0.0,
+            kv_usage: None,
+        });
+    }
+    gw.state().flow.notify();
+}
+
+/// Hold every request's first token on `sim` for a minute: dispatched requests stay in flight.
+async fn stall(sim: &agentgate_sim::SimHandle) {
+    let resp = reqwest::Client::new()
+        .post(format!("{}/sim/faults", sim.base_url()))
+        .json(&json!({"stall_ms": 60_000}))
+        .send()
+        .await
+        .expect("sim faults");
+    assert!(resp.status().is_success());
+}
+
+/// A finished call: status, headers, JSON body.
+struct Answer {
+    status: u16,
+    headers: HeaderMap,
+    body: Value,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn code(&self) -> &str {
+        self.body["error"]["code"].as_str().unwrap_or_default()
+    }
+}
+
+/// `POST /v1/responses` as `team` (no key when `None`) with extra headers.
+async fn call(base: &str, team: Option<&str>, body: Value, headers: &[(&str, &str)]) -> Answer {
+    let mut req = reqwest::Client::new()
+        .post(format!("{base}/v1/responses"))
+        .json(&body);
+    if let Some(team) = team {
+        req = req.bearer_auth(key(team));
+    }
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let resp = req.send().await.expect("request");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.json().await.unwrap_or(Value::Null);
+    Answer {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// [`call`] in a task.
+fn spawn_call(
+    base: &str,
+    team: Option<&str>,
+    body: Value,
+    headers: &[(&str, &str)],
+) -> JoinHandle<Answer> {
+    let base = base.to_string();
+    let team = team.map(str::to_string);
+    let headers: Vec<(String, String)> = headers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect();
+    tokio::spawn(async move {
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        call(&base, team.as_deref(), body, &headers).await
+    })
+}
+
+fn hello() -> Value {
+    json!({"model": "sim-model", "input": "hello there", "max_output_tokens": 16})
+}
+
+async fn metrics_text(base: &str) -> String {
+    reqwest::get(format!("{base}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .unwrap()
+}
+
+fn has_line(text: &str, line: &str) -> bool {
+    text.lines().any(|l| l == line)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_while_queued_takes_its_request_out() {
+    let sim = start_sim("sim-model").await;
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, STILL)).await;
+    let base = gw.base_url();
+    saturate(&gw, true);
+    let plain = spawn_call(&base, None, hello(), &[]);
+    let mut streaming_body = hello();
+    streaming_body["stream"] = json!(true);
+    let streaming = spawn_call(&base, None, streaming_body, &[]);
+    eventually("both requests wait", || queued(&gw, "default") == 2).await;
+    plain.abort();
+    streaming.abort();
+    eventually("the queue is empty", || queued(&gw, "default") == 0).await;
+    let s = snapshot(&gw);
+    let band = s.band("default").unwrap();
+    assert_eq!((band.cancelled, band.dispatched), (2, 0));
+    assert_eq!(band.queued_bytes, 0);
+    let team = s.team("default").unwrap();
+    assert_eq!((team.queued, team.in_flight, team.cancelled), (0, 0, 2));
+    // Room again: nothing left to dispatch, and a new request goes straight through.
+    saturate(&gw, false);
+    let answer = call(&base, None, hello(), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.header("x-agentgate-band"), Some("default"));
+    let s = snapshot(&gw);
+    assert_eq!(s.band("default").unwrap().dispatched, 1);
+    eventually("the permit is released", || snapshot(&gw).in_flight == 0).await;
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_higher_band_goes_first_when_room_opens() {
+    let sim = start_sim("sim-model").await;
+    let extra = format!(
+        "{STILL}[flow]\nmax_in_flight_per_endpoint = 1\n{BANDS}{}{}",
+        team("chat", "default_band = \"interactive\""),
+        team("bulk", "default_band = \"batch\""),
+    );
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
+    let base = gw.base_url();
+    saturate(&gw, true);
+    // The batch request arrives first, the interactive one after it.
+    let low = spawn_call(&base, Some("bulk"), hello(), &[]);
+    eventually("the batch request waits", || queued(&gw, "batch") == 1).await;
+    let high = spawn_call(&base, Some("chat"), hello(), &[]);
+    eventually("the interactive request waits", || {
+        queued(&gw, "interactive") == 1
+    })
+    .await;
+    let m = metrics_text(&base).await;
+    for line in [
+        "agentgate_flow_queued_requests{pool=\"sim\",band=\"batch\"} 1",
+        "agentgate_flow_queued_requests{pool=\"sim\",band=\"interactive\"} 1",
+        "agentgate_flow_team_queued_requests{pool=\"sim\",team=\"bulk\"} 1",
+        "agentgate_flow_capacity_requests{pool=\"sim\"} 0",
+    ] {
+        assert!(has_line(&m, line), "{line} missing in\n{m}");
+    }
+    // Room for one request, which then stays in flight: it must be the interactive one.
+    stall(&sim).await;
+    saturate(&gw, false);
+    eventually("one request is dispatched", || snapshot(&gw).in_flight == 1).await;
+    let s = snapshot(&gw);
+    assert_eq!(s.band("interactive").unwrap().dispatched, 1);
+    assert_eq!(s.band("batch").unwrap().dispatched, 0);
+    assert_eq!(s.band("batch").unwrap().queued, 1, "batch waits behind");
+    assert_eq!(s.team("chat").unwrap().in_flight, 1);
+    high.abort();
+    low.abort();
+    gw.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sheddable_band_is_shed_only_while_saturated() {
+    let sim = start_sim("sim-model").await;
+    let extra = format!(
+        "{STILL}{}{}{}",
+        BANDS.replace("priority = 0\n", "priority = 0\nsheddable = true\n"),
+        team("chat", "default_band = \"interactive\""),
+        team("bulk", "default_band = \"batch\""),
+    );
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
+    let base = gw.base_url();
+    // Not saturated: a burst of sheddable requests is served, none shed.
+    let burst: Vec<_> = (0..12)
+        .map(|_| spawn_call(&base, Some("bulk"), hello(), &[]))
+        .collect();
+    for task in burst {
+        let answer = task.await.unwrap();
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(answer.header("x-agentgate-band"), Some("batch"));
+    }
+    assert_eq!(snapshot(&gw).band("batch").unwrap().shed, 0);
+
+    // Saturated: refused at once with 429 and Retry-After; a non-sheddable band queues.
+    saturate(&gw, true);
+    let shed = call(&base, Some("bulk"), hello(), &[]).await;
+    assert_eq!(shed.status, 429, "{}", shed.body);
+    assert_eq!(shed.code(), "overloaded_shed");
+    assert_eq!(shed.header("retry-after"), Some("1"));
+    assert!(shed.body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("band `batch` is sheddable"));
+    let waiting = spawn_call(&base, Some("chat"), hello(), &[]);
+    eventually("the interactive request waits", || {
+        queued(&gw, "interactive") == 1
+    })
+    .await;
+    let s = snapshot(&gw);
+    assert_eq!(s.band("batch").unwrap().shed, 1);
+    assert_eq!(s.team("bulk").unwrap().shed, 1);
+    assert_eq!(s.band("interactive").unwrap().shed, 0);
+
+    // Room again: the queued request runs, and sheddable requests are served again.
+    saturate(&gw, false);
+    assert_eq!(waiting.await.unwrap().status, 200);
+    assert_eq!(call(&base, Some("bulk"), hello(), &[]).await.status, 200);
+    assert_eq!(snapshot(&gw).band("batch").unwrap().shed, 1);
+    let m = metrics_text(&base).await;
+    assert!(
+        has_line(
+            &m,
+            "agentgate_flow_band_requests_total{pool=\"sim\",band=\"batch\",outcome=\"shed\"} 1"
+        ),
+        "{m}"
+    );
+    eventually("every permit is released", || snapshot(&gw).in_flight == 0).await;
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_is_429_and_a_queue_ttl_is_503_with_retry_after() {
+    let sim = start_sim("sim-model").await;
+    let extra = format!(
+        "{STILL}[flow]\nretry_after_s = 2\n\
+         [[bands]]\nname = \"one\"\npriority = 1\nmax_queued = 1\n\
+         [[bands]]\nname = \"short\"\npriority = 0\nqueue_ttl_ms = 200\n{}{}",
+        team("few", "default_band = \"one\""),
+        team("hasty", "default_band = \"short\""),
+    );
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
+    let base = gw.base_url();
+    saturate(&gw, true);
+    let first = spawn_call(&base, Some("few"), hello(), &[]);
+    eventually("the first request waits", || queued(&gw, "one") == 1).await;
+    let full = call(&base, Some("few"), hello(), &[]).await;
+    assert_eq!(full.status, 429, "{}", full.body);
+    assert_eq!(full.code(), "queue_full");
+    assert_eq!(full.header("retry-after"), Some("2"));
+    assert_eq!(full.body["error"]["type"], "rate_limit_error");
+    // A request that waits its band's whole TTL is answered then.
+    let timed_out = call(&base, Some("hasty"), hello(), &[]).await;
+    assert_eq!(timed_out.status, 503, "{}", timed_out.body);
+    assert_eq!(timed_out.code(), "queue_timeout");
+    assert_eq!(timed_out.header("retry-after"), Some("2"));
+    assert_eq!(timed_out.body["error"]["type"], "server_error");
+    let s = snapshot(&gw);
+    let one = s.band("one").unwrap();
+    assert_eq!((one.queued, one.queue_full, one.dispatched), (1, 1, 0));
+    let short = s.band("short").unwrap();
+    assert_eq!((short.queued, short.timed_out, short.dispatched), (0, 1, 0));
+    assert_eq!(s.team("hasty").unwrap().timed_out, 1);
+    // The first one is still served once there is room.
+    saturate(&gw, false);
+    assert_eq!(first.await.unwrap().status, 200);
+    eventually("every permit is released", || snapshot(&gw).in_flight == 0).await;
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_may_ask_for_a_lower_band_never_a_higher_one() {
+    let sim = start_sim("sim-model").await;
+    let extra = format!(
+        "{STILL}[flow]\nservice_tier = {{ flex = \"batch\", priority = \"interactive\" }}\n\
+         {BANDS}{}{}",
+        team(
+            "chat",
+            "default_band = \"interactive\"\nbands = [\"batch\"]"
+        ),
+        team("bulk", "default_band = \"batch\""),
+    );
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
+    let base = gw.base_url();
+    let plain = call(&base, Some("chat"), hello(), &[]).await;
+    assert_eq!(plain.status, 200, "{}", plain.body);
+    assert_eq!(plain.header("x-agentgate-band"), Some("interactive"));
+    assert!(plain.header("x-agentgate-queue-wait-ms").is_some());
+    assert!(
+        plain.header("x-ratelimit-limit-requests").is_none(),
+        "no limits, no rate-limit headers"
+    );
+    let by_header = call(
+        &base,
+        Some("chat"),
+        hello(),
+        &[("x-agentgate-band", "batch")],
+    )
+    .await;
+    assert_eq!(by_header.status, 200, "{}", by_header.body);
+    assert_eq!(by_header.header("x-agentgate-band"), Some("batch"));
+    let mut flex = hello();
+    flex["service_tier"] = json!("flex");
+    let by_tier = call(&base, Some("chat"), flex, &[]).await;
+    assert_eq!(by_tier.header("x-agentgate-band"), Some("batch"));
+    let mut auto = hello();
+    auto["service_tier"] = json!("auto");
+    let unmapped = call(&base, Some("chat"), auto, &[]).await;
+    assert_eq!(unmapped.header("x-agentgate-band"), Some("interactive"));
+
+    let upgrade = call(
+        &base,
+        Some("bulk"),
+        hello(),
+        &[("x-agentgate-band", "interactive")],
+    )
+    .await;
+    assert_eq!(upgrade.status, 403, "{}", upgrade.body);
+    assert_eq!(upgrade.code(), "band_not_allowed");
+    assert_eq!(upgrade.body["error"]["param"], "x-agentgate-band");
+    assert_eq!(upgrade.body["error"]["type"], "invalid_request_error");
+    let mut priority = hello();
+    priority["service_tier"] = json!("priority");
+    let upgrade = call(&base, Some("bulk"), priority, &[]).await;
+    assert_eq!(upgrade.status, 403);
+    assert_eq!(upgrade.body["error"]["param"], "service_tier");
+    let unknown = call(
+        &base,
+        Some("chat"),
+        hello(),
+        &[("x-agentgate-band", "gold")],
+    )
+    .await;
+    assert_eq!((unknown.status, unknown.code()), (400, "unknown_band"));
+
+    let s = snapshot(&gw);
+    assert_eq!(s.band("interactive").unwrap().dispatched, 2);
+    assert_eq!(s.band("batch").unwrap().dispatched, 2);
+    eventually("every permit is released", || snapshot(&gw).in_flight == 0).await;
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limits_answer_429_with_openai_headers() {
+    let sim = start_sim("sim-model").await;
+    let extra = format!(
+        "{STILL}{}{}",
+        team(
+            "small",
+            "requests_per_minute = 2\ntokens_per_minute = 100000"
+        ),
+        team("tiny", "tokens_per_minute = 20"),
+    );
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
+    let base = gw.base_url();
+    for remaining in ["1", "0"] {
+        let ok = call(&base, Some("small"), hello(), &[]).await;
+        assert_eq!(ok.status, 200, "{}", ok.body);
+        assert_eq!(ok.header("x-ratelimit-limit-requests"), Some("2"));
+        assert_eq!(ok.header("x-ratelimit-remaining-requests"), Some(remaining));
+        assert_eq!(ok.header("x-ratelimit-limit-tokens"), Some("100000"));
+        assert!(ok.header("x-ratelimit-reset-requests").is_some());
+        assert!(ok.header("x-ratelimit-remaining-tokens").is_some());
+        assert!(ok.header("x-ratelimit-reset-tokens").is_some());
+    }
+    let limited = call(&base, Some("small"), hello(), &[]).await;
+    assert_eq!(limited.status, 429, "{}", limited.body);
+    assert_eq!(limited.code(), "rate_limit_exceeded_requests");
+    assert_eq!(limited.body["error"]["type"], "requests");
+    assert_eq!(limited.header("x-ratelimit-limit-requests"), Some("2"));
+    assert_eq!(limited.header("x-ratelimit-remaining-requests"), Some("0"));
+    // One request comes back every 30 s.
+    let retry: u64 = limited.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=30).contains(&retry), "{retry}");
+    // Over the whole tokens-per-minute budget: never fits, so no Retry-After.
+    let too_large = call(&base, Some("tiny"), hello(), &[]).await;
+    assert_eq!(too_large.status, 429, "{}", too_large.body);
+    assert_eq!(too_large.code(), "request_too_large");
+    assert_eq!(too_large.header("retry-after"), None);
+    assert_eq!(too_large.header("x-ratelimit-limit-tokens"), Some("20"));
+    let s = snapshot(&gw);
+    assert_eq!(s.team("small").unwrap().rate_limited, 1);
+    assert_eq!(s.team("tiny").unwrap().rate_limited, 1);
+    assert_eq!(s.team("small").unwrap().dispatched_requests, 2);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_on_one_redis_share_a_team_budget() {
+    let redis = TestRedis::start();
+    let sim = start_sim("sim-model").await;
+    let prefix = unique_prefix("flow_shared_budget");
+    let extra = format!("{STILL}{}", team("shared", "requests_per_minute = 3"));
+    let toml = config_toml(&[sim.base_url()], Some((redis.url(), &prefix)), &extra);
+    let a = start_gateway(&toml).await;
+    let b = start_gateway(&toml).await;
+    let mut remaining = Vec::new();
+    for gw in [&a, &b, &a] {
+        let ok = call(&gw.base_url(), Some("shared"), hello(), &[]).await;
+        assert_eq!(ok.status, 200, "{}", ok.body);
+        remaining.push(
+            ok.header("x-ratelimit-remaining-requests")
+                .unwrap()
+                .to_string(),
+        );
+    }
+    assert_eq!(
+        remaining,
+        ["2", "1", "0"],
+        "one budget across both gateways"
+    );
+    for gw in [&b, &a] {
+        let limited = call(&gw.base_url(), Some("shared"), hello(), &[]).await;
+        assert_eq!(limited.status, 429, "{}", limited.body);
+        assert_eq!(limited.code(), "rate_limit_exceeded_requests");
+        assert!(limited.header("retry-after").is_some());
+    }
+    // Another deployment (key prefix) on the same Redis has its own budget.
+    let other_prefix = unique_prefix("flow_other_budget");
+    let other = start_gateway(&config_toml(
+        &[sim.base_url()],
+        Some((redis.url(), &other_prefix)),
+        &extra,
+    ))
+    .await;
+    let ok = call(&other.base_url(), Some("shared"), hello(), &[]).await;
+    assert_eq!(ok.header("x-ratelimit-remaining-requests"), Some("2"));
+    for gw in [a, b, other] {
+        gw.shutdown().await;
+    }
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continuing_turn_goes_before_a_new_session() {
+    let sim = start_sim("sim-model").await;
+    let extra = format!("{STILL}[flow]\nmax_in_flight_per_endpoint = 1\naging_s = 600\n");
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
+    let base = gw.base_url();
+    let first = call(&base, None, hello(), &[]).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let first_id = first.body["id"].as_str().unwrap().to_string();
+    saturate(&gw, true);
+    // A new session arrives first, then the next turn of the session that just ran.
+    let new = spawn_call(&base, None, hello(), &[]);
+    eventually("the new session waits", || queued(&gw, "default") == 1).await;
+    let mut next = hello();
+    next["previous_response_id"] = json!(first_id);
+    let continuing = spawn_call(&base, None, next, &[]);
+    eventually("the continuing turn waits", || queued(&gw, "default") == 2).await;
+    let before = snapshot(&gw).turns;
+    assert_eq!((before.continuing.count(), before.new.count()), (0, 1));
+    stall(&sim).await;
+    saturate(&gw, false);
+    eventually("one request is dispatched", || snapshot(&gw).in_flight == 1).await;
+    let s = snapshot(&gw);
+    assert_eq!(
+        s.turns.continuing.count(),
+        1,
+        "the continuing turn went first"
+    );
+    assert_eq!(s.turns.new.count(), 1);
+    assert_eq!(s.turns.promoted, 0);
+    assert_eq!(s.band("default").unwrap().queued, 1);
+    new.abort();
+    continuing.abort();
+    gw.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn equal_weight_teams_split_dispatched_tokens_while_both_backlogged() {
+    let sim = start_sim("sim-model").await;
+    let extra = format!(
+        "{STILL}[flow]\nmax_in_flight_per_endpoint = 1\n{}{}",
+        team("heavy", "weight = 1"),
+        team("light", "weight = 1"),
+    );
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
+    let base = gw.base_url();
+    saturate(&gw, true);
+    // The heavy team offers ten times the light team's load, interleaved.
+    let mut tasks = Vec::new();
+    for i in 0..66 {
+        let team = if i % 11 == 5 { "light" } else { "heavy" };
+        tasks.push(spawn_call(&base, Some(team), hello(), &[]));
+    }
+    eventually("every request waits", || queued(&gw, "default") == 66).await;
+    let s = snapshot(&gw);
+    assert_eq!(s.team("heavy").unwrap().queued, 60);
+    assert_eq!(s.team("light").unwrap().queued, 6);
+    // Room for ten requests, which then stay in flight.
+    stall(&sim).await;
+    gw.state().flow.set_max_in_flight_per_endpoint(10);
+    saturate(&gw, false);
+    eventually("ten requests are dispatched", || {
+        snapshot(&gw).in_flight == 10
+    })
+    .await;
+    let s = snapshot(&gw);
+    let (heavy, light) = (s.team("heavy").unwrap(), s.team("light").unwrap());
+    assert!(
+        heavy.queued > 0 && light.queued > 0,
+        "both still backlogged"
+    );
+    let total = (heavy.dispatched_tokens + light.dispatched_tokens) as f64;
+    let share = heavy.dispatched_tokens as f64 / total;
+    assert!(
+        (0.45..=0.55).contains(&share),
+        "heavy got {share:.3} of {total} tokens ({} vs {} requests)",
+        heavy.dispatched_requests,
+        light.dispatched_requests
+    );
+    let m = metrics_text(&base).await;
+    for team in ["heavy", "light"] {
+        let line = format!(
+            "agentgate_flow_team_requests_total{{pool=\"sim\",team=\"{team}\",outcome=\"dispatched\"}} 5"
+        );
+        assert!(has_line(&m, &line), "{line} missing in\n{m}");
+    }
+    for task in tasks {
+        task.abort();
+    }
+    gw.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_responses_run_in_the_lowest_band() {
+    let sim = start_sim("sim-model").await;
+    let extra = format!(
+        "{STILL}{BANDS}{}",
+        team(
+            "chat",
+            "default_band = \"interactive\"\nbands = [\"batch\"]"
+        ),
+    );
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
+    let base = gw.base_url();
+    let mut body = hello();
+    body["background"] = json!(true);
+    let queued = call(&base, Some("chat"), body, &[]).await;
+    assert_eq!(queued.status, 200, "{}", queued.body);
+    let id = queued.body["id"].as_str().unwrap().to_string();
+    let client = reqwest::Client::new();
+    let mut status = String::new();
+    for _ in 0..1500 {
+        let r: Value = client
+            .get(format!("{base}/v1/responses/{id}"))
+            .bearer_auth(key("chat"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        status = r["status"].as_str().unwrap_or_default().to_string();
+        if status != "queued" && status != "in_progress" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(status == "completed" || status == "incomplete", "{status}");
+    let s = snapshot(&gw);
+    assert_eq!(s.band("batch").unwrap().dispatched, 1);
+    assert_eq!(s.band("interactive").unwrap().dispatched, 0);
+    eventually("the permit is released", || snapshot(&gw).in_flight == 0).await;
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+/// Write `text` to `path` atomically (write, then rename), as operators are told to.
+fn write_atomically(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_reload_keeps_queued_requests() {
+    let sim = start_sim("sim-model").await;
+    let dir = std::env::temp_dir().join(unique_prefix("agentgate-flow-reload").replace(':', "-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("gateway.toml");
+    let base_toml = config_toml(
+        &[sim.base_url()],
+        None,
+        &format!("{STILL}[server]\nreload_interval_ms = 20\n{BANDS}"),
+    );
+    let alpha = team("alpha", "default_band = \"batch\"");
+    write_atomically(&file, &format!("{base_toml}{alpha}"));
+    let config = agentgate::Config::load(&file).expect("valid config");
+    let gw = Gateway::start(config, "127.0.0.1:0".parse().unwrap())
+        .await
+        .expect("gateway starts");
+    let base = gw.base_url();
+    saturate(&gw, true);
+    let waiting: Vec<_> = (0..3)
+        .map(|_| spawn_call(&base, Some("alpha"), hello(), &[]))
+        .collect();
+    eventually("three requests wait", || queued(&gw, "batch") == 3).await;
+    assert_eq!(call(&base, Some("beta"), hello(), &[]).await.status, 401);
+
+    // A new team with its key, a new weight, a new band: the queue stays as it was.
+    let beta = team("beta", "default_band = \"interactive\"");
+    let alpha_heavier = team("alpha", "default_band = \"batch\"\nweight = 3");
+    let more_bands = "[[bands]]\nname = \"scavenger\"\npriority = -5\nsheddable = true\n";
+    write_atomically(
+        &file,
+        &format!("{base_toml}{more_bands}{alpha_heavier}{beta}"),
+    );
+    let reloads = |result: &str| gw.state().metrics.config_reloads.get([result]);
+    eventually("the file is reloaded", || reloads("ok") == 1).await;
+    let s = snapshot(&gw);
+    assert_eq!(
+        s.band("batch").unwrap().queued,
+        3,
+        "queued requests are kept"
+    );
+    assert!(s.band("scavenger").is_some());
+    assert!(s.team("beta").is_some());
+
+    // A broken file changes nothing.
+    write_atomically(
+        &file,
+        &format!("{base_toml}{alpha}[[teams]]\nname = \"\"\n"),
+    );
+    eventually("the broken file is refused", || reloads("error") == 1).await;
+    assert_eq!(snapshot(&gw).band("batch").unwrap().queued, 3);
+
+    saturate(&gw, false);
+    for task in waiting {
+        let answer = task.await.unwrap();
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(answer.header("x-agentgate-band"), Some("batch"));
+    }
+    let beta_answer = call(&base, Some("beta"), hello(), &[]).await;
+    assert_eq!(beta_answer.status, 200, "{}", beta_answer.body);
+    assert_eq!(beta_answer.header("x-agentgate-band"), Some("interactive"));
+    let m = metrics_text(&base).await;
+    assert!(
+        has_line(&m, "agentgate_config_reloads_total{result=\"ok\"} 1"),
+        "{m}"
+    );
+    eventually("every permit is released", || snapshot(&gw).in_flight == 0).await;
+    gw.shutdown().await;
+    sim.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limits_fail_open_when_the_store_is_down() {
+    let mut redis = TestRedis::start_private();
+    let sim = start_sim("sim-model").await;
+    let prefix = unique_prefix("flow_fail_open");
+    let extra = format!("{STILL}{}", team("limited", "requests_per_minute = 1"));
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        Some((redis.url(), &prefix)),
+        &extra,
+    ))
+    .await;
+    let base = gw.base_url();
+    let first = call(&base, Some("limited"), hello(), &[]).await;
+    assert_eq!(first.header("x-ratelimit-remaining-requests"), Some("0"));
+    assert_eq!(call(&base, Some("limited"), hello(), &[]).await.status, 429);
+    // The store is gone: requests are admitted without limits rather than refused.
+    redis.stop();
+    let mut body = hello();
+    body["store"] = json!(false);
+    let admitted = call(&base, Some("limited"), body, &[]).await;
+    assert_eq!(admitted.status, 200, "{}", admitted.body);
+    assert_eq!(admitted.header("x-ratelimit-limit-requests"), None);
+    assert!(gw.state().metrics.rate_limit_store_errors.get([]) >= 1);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
