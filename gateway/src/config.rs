@@ -477,15 +477,17 @@ fn default_queue_ttl_ms() -> u64 {
 
 impl BandConfig {
     /// The band used when no `[[bands]]` are configured: `default`, not sheddable, the
-    /// defaults of every other key.
-    pub fn implicit() -> Self {
+    /// defaults of every other key except the queue TTL, which is `queue_ttl_ms`: a gateway
+    /// without bands lets a request wait as long as it would have waited for the engine's
+    /// first byte.
+    pub fn implicit(queue_ttl_ms: u64) -> Self {
         BandConfig {
             name: IMPLICIT_BAND.into(),
             priority: 0,
             sheddable: false,
             max_queued: default_max_queued(),
             max_queued_bytes: default_max_queued_bytes(),
-            queue_ttl_ms: default_queue_ttl_ms(),
+            queue_ttl_ms: queue_ttl_ms.max(1),
         }
     }
 }
@@ -795,7 +797,8 @@ impl Config {
     /// The configured bands, or the implicit band `default` when none are.
     pub fn flow_bands(&self) -> Vec<BandConfig> {
         if self.bands.is_empty() {
-            vec![BandConfig::implicit()]
+            let first_byte_ms = (self.upstream.first_byte_timeout_s * 1000.0) as u64;
+            vec![BandConfig::implicit(first_byte_ms)]
         } else {
             self.bands.clone()
         }
@@ -1222,7 +1225,11 @@ endpoints = ["http://127.0.0.1:8000"]
         assert_eq!(f.bands.len(), 1);
         assert_eq!(f.bands[0].name, IMPLICIT_BAND);
         assert!(!f.bands[0].sheddable);
-        assert_eq!(f.bands[0].queue_ttl, Duration::from_secs(60));
+        assert_eq!(
+            f.bands[0].queue_ttl,
+            Duration::from_secs_f64(c.upstream.first_byte_timeout_s),
+            "without bands a request may wait in the gateway as long as for the engine"
+        );
         assert_eq!(f.teams.len(), 1);
         assert_eq!(f.teams[0].name, crate::auth::OPEN_TEAM);
         assert_eq!(f.turn_window, Duration::from_secs(60));
