@@ -258,7 +258,7 @@ pub async fn create(
     } else {
         "in_progress"
     };
-    let turn = Turn {
+    let mut turn = Turn {
         team: team.0,
         id: id.clone(),
         previous_response_id: req.previous_response_id.clone(),
@@ -280,7 +280,9 @@ pub async fn create(
                 .as_deref()
                 .or(req.store.then_some(id.as_str())),
         ),
+        lineage: None,
     };
+    turn.lineage = turn::lineage_of(&turn.pool, &headers, turn.session.as_deref());
 
     if req.background {
         state
