@@ -26,6 +26,8 @@
 //! answer 5xx) and can be retried once without disaggregation. No leg ever produced output the
 //! client saw, so a retry neither loses nor duplicates anything.
 
+use std::time::{Duration, Instant};
+
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
@@ -164,6 +166,25 @@ impl EngineClient {
         decode_url: &str,
         body: &Value,
     ) -> Result<ChunkStream, DisaggError> {
+        self.open_disaggregated(flavor, prefill, decode_url, body)
+            .await
+            .map(|d| d.stream)
+    }
+
+    /// [`EngineClient::chat_stream_disaggregated`], also reporting how long the prefill leg
+    /// took and, where the protocol returns it (vLLM), the prefill engine's usage.
+    ///
+    /// SGLang: when the prefill leg fails before the decode engine answers, the decode leg is
+    /// abandoned at once (its engine would otherwise wait in the bootstrap room until its
+    /// transfer timeout) and the prefill leg is blamed.
+    pub async fn open_disaggregated(
+        &self,
+        flavor: Flavor,
+        prefill: &PrefillTarget,
+        decode_url: &str,
+        body: &Value,
+    ) -> Result<Disaggregated, DisaggError> {
+        let started = Instant::now();
         match flavor {
             Flavor::Sglang => {
                 let Some((host, port)) = &prefill.bootstrap else {
@@ -179,24 +200,38 @@ impl EngineClient {
                 let client = self.clone();
                 let prefill_url = prefill.base_url.clone();
                 let prefill_leg = leg.clone();
-                let prefill_task =
+                let mut prefill_task =
                     tokio::spawn(
                         async move { client.chat_discard(&prefill_url, &prefill_leg).await },
                     );
-                let decode = self.chat_stream(decode_url, &leg).await;
-                match decode {
-                    Ok(stream) => Ok(stream),
-                    Err(decode_err) => match prefill_task.await {
-                        Ok(Err(prefill_err)) => Err(DisaggError::Prefill(prefill_err)),
-                        _ => Err(DisaggError::Decode(decode_err)),
+                let decode = self.chat_stream(decode_url, &leg);
+                tokio::pin!(decode);
+                let opened = tokio::select! {
+                    decode = &mut decode => match decode {
+                        Ok(stream) => Ok(stream),
+                        Err(decode_err) => match prefill_task.await {
+                            Ok(Err(prefill_err)) => Err(DisaggError::Prefill(prefill_err)),
+                            _ => Err(DisaggError::Decode(decode_err)),
+                        },
                     },
-                }
+                    prefilled = &mut prefill_task => match prefilled {
+                        Ok(Err(prefill_err)) => Err(DisaggError::Prefill(prefill_err)),
+                        _ => decode.await.map_err(DisaggError::Decode),
+                    },
+                };
+                // The decode engine answers once the KV cache has arrived in the room.
+                opened.map(|stream| Disaggregated {
+                    stream,
+                    prefill_latency: started.elapsed(),
+                    prefill_usage: None,
+                })
             }
             Flavor::Vllm | Flavor::Openai => {
                 let prefilled = self
                     .chat_json(&prefill.base_url, &vllm_prefill_leg(body))
                     .await
                     .map_err(DisaggError::Prefill)?;
+                let prefill_latency = started.elapsed();
                 let params = prefilled
                     .get("kv_transfer_params")
                     .filter(|p| p.is_object())
@@ -207,11 +242,65 @@ impl EngineClient {
                             prefill.base_url
                         )))
                     })?;
-                self.chat_stream(decode_url, &vllm_decode_leg(body, params))
+                let stream = self
+                    .chat_stream(decode_url, &vllm_decode_leg(body, params))
                     .await
-                    .map_err(DisaggError::Decode)
+                    .map_err(DisaggError::Decode)?;
+                Ok(Disaggregated {
+                    stream,
+                    prefill_latency,
+                    prefill_usage: PrefillUsage::from_response(&prefilled),
+                })
             }
         }
+    }
+}
+
+/// An opened disaggregated request.
+pub struct Disaggregated {
+    /// The decode engine's stream.
+    pub stream: ChunkStream,
+    /// From sending the request until the KV cache was ready for decode: the prefill leg's
+    /// answer (vLLM), or the decode engine's answer, which waits for the transfer (SGLang).
+    pub prefill_latency: Duration,
+    /// The prefill engine's prompt usage, when its protocol returns it.
+    pub prefill_usage: Option<PrefillUsage>,
+}
+
+impl std::fmt::Debug for Disaggregated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Disaggregated")
+            .field("prefill_latency", &self.prefill_latency)
+            .field("prefill_usage", &self.prefill_usage)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Prompt usage the prefill engine reported for its leg.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillUsage {
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens` (0 when absent).
+    pub cached_tokens: u64,
+}
+
+impl PrefillUsage {
+    /// The usage of a chat completion JSON body, if it has `usage.prompt_tokens`.
+    pub fn from_response(body: &Value) -> Option<PrefillUsage> {
+        let usage = body.get("usage")?;
+        Some(PrefillUsage {
+            prompt_tokens: usage.get("prompt_tokens")?.as_u64()?,
+            cached_tokens: usage
+                .pointer("/prompt_tokens_details/cached_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(0),
+        })
+    }
+
+    /// Prompt tokens the prefill engine computed.
+    pub fn uncached_tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_sub(self.cached_tokens)
     }
 }
 
@@ -245,5 +334,102 @@ mod tests {
         assert_eq!(leg["bootstrap_room"], 7);
         assert_eq!(leg["stream"], true, "both legs carry the client's body");
         assert!(new_bootstrap_room() < i64::MAX as u64);
+    }
+
+    #[test]
+    fn prefill_usage_is_read_from_the_prefill_answer() {
+        let body = json!({"usage": {"prompt_tokens": 900, "completion_tokens": 1,
+            "prompt_tokens_details": {"cached_tokens": 640}}});
+        let usage = PrefillUsage::from_response(&body).unwrap();
+        assert_eq!((usage.prompt_tokens, usage.uncached_tokens()), (900, 260));
+        let bare = json!({"usage": {"prompt_tokens": 10}});
+        assert_eq!(PrefillUsage::from_response(&bare).unwrap().cached_tokens, 0);
+        assert_eq!(PrefillUsage::from_response(&json!({"choices": []})), None);
+    }
+
+    async fn sim(
+        flavor: agentgate_sim::Flavor,
+        role: agentgate_sim::Role,
+    ) -> agentgate_sim::SimHandle {
+        agentgate_sim::spawn(agentgate_sim::SimConfig {
+            flavor,
+            role,
+            listen: "127.0.0.1:0".parse().unwrap(),
+            time_scale: 0.0,
+            // Far longer than the test may run: a decode leg left waiting would hang it.
+            kv_transfer_timeout_s: 3600.0,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+    }
+
+    fn long_body() -> Value {
+        json!({"model": "sim-model", "stream": true, "stream_options": {"include_usage": true},
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "prefill me somewhere else please ".repeat(80)}]})
+    }
+
+    #[tokio::test]
+    async fn a_failed_sglang_prefill_leg_abandons_the_waiting_decode_leg() {
+        use agentgate_sim::{Flavor as SimFlavor, Role};
+        let prefill = sim(SimFlavor::Sglang, Role::Prefill).await;
+        let decode = sim(SimFlavor::Sglang, Role::Decode).await;
+        // The prefill engine refuses the leg before it ever opens the bootstrap room.
+        reqwest::Client::new()
+            .post(format!("{}/sim/faults", prefill.base_url()))
+            .json(&json!({"status": 503}))
+            .send()
+            .await
+            .unwrap();
+        let client = EngineClient::new(Default::default());
+        let target = PrefillTarget {
+            base_url: prefill.base_url(),
+            bootstrap: Some(("127.0.0.1".into(), prefill.addr().port())),
+        };
+        // The bound only guards against a hang; the answer comes as soon as the prefill fails.
+        let opened = tokio::time::timeout(
+            Duration::from_secs(300),
+            client.open_disaggregated(Flavor::Sglang, &target, &decode.base_url(), &long_body()),
+        )
+        .await
+        .expect("the decode leg is not left waiting for the transfer timeout");
+        match opened {
+            Err(DisaggError::Prefill(UpstreamError::Status { status: 503, .. })) => {}
+            other => panic!("expected a prefill-leg 503, got {other:?}"),
+        }
+        prefill.shutdown().await;
+        decode.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn vllm_reports_the_prefill_usage() {
+        use agentgate_sim::{Flavor as SimFlavor, Role};
+        let prefill = sim(SimFlavor::Vllm, Role::Prefill).await;
+        let decode = sim(SimFlavor::Vllm, Role::Decode).await;
+        let client = EngineClient::new(Default::default());
+        let target = PrefillTarget {
+            base_url: prefill.base_url(),
+            bootstrap: None,
+        };
+        let first = client
+            .open_disaggregated(Flavor::Vllm, &target, &decode.base_url(), &long_body())
+            .await
+            .unwrap();
+        let usage = first.prefill_usage.unwrap();
+        assert!(usage.prompt_tokens > 400, "{usage:?}");
+        assert_eq!(usage.cached_tokens, 0, "a cold prompt");
+        drop(first.stream.collect::<Vec<_>>().await);
+        let again = client
+            .open_disaggregated(Flavor::Vllm, &target, &decode.base_url(), &long_body())
+            .await
+            .unwrap();
+        let usage = again.prefill_usage.unwrap();
+        assert!(
+            usage.uncached_tokens() < 16,
+            "the prefill engine kept the prompt cached: {usage:?}"
+        );
+        prefill.shutdown().await;
+        decode.shutdown().await;
     }
 }

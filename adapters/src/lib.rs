@@ -19,7 +19,7 @@ mod stream;
 mod tools;
 
 pub use client::{estimate_prompt_tokens, ChunkStream, ClientOptions, EngineClient};
-pub use disagg::{DisaggError, PrefillTarget};
+pub use disagg::{DisaggError, Disaggregated, PrefillTarget, PrefillUsage};
 pub use engine_metrics::{parse_metrics, EngineMetrics};
 pub use error::{ApiError, UpstreamError};
 pub use ids::new_item_id;

@@ -255,9 +255,10 @@ pub struct PoolConfig {
     /// Engine protocol flavor: `vllm`, `sglang` or `openai`.
     #[serde(default = "default_flavor")]
     pub flavor: Flavor,
-    /// Engine base URLs, e.g. `http://10.0.0.5:8000`.
+    /// Engines: base URLs (`http://10.0.0.5:8000`) or tables `{url, role, bootstrap_port,
+    /// labels}` (see [`EndpointEntry`]).
     #[serde(default)]
-    pub endpoints: Vec<String>,
+    pub endpoints: Vec<EndpointEntry>,
     /// Routing policy: `round_robin` (default), `least_loaded` or `prefix`.
     #[serde(default = "default_policy")]
     pub policy: String,
@@ -283,6 +284,137 @@ pub struct PoolConfig {
     /// reloaded when it changes. A relative path is resolved against the config file's folder.
     #[serde(default)]
     pub endpoints_file: Option<PathBuf>,
+    /// `[pools.disaggregation]`: when requests of a pool with prefill endpoints are prefilled
+    /// remotely, and how sub-agent calls are recognised.
+    #[serde(default)]
+    pub disaggregation: DisaggregationConfig,
+}
+
+/// The label carrying an SGLang prefill endpoint's bootstrap port (an endpoints-file entry
+/// may set it; a config table's `bootstrap_port` sets it).
+pub const BOOTSTRAP_PORT_LABEL: &str = "agentgate.io/bootstrap-port";
+
+/// One entry of a pool's `endpoints`: a base URL, or a table naming its role and more.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndpointEntry {
+    /// `"http://10.0.0.5:8000"`: the pool's role and labels.
+    Url(String),
+    /// `{url = "...", role = "prefill", bootstrap_port = 8998, labels = {...}}`.
+    Table(EndpointTable),
+}
+
+/// The table form of an [`EndpointEntry`].
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointTable {
+    /// Engine base URL.
+    pub url: String,
+    /// `both`, `prefill` or `decode`; default the pool's `role`.
+    #[serde(default)]
+    pub role: Option<String>,
+    /// SGLang prefill endpoints: the port of the engine's bootstrap server
+    /// (`--disaggregation-bootstrap-port`); default `disaggregation.bootstrap_port`, else the
+    /// endpoint's HTTP port.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+    /// Labels of this endpoint, laid over the pool's.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+impl EndpointEntry {
+    /// The base URL.
+    pub fn url(&self) -> &str {
+        match self {
+            EndpointEntry::Url(url) => url,
+            EndpointEntry::Table(t) => &t.url,
+        }
+    }
+
+    /// The endpoint's role (`default` when the entry names none or an unknown one; validation
+    /// rejects unknown names).
+    pub fn role(&self, default: Role) -> Role {
+        match self {
+            EndpointEntry::Table(EndpointTable {
+                role: Some(name), ..
+            }) => Role::parse(name).unwrap_or(default),
+            _ => default,
+        }
+    }
+
+    /// The pool's labels with the entry's laid over them, and its bootstrap port as
+    /// [`BOOTSTRAP_PORT_LABEL`].
+    pub fn labels(&self, pool: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+        let mut labels = pool.clone();
+        if let EndpointEntry::Table(t) = self {
+            labels.extend(t.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
+            if let Some(port) = t.bootstrap_port {
+                labels.insert(BOOTSTRAP_PORT_LABEL.to_string(), port.to_string());
+            }
+        }
+        labels
+    }
+}
+
+impl From<&str> for EndpointEntry {
+    fn from(url: &str) -> Self {
+        EndpointEntry::Url(url.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for EndpointEntry {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct EntryVisitor;
+        impl<'de> serde::de::Visitor<'de> for EntryVisitor {
+            type Value = EndpointEntry;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a base URL string or a table {url, role, bootstrap_port, labels}")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<EndpointEntry, E> {
+                Ok(EndpointEntry::Url(v.to_string()))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<EndpointEntry, A::Error> {
+                EndpointTable::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(EndpointEntry::Table)
+            }
+        }
+        d.deserialize_any(EntryVisitor)
+    }
+}
+
+/// `[pools.disaggregation]` (formulas in `agentgate_scheduler::disagg`). Applies to pools with
+/// prefill endpoints; a pool without any runs every request whole.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DisaggregationConfig {
+    /// Prefill remotely only when more than this many prompt tokens are not cached on the
+    /// chosen decode endpoint.
+    pub threshold_tokens: u64,
+    /// Header naming the parent session of a sub-agent's call (its value: the parent's
+    /// session id as the parent sends it in its session header).
+    pub parent_header: String,
+    /// Also recognise sub-agents by Codex's and Claude Code's native headers.
+    pub native_parent_headers: bool,
+    /// SGLang: bootstrap port of prefill endpoints that do not set their own; default each
+    /// endpoint's HTTP port.
+    pub bootstrap_port: Option<u16>,
+}
+
+impl Default for DisaggregationConfig {
+    fn default() -> Self {
+        DisaggregationConfig {
+            threshold_tokens: agentgate_scheduler::disagg::DEFAULT_THRESHOLD_TOKENS,
+            parent_header: agentgate_scheduler::lineage::DEFAULT_PARENT_HEADER.into(),
+            native_parent_headers: true,
+            bootstrap_port: None,
+        }
+    }
 }
 
 impl PoolConfig {
@@ -370,6 +502,17 @@ pub struct SimulateConfig {
     pub decode_ms_per_token: f64,
     /// Wall seconds per simulated second (0 = no delays).
     pub time_scale: f64,
+    /// How many prefill-only replicas to start (besides `replicas`, which are aggregated).
+    pub prefill_replicas: usize,
+    /// How many decode-only replicas to start.
+    pub decode_replicas: usize,
+}
+
+impl SimulateConfig {
+    /// Every replica to start, of every role.
+    pub fn total_replicas(&self) -> usize {
+        self.replicas + self.prefill_replicas + self.decode_replicas
+    }
 }
 
 impl Default for SimulateConfig {
@@ -382,6 +525,8 @@ impl Default for SimulateConfig {
             prefill_tokens_per_s: 20_000.0,
             decode_ms_per_token: 20.0,
             time_scale: 1.0,
+            prefill_replicas: 0,
+            decode_replicas: 0,
         }
     }
 }
@@ -716,14 +861,33 @@ impl Config {
                     ));
                 }
             }
-            let simulated = pool.simulate.as_ref().map_or(0, |s| s.replicas);
+            let simulated = pool
+                .simulate
+                .as_ref()
+                .map_or(0, SimulateConfig::total_replicas);
             if pool.endpoints.is_empty() && simulated == 0 && pool.endpoints_file.is_none() {
                 return Err(err(
                     at("endpoints"),
                     "a pool needs engine endpoints, an endpoints_file or [pools.simulate] replicas",
                 ));
             }
-            for (j, ep) in pool.endpoints.iter().enumerate() {
+            for (j, entry) in pool.endpoints.iter().enumerate() {
+                let ep = entry.url();
+                if let EndpointEntry::Table(t) = entry {
+                    let key = |k: &str| format!("pools[{i}].endpoints[{j}].{k}");
+                    if let Some(role) = &t.role {
+                        Role::parse(role).map_err(|reason| err(key("role"), reason))?;
+                    }
+                    if t.bootstrap_port == Some(0) {
+                        return Err(err(
+                            key("bootstrap_port"),
+                            "must be a port number (1-65535)",
+                        ));
+                    }
+                    if t.labels.keys().any(|k| k.trim().is_empty()) {
+                        return Err(err(key("labels"), "label names must not be empty"));
+                    }
+                }
                 if ep.starts_with("https://") && !cfg!(feature = "upstream-tls") {
                     return Err(err(
                         format!("pools[{i}].endpoints[{j}]"),
@@ -738,6 +902,24 @@ impl Config {
                         format!("`{ep}` is not an http:// base URL such as http://10.0.0.5:8000"),
                     ));
                 }
+            }
+            let pd = &pool.disaggregation;
+            let parent_header = pd.parent_header.trim();
+            if !parent_header.is_empty()
+                && !parent_header
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            {
+                return Err(err(
+                    at("disaggregation.parent_header"),
+                    "must be a header name (letters, digits, '-' and '_'), or empty to read none",
+                ));
+            }
+            if pd.bootstrap_port == Some(0) {
+                return Err(err(
+                    at("disaggregation.bootstrap_port"),
+                    "must be a port number (1-65535)",
+                ));
             }
             if let Some(sim) = &pool.simulate {
                 if sim.block_size == 0 || sim.kv_blocks == 0 || sim.max_num_seqs == 0 {
@@ -1359,6 +1541,101 @@ endpoints = ["http://127.0.0.1:8000"]
             e.reason.contains("ranks above the team's default band"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn endpoints_may_be_tables_with_a_role_and_a_bootstrap_port() {
+        let text = "[[pools]]\nname = \"pd\"\nmodel = \"m\"\nflavor = \"sglang\"\n\
+            labels = { zone = \"a\", tier = \"x\" }\n\
+            endpoints = [\"http://10.0.0.1:8000\", { url = \"http://10.0.0.2:8000\", role = \"prefill\", \
+            bootstrap_port = 8998, labels = { tier = \"y\" } }]\n";
+        let c = Config::parse(text).unwrap();
+        let pool = &c.pools[0];
+        assert_eq!(
+            pool.endpoints[0],
+            EndpointEntry::from("http://10.0.0.1:8000")
+        );
+        assert_eq!(pool.endpoints[0].role(Role::Both), Role::Both);
+        let table = &pool.endpoints[1];
+        assert_eq!(table.url(), "http://10.0.0.2:8000");
+        assert_eq!(table.role(Role::Both), Role::Prefill);
+        let labels = table.labels(&pool.labels);
+        assert_eq!(labels["zone"], "a");
+        assert_eq!(labels["tier"], "y", "the entry's labels win");
+        assert_eq!(labels[BOOTSTRAP_PORT_LABEL], "8998");
+        assert_eq!(pool.disaggregation, DisaggregationConfig::default());
+        assert_eq!(pool.disaggregation.threshold_tokens, 2048);
+        assert_eq!(
+            pool.disaggregation.parent_header,
+            "x-agentgate-parent-session"
+        );
+    }
+
+    #[test]
+    fn bad_endpoint_tables_and_disaggregation_keys_name_their_key() {
+        let pool = |endpoints: &str, extra: &str| {
+            format!("[[pools]]\nname = \"p\"\nmodel = \"m\"\nendpoints = [{endpoints}]\n{extra}")
+        };
+        for (endpoints, extra, key) in [
+            (
+                "{ url = \"http://h:1\", role = \"mixed\" }",
+                "",
+                "pools[0].endpoints[0].role",
+            ),
+            (
+                "{ url = \"http://h:1\", bootstrap_port = 0 }",
+                "",
+                "pools[0].endpoints[0].bootstrap_port",
+            ),
+            (
+                "{ url = \"http://h:1\", labels = { \"\" = \"v\" } }",
+                "",
+                "pools[0].endpoints[0].labels",
+            ),
+            ("{ url = \"h:1\" }", "", "pools[0].endpoints[0]"),
+            (
+                "\"http://h:1\"",
+                "[pools.disaggregation]\nparent_header = \"x parent\"\n",
+                "pools[0].disaggregation.parent_header",
+            ),
+            (
+                "\"http://h:1\"",
+                "[pools.disaggregation]\nbootstrap_port = 0\n",
+                "pools[0].disaggregation.bootstrap_port",
+            ),
+        ] {
+            let e = Config::parse(&pool(endpoints, extra)).unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+        }
+        // Unknown keys in a table, or a value of the wrong kind, fail at parse time.
+        for endpoints in ["{ url = \"http://h:1\", port = 3 }", "3"] {
+            let e = Config::parse(&pool(endpoints, "")).unwrap_err();
+            assert!(e.key.contains("endpoints"), "{e}");
+        }
+        let e = Config::parse(&pool(
+            "\"http://h:1\"",
+            "[pools.disaggregation]\nthreshold = 5\n",
+        ))
+        .unwrap_err();
+        assert!(e.reason.contains("threshold"), "{e}");
+    }
+
+    #[test]
+    fn simulated_prefill_and_decode_replicas_count_as_endpoints() {
+        let text = "[[pools]]\nname = \"pd\"\nmodel = \"m\"\n\
+            [pools.simulate]\nreplicas = 0\nprefill_replicas = 2\ndecode_replicas = 2\n";
+        let c = Config::parse(text).unwrap();
+        let sim = c.pools[0].simulate.as_ref().unwrap();
+        assert_eq!(
+            (sim.replicas, sim.prefill_replicas, sim.decode_replicas),
+            (0, 2, 2)
+        );
+        assert_eq!(sim.total_replicas(), 4);
+        let none = text
+            .replace("prefill_replicas = 2", "prefill_replicas = 0")
+            .replace("decode_replicas = 2", "decode_replicas = 0");
+        let e = Config::parse(&none).unwrap_err();
+        assert_eq!(e.key, "pools[0].endpoints");
     }
 
     #[test]

@@ -28,6 +28,16 @@
 //! | `agentgate_endpoint_kv_usage{pool,endpoint}` | the engine's KV-cache usage 0..1, last scrape (when reported) |
 //! | `agentgate_endpoint_metrics_age_seconds{pool,endpoint}` | age of the last scrape (absent before the first) |
 //! | `agentgate_pool_endpoints{pool}`, `agentgate_pool_available_endpoints{pool}` | list size, and how many take new work |
+//! | `agentgate_endpoint_prefill_tokens_per_second{pool,endpoint}` | measured prefill throughput (absent until measured; `agentgate_scheduler::disagg`) |
+//!
+//! Prefill/decode disaggregation (pools with prefill endpoints) counts its decisions
+//! (`agentgate_pd_decisions_total{pool,decision,reason}`: `disaggregated` for `uncached` or
+//! `sub_agent`, `local` for `cached` or `no_prefill_endpoint`), failed KV transfers
+//! (`agentgate_pd_transfer_failures_total{pool,prefill,decode}`), fallbacks to a local prefill
+//! (`agentgate_pd_fallbacks_total{pool,cause}`, cause `prefill_failed` or `transfer_failed`),
+//! moves of the prefill half of session pins (`agentgate_pd_prefill_pin_moves_total{pool,cause}`)
+//! and the latency of each leg (`agentgate_pd_leg_duration_seconds{pool,leg}`: `prefill` until
+//! the KV cache is ready for decode, `decode` from then to the first token).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -46,6 +56,11 @@ use crate::pools::Pools;
 
 /// `Content-Type` of the text exposition format.
 pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Buckets (seconds) for the latency of prefill and decode legs.
+pub const LEG_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
 
 /// Buckets (seconds) for probe and scrape latency.
 pub const PROBE_BUCKETS: &[f64] = &[
@@ -311,6 +326,16 @@ pub struct Metrics {
     pub config_reloads: CounterVec<1>,
     /// `agentgate_flow_rate_limit_store_errors_total`.
     pub rate_limit_store_errors: CounterVec<0>,
+    /// `agentgate_pd_decisions_total{pool,decision,reason}`.
+    pub pd_decisions: CounterVec<3>,
+    /// `agentgate_pd_transfer_failures_total{pool,prefill,decode}`.
+    pub pd_transfer_failures: CounterVec<3>,
+    /// `agentgate_pd_fallbacks_total{pool,cause}`.
+    pub pd_fallbacks: CounterVec<2>,
+    /// `agentgate_pd_prefill_pin_moves_total{pool,cause}`.
+    pub pd_prefill_pin_moves: CounterVec<2>,
+    /// `agentgate_pd_leg_duration_seconds{pool,leg}`.
+    pub pd_leg_duration: HistogramVec<2>,
 }
 
 impl Default for Metrics {
@@ -364,7 +389,60 @@ impl Metrics {
                 "Rate-limit checks the store could not answer (admitted without limits).",
                 [],
             ),
+            pd_decisions: CounterVec::new(
+                "agentgate_pd_decisions_total",
+                "Requests of pools with prefill endpoints, by whether their prompt was prefilled remotely (decision=disaggregated) or on the decode endpoint (decision=local), and why.",
+                ["pool", "decision", "reason"],
+            ),
+            pd_transfer_failures: CounterVec::new(
+                "agentgate_pd_transfer_failures_total",
+                "Disaggregated requests whose decode leg failed after the prefill leg ran (usually a lost KV transfer).",
+                ["pool", "prefill", "decode"],
+            ),
+            pd_fallbacks: CounterVec::new(
+                "agentgate_pd_fallbacks_total",
+                "Disaggregated requests retried with a local prefill, by cause (prefill_failed, transfer_failed).",
+                ["pool", "cause"],
+            ),
+            pd_prefill_pin_moves: CounterVec::new(
+                "agentgate_pd_prefill_pin_moves_total",
+                "Prefill halves of session pins moved to another prefill endpoint, by cause.",
+                ["pool", "cause"],
+            ),
+            pd_leg_duration: HistogramVec::new(
+                "agentgate_pd_leg_duration_seconds",
+                "Latency of disaggregated legs: prefill (until the KV cache is ready for decode) and decode (from then to the first token).",
+                ["pool", "leg"],
+                LEG_BUCKETS,
+            ),
         }
+    }
+
+    /// A request of a pool with prefill endpoints was placed: `decision` is `disaggregated`
+    /// or `local`, `reason` why.
+    pub fn pd_decision(&self, pool: &str, decision: &str, reason: &str) {
+        self.pd_decisions.inc([pool, decision, reason]);
+    }
+
+    /// The decode leg of a disaggregated request failed after its prefill leg ran.
+    pub fn pd_transfer_failed(&self, pool: &str, prefill: &str, decode: &str) {
+        self.pd_transfer_failures.inc([pool, prefill, decode]);
+    }
+
+    /// A disaggregated request was retried with a local prefill for `cause`.
+    pub fn pd_fallback(&self, pool: &str, cause: &str) {
+        self.pd_fallbacks.inc([pool, cause]);
+    }
+
+    /// The prefill half of a session's pin moved for `cause`.
+    pub fn pd_prefill_pin_moved(&self, pool: &str, cause: &str) {
+        self.pd_prefill_pin_moves.inc([pool, cause]);
+    }
+
+    /// One leg (`prefill` or `decode`) of a disaggregated request took `elapsed`.
+    pub fn pd_leg(&self, pool: &str, leg: &str, elapsed: std::time::Duration) {
+        self.pd_leg_duration
+            .observe([pool, leg], elapsed.as_secs_f64());
     }
 
     /// A request was routed to `endpoint` for `reason` (`pin`, `prefix`, `load`, ...).
@@ -394,6 +472,11 @@ impl Metrics {
         self.probe_duration.encode(&mut out);
         self.config_reloads.encode(&mut out);
         self.rate_limit_store_errors.encode(&mut out);
+        self.pd_decisions.encode(&mut out);
+        self.pd_transfer_failures.encode(&mut out);
+        self.pd_fallbacks.encode(&mut out);
+        self.pd_prefill_pin_moves.encode(&mut out);
+        self.pd_leg_duration.encode(&mut out);
         out
     }
 }
@@ -612,6 +695,10 @@ fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
         "agentgate_endpoint_metrics_age_seconds",
         "Seconds since the endpoint's last successful metrics scrape.",
     );
+    let prefill_rate = g(
+        "agentgate_endpoint_prefill_tokens_per_second",
+        "Prefill throughput measured from the prefills the gateway timed on the endpoint.",
+    );
     let pool_size = GaugeVec::new(
         "agentgate_pool_endpoints",
         "Endpoints in the pool's current list.",
@@ -647,13 +734,25 @@ fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
                 }
                 age.set(l, now.saturating_duration_since(r.at).as_secs_f64());
             }
+            if let Some(rate) = e.prefill_tokens_per_s() {
+                prefill_rate.set(l, rate);
+            }
         }
     }
     pool_size.encode(out);
     pool_available.encode(out);
     info.encode(out);
     for family in [
-        &healthy, &saturated, &requests, &tokens, &prefill, &waiting, &running, &kv, &age,
+        &healthy,
+        &saturated,
+        &requests,
+        &tokens,
+        &prefill,
+        &waiting,
+        &running,
+        &kv,
+        &age,
+        &prefill_rate,
     ] {
         family.encode(out);
     }
@@ -741,6 +840,7 @@ mod tests {
         let pool = pools.for_model("m").unwrap();
         let eps = pool.endpoints();
         let _guard = eps[0].begin(100, 60);
+        eps[0].observe_prefill(20_000, std::time::Duration::from_secs(2));
         eps[1].set_healthy(false);
         let now = Instant::now();
         eps[0].set_load_report(agentgate_scheduler::LoadReport {
@@ -766,6 +866,7 @@ mod tests {
             "agentgate_endpoint_kv_usage{pool=\"main\",endpoint=\"main/0\"} 0.5",
             "agentgate_endpoint_metrics_age_seconds{pool=\"main\",endpoint=\"main/0\"} 1.5",
             "agentgate_endpoint_saturated{pool=\"main\",endpoint=\"main/0\"} 0",
+            "agentgate_endpoint_prefill_tokens_per_second{pool=\"main\",endpoint=\"main/0\"} 10000",
             "agentgate_routing_decisions_total{pool=\"main\",endpoint=\"main/0\",reason=\"load\"} 1",
         ] {
             assert!(out.lines().any(|l| l == line), "{line} missing in\n{out}");
@@ -842,6 +943,28 @@ mod tests {
         m.routing_decision("main", "main/0", "prefix");
         m.pin_moved("main", "unavailable");
         m.discovery_reload("main", "error");
+        m.pd_decision("main", "disaggregated", "uncached");
+        m.pd_transfer_failed("main", "main/1", "main/2");
+        m.pd_fallback("main", "transfer_failed");
+        m.pd_prefill_pin_moved("main", "wait");
+        m.pd_leg("main", "prefill", std::time::Duration::from_millis(30));
+        for line in [
+            "agentgate_pd_decisions_total{pool=\"main\",decision=\"disaggregated\",reason=\"uncached\"} 1",
+            "agentgate_pd_transfer_failures_total{pool=\"main\",prefill=\"main/1\",decode=\"main/2\"} 1",
+            "agentgate_pd_fallbacks_total{pool=\"main\",cause=\"transfer_failed\"} 1",
+            "agentgate_pd_prefill_pin_moves_total{pool=\"main\",cause=\"wait\"} 1",
+            "agentgate_pd_leg_duration_seconds_bucket{pool=\"main\",leg=\"prefill\",le=\"0.05\"} 1",
+            "agentgate_pd_leg_duration_seconds_bucket{pool=\"main\",leg=\"prefill\",le=\"0.025\"} 0",
+            "agentgate_pd_leg_duration_seconds_count{pool=\"main\",leg=\"prefill\"} 1",
+        ] {
+            let mut out = String::new();
+            m.pd_decisions.encode(&mut out);
+            m.pd_transfer_failures.encode(&mut out);
+            m.pd_fallbacks.encode(&mut out);
+            m.pd_prefill_pin_moves.encode(&mut out);
+            m.pd_leg_duration.encode(&mut out);
+            assert!(out.lines().any(|l| l == line), "{line} missing in\n{out}");
+        }
         let mut out = String::new();
         m.routing_decisions.encode(&mut out);
         m.pin_moves.encode(&mut out);

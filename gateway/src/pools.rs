@@ -8,6 +8,12 @@
 //! 3. a watched `endpoints_file` (see [`crate::discovery`]), whose entries come and go at run
 //!    time.
 //!
+//! An entry of the config's `endpoints` is a base URL or a table `{url, role, bootstrap_port,
+//! labels}`; `[pools.simulate]` starts `replicas` aggregated replicas, then `prefill_replicas`
+//! prefill-only and `decode_replicas` decode-only ones, so one pool can hold endpoints of every
+//! role: a pool with prefill endpoints splits long prompts between a prefill and a decode
+//! endpoint ([`Disaggregation`], `agentgate_scheduler::disagg`).
+//!
 //! The first two are *fixed* for the process's lifetime; discovery replaces only the third part
 //! of the list ([`Pool::apply_discovered`]). Each pool routes with the [`Picker`] its `policy`
 //! names (`agentgate-scheduler`), behind a gate that keeps unavailable endpoints (unhealthy or
@@ -20,9 +26,11 @@ use std::time::Duration;
 
 use agentgate_adapters::{EngineClient, Flavor};
 pub use agentgate_scheduler::{Endpoint, PickRequest, Picker, Policy};
-use agentgate_scheduler::{PrefixIndex, PrefixIndexConfig, Role, Saturation};
+use agentgate_scheduler::{
+    LineageConfig, PinRule, PrefillPicker, PrefixIndex, PrefixIndexConfig, Role, Saturation,
+};
 
-use crate::config::{Config, PoolConfig, SimulateConfig};
+use crate::config::{Config, PoolConfig, SimulateConfig, BOOTSTRAP_PORT_LABEL};
 use crate::discovery::{self, DiscoveredEndpoint, FileDiscovery};
 
 /// Engines serving one model.
@@ -51,8 +59,51 @@ pub struct Pool {
     pub labels: BTreeMap<String, String>,
     /// The watched endpoints file, if the pool has one.
     pub endpoints_file: Option<PathBuf>,
+    /// How requests are split between prefill and decode endpoints, when the pool has both.
+    pub disaggregation: Disaggregation,
 }
 
+/// A pool's prefill/decode settings (`[pools.disaggregation]`).
+#[derive(Debug, Clone)]
+pub struct Disaggregation {
+    /// Remote prefill only above this many prompt tokens not cached on the decode endpoint.
+    pub threshold_tokens: u64,
+    /// How sub-agent calls name their parent session.
+    pub lineage: LineageConfig,
+    /// SGLang bootstrap port of prefill endpoints without their own (None: the HTTP port).
+    pub bootstrap_port: Option<u16>,
+    /// The prefill endpoint pick, with the pool's pin-rule constants and saturation limits.
+    pub prefill: PrefillPicker,
+}
+
+/// Host and port of a base URL (`http://host:port/...`; default port 80, or 443 for https).
+pub fn host_port(base_url: &str) -> Option<(String, u16)> {
+    let (scheme, rest) = base_url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit('@').next()?;
+    let default_port = if scheme.eq_ignore_ascii_case("https") {
+        443
+    } else {
+        80
+    };
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let (host, after) = v6.split_once(']')?;
+        (host, after.strip_prefix(':'))
+    } else {
+        match authority.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (authority, None),
+        }
+    };
+    if host.is_empty() {
+        return None;
+    }
+    let port = match port {
+        Some(p) => p.parse().ok()?,
+        None => default_port,
+    };
+    Some((host.to_string(), port))
+}
 impl Pool {
     /// The current endpoint list.
     pub fn endpoints(&self) -> Arc<Vec<Arc<Endpoint>>> {
@@ -68,6 +119,32 @@ impl Pool {
             .endpoints
             .write()
             .unwrap_or_else(PoisonError::into_inner) = Arc::new(endpoints);
+    }
+
+    /// Whether the pool currently has prefill endpoints (its requests may then be split).
+    pub fn disaggregates(&self) -> bool {
+        self.endpoints().iter().any(|e| e.role == Role::Prefill)
+    }
+
+    /// Where an SGLang prefill endpoint's bootstrap server listens: the endpoint's host, and
+    /// its [`BOOTSTRAP_PORT_LABEL`], else the pool's `bootstrap_port`, else its HTTP port.
+    /// None for other flavors (their protocol needs none) or an unparsable URL.
+    pub fn bootstrap(&self, endpoint: &Endpoint) -> Option<(String, u16)> {
+        if self.flavor != Flavor::Sglang {
+            return None;
+        }
+        let (host, http_port) = host_port(&endpoint.base_url)?;
+        let labelled = endpoint.labels.get(BOOTSTRAP_PORT_LABEL).and_then(|v| {
+            let port = v.trim().parse::<u16>().ok().filter(|p| *p > 0);
+            if port.is_none() {
+                tracing::warn!(endpoint = %endpoint.name, value = %v, "label {BOOTSTRAP_PORT_LABEL} is not a port number; ignored");
+            }
+            port
+        });
+        let port = labelled
+            .or(self.disaggregation.bootstrap_port)
+            .unwrap_or(http_port);
+        Some((host, port))
     }
 
     /// What discovered endpoints inherit from the pool.
@@ -149,29 +226,43 @@ impl Pools {
         let mut by_model = HashMap::new();
         let mut sims = Vec::new();
         for (i, pc) in config.pools.iter().enumerate() {
-            let mut urls: Vec<String> = pc
+            let role = pc.role();
+            let mut entries: Vec<(String, Role, BTreeMap<String, String>)> = pc
                 .endpoints
                 .iter()
-                .map(|u| u.trim_end_matches('/').to_string())
+                .map(|e| {
+                    let url = e.url().trim_end_matches('/').to_string();
+                    (url, e.role(role), e.labels(&pc.labels))
+                })
                 .collect();
             if let Some(sim) = &pc.simulate {
-                for r in 0..sim.replicas {
-                    let handle = agentgate_sim::spawn(sim_config(pc, sim, r)).await?;
-                    tracing::info!(pool = %pc.name, replica = r, url = %handle.base_url(), "simulated replica started");
-                    urls.push(handle.base_url());
+                let roles = std::iter::repeat_n(role, sim.replicas)
+                    .chain(std::iter::repeat_n(Role::Prefill, sim.prefill_replicas))
+                    .chain(std::iter::repeat_n(Role::Decode, sim.decode_replicas));
+                for (r, replica_role) in roles.enumerate() {
+                    let handle = agentgate_sim::spawn(sim_config(pc, sim, r, replica_role)).await?;
+                    tracing::info!(pool = %pc.name, replica = r, role = replica_role.name(), url = %handle.base_url(), "simulated replica started");
+                    let mut labels = pc.labels.clone();
+                    if pc.flavor == Flavor::Sglang && replica_role == Role::Prefill {
+                        // A simulated replica serves its bootstrap routes on its HTTP port.
+                        labels.insert(
+                            BOOTSTRAP_PORT_LABEL.to_string(),
+                            handle.addr().port().to_string(),
+                        );
+                    }
+                    entries.push((handle.base_url(), replica_role, labels));
                     sims.push(handle);
                 }
             }
-            let role = pc.role();
-            let fixed: Vec<Arc<Endpoint>> = urls
+            let fixed: Vec<Arc<Endpoint>> = entries
                 .into_iter()
                 .enumerate()
-                .map(|(j, base_url)| {
+                .map(|(j, (base_url, role, labels))| {
                     Arc::new(
                         Endpoint::new(format!("{}/{}", pc.name, j), base_url)
                             .with_slot(j)
                             .with_role(role)
-                            .with_labels(pc.labels.clone()),
+                            .with_labels(labels),
                     )
                 })
                 .collect();
@@ -209,6 +300,22 @@ impl Pools {
             let mut scoring = pc.scoring.resolve(policy);
             scoring.saturation = saturation;
             let picker = policy.picker(index_config, &scoring).map_err(invalid)?;
+            let pd = &pc.disaggregation;
+            let disaggregation = Disaggregation {
+                threshold_tokens: pd.threshold_tokens,
+                lineage: LineageConfig {
+                    parent_header: pd.parent_header.trim().to_string(),
+                    native_headers: pd.native_parent_headers,
+                },
+                bootstrap_port: pd.bootstrap_port,
+                prefill: PrefillPicker {
+                    rule: PinRule {
+                        queue_penalty_tokens: scoring.queue_penalty_tokens,
+                        hysteresis_tokens: scoring.pin_hysteresis_tokens,
+                    },
+                    saturation,
+                },
+            };
             let pool = Arc::new(Pool {
                 name: pc.name.clone(),
                 model: pc.model.clone(),
@@ -221,6 +328,7 @@ impl Pools {
                 role,
                 labels: pc.labels.clone(),
                 endpoints_file: pc.endpoints_file.clone(),
+                disaggregation,
             });
             let record_load = config.routing.scrape_interval().is_some();
             if pool.flavor != Flavor::Openai
@@ -274,13 +382,24 @@ impl Pools {
     }
 }
 
-fn sim_config(pool: &PoolConfig, sim: &SimulateConfig, replica: usize) -> agentgate_sim::SimConfig {
+fn sim_config(
+    pool: &PoolConfig,
+    sim: &SimulateConfig,
+    replica: usize,
+    role: Role,
+) -> agentgate_sim::SimConfig {
     let flavor = match pool.flavor {
         Flavor::Sglang => agentgate_sim::Flavor::Sglang,
         _ => agentgate_sim::Flavor::Vllm,
     };
+    let role = match role {
+        Role::Both => agentgate_sim::Role::Both,
+        Role::Prefill => agentgate_sim::Role::Prefill,
+        Role::Decode => agentgate_sim::Role::Decode,
+    };
     agentgate_sim::SimConfig {
         flavor,
+        role,
         listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         model: pool.model.clone(),
         block_size: sim.block_size as _,
@@ -291,5 +410,80 @@ fn sim_config(pool: &PoolConfig, sim: &SimulateConfig, replica: usize) -> agentg
         time_scale: sim.time_scale,
         seed: Some(replica as u64 + 1),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_port_reads_base_urls() {
+        let hp = |u: &str| host_port(u);
+        assert_eq!(hp("http://10.0.0.5:8000"), Some(("10.0.0.5".into(), 8000)));
+        assert_eq!(
+            hp("http://10.0.0.5:8000/v1"),
+            Some(("10.0.0.5".into(), 8000))
+        );
+        assert_eq!(hp("http://engine"), Some(("engine".into(), 80)));
+        assert_eq!(hp("https://engine/"), Some(("engine".into(), 443)));
+        assert_eq!(hp("http://[::1]:8100"), Some(("::1".into(), 8100)));
+        assert_eq!(hp("http://user@h:9"), Some(("h".into(), 9)));
+        assert_eq!(hp("engine:80"), None);
+        assert_eq!(hp("http://:80"), None);
+        assert_eq!(hp("http://h:99999"), None);
+    }
+
+    #[tokio::test]
+    async fn endpoint_tables_and_simulated_roles_make_one_mixed_pool() {
+        let config = Config::parse(
+            "[routing]\nscrape_interval_ms = 0\nhealth_interval_ms = 0\n\
+             [[pools]]\nname = \"pd\"\nmodel = \"m\"\nflavor = \"sglang\"\n\
+             labels = { zone = \"a\" }\n\
+             endpoints = [\"http://127.0.0.1:9\", \
+               { url = \"http://127.0.0.1:10/\", role = \"prefill\", bootstrap_port = 8998, labels = { accelerator = \"x\" } }, \
+               { url = \"http://127.0.0.1:11\", role = \"prefill\" }]\n\
+             [pools.simulate]\nreplicas = 0\nprefill_replicas = 1\ndecode_replicas = 2\ntime_scale = 0\n\
+             [pools.disaggregation]\nbootstrap_port = 7000\nthreshold_tokens = 10\n",
+        )
+        .unwrap();
+        let engines = agentgate_adapters::EngineClient::new(Default::default());
+        let pools = Pools::start(&config, &engines).await.unwrap();
+        let pool = pools.for_model("m").unwrap();
+        let eps = pool.endpoints();
+        let roles: Vec<Role> = eps.iter().map(|e| e.role).collect();
+        assert_eq!(
+            roles,
+            [
+                Role::Both,
+                Role::Prefill,
+                Role::Prefill,
+                Role::Prefill,
+                Role::Decode,
+                Role::Decode
+            ]
+        );
+        assert!(pool.disaggregates());
+        assert_eq!(pool.disaggregation.threshold_tokens, 10);
+        assert_eq!(eps[1].base_url, "http://127.0.0.1:10");
+        assert_eq!(eps[1].labels["zone"], "a");
+        assert_eq!(eps[1].labels["accelerator"], "x");
+        // Its own port, the pool's default; a simulated replica's HTTP port.
+        assert_eq!(pool.bootstrap(&eps[1]), Some(("127.0.0.1".into(), 8998)));
+        assert_eq!(pool.bootstrap(&eps[2]), Some(("127.0.0.1".into(), 7000)));
+        let sim_port = host_port(&eps[3].base_url).unwrap().1;
+        assert_eq!(
+            pool.bootstrap(&eps[3]),
+            Some(("127.0.0.1".into(), sim_port))
+        );
+        assert_eq!(pool.bootstrap(&eps[0]).map(|b| b.1), Some(7000));
+        assert_eq!(
+            eps.iter().map(|e| e.slot).collect::<Vec<_>>(),
+            [0, 1, 2, 3, 4, 5]
+        );
+        // A simulated decode replica answers as one.
+        let models = engines.models(&eps[4].base_url).await.unwrap();
+        assert_eq!(models, ["m"]);
+        pools.shutdown().await;
     }
 }

@@ -264,7 +264,7 @@ pub async fn create(
     } else {
         "in_progress"
     };
-    let turn = Turn {
+    let mut turn = Turn {
         team: team.0,
         id: id.clone(),
         previous_response_id: req.previous_response_id.clone(),
@@ -287,7 +287,9 @@ pub async fn create(
                 .or(req.store.then_some(id.as_str())),
         ),
         permit: None,
+        lineage: None,
     };
+    turn.lineage = turn::lineage_of(&turn.pool, &headers, turn.session.as_deref());
     // Admission comes after the request is prepared (its token estimate exists) and before
     // an endpoint is picked; a band the team may not use is refused here.
     let admission = state.flow.pending(flow::FlowRequest {

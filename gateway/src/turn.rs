@@ -5,20 +5,57 @@
 //! result (unless `store: false`). Streaming clients read the task's events through a channel;
 //! non-streaming clients await its final Response object. The terminal event is sent only after
 //! the response is persisted, so a client that saw `response.completed` can chain on it at once.
+//!
+//! # Placement
+//!
+//! A pool without prefill endpoints sends the turn to the endpoint its picker chooses, trying
+//! the others when an engine is unreachable or answers 5xx ([`open_upstream`]). A pool with
+//! prefill endpoints splits long prompts ([`open_routed`]; formulas in
+//! `agentgate_scheduler::disagg`):
+//!
+//! 1. the picker chooses a decode endpoint `d` among those that can decode (roles `decode` and
+//!    `both`), by the session's pin (the decode half), prefix and load. A sub-agent call
+//!    (`agentgate_scheduler::lineage`) is placed by load alone, so a burst of siblings spreads
+//!    over the decode endpoints; its own pin, when it has a key of its own, still holds;
+//! 2. when more than `threshold_tokens` of the prompt are not cached on `d`, a prefill
+//!    endpoint `p` is chosen by prefix match and load weighed by measured throughput, starting
+//!    from the prefill half of the session's pin, or for a sub-agent without one, its parent's:
+//!    its siblings then prefill where the parent's prefix is cached and compute it once;
+//! 3. the request runs on `p` then `d` in the engines' P/D protocol; both halves of the pin are
+//!    re-pinned independently. Otherwise `d` runs it whole.
+//!
+//! Failures before the client has seen anything are retried without splitting: a failed
+//! prefill leg runs the request on `d` (local prefill); a failed decode leg (almost always a
+//! lost KV transfer) retries once on `d` without disaggregation; either continues to the other
+//! decode endpoints if `d` fails too. The stored conversation gets exactly one response.
+//! Each split request logs both endpoints (`debug`), and its legs are timed into
+//! `agentgate_pd_leg_duration_seconds`.
+//!
+//! Every prefill the gateway can time feeds the endpoint's measured throughput: the prefill
+//! leg of a split request (vLLM reports the tokens it computed), and the first token of a
+//! request run whole (uncached tokens from the engine's usage, plus the prefill queued ahead
+//! of it when it was sent).
 
 use std::sync::Arc;
+use std::time::Instant;
 
+use axum::http::HeaderMap;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 
-use agentgate_adapters::{ChatPlan, ChunkStream, ResponseStream, SseEvent, UpstreamError};
+use agentgate_adapters::{
+    ChatPlan, ChunkStream, DisaggError, PrefillTarget, ResponseStream, SseEvent, UpstreamError,
+};
 use agentgate_sessions::{ResponseRecord, Store};
 
 use crate::app::AppState;
 use crate::error::HttpError;
-use agentgate_scheduler::{Endpoint, InFlight, Permit, PinOutcome, Pinned};
+use agentgate_scheduler::{
+    prefill_pin_key, remote_prefill_pays_off, Endpoint, InFlight, Lineage, Permit, Pick,
+    PinOutcome, Pinned, PrefillRequest, Role,
+};
 use agentgate_sessions::SessionPin;
 
 use crate::flow::{self, Pending};
@@ -56,6 +93,19 @@ pub struct Turn {
     /// The flow-control slot the turn was admitted with, released when the engine stream
     /// ends (or with the turn, on any other path).
     pub permit: Option<Permit>,
+    /// The session that spawned this call, when it comes from a sub-agent (see
+    /// [`lineage_of`]); only pools with prefill endpoints use it.
+    pub lineage: Option<Lineage>,
+}
+
+/// The sub-agent lineage of a request to `pool` with these headers and session key, read as
+/// the pool's `[pools.disaggregation]` says (`agentgate_scheduler::lineage`).
+pub fn lineage_of(pool: &Pool, headers: &HeaderMap, session: Option<&str>) -> Option<Lineage> {
+    let pairs: Vec<(&str, &str)> = headers
+        .iter()
+        .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str(), v)))
+        .collect();
+    agentgate_scheduler::lineage(&pool.disaggregation.lineage, &pairs, session)
 }
 
 /// Most rounds of `truncation: "auto"` before the context-length error is returned.
@@ -90,7 +140,14 @@ pub async fn open_turn(
     let auto = turn.request.get("truncation").and_then(Value::as_str) == Some("auto");
     let mut rounds = 0;
     loop {
-        match open_upstream(state, &turn.pool, &turn.plan.body, turn.session.as_deref()).await {
+        let routed = open_routed(
+            state,
+            &turn.pool,
+            &turn.plan.body,
+            turn.session.as_deref(),
+            turn.lineage.as_ref(),
+        );
+        match routed.await {
             Err(e)
                 if auto
                     && rounds < MAX_TRUNCATION_ROUNDS
@@ -132,6 +189,22 @@ pub struct Routed {
     pub prefix: Vec<u64>,
     /// Why this endpoint: `pin`, `prefix`, `load` or `round_robin` (the scorer that decided).
     pub reason: &'static str,
+    /// When the request was sent to the endpoint.
+    pub sent: Instant,
+    /// Pending prefill tokens queued ahead of it on the endpoint when it was sent.
+    pub ahead: u64,
+    /// The prefill leg, when the prompt was prefilled on another endpoint.
+    pub prefill: Option<PrefillLeg>,
+}
+
+/// The prefill half of a disaggregated request.
+#[derive(Debug)]
+pub struct PrefillLeg {
+    /// The prefill endpoint.
+    pub endpoint: Arc<Endpoint>,
+    /// When the prefill leg ended: the KV cache was ready for the decode endpoint (vLLM: to
+    /// pull; SGLang: transferred). The decode leg is timed from here to the first token.
+    pub kv_ready: Instant,
 }
 
 impl Routed {
@@ -161,51 +234,140 @@ async fn session_pin(state: &AppState, pool: &Pool, session: Option<&str>) -> Op
 /// the session's pin (read from the store, so every gateway replica agrees) holds until its
 /// endpoint is unavailable or saturated, or waiting there costs more than recomputing the
 /// prefix elsewhere; when the chosen endpoint differs from the pin, the session is re-pinned in
-/// the store and the move counted with its cause.
+/// the store and the move counted with its cause. A pool with prefill endpoints splits long
+/// prompts (see the module doc and [`open_routed`]).
 pub async fn open_upstream(
     state: &AppState,
     pool: &Pool,
     body: &Value,
     session: Option<&str>,
 ) -> Result<(ChunkStream, Routed), HttpError> {
-    let pin = session_pin(state, pool, session).await;
+    open_routed(state, pool, body, session, None).await
+}
+
+/// [`open_upstream`] for a call that may come from a sub-agent (`lineage`).
+pub async fn open_routed(
+    state: &AppState,
+    pool: &Pool,
+    body: &Value,
+    session: Option<&str>,
+    lineage: Option<&Lineage>,
+) -> Result<(ChunkStream, Routed), HttpError> {
     let endpoints = pool.endpoints();
-    let pinned = match &pin {
-        None => Pinned::None,
-        Some(p) => endpoints
-            .iter()
-            .position(|e| e.name == p.endpoint)
-            .map_or(Pinned::Gone, Pinned::At),
-    };
     let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
     let prefix: Vec<u64> = match pool.picker.prefix_index() {
         Some(index) => index.chunk_hashes(&pool.model, &agentgate_adapters::prompt_text(body)),
         None => Vec::new(),
     };
+    if !endpoints.iter().any(|e| e.role == Role::Prefill) {
+        let placement = Placement {
+            body,
+            prompt_tokens,
+            prefix,
+            pin: session_pin(state, pool, session).await,
+            key: session,
+        };
+        return open_local(state, pool, &endpoints, placement, None).await;
+    }
+    open_split(
+        state,
+        pool,
+        &endpoints,
+        body,
+        prompt_tokens,
+        prefix,
+        session,
+        lineage,
+    )
+    .await
+}
+
+/// One request's routing inputs, shared by its attempts.
+struct Placement<'a> {
+    body: &'a Value,
+    prompt_tokens: u64,
+    /// Chunk hashes of the rendered prompt (empty unless the policy keeps a prefix index).
+    prefix: Vec<u64>,
+    /// Where the session's pin (the decode half, in a split pool) is kept, if anywhere.
+    key: Option<&'a str>,
+    /// The pin found there.
+    pin: Option<SessionPin>,
+}
+
+/// The pin's position in `view`: `At`, `Gone` when its endpoint is not there, `None` unpinned.
+fn pinned_in(view: &[Arc<Endpoint>], pin: Option<&SessionPin>) -> Pinned {
+    match pin {
+        None => Pinned::None,
+        Some(p) => view
+            .iter()
+            .position(|e| e.name == p.endpoint)
+            .map_or(Pinned::Gone, Pinned::At),
+    }
+}
+
+fn no_endpoint(pool: &Pool, last: &str) -> HttpError {
+    HttpError::server(
+        503,
+        format!(
+            "No replica serving model '{}' could take the request ({last}). Retry shortly.",
+            pool.model
+        ),
+        "upstream_unavailable",
+    )
+    .with_retry_after(1)
+}
+
+/// Run the request whole on one endpoint of `view`: `first` (a pick already made in `view`),
+/// then whatever the picker chooses among the endpoints not tried yet.
+async fn open_local(
+    state: &AppState,
+    pool: &Pool,
+    view: &[Arc<Endpoint>],
+    placement: Placement<'_>,
+    first: Option<Pick>,
+) -> Result<(ChunkStream, Routed), HttpError> {
+    let pinned = pinned_in(view, placement.pin.as_ref());
+    let mut first = first.filter(|p| p.index < view.len());
     let mut tried: Vec<usize> = Vec::new();
     let mut last = String::from("no available endpoint");
     loop {
-        let request = PickRequest {
-            exclude: &tried,
-            prefix: &prefix,
-            prompt_tokens,
-            pinned,
-            role: None,
-        };
-        let Some(pick) = pool.picker.pick(&endpoints, &request) else {
-            break;
+        let pick = match first.take() {
+            Some(pick) => pick,
+            None => {
+                let request = PickRequest {
+                    exclude: &tried,
+                    prefix: &placement.prefix,
+                    prompt_tokens: placement.prompt_tokens,
+                    pinned,
+                    role: None,
+                };
+                match pool.picker.pick(view, &request) {
+                    Some(pick) => pick,
+                    None => break,
+                }
+            }
         };
         tried.push(pick.index);
-        let ep = &endpoints[pick.index];
-        let in_flight = ep.begin(prompt_tokens, pick.uncached_tokens_estimate);
-        match state.engines.chat_stream(&ep.base_url, body).await {
+        let ep = &view[pick.index];
+        let ahead = ep.pending_prefill_tokens();
+        let in_flight = ep.begin(placement.prompt_tokens, pick.uncached_tokens_estimate);
+        let sent = Instant::now();
+        match state
+            .engines
+            .chat_stream(&ep.base_url, placement.body)
+            .await
+        {
             Ok(stream) => {
-                pool.picker.routed(ep.slot, &prefix);
+                pool.picker.routed(ep.slot, &placement.prefix);
                 state
                     .metrics
                     .routing_decision(&pool.name, &ep.name, pick.reason.as_str());
-                if let Some(key) = session.filter(|_| pool.policy.uses_pins()) {
-                    repin(state, pool, key, pin.as_ref(), ep, pick.pin).await;
+                if let Some(key) = placement.key.filter(|_| pool.policy.uses_pins()) {
+                    if let Some(cause) =
+                        repin(state, pool, key, placement.pin.as_ref(), ep, pick.pin).await
+                    {
+                        state.metrics.pin_moved(&pool.name, cause);
+                    }
                 }
                 tracing::debug!(
                     endpoint = %ep.name,
@@ -220,8 +382,11 @@ pub async fn open_upstream(
                         in_flight,
                         slot: ep.slot,
                         matched_chunks: pick.matched_chunks,
-                        prefix,
+                        prefix: placement.prefix,
                         reason: pick.reason.as_str(),
+                        sent,
+                        ahead,
+                        prefill: None,
                     },
                 ));
             }
@@ -241,18 +406,239 @@ pub async fn open_upstream(
             }
         }
     }
-    Err(HttpError::server(
-        503,
-        format!(
-            "No replica serving model '{}' could take the request ({last}). Retry shortly.",
-            pool.model
-        ),
-        "upstream_unavailable",
-    )
-    .with_retry_after(1))
+    Err(no_endpoint(pool, &last))
 }
 
-/// Point the session's pin at `ep` when it points elsewhere (or nowhere yet), and count a move.
+/// `P * (1 - matched / chunks)`: the prompt tokens not covered by `matched` leading chunks.
+fn uncached_tokens(prompt_tokens: u64, matched: usize, chunks: usize) -> u64 {
+    if chunks == 0 {
+        return prompt_tokens;
+    }
+    let covered = (prompt_tokens as f64 * matched.min(chunks) as f64 / chunks as f64).round();
+    prompt_tokens.saturating_sub(covered as u64)
+}
+
+/// Place a request in a pool with prefill endpoints (see the module doc).
+#[allow(clippy::too_many_arguments)]
+async fn open_split(
+    state: &AppState,
+    pool: &Pool,
+    endpoints: &[Arc<Endpoint>],
+    body: &Value,
+    prompt_tokens: u64,
+    prefix: Vec<u64>,
+    session: Option<&str>,
+    lineage: Option<&Lineage>,
+) -> Result<(ChunkStream, Routed), HttpError> {
+    let prefill_view: Vec<Arc<Endpoint>> = endpoints
+        .iter()
+        .filter(|e| e.role == Role::Prefill)
+        .cloned()
+        .collect();
+    let mut decode_view: Vec<Arc<Endpoint>> = endpoints
+        .iter()
+        .filter(|e| e.role != Role::Prefill)
+        .cloned()
+        .collect();
+    if decode_view.is_empty() {
+        // Prefill endpoints only: they run requests whole.
+        decode_view = endpoints.to_vec();
+    }
+    // A sub-agent's own pins live under its own key; without one it is placed afresh.
+    let key = match lineage {
+        Some(l) => l.own.as_deref(),
+        None => session,
+    };
+    let placement = Placement {
+        body,
+        prompt_tokens,
+        prefix,
+        pin: session_pin(state, pool, key).await,
+        key,
+    };
+
+    // 1. The decode endpoint. Siblings of a burst spread by load, whatever they share.
+    let decode_prefix: &[u64] = if lineage.is_some() {
+        &[]
+    } else {
+        &placement.prefix
+    };
+    let request = PickRequest {
+        exclude: &[],
+        prefix: decode_prefix,
+        prompt_tokens,
+        pinned: pinned_in(&decode_view, placement.pin.as_ref()),
+        role: None,
+    };
+    let Some(mut decode) = pool.picker.pick(&decode_view, &request) else {
+        return Err(no_endpoint(pool, "no available decode endpoint"));
+    };
+    let d = decode_view[decode.index].clone();
+    if lineage.is_some() {
+        let matched = pool
+            .picker
+            .prefix_index()
+            .map_or(0, |index| index.match_len(d.slot, &placement.prefix));
+        decode.matched_chunks = matched;
+        decode.uncached_tokens_estimate =
+            uncached_tokens(prompt_tokens, matched, placement.prefix.len());
+    }
+
+    // 2. Does remote prefill pay off?
+    let settings = &pool.disaggregation;
+    if !remote_prefill_pays_off(decode.uncached_tokens_estimate, settings.threshold_tokens) {
+        state.metrics.pd_decision(&pool.name, "local", "cached");
+        return open_local(state, pool, &decode_view, placement, Some(decode)).await;
+    }
+    let prefill_key = key.map(prefill_pin_key);
+    let own_prefill_pin = session_pin(state, pool, prefill_key.as_deref()).await;
+    let prefill_pin = match (&own_prefill_pin, lineage) {
+        (None, Some(l)) => session_pin(state, pool, Some(&prefill_pin_key(&l.parent))).await,
+        _ => own_prefill_pin.clone(),
+    };
+    // With prefill endpoints only, `d` is one of them: it does not prefill for itself.
+    let not_d: Vec<usize> = prefill_view
+        .iter()
+        .position(|e| Arc::ptr_eq(e, &d))
+        .into_iter()
+        .collect();
+    let prefill_request = PrefillRequest {
+        exclude: &not_d,
+        prefix: &placement.prefix,
+        prompt_tokens,
+        pinned: pinned_in(&prefill_view, prefill_pin.as_ref()),
+    };
+    let Some(prefill) =
+        settings
+            .prefill
+            .pick(&prefill_view, pool.picker.prefix_index(), &prefill_request)
+    else {
+        state
+            .metrics
+            .pd_decision(&pool.name, "local", "no_prefill_endpoint");
+        return open_local(state, pool, &decode_view, placement, Some(decode)).await;
+    };
+    let p = prefill_view[prefill.index].clone();
+    let why = if lineage.is_some() {
+        "sub_agent"
+    } else {
+        "uncached"
+    };
+    state.metrics.pd_decision(&pool.name, "disaggregated", why);
+
+    // 3. Both legs.
+    let target = PrefillTarget {
+        base_url: p.base_url.clone(),
+        bootstrap: pool.bootstrap(&p),
+    };
+    let prefill_ahead = p.pending_prefill_tokens();
+    let prefill_guard = p.begin(prompt_tokens, prefill.uncached_tokens_estimate);
+    let decode_guard = d.begin(prompt_tokens, 0);
+    let sent = Instant::now();
+    let opened = state
+        .engines
+        .open_disaggregated(pool.flavor, &target, &d.base_url, body)
+        .await;
+    drop(prefill_guard);
+    let failure = match opened {
+        Ok(opened) => {
+            let kv_ready = sent + opened.prefill_latency;
+            let computed = opened
+                .prefill_usage
+                .map_or(prefill.uncached_tokens_estimate, |u| u.uncached_tokens());
+            p.observe_prefill(prefill_ahead + computed, opened.prefill_latency);
+            state
+                .metrics
+                .pd_leg(&pool.name, "prefill", opened.prefill_latency);
+            pool.picker.routed(p.slot, &placement.prefix);
+            pool.picker.routed(d.slot, &placement.prefix);
+            if let Some(usage) = opened.prefill_usage {
+                pool.picker.completed(
+                    p.slot,
+                    &placement.prefix,
+                    prefill.matched_chunks,
+                    usage.cached_tokens,
+                );
+            }
+            state
+                .metrics
+                .routing_decision(&pool.name, &d.name, decode.reason.as_str());
+            if let Some(key) = key.filter(|_| pool.policy.uses_pins()) {
+                if let Some(cause) =
+                    repin(state, pool, key, placement.pin.as_ref(), &d, decode.pin).await
+                {
+                    state.metrics.pin_moved(&pool.name, cause);
+                }
+                let prefill_key = prefill_pin_key(key);
+                if let Some(cause) = repin(
+                    state,
+                    pool,
+                    &prefill_key,
+                    own_prefill_pin.as_ref(),
+                    &p,
+                    prefill.pin,
+                )
+                .await
+                {
+                    state.metrics.pd_prefill_pin_moved(&pool.name, cause);
+                }
+            }
+            tracing::debug!(
+                prefill = %p.name,
+                decode = %d.name,
+                reason = why,
+                uncached_on_decode = decode.uncached_tokens_estimate,
+                uncached_on_prefill = computed,
+                prefill_ms = opened.prefill_latency.as_millis() as u64,
+                "disaggregated"
+            );
+            return Ok((
+                opened.stream,
+                Routed {
+                    in_flight: decode_guard,
+                    slot: d.slot,
+                    matched_chunks: decode.matched_chunks,
+                    prefix: placement.prefix,
+                    reason: decode.reason.as_str(),
+                    sent,
+                    ahead: 0,
+                    prefill: Some(PrefillLeg {
+                        endpoint: p,
+                        kv_ready,
+                    }),
+                },
+            ));
+        }
+        Err(e) => e,
+    };
+    drop(decode_guard);
+    if let UpstreamError::Status {
+        status: 400 | 413 | 422,
+        ..
+    } = failure.upstream()
+    {
+        let api = failure.upstream().to_api_error();
+        tracing::info!(prefill = %p.name, decode = %d.name, "engine rejected the request: {}", api.message);
+        return Err(api.into());
+    }
+    match &failure {
+        DisaggError::Prefill(e) => {
+            tracing::warn!(prefill = %p.name, decode = %d.name, "prefill leg failed ({e}); prefilling on the decode endpoint");
+            state.metrics.pd_fallback(&pool.name, "prefill_failed");
+        }
+        DisaggError::Decode(e) => {
+            tracing::warn!(prefill = %p.name, decode = %d.name, "decode leg failed after the prefill ({e}); retrying once without disaggregation");
+            state
+                .metrics
+                .pd_transfer_failed(&pool.name, &p.name, &d.name);
+            state.metrics.pd_fallback(&pool.name, "transfer_failed");
+        }
+    }
+    open_local(state, pool, &decode_view, placement, Some(decode)).await
+}
+
+/// Point the pin under `key` at `ep` when it points elsewhere (or nowhere yet). Returns the
+/// cause of the move when an existing pin moved, for the caller to count.
 async fn repin(
     state: &AppState,
     pool: &Pool,
@@ -260,9 +646,9 @@ async fn repin(
     pin: Option<&SessionPin>,
     ep: &Endpoint,
     outcome: PinOutcome,
-) {
+) -> Option<&'static str> {
     if pin.is_some_and(|p| p.endpoint == ep.name) {
-        return;
+        return None;
     }
     let new = SessionPin {
         endpoint: ep.name.clone(),
@@ -271,15 +657,14 @@ async fn repin(
     if let Err(e) = state.store.swap_pin(&pool.name, key, pin, &new).await {
         tracing::warn!("could not store the session pin: {e}");
     }
-    if let Some(old) = pin {
-        // A pin that held but whose endpoint then failed this request moved because it failed.
-        let cause = match outcome {
-            PinOutcome::Broken(cause) => cause.as_str(),
-            _ => "failed",
-        };
-        state.metrics.pin_moved(&pool.name, cause);
-        tracing::info!(from = %old.endpoint, to = %ep.name, moves = new.moves, cause, "session re-pinned");
-    }
+    let old = pin?;
+    // A pin that held but whose endpoint then failed this request moved because it failed.
+    let cause = match outcome {
+        PinOutcome::Broken(cause) => cause.as_str(),
+        _ => "failed",
+    };
+    tracing::info!(key, from = %old.endpoint, to = %ep.name, moves = new.moves, cause, "session re-pinned");
+    Some(cause)
 }
 
 fn new_stream(turn: &Turn) -> ResponseStream {
@@ -309,6 +694,7 @@ pub async fn drive(
     mut cancel: Option<watch::Receiver<bool>>,
 ) -> Value {
     let endpoint = routed.endpoint().clone();
+    let mut first_token: Option<Instant> = None;
     let mut rs = new_stream(&turn);
     emit(&tx, rs.start()).await;
     let terminal = loop {
@@ -326,6 +712,14 @@ pub async fn drive(
             Some(Ok(chunk)) => {
                 // The engine is past this request's prefill: it no longer delays new work there.
                 routed.in_flight.prefill_done();
+                if first_token.is_none() {
+                    let now = Instant::now();
+                    first_token = Some(now);
+                    if let Some(leg) = &routed.prefill {
+                        let decode = now.saturating_duration_since(leg.kv_ready);
+                        state.metrics.pd_leg(&turn.pool.name, "decode", decode);
+                    }
+                }
                 let events = rs.on_chunk(&chunk);
                 emit(&tx, events).await;
             }
@@ -361,6 +755,16 @@ pub async fn drive(
         turn.pool
             .picker
             .completed(routed.slot, &routed.prefix, routed.matched_chunks, cached);
+        // A request run whole: its first token came after its own prefill and the prefill
+        // queued ahead of it.
+        let input = response
+            .pointer("/usage/input_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
+        if let (None, Some(first)) = (&routed.prefill, first_token) {
+            let work = routed.ahead + input.saturating_sub(cached);
+            endpoint.observe_prefill(work, first.saturating_duration_since(routed.sent));
+        }
     }
     drop(routed);
     if let Some(permit) = turn.permit.take() {

@@ -25,6 +25,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::disagg::PrefillThroughput;
+
 /// What an endpoint does in a disaggregated deployment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Role {
@@ -140,6 +142,7 @@ pub struct Endpoint {
     healthy: AtomicBool,
     retired: AtomicBool,
     report: Mutex<Option<LoadReport>>,
+    throughput: PrefillThroughput,
 }
 
 impl Endpoint {
@@ -157,6 +160,7 @@ impl Endpoint {
             healthy: AtomicBool::new(true),
             retired: AtomicBool::new(false),
             report: Mutex::new(None),
+            throughput: PrefillThroughput::default(),
         }
     }
 
@@ -234,6 +238,18 @@ impl Endpoint {
     /// [`Saturation::saturated`]).
     pub fn saturated(&self, limits: &Saturation, now: Instant) -> bool {
         limits.saturated(self.load_report().as_ref(), now)
+    }
+
+    /// Record a prefill the gateway timed on this endpoint: `tokens` of prefill work (the
+    /// request's uncached prompt tokens plus the pending prefill queued ahead of it) done in
+    /// `elapsed` (see [`PrefillThroughput`]).
+    pub fn observe_prefill(&self, tokens: u64, elapsed: Duration) {
+        self.throughput.observe(tokens, elapsed);
+    }
+
+    /// Measured prefill throughput in tokens per second, once enough has been observed.
+    pub fn prefill_tokens_per_s(&self) -> Option<f64> {
+        self.throughput.tokens_per_s()
     }
 
     /// Count a request as in flight until the returned guard drops; `uncached_tokens` of its

@@ -31,7 +31,12 @@
 //!   token counts the engines report back;
 //! - [`session_key`](mod@session_key): which agent session a request belongs to ([`session_key()`]), from the
 //!   configured session header, the coding agents' native headers, `prompt_cache_key`, the
-//!   `previous_response_id` chain root or the `conversation` id.
+//!   `previous_response_id` chain root or the `conversation` id;
+//! - [`lineage`](mod@lineage): whether a request comes from a sub-agent and which session spawned it
+//!   ([`lineage()`]), from a configured parent header or the agents' native sub-agent headers;
+//! - [`disagg`]: prefill/decode disaggregation: when remote prefill pays off, the prefill
+//!   endpoint pick ([`PrefillPicker`]: prefix match and load weighed by measured throughput,
+//!   with its own sticky pin), and each endpoint's measured prefill throughput.
 //!
 //! Session pins themselves live in the store (`agentgate-sessions`), so every gateway replica
 //! sees the same pin. Per request, the caller reads the pin and passes its position in the
@@ -39,9 +44,11 @@
 //! caller re-pins (and counts the move) when the chosen endpoint differs. The prefix index is
 //! keyed by [`Endpoint::slot`], so it survives changes to the endpoint list.
 
+pub mod disagg;
 pub mod endpoint;
 pub mod filter;
 pub mod flow;
+pub mod lineage;
 pub mod picker;
 pub mod pin;
 pub mod pipeline;
@@ -50,12 +57,16 @@ pub mod prefix_index;
 pub mod scorer;
 pub mod session_key;
 
+pub use disagg::{
+    prefill_pin_key, remote_prefill_pays_off, PrefillPicker, PrefillRequest, PrefillThroughput,
+};
 pub use endpoint::{Endpoint, InFlight, LoadReport, Role, Saturation};
 pub use filter::{Filter, PoolView};
 pub use flow::{
     BandSpec, CapacitySignal, FlowConfig, FlowController, FlowSnapshot, LocalRateLimiter,
     MaxInFlight, Permit, RateLimiter, Rejection, TeamSpec, Ticket,
 };
+pub use lineage::{lineage, Lineage, LineageConfig};
 pub use picker::{
     BreakCause, LeastLoaded, Pick, PickRequest, Picker, PinOutcome, Pinned, Reason, RoundRobin,
 };

@@ -1,0 +1,722 @@
+//! End-to-end: prefill/decode pools over simulated vLLM (NIXL protocol) and SGLang (bootstrap
+//! rooms) replicas. A long cold prompt is prefilled on a prefill replica and decoded from the
+//! transferred KV cache; a cached or short one runs whole on its decode replica; a failed
+//! prefill leg falls back to a local prefill, a failed KV transfer is retried once without
+//! disaggregation, and the stored conversation keeps exactly one response per turn; a burst of
+//! sub-agents sharing their parent's long prefix computes it about once while their decodes
+//! spread over the decode replicas.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use agentgate_sim::{Flavor, Role, SimConfig, SimHandle};
+use agentgate_tests::*;
+
+/// A simulated replica with a KV cache large enough for a 100k-token prompt.
+async fn sim(flavor: Flavor, role: Role, time_scale: f64) -> SimHandle {
+    agentgate_sim::spawn(SimConfig {
+        flavor,
+        role,
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        model: "sim-model".into(),
+        kv_blocks: 32_768,
+        time_scale,
+        seed: Some(7),
+        ..Default::default()
+    })
+    .await
+    .expect("simulator starts")
+}
+
+fn flavor_name(flavor: Flavor) -> &'static str {
+    match flavor {
+        Flavor::Vllm => "vllm",
+        Flavor::Sglang => "sglang",
+    }
+}
+
+/// One endpoint table of the pool: (base URL, role, extra keys such as `bootstrap_port = 9`).
+type Entry = (String, &'static str, String);
+
+/// A `session` pool named `pd` over `entries`, with probes and scrapes off (the test decides
+/// what is healthy) and `extra` TOML appended to the pool.
+fn pd_config(flavor: Flavor, entries: &[Entry], extra: &str) -> String {
+    let tables: Vec<String> = entries
+        .iter()
+        .map(|(url, role, more)| {
+            let more = if more.is_empty() {
+                String::new()
+            } else {
+                format!(", {more}")
+            };
+            format!("{{ url = \"{url}\", role = \"{role}\"{more} }}")
+        })
+        .collect();
+    format!(
+        "[routing]\nscrape_interval_ms = 0\nhealth_interval_ms = 0\n\
+         [[pools]]\nname = \"pd\"\nmodel = \"sim-model\"\nflavor = \"{}\"\npolicy = \"session\"\n\
+         endpoints = [{}]\n{extra}\n",
+        flavor_name(flavor),
+        tables.join(", ")
+    )
+}
+
+fn entry(sim: &SimHandle, role: &'static str) -> Entry {
+    (sim.base_url(), role, String::new())
+}
+
+/// Sum of a Prometheus metric's samples (every label set) in `text`.
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// The value of one exact series (`name{labels}`) in `text`, 0 when absent.
+fn series(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn metrics_of(base_url: &str) -> String {
+    reqwest::get(format!("{base_url}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text")
+}
+
+/// Prompt tokens a replica actually prefilled (not served from its cache or a transfer).
+async fn computed(sim: &SimHandle) -> f64 {
+    metric_sum(
+        &metrics_of(&sim.base_url()).await,
+        "agentgate_sim_prefill_tokens_computed_total",
+    )
+}
+
+async fn set_fault(sim: &SimHandle, spec: Value) {
+    let resp = reqwest::Client::new()
+        .post(format!("{}/sim/faults", sim.base_url()))
+        .json(&spec)
+        .send()
+        .await
+        .expect("sim faults");
+    assert!(resp.status().is_success());
+}
+
+/// A prompt of `words` distinct words (the simulator counts one token per word).
+fn long_text(tag: &str, words: usize) -> String {
+    let mut s = String::with_capacity(words * 8);
+    for i in 0..words {
+        s.push_str(tag);
+        s.push_str(&i.to_string());
+        s.push(' ');
+    }
+    s
+}
+
+/// POST a non-streaming response; returns (the Response object, x-agentgate-endpoint).
+async fn create(gw: &str, body: Value, headers: &[(&str, &str)]) -> (Value, String) {
+    let mut request = reqwest::Client::new()
+        .post(format!("{gw}/v1/responses"))
+        .json(&body);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let resp = request.send().await.expect("request");
+    let status = resp.status().as_u16();
+    let served = resp
+        .headers()
+        .get("x-agentgate-endpoint")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let value: Value = resp.json().await.expect("json body");
+    assert_eq!(status, 200, "{value}");
+    // Cut at max_output_tokens or not, the answer is whole and stored.
+    assert!(
+        value["status"] == "completed" || value["status"] == "incomplete",
+        "{value}"
+    );
+    (value, served)
+}
+
+fn cached_tokens(response: &Value) -> u64 {
+    response["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+fn input_tokens(response: &Value) -> u64 {
+    response["usage"]["input_tokens"].as_u64().unwrap_or(0)
+}
+
+/// The roles of the messages the model saw for `id`, oldest first.
+async fn conversation_roles(gw: &str, id: &str) -> Vec<String> {
+    let page: Value = reqwest::get(format!(
+        "{gw}/v1/responses/{id}/input_items?order=asc&limit=100"
+    ))
+    .await
+    .expect("input items")
+    .json()
+    .await
+    .expect("json");
+    page["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .filter(|i| i["type"] == "message")
+        .map(|i| i["role"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+async fn long_prompt_is_split_and_a_cached_turn_stays_local(flavor: Flavor) {
+    let prefill = sim(flavor, Role::Prefill, 0.0).await;
+    let decode = sim(flavor, Role::Decode, 0.0).await;
+    let gw = start_gateway(&pd_config(
+        flavor,
+        &[entry(&prefill, "prefill"), entry(&decode, "decode")],
+        "",
+    ))
+    .await;
+    let base = gw.base_url();
+    let session = [("x-session-id", "long-1")];
+
+    // A cold 6000-word prompt: prefilled on the prefill replica, decoded from the transfer.
+    let (first, served) = create(
+        &base,
+        json!({"model": "sim-model", "input": long_text("w", 6000), "max_output_tokens": 16}),
+        &session,
+    )
+    .await;
+    assert_eq!(served, "pd/1", "the decode replica streams the answer");
+    let prompt = input_tokens(&first);
+    assert!(prompt > 6000, "{prompt}");
+    assert!(
+        cached_tokens(&first) + 16 > prompt,
+        "the decode engine reports the transferred prompt as cached: {first}"
+    );
+    let on_prefill = computed(&prefill).await;
+    let on_decode = computed(&decode).await;
+    assert!(on_prefill >= 6000.0, "{on_prefill}");
+    assert!(on_decode < 16.0, "only the last partial block: {on_decode}");
+    let m = metrics_of(&base).await;
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_decisions_total{pool=\"pd\",decision=\"disaggregated\",reason=\"uncached\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_leg_duration_seconds_count{pool=\"pd\",leg=\"prefill\"}"
+        ),
+        1.0
+    );
+    assert!(
+        series(
+            &m,
+            "agentgate_endpoint_prefill_tokens_per_second{pool=\"pd\",endpoint=\"pd/0\"}"
+        ) > 0.0,
+        "the prefill leg was timed into the replica's throughput: {m}"
+    );
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_leg_duration_seconds_count{pool=\"pd\",leg=\"decode\"}"
+        ),
+        1.0
+    );
+
+    // The next turn appends a few words to what the decode replica now holds: local.
+    let (second, served) = create(
+        &base,
+        json!({"model": "sim-model", "input": "and now briefly", "max_output_tokens": 16,
+            "previous_response_id": first["id"]}),
+        &session,
+    )
+    .await;
+    assert_eq!(served, "pd/1");
+    assert!(cached_tokens(&second) >= prompt - 16, "{second}");
+    assert_eq!(
+        computed(&prefill).await,
+        on_prefill,
+        "no second prefill leg"
+    );
+    let appended = computed(&decode).await - on_decode;
+    assert!(
+        appended < 64.0,
+        "only the new turn was prefilled: {appended}"
+    );
+
+    // A short prompt in a new session is below the threshold: local too.
+    create(
+        &base,
+        json!({"model": "sim-model", "input": "hello there", "max_output_tokens": 16}),
+        &[("x-session-id", "short-1")],
+    )
+    .await;
+    assert_eq!(computed(&prefill).await, on_prefill);
+    let m = metrics_of(&base).await;
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_decisions_total{pool=\"pd\",decision=\"local\",reason=\"cached\"}"
+        ),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(
+        conversation_roles(&base, second["id"].as_str().unwrap()).await,
+        ["user", "assistant", "user"]
+    );
+    gw.shutdown().await;
+    prefill.shutdown().await;
+    decode.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_long_prompt_is_split_and_a_cached_turn_stays_local() {
+    long_prompt_is_split_and_a_cached_turn_stays_local(Flavor::Vllm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_long_prompt_is_split_and_a_cached_turn_stays_local() {
+    long_prompt_is_split_and_a_cached_turn_stays_local(Flavor::Sglang).await;
+}
+
+/// Two turns of one conversation through a pool whose split requests fail in some way; each
+/// turn still gets exactly one stored response. Returns the gateway's metrics afterwards.
+async fn two_turns_survive(base: &str, decode: &SimHandle) -> String {
+    let session = [("x-session-id", "failing-1")];
+    let (first, served) = create(
+        base,
+        json!({"model": "sim-model", "input": long_text("f", 4000), "max_output_tokens": 16}),
+        &session,
+    )
+    .await;
+    assert_eq!(served, "pd/1");
+    assert!(
+        computed(decode).await >= 4000.0,
+        "the decode replica prefilled the prompt itself"
+    );
+    let (second, _) = create(
+        base,
+        json!({"model": "sim-model", "input": long_text("g", 4000), "max_output_tokens": 16,
+            "previous_response_id": first["id"]}),
+        &session,
+    )
+    .await;
+    assert_eq!(
+        conversation_roles(base, second["id"].as_str().unwrap()).await,
+        ["user", "assistant", "user"],
+        "one stored response per turn, nothing lost or repeated"
+    );
+    metrics_of(base).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_prefill_replica_gone_falls_back_to_a_local_prefill() {
+    let prefill = sim(Flavor::Vllm, Role::Prefill, 0.0).await;
+    let decode = sim(Flavor::Vllm, Role::Decode, 0.0).await;
+    let gw = start_gateway(&pd_config(
+        Flavor::Vllm,
+        &[entry(&prefill, "prefill"), entry(&decode, "decode")],
+        "",
+    ))
+    .await;
+    prefill.shutdown().await;
+    let m = two_turns_survive(&gw.base_url(), &decode).await;
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"prefill_failed\"}"
+        ),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(metric_sum(&m, "agentgate_pd_transfer_failures_total"), 0.0);
+    gw.shutdown().await;
+    decode.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_failing_prefill_replica_falls_back_to_a_local_prefill() {
+    let prefill = sim(Flavor::Sglang, Role::Prefill, 0.0).await;
+    let decode = sim(Flavor::Sglang, Role::Decode, 0.0).await;
+    let gw = start_gateway(&pd_config(
+        Flavor::Sglang,
+        &[entry(&prefill, "prefill"), entry(&decode, "decode")],
+        "",
+    ))
+    .await;
+    // The prefill engine refuses every leg; the decode engine, waiting in the bootstrap room,
+    // is abandoned rather than left to time out.
+    set_fault(&prefill, json!({"status": 503})).await;
+    let m = two_turns_survive(&gw.base_url(), &decode).await;
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"prefill_failed\"}"
+        ),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(computed(&prefill).await, 0.0);
+    gw.shutdown().await;
+    prefill.shutdown().await;
+    decode.shutdown().await;
+}
+
+/// A port nothing listens on.
+async fn dead_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// A vLLM prefill engine whose KV connector hands out blocks nobody can fetch: every prefill
+/// leg answers with `kv_transfer_params` pointing at `dead_port`. Anything else gets 404.
+async fn lost_transfer_prefill_engine(dead_port: u16) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 65536];
+                // Read the head, then as many body bytes as it announces.
+                let (head_end, length) = loop {
+                    let Ok(n) = socket.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        break (end + 4, length);
+                    }
+                };
+                while buf.len() < head_end + length {
+                    match socket.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+                let (status, body) = if head.starts_with("POST /v1/chat/completions") {
+                    let body = json!({
+                        "id": "chatcmpl-lost", "object": "chat.completion", "model": "sim-model",
+                        "choices": [{"index": 0, "finish_reason": "length",
+                            "message": {"role": "assistant", "content": "x"}}],
+                        "usage": {"prompt_tokens": 4000, "completion_tokens": 1, "total_tokens": 4001},
+                        "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false,
+                            "remote_engine_id": "gone", "remote_block_ids": [1, 2, 3],
+                            "remote_host": "127.0.0.1", "remote_port": dead_port, "tp_size": 1}
+                    });
+                    ("200 OK", body.to_string())
+                } else {
+                    ("404 Not Found", "{}".to_string())
+                };
+                let response = format!(
+                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(response.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_lost_kv_transfer_is_retried_once_without_disaggregation() {
+    let prefill = lost_transfer_prefill_engine(dead_port().await).await;
+    let decode = sim(Flavor::Vllm, Role::Decode, 0.0).await;
+    let gw = start_gateway(&pd_config(
+        Flavor::Vllm,
+        &[
+            (prefill, "prefill", String::new()),
+            entry(&decode, "decode"),
+        ],
+        "",
+    ))
+    .await;
+    let m = two_turns_survive(&gw.base_url(), &decode).await;
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_transfer_failures_total{pool=\"pd\",prefill=\"pd/0\",decode=\"pd/1\"}"
+        ),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"transfer_failed\"}"
+        ),
+        2.0
+    );
+    gw.shutdown().await;
+    decode.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_lost_kv_transfer_is_retried_once_without_disaggregation() {
+    let prefill = sim(Flavor::Sglang, Role::Prefill, 0.0).await;
+    let decode = sim(Flavor::Sglang, Role::Decode, 0.0).await;
+    // The configured bootstrap port is wrong: the prefill leg runs, the decode engine cannot
+    // fetch its KV cache.
+    let wrong = format!("bootstrap_port = {}", dead_port().await);
+    let gw = start_gateway(&pd_config(
+        Flavor::Sglang,
+        &[
+            (prefill.base_url(), "prefill", wrong),
+            entry(&decode, "decode"),
+        ],
+        "",
+    ))
+    .await;
+    let m = two_turns_survive(&gw.base_url(), &decode).await;
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_transfer_failures_total{pool=\"pd\",prefill=\"pd/0\",decode=\"pd/1\"}"
+        ),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"transfer_failed\"}"
+        ),
+        2.0
+    );
+    assert!(
+        computed(&prefill).await >= 4000.0,
+        "the prefill leg itself ran"
+    );
+    gw.shutdown().await;
+    prefill.shutdown().await;
+    decode.shutdown().await;
+}
+
+/// Requests each decode endpoint served, from the gateway's routing decisions.
+fn served_by(metrics: &str, endpoints: &[&str]) -> BTreeMap<String, f64> {
+    endpoints
+        .iter()
+        .map(|e| {
+            let prefix =
+                format!("agentgate_routing_decisions_total{{pool=\"pd\",endpoint=\"{e}\",");
+            let n: f64 = metrics
+                .lines()
+                .filter(|l| l.starts_with(&prefix))
+                .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+                .sum();
+            (e.to_string(), n)
+        })
+        .collect()
+}
+
+async fn sub_agents_share_their_parents_prefill(flavor: Flavor) {
+    const PARENT_WORDS: usize = 100_000;
+    const CHILDREN: usize = 10;
+    // Slow enough that the sub-agents' decodes overlap, fast enough to run in seconds.
+    let scale = 0.02;
+    let prefills = [
+        sim(flavor, Role::Prefill, scale).await,
+        sim(flavor, Role::Prefill, scale).await,
+    ];
+    let decodes = [
+        sim(flavor, Role::Decode, scale).await,
+        sim(flavor, Role::Decode, scale).await,
+    ];
+    let entries = [
+        entry(&prefills[0], "prefill"),
+        entry(&prefills[1], "prefill"),
+        entry(&decodes[0], "decode"),
+        entry(&decodes[1], "decode"),
+    ];
+    let gw = start_gateway(&pd_config(flavor, &entries, "")).await;
+    let base = gw.base_url();
+    let context = long_text("ctx", PARENT_WORDS);
+
+    // The parent's turn: 100k cold tokens, prefilled once on a prefill replica.
+    let (parent, _) = create(
+        &base,
+        json!({"model": "sim-model", "max_output_tokens": 16,
+            "input": [{"role": "user", "content": context}]}),
+        &[("x-session-id", "parent-1")],
+    )
+    .await;
+    assert!(input_tokens(&parent) >= PARENT_WORDS as u64);
+    let mut before = 0.0;
+    for s in prefills.iter().chain(&decodes) {
+        before += computed(s).await;
+    }
+    assert!(before >= PARENT_WORDS as f64, "{before}");
+    let decoded_before = served_by(&metrics_of(&base).await, &["pd/2", "pd/3"]);
+
+    // Ten sub-agents at once, each with the parent's context and a task of its own.
+    let calls = (0..CHILDREN).map(|i| {
+        let base = base.clone();
+        let context = context.clone();
+        async move {
+            let own = format!("child-{i}");
+            create(
+                &base,
+                json!({"model": "sim-model", "max_output_tokens": 32, "input": [
+                    {"role": "user", "content": context},
+                    {"role": "user", "content": format!("sub-task {i}: check module {i} and report")}
+                ]}),
+                &[
+                    ("x-session-id", own.as_str()),
+                    ("x-agentgate-parent-session", "parent-1"),
+                ],
+            )
+            .await
+        }
+    });
+    let answers = futures_util::future::join_all(calls).await;
+    for (answer, _) in &answers {
+        assert!(input_tokens(answer) >= PARENT_WORDS as u64);
+    }
+    let mut after = 0.0;
+    for s in prefills.iter().chain(&decodes) {
+        after += computed(s).await;
+    }
+    let children = after - before;
+    assert!(
+        children < 0.2 * PARENT_WORDS as f64,
+        "the shared prefix was computed about once, not {CHILDREN} times: the sub-agents \
+         prefilled {children} tokens on top of the parent's {before}"
+    );
+    let m = metrics_of(&base).await;
+    let decoded = served_by(&m, &["pd/2", "pd/3"]);
+    let per_endpoint: Vec<f64> = decoded.iter().map(|(e, n)| n - decoded_before[e]).collect();
+    assert_eq!(per_endpoint.iter().sum::<f64>(), CHILDREN as f64, "{m}");
+    assert!(
+        per_endpoint.iter().all(|&n| n >= 2.0),
+        "the sub-agents' decodes spread over the decode pool: {per_endpoint:?}"
+    );
+    gw.shutdown().await;
+    for s in prefills.into_iter().chain(decodes) {
+        s.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_sub_agents_share_their_parents_prefill() {
+    sub_agents_share_their_parents_prefill(Flavor::Vllm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_sub_agents_share_their_parents_prefill() {
+    sub_agents_share_their_parents_prefill(Flavor::Sglang).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sub_agent_follows_its_parents_prefill_pin_when_the_prefix_index_has_forgotten() {
+    const PARENT_WORDS: usize = 20_000;
+    let prefills = [
+        sim(Flavor::Vllm, Role::Prefill, 0.0).await,
+        sim(Flavor::Vllm, Role::Prefill, 0.0).await,
+    ];
+    let decode = sim(Flavor::Vllm, Role::Decode, 0.0).await;
+    let entries = [
+        entry(&prefills[0], "prefill"),
+        entry(&prefills[1], "prefill"),
+        entry(&decode, "decode"),
+    ];
+    let gw = start_gateway(&pd_config(Flavor::Vllm, &entries, "")).await;
+    let base = gw.base_url();
+    let context = long_text("p", PARENT_WORDS);
+    create(
+        &base,
+        json!({"model": "sim-model", "max_output_tokens": 16,
+            "input": [{"role": "user", "content": context}]}),
+        &[("x-session-id", "parent-2")],
+    )
+    .await;
+    let parents = if computed(&prefills[0]).await > 0.0 {
+        0
+    } else {
+        1
+    };
+    let other = 1 - parents;
+    assert!(computed(&prefills[parents]).await >= PARENT_WORDS as f64);
+
+    // This gateway's prefix index forgets everything (as another gateway replica's never knew:
+    // pins live in the shared store, the index in each process), and the parent's prefill
+    // replica is a little busier than the other one.
+    let pool = gw.state().pools.for_model("sim-model").unwrap();
+    let forget = || {
+        let index = pool.picker.prefix_index().unwrap();
+        for slot in 0..3 {
+            index.clear(slot);
+        }
+    };
+    forget();
+    let _busy = pool.endpoints()[parents].begin(1_000, 1_000);
+    let child = |session: &'static str, parent: Option<&'static str>| {
+        let mut headers = vec![("x-session-id", session)];
+        headers.extend(parent.map(|p| ("x-agentgate-parent-session", p)));
+        let body = json!({"model": "sim-model", "max_output_tokens": 16, "input": [
+            {"role": "user", "content": context},
+            {"role": "user", "content": format!("sub-task of {session}")}
+        ]});
+        let base = base.clone();
+        async move { create(&base, body, &headers).await }
+    };
+
+    // The sub-agent prefills where its parent's prefill pin points: the prefix is reused.
+    child("child-a", Some("parent-2")).await;
+    assert!(
+        computed(&prefills[parents]).await < (PARENT_WORDS + 200) as f64,
+        "the parent's prefill replica computed only the sub-agent's own suffix"
+    );
+    assert_eq!(computed(&prefills[other]).await, 0.0);
+
+    // The same prompt from an unrelated session goes by load to the idle replica and pays for
+    // the whole prefix there: the pin, not luck, placed the sub-agent.
+    forget();
+    child("stranger", None).await;
+    assert!(computed(&prefills[other]).await >= PARENT_WORDS as f64);
+    let m = metrics_of(&base).await;
+    assert_eq!(
+        series(
+            &m,
+            "agentgate_pd_decisions_total{pool=\"pd\",decision=\"disaggregated\",reason=\"sub_agent\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    gw.shutdown().await;
+    for s in prefills.into_iter().chain([decode]) {
+        s.shutdown().await;
+    }
+}
