@@ -9,7 +9,8 @@
 //!   [`reload`] applies changes to the config file's `[[bands]]`, `[[teams]]` and `[flow]`;
 //! - [`request`]: typed views and validation over raw JSON request bodies;
 //! - [`responses`]: the Responses API handlers (create, retrieve, delete, cancel, input items,
-//!   input tokens); [`turn`] runs one turn against an engine and persists it;
+//!   input tokens); [`turn`] runs one turn against an engine and persists it, splitting a long
+//!   prompt into a prefill leg and a decode leg when the pool has prefill endpoints;
 //! - [`response_object`]: the Response object skeleton and ids;
 //! - [`pools`]: engine pools per model, each routing with the picker its `policy` names
 //!   (`agentgate-scheduler`) over the endpoints that are available; the prefix index is sized
@@ -24,8 +25,9 @@
 //! Request path: authenticate -> validate -> load history from the store (one round trip) ->
 //! identify the session -> translate for the engine flavor (`agentgate-adapters`) -> admit
 //! (flow control: band, shedding, rate limits, queue until the pool has room) -> pick an
-//! endpoint (session pin from the store, else prefix match and load, per the pool's policy) ->
-//! stream chat chunks back as Responses events -> persist the response as a delta
+//! endpoint (session pin from the store, else prefix match and load, per the pool's policy;
+//! for P/D pools the decode endpoint first, then a prefill endpoint when the uncached part of
+//! the prompt is over the threshold) -> stream chat chunks back as Responses events -> persist the response as a delta
 //! (`agentgate-sessions`).
 
 pub mod app;
