@@ -259,7 +259,7 @@ pub struct PoolConfig {
     /// labels}` (see [`EndpointEntry`]).
     #[serde(default)]
     pub endpoints: Vec<EndpointEntry>,
-    /// Routing policy: `round_robin` (default), `least_loaded` or `prefix`.
+    /// Routing policy: `session` (default), `prefix`, `least_loaded` or `round_robin`.
     #[serde(default = "default_policy")]
     pub policy: String,
     /// For the `prefix` policy: bytes of prompt text per engine token (sizes the prefix index
@@ -477,7 +477,7 @@ fn default_bytes_per_token() -> usize {
 }
 
 fn default_policy() -> String {
-    "round_robin".into()
+    "session".into()
 }
 
 fn default_flavor() -> Flavor {
