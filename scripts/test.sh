@@ -58,6 +58,9 @@ export AGENTGATE_CODEX_BIN="$root/.tools/codex/node_modules/.bin/codex"
 # --- Rust ---------------------------------------------------------------------------------------
 export AGENTGATE_SHARED_DIR="${AGENTGATE_SHARED_DIR:-$root/../shared}"
 log "building"
+# A one-off build gains nothing from incremental compilation, which would also write gigabytes of
+# cache; developers who run this repeatedly can set CARGO_INCREMENTAL=1.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 cargo build --workspace --all-targets --locked
 log "Rust tests"
 cargo test --workspace --locked
