@@ -2,12 +2,15 @@
 //! (in-process replicas and gateway, time scale 0), checking that summary.json is complete and
 //! consistent and that the report and charts are written; that an unavailable policy fails
 //! before anything runs; that two gateways sharing one Redis serve a session policy run whose
-//! turns alternate between them; and that killing a replica mid-run is accounted for.
+//! turns alternate between them; that killing a replica mid-run is accounted for; and that a
+//! prefill/decode topology with a threshold sweep runs next to the aggregated baseline, with
+//! some requests disaggregated and every replica's work accounted for.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use agentgate_bench::run::summary::PolicySummary;
+use agentgate_bench::run::topology::Topology;
 use agentgate_bench::run::{execute, Args};
 use agentgate_sessions::testing::TestRedis;
 use serde_json::Value;
@@ -34,6 +37,8 @@ fn tiny_args(policies: &[&str], out: PathBuf) -> Args {
         seed: 7,
         compare_time_scale: None,
         out,
+        topology: vec![Topology::Agg],
+        pd_threshold: Vec::new(),
     }
 }
 
@@ -319,5 +324,125 @@ async fn killing_a_replica_mid_run_loses_no_request_and_is_reported() {
         report.contains("### Replica kill"),
         "kill section in the report"
     );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_decode_rows_disaggregate_and_account_for_every_replica() {
+    let out = out_dir("pd");
+    let pd = Topology::Pd {
+        prefill: 1,
+        decode: 1,
+    };
+    // Threshold 0: every prompt with anything uncached on its decode replica is prefilled
+    // remotely; a threshold above any prompt keeps every request on its decode replica.
+    let args = Args {
+        replicas: 2,
+        topology: vec![Topology::Agg, pd],
+        pd_threshold: vec![0, 100_000_000],
+        ..tiny_args(&["session"], out.clone())
+    };
+    let summary = execute(&args, "agentgate-bench run (test)", false)
+        .await
+        .expect("the run succeeds");
+    let labels: Vec<&str> = summary.policies.iter().map(|p| p.label.as_str()).collect();
+    assert_eq!(
+        labels,
+        [
+            "session@agg",
+            "session@pd:1x1/t=0",
+            "session@pd:1x1/t=100000000"
+        ]
+    );
+    assert_eq!(summary.topologies, ["agg", "pd:1x1"]);
+    let agg = &summary.policies[0];
+    assert_eq!((agg.topology.as_str(), agg.pd.is_none()), ("agg", true));
+    for row in &summary.policies {
+        assert_consistent(row);
+        assert_eq!((row.errors, row.shed), (0, 0), "{:?}", row.first_error);
+        assert_eq!(row.policy, "session");
+        assert!((0.0..=1.0).contains(&row.cache_hit_ratio), "{row:?}");
+        assert!(row.prefill_tokens_computed <= row.engine.prompt_tokens);
+    }
+    for (row, threshold) in summary.policies[1..].iter().zip([0, 100_000_000]) {
+        assert_eq!(row.topology, "pd:1x1");
+        let pd = row.pd.as_ref().expect("pd figures");
+        assert_eq!(pd.threshold_tokens, threshold);
+        assert_eq!((pd.prefill_replicas, pd.decode_replicas), (1, 1));
+        // One decision per request that reached the pool.
+        assert_eq!(pd.disaggregated + pd.local, row.requests, "{pd:?}");
+        assert_eq!(
+            pd.fallbacks_prefill_failed + pd.fallbacks_transfer_failed,
+            0
+        );
+        assert_eq!(pd.transfer_failures, 0);
+        // The decode replica serves every request; the prefill replica only runs prefill legs.
+        assert_eq!(row.requests_per_replica, [0, row.requests], "{row:?}");
+        // Every replica's work is counted: busy time and prefill over both roles.
+        let busy = |r: &agentgate_bench::run::pd::RoleTotals| r.busy_seconds.expect("busy time");
+        let total = row.engine.busy_seconds.expect("busy time");
+        assert!((busy(&pd.prefill) + busy(&pd.decode) - total).abs() < 1e-6);
+        assert_eq!(
+            pd.prefill.prefill_tokens_computed + pd.decode.prefill_tokens_computed,
+            row.prefill_tokens_computed
+        );
+        // Each request's prompt is served once, by the decode replica.
+        assert_eq!(pd.served_prompt_tokens, row.prompt_tokens);
+        let tokens = (pd.decode.prompt_tokens + pd.decode.generation_tokens) as f64;
+        let gpu = row.gpu_seconds_per_million_tokens.expect("gpu figure");
+        assert!((gpu - total / tokens * 1e6).abs() < 1e-6 * gpu.max(1.0));
+        let reuse = 1.0 - row.prefill_tokens_computed as f64 / pd.served_prompt_tokens as f64;
+        assert!((row.cache_hit_ratio - reuse.max(0.0)).abs() < 1e-12);
+    }
+    let eager = summary.policies[1].pd.as_ref().unwrap();
+    assert!(
+        eager.disaggregated > 0,
+        "threshold 0 disaggregates: {eager:?}"
+    );
+    assert!(eager.prefill.prompt_tokens > 0 && eager.prefill.busy_seconds > Some(0.0));
+    assert!(
+        eager.prefill_leg_mean_ms.is_some(),
+        "prefill legs were timed"
+    );
+    assert!(
+        eager.client_cache_hit_ratio > summary.policies[1].cache_hit_ratio,
+        "the decode replica reports the KV it received as cached: {eager:?}"
+    );
+    let never = summary.policies[2].pd.as_ref().unwrap();
+    assert_eq!(never.disaggregated, 0, "{never:?}");
+    assert_eq!(
+        never.prefill.prompt_tokens, 0,
+        "the prefill replica stayed idle"
+    );
+
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("summary.json")).expect("summary.json written"),
+    )
+    .expect("summary.json is JSON");
+    assert_eq!(json["policies"][1]["topology"], "pd:1x1");
+    assert_eq!(json["policies"][1]["label"], "session@pd:1x1/t=0");
+    assert!(json["policies"][0].get("pd").is_none());
+    for field in [
+        "disaggregated",
+        "local",
+        "fallbacks_prefill_failed",
+        "fallbacks_transfer_failed",
+        "transfer_failures",
+        "client_cache_hit_ratio",
+        "prefill",
+        "decode",
+    ] {
+        assert!(
+            json["policies"][1]["pd"].get(field).is_some(),
+            "pd.{field} missing"
+        );
+    }
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
+    assert!(report.contains("## Prefill/decode"), "P/D section");
+    assert!(
+        report.contains("| session@pd:1x1/t=0 | pd:1x1 | 0 |"),
+        "{report}"
+    );
+    assert!(report.contains("Against session@agg"), "generated reading");
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -29,6 +29,10 @@ pub struct ReplicaMetrics {
     pub busy_seconds: Option<f64>,
     /// [`PREFILL_COMPUTED`], if exposed.
     pub prefill_computed: Option<f64>,
+    /// `vllm:kv_cache_usage_perc` (0..1: share of KV blocks held by requests).
+    pub kv_usage: f64,
+    /// `vllm:num_preemptions_total`.
+    pub preemptions: f64,
 }
 
 /// Sum of a metric over every series of that name in a Prometheus text exposition.
@@ -74,6 +78,8 @@ pub fn parse_replica(text: &str) -> ReplicaMetrics {
         waiting: get("vllm:num_requests_waiting"),
         busy_seconds: metric_sum(text, BUSY_SECONDS),
         prefill_computed: metric_sum(text, PREFILL_COMPUTED),
+        kv_usage: get("vllm:kv_cache_usage_perc"),
+        preemptions: get("vllm:num_preemptions_total"),
     }
 }
 

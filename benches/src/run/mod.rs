@@ -20,10 +20,16 @@
 //! gateways reach the replicas through killable TCP relays ([`relay`]), and killing one refuses
 //! new connections and breaks every stream in flight on it. The summary then counts the failures
 //! and the cache hit ratio before, right after and late after the kill.
+//!
+//! `--topology agg,pd:PxD` replays each policy on several fleet layouts of the same simulated
+//! hardware, and `--pd-threshold T1,T2` sweeps the P/D pools' disaggregation threshold: one row
+//! per policy x layout x threshold ([`topology`]). P/D rows add the gateway's P/D counters and
+//! per-role engine totals, and count tokens so that they compare with aggregated rows ([`pd`]).
 
 pub mod clock;
 pub mod kill;
 pub mod metrics;
+pub mod pd;
 pub mod progress;
 pub mod relay;
 pub mod replay;
@@ -33,6 +39,7 @@ pub mod sse;
 pub mod store;
 pub mod summary;
 pub mod svg;
+pub mod topology;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -47,6 +54,7 @@ use kill::{KillOutcome, Killer, KILLED_REPLICA};
 use relay::Relay;
 use store::{SharedStore, StoreTarget};
 use summary::{PolicyRun, PolicySummary, RunSummary};
+use topology::{Topology, Variant};
 
 /// Model name the simulated replicas serve and the benchmark requests.
 pub const MODEL: &str = "sim-model";
@@ -107,6 +115,14 @@ pub struct Args {
     /// Directory for summary.json, report.md and the SVG charts (created if missing).
     #[arg(long)]
     pub out: PathBuf,
+    /// Fleet layouts to compare, comma-separated: `agg` (--replicas aggregated replicas) or
+    /// `pd:PxD` (P prefill and D decode replicas with the same simulated hardware).
+    #[arg(long, value_delimiter = ',', default_value = "agg")]
+    pub topology: Vec<Topology>,
+    /// P/D layouts: `[pools.disaggregation] threshold_tokens`, comma-separated for a sweep (one
+    /// row per value; default: the gateway's).
+    #[arg(long, value_delimiter = ',')]
+    pub pd_threshold: Vec<u64>,
 }
 
 /// Run the command: validate, generate, replay per policy, write the outputs.
@@ -162,15 +178,16 @@ pub async fn execute(
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     let store = SharedStore::open(args.gateways, args.redis_url.as_deref()).await?;
 
+    let rows = topology::variants(&args.policies, &args.topology, &args.pd_threshold);
     let mut runs = Vec::new();
-    for policy in &args.policies {
+    for row in &rows {
         let scale = args.time_scale;
-        runs.push(run_policy(args, policy, &workload, &store, scale, show_progress).await?);
+        runs.push(run_policy(args, row, &workload, &store, scale, show_progress).await?);
     }
     let mut check = Vec::new();
     if let Some(scale) = args.compare_time_scale {
-        for policy in &args.policies {
-            let run = run_policy(args, policy, &workload, &store, scale, show_progress).await?;
+        for row in &rows {
+            let run = run_policy(args, row, &workload, &store, scale, show_progress).await?;
             check.push(run.summary);
         }
     }
@@ -195,6 +212,8 @@ pub async fn execute(
                 time_scale: scale,
                 policies: check,
             }),
+        topologies: args.topology.iter().map(Topology::to_string).collect(),
+        pd_thresholds: args.pd_threshold.clone(),
     };
     write_outputs(&args.out, &summary, &runs)?;
     Ok(summary)
@@ -230,6 +249,11 @@ fn validate_args(args: &Args) -> Result<(), String> {
     if args.duration.is_zero() {
         return Err("--duration must be positive, e.g. 120s".into());
     }
+    topology::validate(
+        &args.topology,
+        &args.pd_threshold,
+        args.kill_replica.is_some(),
+    )?;
     if let Some(at) = args.kill_replica {
         if at.is_zero() || at >= args.duration {
             return Err(format!(
@@ -310,19 +334,22 @@ fn teams_of(workload: &Workload) -> Vec<String> {
     set.into_iter().map(str::to_string).collect()
 }
 
-/// One policy: fresh replicas (behind relays when one is to be killed), the gateways, the replay
-/// (with the kill, if any), the final scrape and the oracle.
+/// One row (a policy on a topology): fresh replicas (behind relays when one is to be killed),
+/// the gateways, the replay (with the kill, if any), the final scrape and the oracle.
 async fn run_policy(
     args: &Args,
-    policy: &str,
+    row: &Variant,
     workload: &Arc<Workload>,
     store: &SharedStore,
     time_scale: f64,
     show_progress: bool,
 ) -> Result<PolicyRun, String> {
-    let mut sims = Vec::with_capacity(args.replicas);
-    for index in 0..args.replicas {
+    let policy = row.policy.as_str();
+    let roles = row.topology.roles(args.replicas);
+    let mut sims = Vec::with_capacity(roles.len());
+    for (index, role) in roles.iter().enumerate() {
         let config = agentgate_sim::SimConfig {
+            role: *role,
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             model: MODEL.to_string(),
             time_scale,
@@ -355,7 +382,8 @@ async fn run_policy(
         relays.iter().flatten().map(Relay::base_url).collect()
     };
     let teams = teams_of(workload);
-    let config = gateway_config(policy, &targets, &teams, &store.for_replay(policy))?;
+    let mut config = gateway_config(policy, &targets, &teams, &store.for_replay(policy))?;
+    let threshold = topology::configure(&mut config, &roles, row.threshold)?;
     let mut gateways = Vec::with_capacity(args.gateways);
     for index in 0..args.gateways {
         let gateway =
@@ -388,12 +416,9 @@ async fn run_policy(
         max_output_tokens: MAX_OUTPUT_TOKENS,
         keys,
     };
-    let capacity = args.kv_blocks.saturating_mul(args.replicas);
+    let capacity = args.kv_blocks.saturating_mul(roles.len());
     // With a kill, the windows after it compare against the capacity of the replicas left.
-    let survivors = kill_at.map(|_| {
-        args.kv_blocks
-            .saturating_mul(args.replicas.saturating_sub(1))
-    });
+    let survivors = kill_at.map(|_| args.kv_blocks.saturating_mul(roles.len().saturating_sub(1)));
     let reuse = reuse::ReuseFeed::start(args.block_size, capacity, survivors)
         .map_err(|e| format!("cannot start the reuse oracle: {e}"))?;
     let killer = match kill_at {
@@ -410,7 +435,7 @@ async fn run_policy(
         None => None,
     };
     let started = Instant::now();
-    let progress = progress::Progress::start(policy, show_progress);
+    let progress = progress::Progress::start(&row.label, show_progress);
     let outcome = replay::replay(
         client.clone(),
         Arc::clone(workload),
@@ -451,6 +476,12 @@ async fn run_policy(
         }
     }
     let engine = metrics::fleet_totals(replicas);
+    let pd_counters = if row.topology.is_pd() {
+        let bases: Vec<String> = gateways.iter().map(|g| g.base_url()).collect();
+        Some(pd::scrape_gateways(&client, &bases).await)
+    } else {
+        None
+    };
     for gateway in gateways {
         gateway.shutdown().await;
     }
@@ -458,6 +489,7 @@ async fn run_policy(
         sim.shutdown().await;
     }
     drop(relays);
+    let pd_counters = pd_counters.transpose()?;
 
     let mut records = outcome.records;
     records.sort_by_key(|r| r.seq);
@@ -474,9 +506,22 @@ async fn run_policy(
         block_size: args.block_size,
         engine: &engine,
         gateways: args.gateways,
-        replicas: args.replicas,
+        replicas: roles.len(),
         wall_s,
     });
+    summary.label = row.label.clone();
+    summary.topology = row.topology.to_string();
+    if let Some(counters) = pd_counters {
+        let input = pd::PdInput {
+            roles: &roles,
+            engine: &engine,
+            samples: &samples,
+            counters,
+            threshold_tokens: threshold,
+            time_scale,
+        };
+        pd::finish(&mut summary, input);
+    }
     summary.kill = kill_at.map(|at| {
         kill::summarize(
             &records,
@@ -586,6 +631,8 @@ mod tests {
             seed: 1,
             compare_time_scale: None,
             out: PathBuf::from("unused"),
+            topology: vec![Topology::Agg],
+            pd_threshold: Vec::new(),
         }
     }
 

@@ -34,7 +34,7 @@ pub fn table(policies: &[PolicySummary]) -> String {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {} | {} | {} | {} | {} | {:.0} | {} | {} |",
-            p.policy,
+            p.label,
             p.requests,
             p.errors,
             p.shed,
@@ -69,7 +69,7 @@ fn team_table(policies: &[PolicySummary]) -> Option<String> {
             let _ = writeln!(
                 out,
                 "| {} | {team} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-                p.policy,
+                p.label,
                 t.requests,
                 t.errors,
                 t.shed,
@@ -102,7 +102,7 @@ pub fn reading(summary: &RunSummary) -> String {
         .map(|p| {
             format!(
                 "{} hit {} ({:.0}% of that)",
-                p.policy,
+                p.label,
                 pct(p.cache_hit_ratio),
                 p.captured_reuse * 100.0
             )
@@ -117,7 +117,7 @@ pub fn reading(summary: &RunSummary) -> String {
         policies
             .iter()
             .min_by(|a, b| key(a).total_cmp(&key(b)))
-            .map(|p| (p.policy.clone(), key(p)))
+            .map(|p| (p.label.clone(), key(p)))
     };
     if policies.len() > 1 {
         if let (Some((best50, v50)), Some((best99, v99))) =
@@ -230,13 +230,13 @@ fn time_scale_section(summary: &RunSummary) -> String {
         }
     };
     for other in &check.policies {
-        let Some(base) = summary.policies.iter().find(|p| p.policy == other.policy) else {
+        let Some(base) = summary.policies.iter().find(|p| p.label == other.label) else {
             continue;
         };
         let _ = writeln!(
             out,
             "| {} | {} ({}) | {} ({}) | {} ({}) | {} ({}) | {:.0} ({}) |",
-            other.policy,
+            other.label,
             pct(other.cache_hit_ratio),
             change(base.cache_hit_ratio, other.cache_hit_ratio),
             ms(other.ttft_p50_ms),
@@ -281,7 +281,7 @@ fn gateway_section(summary: &RunSummary) -> String {
         let _ = writeln!(
             out,
             "| {} | {} | {} |",
-            p.policy,
+            p.label,
             list(&p.requests_per_gateway),
             list(&p.requests_per_replica)
         );
@@ -319,7 +319,7 @@ fn kill_section(summary: &RunSummary) -> Option<String> {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            p.policy,
+            p.label,
             k.killed_at_s
                 .map_or_else(|| "not reached".to_string(), |t| format!("{t:.1}")),
             k.engine_in_flight
@@ -354,16 +354,34 @@ fn kill_section(summary: &RunSummary) -> Option<String> {
     Some(out)
 }
 
+/// The replicas behind each row: `--replicas` per policy, or the layouts compared.
+fn fleet(summary: &RunSummary) -> String {
+    if summary.topologies.iter().all(|t| t == "agg") {
+        return format!("{} replicas per policy", summary.replicas);
+    }
+    let layouts: Vec<String> = summary
+        .topologies
+        .iter()
+        .map(
+            |t| match t.strip_prefix("pd:").and_then(|s| s.split_once('x')) {
+                Some((p, d)) => format!("{p} prefill + {d} decode replicas ({t})"),
+                None => format!("{} aggregated replicas ({t})", summary.replicas),
+            },
+        )
+        .collect();
+    format!("Per row, {}", layouts.join(" or "))
+}
+
 /// The whole `report.md`.
 pub fn render(summary: &RunSummary) -> String {
     let mut out = format!("# agentgate-bench run: {}\n\n", summary.workload);
     let _ = writeln!(out, "```sh\n{}\n```\n", summary.command);
     let _ = writeln!(
         out,
-        "{} replicas per policy, each with {} KV blocks of {} tokens, behind {} gateway{} ({} \
+        "{}, each with {} KV blocks of {} tokens, behind {} gateway{} ({} \
          store); {} sessions (sub-agents included) over {} simulated seconds at time scale {}; \
          seed {}. Times are simulated milliseconds; every policy starts from cold caches.\n",
-        summary.replicas,
+        fleet(summary),
         summary.kv_blocks,
         summary.block_size,
         summary.gateways,
@@ -390,6 +408,10 @@ pub fn render(summary: &RunSummary) -> String {
     if let Some(kill) = kill_section(summary) {
         out.push_str("### Replica kill\n\n");
         out.push_str(&kill);
+        out.push('\n');
+    }
+    if let Some(pd) = super::pd::report_section(summary) {
+        out.push_str(&pd);
         out.push('\n');
     }
     out.push_str("## Reading\n\n");

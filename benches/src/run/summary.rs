@@ -9,6 +9,7 @@ use crate::oracle::ReuseResult;
 
 use super::kill::KillSummary;
 use super::metrics::{FleetMetrics, Sample};
+use super::pd::PdSummary;
 use super::replay::{Outcome, RequestRecord};
 
 /// The whole `summary.json`.
@@ -47,6 +48,10 @@ pub struct RunSummary {
     /// The same policies replayed at a second time scale (`--compare-time-scale`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub time_scale_check: Option<TimeScaleCheck>,
+    /// Fleet layouts compared (`--topology`); `replicas` is the size of `agg`.
+    pub topologies: Vec<String>,
+    /// `--pd-threshold` values swept over the P/D layouts (empty: the gateway's default).
+    pub pd_thresholds: Vec<u64>,
 }
 
 /// A second replay at another time scale, to show how much the figures depend on it.
@@ -171,6 +176,15 @@ pub struct PolicySummary {
     pub teams: BTreeMap<String, TeamSummary>,
     /// The first error message seen, to show what went wrong.
     pub first_error: Option<String>,
+    /// Row label: the policy, or `POLICY@TOPOLOGY[/t=THRESHOLD]` when the run compares
+    /// topologies (see `run::topology`).
+    pub label: String,
+    /// Fleet layout: `agg` or `pd:PxD`.
+    pub topology: String,
+    /// Prefill/decode figures of a `pd:PxD` row; see `run::pd` for how P/D rows count tokens,
+    /// cache hits and GPU time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pd: Option<PdSummary>,
 }
 
 /// One policy's summary plus the raw material for the charts.
@@ -401,6 +415,9 @@ impl PolicySummary {
             kill: None,
             teams,
             first_error,
+            label: input.policy.to_string(),
+            topology: "agg".to_string(),
+            pd: None,
         }
     }
 }

@@ -35,10 +35,10 @@ pub struct Panel {
 const COLORS: &[&str] = &[
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
 ];
-const WIDTH: f64 = 860.0;
+const WIDTH: f64 = 900.0;
 const PANEL_HEIGHT: f64 = 340.0;
 const LEFT: f64 = 80.0;
-const RIGHT: f64 = 190.0;
+const RIGHT: f64 = 230.0;
 const TOP: f64 = 40.0;
 const BOTTOM: f64 = 55.0;
 
@@ -251,7 +251,7 @@ pub fn ttft_cdf(runs: &[PolicyRun]) -> String {
                 .map(|(i, v)| (v.max(0.01), (i + 1) as f64 / n))
                 .collect();
             Series {
-                name: run.summary.policy.clone(),
+                name: run.summary.label.clone(),
                 points: thin(points, 500),
             }
         })
@@ -279,8 +279,11 @@ pub fn cache_hit_over_time(runs: &[PolicyRun]) -> String {
         .flat_map(|run| run.records.iter().map(|r| r.sent_s))
         .fold(0.0, f64::max);
     let width = (end / BINS as f64).max(1e-3);
+    // A decode replica reports the KV it received from a prefill replica as cached: P/D rows'
+    // client-side ratios are not cache reuse (see `run::pd`), so they are left out.
     let series = runs
         .iter()
+        .filter(|run| run.summary.pd.is_none())
         .map(|run| {
             let mut prompt = vec![0u64; BINS];
             let mut cached = vec![0u64; BINS];
@@ -302,7 +305,7 @@ pub fn cache_hit_over_time(runs: &[PolicyRun]) -> String {
                 .map(|(bin, (p, c))| ((bin as f64 + 0.5) * width, *c as f64 / *p as f64))
                 .collect();
             Series {
-                name: run.summary.policy.clone(),
+                name: run.summary.label.clone(),
                 points,
             }
         })
@@ -348,7 +351,7 @@ pub fn replica_load(runs: &[PolicyRun]) -> String {
             Panel {
                 title: format!(
                     "{}: requests running + waiting per replica",
-                    run.summary.policy
+                    run.summary.label
                 ),
                 x_label: "simulated time (s)".into(),
                 y_label: "requests".into(),
