@@ -87,13 +87,6 @@ pub enum SeqEvent {
 pub enum Command {
     /// Queue a new sequence.
     Submit(SeqRequest),
-    /// Unpin a set of handed-off blocks; replies with their hashes, or `None` if unknown.
-    TakePin {
-        /// Which pinned set.
-        key: PinKey,
-        /// Reply channel.
-        reply: oneshot::Sender<Option<Vec<u64>>>,
-    },
     /// Drop every cached block (refused while any is in use).
     ResetCache {
         /// Reply channel: whether the cache was cleared.
@@ -222,17 +215,13 @@ impl Core {
                     counted_prompt: false,
                 });
             }
-            Command::TakePin { key, reply } => {
-                let taken = self.take_pin(&key);
-                let _ = reply.send(taken);
-            }
             Command::ResetCache { reply } => {
                 let _ = reply.send(self.cache.reset());
             }
         }
     }
 
-    fn take_pin(&mut self, key: &PinKey) -> Option<Vec<u64>> {
+    pub(crate) fn take_pin(&mut self, key: &PinKey) -> Option<Vec<u64>> {
         let pins = self.pins.get_mut(key)?;
         let pin = pins.pop();
         if pins.is_empty() {

@@ -1029,10 +1029,10 @@ async fn clear_faults(State(state): State<Shared>) -> Response {
     StatusCode::NO_CONTENT.into_response()
 }
 
+/// Hand over pinned blocks at once, as a KV connector does: the transfer runs beside the
+/// engine's compute, so it must not wait for the engine loop's current step to end.
 async fn take_pin(state: &AppState, key: PinKey) -> Option<Vec<u64>> {
-    let (reply, answer) = oneshot::channel();
-    state.commands.send(Command::TakePin { key, reply }).ok()?;
-    answer.await.ok().flatten()
+    state.core.lock().ok()?.take_pin(&key)
 }
 
 /// KV block ids from a JSON array (`remote_block_ids`, `block_ids`); non-numbers are skipped.
