@@ -2,11 +2,14 @@
 //! (in-process replicas and gateway, time scale 0), checking that summary.json is complete and
 //! consistent and that the report and charts are written; that an unavailable policy fails
 //! before anything runs; that two gateways sharing one Redis serve a session policy run whose
-//! turns alternate between them; and that killing a replica mid-run is accounted for.
+//! turns alternate between them; that killing a replica mid-run is accounted for; and that the
+//! flow-control sections (bands, teams, turn kinds, the interactive team's isolation, fairness
+//! between two teams of one band) exist and add up.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use agentgate_bench::run::flow::FlowMode;
 use agentgate_bench::run::summary::PolicySummary;
 use agentgate_bench::run::{execute, Args};
 use agentgate_sessions::testing::TestRedis;
@@ -26,6 +29,11 @@ fn tiny_args(policies: &[&str], out: PathBuf) -> Args {
         redis_url: None,
         kill_replica: None,
         policies: policies.iter().map(|p| p.to_string()).collect(),
+        flow_control: vec![FlowMode::On],
+        max_num_seqs: 64,
+        mixed_batch_load: None,
+        interactive_alone: false,
+        batch_sheddable: false,
         sessions: 3,
         duration: Duration::from_secs(3),
         time_scale: 0.0,
@@ -319,5 +327,195 @@ async fn killing_a_replica_mid_run_loses_no_request_and_is_reported() {
         report.contains("### Replica kill"),
         "kill section in the report"
     );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A tiny mixed run through one policy with flow control on and off, plus the interactive team
+/// alone, on replicas that run one sequence each, so requests queue in the gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_mixed_run_reports_bands_teams_turns_and_isolation() {
+    let out = out_dir("flow");
+    let args = Args {
+        workload: "mixed".into(),
+        sessions: 4,
+        max_num_seqs: 1,
+        mixed_batch_load: Some(1.0),
+        interactive_alone: true,
+        flow_control: vec![FlowMode::On, FlowMode::Off],
+        ..tiny_args(&["least_loaded"], out.clone())
+    };
+    let summary = execute(&args, "agentgate-bench run (test)", false)
+        .await
+        .expect("the run succeeds");
+    assert_eq!(summary.request_slots, 2);
+    let rows: Vec<(&str, &str, &str)> = summary
+        .policies
+        .iter()
+        .map(|p| (p.row.as_str(), p.flow_control.as_str(), p.traffic.as_str()))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("least_loaded", "on", "all"),
+            ("least_loaded flow-off", "off", "all"),
+            ("least_loaded interactive-alone", "on", "interactive-alone"),
+        ]
+    );
+    for row in &summary.policies {
+        assert_consistent(row);
+        assert_eq!(row.rate_limited, 0, "the bench configures no rate limits");
+        let teams_requests: u64 = row.teams.values().map(|t| t.requests).sum();
+        assert_eq!(teams_requests, row.requests, "teams partition the requests");
+        let dispatched: u64 = row.teams.values().map(|t| t.dispatched_tokens).sum();
+        assert_eq!(dispatched, row.prompt_tokens + row.output_tokens);
+        let shares: f64 = row.teams.values().map(|t| t.dispatched_token_share).sum();
+        assert!((shares - 1.0).abs() < 1e-9, "token shares add up: {shares}");
+        assert_eq!(
+            row.turns.continuing.requests + row.turns.new.requests,
+            row.requests,
+            "every request is a continuing turn or a new session"
+        );
+        let on = row.flow_control == "on";
+        if on {
+            let bands: Vec<&str> = row.bands.keys().map(String::as_str).collect();
+            let expected: &[&str] = if row.traffic == "all" {
+                &["batch", "interactive"]
+            } else {
+                &["interactive"]
+            };
+            assert_eq!(bands, expected, "{}", row.row);
+            let band_requests: u64 = row.bands.values().map(|b| b.requests).sum();
+            assert_eq!(band_requests, row.requests, "bands partition the requests");
+            for band in row.bands.values() {
+                assert_eq!(
+                    band.successes + band.errors + band.shed + band.rate_limited,
+                    band.requests
+                );
+                assert!(
+                    band.queue_wait_p50_ms.is_some(),
+                    "admitted requests say their wait"
+                );
+                assert!(band.queue_wait_p50_ms <= band.queue_wait_p99_ms);
+                assert!(band.queue_wait_p99_ms <= band.queue_wait_max_ms);
+                assert!(band.ttft_p50_ms <= band.ttft_p99_ms);
+            }
+            assert!(row.turns.new.queue_wait_p50_ms.is_some());
+            assert!(row.saturated_fraction.is_some());
+            assert_eq!(row.shed_unsaturated, Some(0));
+        } else {
+            assert!(row.bands.is_empty(), "no bands without flow control");
+            assert!(row.fairness.is_empty());
+            assert_eq!(row.turns.continuing.queue_wait_p50_ms, None);
+            assert!(row.teams.values().all(|t| t.queue_wait_p50_ms.is_none()));
+            assert_eq!(row.saturated_fraction, None);
+        }
+    }
+    let alone = &summary.policies[2];
+    assert_eq!(
+        alone.teams.keys().collect::<Vec<_>>(),
+        ["interactive"],
+        "only the interactive team runs alone"
+    );
+    assert_eq!(
+        alone.teams["interactive"].requests, summary.policies[0].teams["interactive"].requests,
+        "the same interactive sessions, turn for turn"
+    );
+    let check = &summary.interactive_isolation;
+    assert_eq!(check.len(), 1);
+    assert_eq!(check[0].policy, "least_loaded");
+    let (a, on, off) = (
+        check[0].alone_ttft_p99_ms,
+        check[0].flow_on_ttft_p99_ms,
+        check[0].flow_off_ttft_p99_ms,
+    );
+    assert!(a.is_some() && on.is_some() && off.is_some(), "{check:?}");
+    assert_eq!(
+        check[0].off_over_on,
+        off.zip(on).map(|(off, on)| off / on),
+        "{check:?}"
+    );
+
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("summary.json")).expect("summary.json written"),
+    )
+    .expect("summary.json is JSON");
+    let first = &json["policies"][0];
+    for band in ["interactive", "batch"] {
+        for field in [
+            "requests",
+            "shed",
+            "rate_limited",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "queue_wait_p50_ms",
+            "queue_wait_p99_ms",
+        ] {
+            assert!(
+                first["bands"][band].get(field).is_some(),
+                "bands.{band}.{field} missing"
+            );
+        }
+    }
+    for team in ["interactive", "agents"] {
+        for field in ["requests", "dispatched_tokens", "shed", "rate_limited"] {
+            assert!(
+                first["teams"][team].get(field).is_some(),
+                "teams.{team}.{field} missing"
+            );
+        }
+    }
+    for kind in ["continuing", "new"] {
+        assert!(first["turns"][kind].get("queue_wait_p50_ms").is_some());
+    }
+    assert_eq!(json["interactive_isolation"][0]["policy"], "least_loaded");
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
+    assert!(report.contains("### Flow control"));
+    assert!(report.contains("Interactive isolation"));
+    assert!(report.contains("| least_loaded flow-off |"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Two teams in one band, one with ten times the sessions, on a fleet of two request slots:
+/// both wait in the gateway, and the fairness section splits what was dispatched while they did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fairness_run_splits_dispatched_tokens_while_both_teams_wait() {
+    let out = out_dir("fairness");
+    let args = Args {
+        workload: "fairness".into(),
+        sessions: 11,
+        replicas: 1,
+        max_num_seqs: 2,
+        duration: Duration::from_secs(20),
+        time_scale: 0.05,
+        ..tiny_args(&["round_robin"], out.clone())
+    };
+    let summary = execute(&args, "agentgate-bench run (test)", false)
+        .await
+        .expect("the run succeeds");
+    let row = &summary.policies[0];
+    assert_consistent(row);
+    assert_eq!((row.errors, row.shed), (0, 0), "{:?}", row.first_error);
+    assert_eq!(row.bands.keys().collect::<Vec<_>>(), ["batch"]);
+    let fairness = &row.fairness["batch"];
+    assert!(
+        fairness.backlogged_s > 0.0,
+        "eleven sessions on two slots queue together: {fairness:?}"
+    );
+    let teams: Vec<&str> = fairness.teams.keys().map(String::as_str).collect();
+    assert_eq!(teams, ["heavy", "light"]);
+    let total: u64 = fairness.teams.values().map(|s| s.dispatched_tokens).sum();
+    assert!(total > 0, "something was dispatched while both waited");
+    let shares: f64 = fairness.teams.values().filter_map(|s| s.share).sum();
+    assert!((shares - 1.0).abs() < 1e-9, "{fairness:?}");
+    for (team, share) in &fairness.teams {
+        assert!(
+            share.dispatched_tokens <= row.teams[team].dispatched_tokens,
+            "the window's tokens are part of the team's"
+        );
+    }
+    assert_eq!(row.teams["heavy"].turns.new.requests, 10);
+    assert_eq!(row.teams["light"].turns.new.requests, 1);
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
+    assert!(report.contains("Fairness within a band"));
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -1,4 +1,4 @@
-//! Hand-written SVG line charts: TTFT CDF per policy, cache hit ratio over time, per-replica load
+//! Hand-written SVG line charts: TTFT CDF per row, cache hit ratio over time, per-replica load
 //! over time. Each chart has titled, ticked axes and a legend.
 
 use std::fmt::Write;
@@ -237,7 +237,7 @@ fn thin(points: Vec<(f64, f64)>, limit: usize) -> Vec<(f64, f64)> {
     out
 }
 
-/// TTFT CDF, one line per policy, log-scaled time axis.
+/// TTFT CDF, one line per row (policy and flow-control setting), log-scaled time axis.
 pub fn ttft_cdf(runs: &[PolicyRun]) -> String {
     let series = runs
         .iter()
@@ -251,7 +251,7 @@ pub fn ttft_cdf(runs: &[PolicyRun]) -> String {
                 .map(|(i, v)| (v.max(0.01), (i + 1) as f64 / n))
                 .collect();
             Series {
-                name: run.summary.policy.clone(),
+                name: run.summary.row.clone(),
                 points: thin(points, 500),
             }
         })
@@ -259,7 +259,7 @@ pub fn ttft_cdf(runs: &[PolicyRun]) -> String {
     render(
         "Time to first token",
         &[Panel {
-            title: "CDF of TTFT per policy".into(),
+            title: "CDF of TTFT per row".into(),
             x_label: "TTFT (simulated ms, log scale)".into(),
             y_label: "fraction of requests".into(),
             x_log: true,
@@ -272,7 +272,7 @@ pub fn ttft_cdf(runs: &[PolicyRun]) -> String {
 /// Number of time bins of the over-time charts.
 const BINS: usize = 40;
 
-/// Prompt-token cache hit ratio of the requests sent in each time bin, one line per policy.
+/// Prompt-token cache hit ratio of the requests sent in each time bin, one line per row.
 pub fn cache_hit_over_time(runs: &[PolicyRun]) -> String {
     let end = runs
         .iter()
@@ -302,7 +302,7 @@ pub fn cache_hit_over_time(runs: &[PolicyRun]) -> String {
                 .map(|(bin, (p, c))| ((bin as f64 + 0.5) * width, *c as f64 / *p as f64))
                 .collect();
             Series {
-                name: run.summary.policy.clone(),
+                name: run.summary.row.clone(),
                 points,
             }
         })
@@ -320,7 +320,7 @@ pub fn cache_hit_over_time(runs: &[PolicyRun]) -> String {
     )
 }
 
-/// Requests running + waiting on each replica over time, one panel per policy.
+/// Requests running + waiting on each replica over time, one panel per row.
 pub fn replica_load(runs: &[PolicyRun]) -> String {
     let panels: Vec<Panel> = runs
         .iter()
@@ -348,7 +348,7 @@ pub fn replica_load(runs: &[PolicyRun]) -> String {
             Panel {
                 title: format!(
                     "{}: requests running + waiting per replica",
-                    run.summary.policy
+                    run.summary.row
                 ),
                 x_label: "simulated time (s)".into(),
                 y_label: "requests".into(),
