@@ -2,18 +2,27 @@
 //! (in-process replicas and gateway, time scale 0), checking that summary.json is complete and
 //! consistent and that the report and charts are written; that an unavailable policy fails
 //! before anything runs; that two gateways sharing one Redis serve a session policy run whose
-//! turns alternate between them; that killing a replica mid-run is accounted for; and that a
+//! turns alternate between them; that killing a replica mid-run is accounted for; that a
 //! prefill/decode topology with a threshold sweep runs next to the aggregated baseline, with
-//! some requests disaggregated and every replica's work accounted for.
+//! some requests disaggregated and every replica's work accounted for; that the flow-control
+//! sections (bands, teams, turn kinds, the interactive team's isolation, fairness between two
+//! teams of one band) exist and add up; and that layouts, flow settings and the interactive team
+//! alone combine into one set of rows.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use agentgate_bench::run::flow::FlowMode;
 use agentgate_bench::run::summary::PolicySummary;
 use agentgate_bench::run::topology::Topology;
 use agentgate_bench::run::{execute, Args};
 use agentgate_sessions::testing::TestRedis;
 use serde_json::Value;
+
+/// Replays at a time scale above 0 follow wall time (a queue forms, a kill lands mid-run) and
+/// need the cores to keep up with it; replays at time scale 0 run flat out and would starve
+/// them. The former hold this lock exclusively, the latter share it.
+static CORES: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 fn out_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("agentgate-bench-{name}-{}", std::process::id()));
@@ -29,6 +38,11 @@ fn tiny_args(policies: &[&str], out: PathBuf) -> Args {
         redis_url: None,
         kill_replica: None,
         policies: policies.iter().map(|p| p.to_string()).collect(),
+        flow_control: vec![FlowMode::On],
+        max_num_seqs: 64,
+        mixed_batch_load: None,
+        interactive_alone: false,
+        batch_sheddable: false,
         sessions: 3,
         duration: Duration::from_secs(3),
         time_scale: 0.0,
@@ -81,6 +95,7 @@ fn f(policy: &Value, key: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiny_agentic_run_writes_a_complete_consistent_summary() {
+    let _cores = CORES.read().await;
     let out = out_dir("smoke");
     let args = tiny_args(&["round_robin", "least_loaded"], out.clone());
     let summary = execute(&args, "agentgate-bench run (test)", false)
@@ -200,6 +215,7 @@ fn assert_consistent(policy: &PolicySummary) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_sharing_one_redis_serve_alternating_turns() {
     let redis = TestRedis::start();
+    let _cores = CORES.read().await;
     let out = out_dir("gateways");
     let args = Args {
         gateways: 2,
@@ -248,6 +264,7 @@ async fn two_gateways_sharing_one_redis_serve_alternating_turns() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_a_replica_mid_run_loses_no_request_and_is_reported() {
+    let _cores = CORES.write().await;
     let out = out_dir("kill");
     // Short chat turns keep every request quick even in a debug build, so the replay follows
     // the simulated clock closely and traffic is running on both sides of the kill.
@@ -329,6 +346,7 @@ async fn killing_a_replica_mid_run_loses_no_request_and_is_reported() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_decode_rows_disaggregate_and_account_for_every_replica() {
+    let _cores = CORES.read().await;
     let out = out_dir("pd");
     let pd = Topology::Pd {
         prefill: 1,
@@ -444,5 +462,323 @@ async fn prefill_decode_rows_disaggregate_and_account_for_every_replica() {
         "{report}"
     );
     assert!(report.contains("Against session@agg"), "generated reading");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A tiny mixed run through one policy with flow control on and off, plus the interactive team
+/// alone, on replicas that run one sequence each, so requests queue in the gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_mixed_run_reports_bands_teams_turns_and_isolation() {
+    let _cores = CORES.read().await;
+    let out = out_dir("flow");
+    let args = Args {
+        workload: "mixed".into(),
+        sessions: 4,
+        max_num_seqs: 1,
+        mixed_batch_load: Some(1.0),
+        interactive_alone: true,
+        flow_control: vec![FlowMode::On, FlowMode::Off],
+        ..tiny_args(&["least_loaded"], out.clone())
+    };
+    let summary = execute(&args, "agentgate-bench run (test)", false)
+        .await
+        .expect("the run succeeds");
+    assert_eq!(summary.request_slots, 2);
+    let rows: Vec<(&str, &str, &str)> = summary
+        .policies
+        .iter()
+        .map(|p| (p.row.as_str(), p.flow_control.as_str(), p.traffic.as_str()))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("least_loaded", "on", "all"),
+            ("least_loaded flow-off", "off", "all"),
+            ("least_loaded interactive-alone", "on", "interactive-alone"),
+        ]
+    );
+    for row in &summary.policies {
+        assert_consistent(row);
+        assert_eq!(row.rate_limited, 0, "the bench configures no rate limits");
+        let teams_requests: u64 = row.teams.values().map(|t| t.requests).sum();
+        assert_eq!(teams_requests, row.requests, "teams partition the requests");
+        let dispatched: u64 = row.teams.values().map(|t| t.dispatched_tokens).sum();
+        assert_eq!(dispatched, row.prompt_tokens + row.output_tokens);
+        let shares: f64 = row.teams.values().map(|t| t.dispatched_token_share).sum();
+        assert!((shares - 1.0).abs() < 1e-9, "token shares add up: {shares}");
+        assert_eq!(
+            row.turns.continuing.requests + row.turns.new.requests,
+            row.requests,
+            "every request is a continuing turn or a new session"
+        );
+        let on = row.flow_control == "on";
+        if on {
+            let bands: Vec<&str> = row.bands.keys().map(String::as_str).collect();
+            let expected: &[&str] = if row.traffic == "all" {
+                &["batch", "interactive"]
+            } else {
+                &["interactive"]
+            };
+            assert_eq!(bands, expected, "{}", row.row);
+            let band_requests: u64 = row.bands.values().map(|b| b.requests).sum();
+            assert_eq!(band_requests, row.requests, "bands partition the requests");
+            for band in row.bands.values() {
+                assert_eq!(
+                    band.successes + band.errors + band.shed + band.rate_limited,
+                    band.requests
+                );
+                assert!(
+                    band.queue_wait_p50_ms.is_some(),
+                    "admitted requests say their wait"
+                );
+                assert!(band.queue_wait_p50_ms <= band.queue_wait_p99_ms);
+                assert!(band.queue_wait_p99_ms <= band.queue_wait_max_ms);
+                assert!(band.ttft_p50_ms <= band.ttft_p99_ms);
+            }
+            assert!(row.turns.new.queue_wait_p50_ms.is_some());
+            assert!(row.saturated_fraction.is_some());
+            assert_eq!(row.shed_unsaturated, Some(0));
+        } else {
+            assert!(row.bands.is_empty(), "no bands without flow control");
+            assert!(row.fairness.is_empty());
+            assert_eq!(row.turns.continuing.queue_wait_p50_ms, None);
+            assert!(row.teams.values().all(|t| t.queue_wait_p50_ms.is_none()));
+            assert_eq!(row.saturated_fraction, None);
+        }
+    }
+    let alone = &summary.policies[2];
+    assert_eq!(
+        alone.teams.keys().collect::<Vec<_>>(),
+        ["interactive"],
+        "only the interactive team runs alone"
+    );
+    assert_eq!(
+        alone.teams["interactive"].requests, summary.policies[0].teams["interactive"].requests,
+        "the same interactive sessions, turn for turn"
+    );
+    let check = &summary.interactive_isolation;
+    assert_eq!(check.len(), 1);
+    assert_eq!(check[0].policy, "least_loaded");
+    let (a, on, off) = (
+        check[0].alone_ttft_p99_ms,
+        check[0].flow_on_ttft_p99_ms,
+        check[0].flow_off_ttft_p99_ms,
+    );
+    assert!(a.is_some() && on.is_some() && off.is_some(), "{check:?}");
+    assert_eq!(
+        check[0].off_over_on,
+        off.zip(on).map(|(off, on)| off / on),
+        "{check:?}"
+    );
+
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("summary.json")).expect("summary.json written"),
+    )
+    .expect("summary.json is JSON");
+    let first = &json["policies"][0];
+    for band in ["interactive", "batch"] {
+        for field in [
+            "requests",
+            "shed",
+            "rate_limited",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "queue_wait_p50_ms",
+            "queue_wait_p99_ms",
+        ] {
+            assert!(
+                first["bands"][band].get(field).is_some(),
+                "bands.{band}.{field} missing"
+            );
+        }
+    }
+    for team in ["interactive", "agents"] {
+        for field in ["requests", "dispatched_tokens", "shed", "rate_limited"] {
+            assert!(
+                first["teams"][team].get(field).is_some(),
+                "teams.{team}.{field} missing"
+            );
+        }
+    }
+    for kind in ["continuing", "new"] {
+        assert!(first["turns"][kind].get("queue_wait_p50_ms").is_some());
+    }
+    assert_eq!(json["interactive_isolation"][0]["policy"], "least_loaded");
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
+    assert!(report.contains("### Flow control"));
+    assert!(report.contains("Interactive isolation"));
+    assert!(report.contains("| least_loaded flow-off |"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Two teams in one band, one with ten times the sessions, on a fleet of two request slots:
+/// both wait in the gateway, and the fairness section splits what was dispatched while they did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fairness_run_splits_dispatched_tokens_while_both_teams_wait() {
+    let _cores = CORES.write().await;
+    let out = out_dir("fairness");
+    let args = Args {
+        workload: "fairness".into(),
+        sessions: 11,
+        replicas: 1,
+        max_num_seqs: 2,
+        duration: Duration::from_secs(20),
+        time_scale: 0.05,
+        ..tiny_args(&["round_robin"], out.clone())
+    };
+    let summary = execute(&args, "agentgate-bench run (test)", false)
+        .await
+        .expect("the run succeeds");
+    let row = &summary.policies[0];
+    assert_consistent(row);
+    assert_eq!((row.errors, row.shed), (0, 0), "{:?}", row.first_error);
+    assert_eq!(row.bands.keys().collect::<Vec<_>>(), ["batch"]);
+    let fairness = &row.fairness["batch"];
+    assert!(
+        fairness.backlogged_s > 0.0,
+        "eleven sessions on two slots queue together: {fairness:?}"
+    );
+    let teams: Vec<&str> = fairness.teams.keys().map(String::as_str).collect();
+    assert_eq!(teams, ["heavy", "light"]);
+    let total: u64 = fairness.teams.values().map(|s| s.dispatched_tokens).sum();
+    assert!(total > 0, "something was dispatched while both waited");
+    let shares: f64 = fairness.teams.values().filter_map(|s| s.share).sum();
+    assert!((shares - 1.0).abs() < 1e-9, "{fairness:?}");
+    for (team, share) in &fairness.teams {
+        assert!(
+            share.dispatched_tokens <= row.teams[team].dispatched_tokens,
+            "the window's tokens are part of the team's"
+        );
+    }
+    assert_eq!(row.teams["heavy"].turns.new.requests, 10);
+    assert_eq!(row.teams["light"].turns.new.requests, 1);
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
+    assert!(report.contains("Fairness within a band"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Layouts, flow settings and the interactive team alone in one run: one row per combination,
+/// labelled by what varies, each fleet's own request slots, P/D figures on P/D rows only, one
+/// isolation check per policy and layout, and both the flow-control and P/D report sections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layouts_flow_settings_and_the_interactive_team_alone_combine_into_one_set_of_rows() {
+    let _cores = CORES.read().await;
+    let out = out_dir("combined");
+    let pd = Topology::Pd {
+        prefill: 1,
+        decode: 1,
+    };
+    let args = Args {
+        workload: "mixed".into(),
+        sessions: 4,
+        max_num_seqs: 2,
+        interactive_alone: true,
+        flow_control: vec![FlowMode::On, FlowMode::Off],
+        topology: vec![Topology::Agg, pd],
+        pd_threshold: vec![0],
+        ..tiny_args(&["least_loaded"], out.clone())
+    };
+    let summary = execute(&args, "agentgate-bench run (test)", false)
+        .await
+        .expect("the run succeeds");
+    let rows: Vec<(&str, &str, &str, &str)> = summary
+        .policies
+        .iter()
+        .map(|p| {
+            (
+                p.label.as_str(),
+                p.topology.as_str(),
+                p.flow_control.as_str(),
+                p.traffic.as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("least_loaded@agg", "agg", "on", "all"),
+            ("least_loaded@agg flow-off", "agg", "off", "all"),
+            (
+                "least_loaded@agg interactive-alone",
+                "agg",
+                "on",
+                "interactive-alone"
+            ),
+            ("least_loaded@pd:1x1/t=0", "pd:1x1", "on", "all"),
+            ("least_loaded@pd:1x1/t=0 flow-off", "pd:1x1", "off", "all"),
+            (
+                "least_loaded@pd:1x1/t=0 interactive-alone",
+                "pd:1x1",
+                "on",
+                "interactive-alone"
+            ),
+        ]
+    );
+    // Two aggregated replicas x 2 sequences, against one decode replica x 2 on pd:1x1.
+    assert_eq!(summary.request_slots, 4);
+    for row in &summary.policies {
+        assert_consistent(row);
+        assert_eq!(row.row, row.label, "one label under both names");
+        let pd_row = row.topology == "pd:1x1";
+        assert_eq!(
+            row.request_slots,
+            if pd_row { 2 } else { 4 },
+            "{}",
+            row.label
+        );
+        assert_eq!(row.pd.is_some(), pd_row, "{}", row.label);
+        assert_eq!(
+            row.bands.is_empty(),
+            row.flow_control == "off",
+            "{}",
+            row.label
+        );
+        if let Some(pd) = &row.pd {
+            assert_eq!(pd.threshold_tokens, 0);
+            assert_eq!(pd.disaggregated + pd.local, row.requests, "{pd:?}");
+            assert_eq!(row.requests_per_replica, [0, row.requests], "{row:?}");
+        }
+    }
+    let alone = &summary.policies[5];
+    assert_eq!(alone.teams.keys().collect::<Vec<_>>(), ["interactive"]);
+    let checks: Vec<(&str, &str, &str)> = summary
+        .interactive_isolation
+        .iter()
+        .map(|c| (c.policy.as_str(), c.setup.as_str(), c.topology.as_str()))
+        .collect();
+    assert_eq!(
+        checks,
+        [
+            ("least_loaded", "least_loaded@agg", "agg"),
+            ("least_loaded", "least_loaded@pd:1x1/t=0", "pd:1x1"),
+        ]
+    );
+    for check in &summary.interactive_isolation {
+        assert!(
+            check.alone_ttft_p99_ms.is_some()
+                && check.flow_on_ttft_p99_ms.is_some()
+                && check.flow_off_ttft_p99_ms.is_some(),
+            "each check reads its own layout's rows: {check:?}"
+        );
+    }
+
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
+    assert!(report.contains("### Flow control"));
+    assert!(report.contains("| least_loaded@pd:1x1/t=0 |"), "{report}");
+    assert!(report.contains("4 or 2 request slots") || report.contains("2 or 4 request slots"));
+    assert!(report.contains("## Prefill/decode"));
+    // P/D rows compare with the aggregated row of the same flow setting and traffic.
+    assert!(
+        report.contains("Against least_loaded@agg (differences"),
+        "{report}"
+    );
+    assert!(
+        report.contains("Against least_loaded@agg flow-off (differences"),
+        "{report}"
+    );
+    assert!(
+        report.contains("Against least_loaded@agg interactive-alone (differences"),
+        "{report}"
+    );
     let _ = std::fs::remove_dir_all(&out);
 }

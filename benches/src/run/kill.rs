@@ -16,7 +16,7 @@
 //!   for the replica's response headers at `t` is retried on another replica by the gateway and
 //!   does not count here.
 //! - `errors_after` / `shed_after`: requests sent at or after `t` that ended in an error / were
-//!   shed (429/503); `routed_to_killed_after`: requests sent after `t` that the gateway still
+//!   refused by flow control (shed or rate-limited); `routed_to_killed_after`: requests sent after `t` that the gateway still
 //!   reported as served by the killed replica (should be 0).
 //! - `errors_other`: every other error (before the kill, or in flight elsewhere at `t`).
 //! - cache hit ratio (cached / prompt tokens of the successful requests sent in a window):
@@ -66,7 +66,7 @@ pub struct KillSummary {
     pub requests_after: u64,
     /// Requests sent at or after the kill that ended in an error.
     pub errors_after: u64,
-    /// Requests sent at or after the kill that were shed (429/503).
+    /// Requests sent at or after the kill that flow control refused (shed or rate-limited).
     pub shed_after: u64,
     /// Requests sent after the kill that the gateway reported as served by the killed replica.
     pub routed_to_killed_after: u64,
@@ -127,7 +127,7 @@ pub fn summarize(
     let errors_in_flight = in_flight.iter().filter(|r| is_error(r)).count() as u64;
     let after: Vec<&RequestRecord> = records.iter().filter(|r| r.sent_s >= t).collect();
     let errors_after = after.iter().filter(|r| is_error(r)).count() as u64;
-    let shed_after = after.iter().filter(|r| r.outcome == Outcome::Shed).count() as u64;
+    let shed_after = after.iter().filter(|r| r.outcome.is_refusal()).count() as u64;
     let routed_to_killed_after = if performed {
         after.iter().filter(|r| on_killed(r)).count() as u64
     } else {
@@ -306,9 +306,12 @@ mod tests {
             seq: sent_s as u64,
             session: 0,
             turn: 0,
+            continuing: false,
             gateway: 0,
             endpoint: Some(endpoint.to_string()).filter(|e| !e.is_empty()),
             team: "default".into(),
+            band: None,
+            queue_wait_ms: None,
             sent_s,
             outcome,
             ttft_ms: None,
@@ -339,7 +342,7 @@ mod tests {
             record(99.0, 3.0, "bench/2", err()),
             // After the kill: a failure without an endpoint, a shed, successes.
             record(100.5, 0.1, "", err()),
-            record(101.0, 0.0, "", Outcome::Shed),
+            record(101.0, 0.0, "", Outcome::Shed("overloaded_shed".into())),
             hits(record(120.0, 5.0, "bench/1", Outcome::Success), 100),
             hits(record(170.0, 5.0, "bench/2", Outcome::Success), 700),
             hits(record(200.0, 5.0, "bench/0", Outcome::Success), 700),

@@ -1,8 +1,9 @@
 //! The `run` subcommand: replays one workload against a fresh simulated fleet behind the gateway,
-//! once per routing policy, and writes `summary.json`, `report.md` and SVG charts.
+//! once per row (routing policy, and the layouts and flow settings compared: [`rows`]), and
+//! writes `summary.json`, `report.md` and SVG charts.
 //!
-//! For each policy it starts `--replicas` simulated vLLM replicas and one gateway in-process
-//! (fresh replicas per policy, so every policy starts with cold caches), replays the workload
+//! For each row it starts the simulated vLLM replicas of its layout and the gateways in-process
+//! (fresh replicas per row, so every row starts with cold caches), replays the workload
 //! through the Responses API with streaming ([`replay`]), samples the replicas' `/metrics` while it
 //! runs ([`metrics`]), replays the exact prompt token ids through the reuse oracle, and summarises
 //! ([`summary`]). All requested policies are validated against the gateway's configuration
@@ -22,11 +23,26 @@
 //! and the cache hit ratio before, right after and late after the kill.
 //!
 //! `--topology agg,pd:PxD` replays each policy on several fleet layouts of the same simulated
-//! hardware, and `--pd-threshold T1,T2` sweeps the P/D pools' disaggregation threshold: one row
-//! per policy x layout x threshold ([`topology`]). P/D rows add the gateway's P/D counters and
-//! per-role engine totals, and count tokens so that they compare with aggregated rows ([`pd`]).
+//! hardware, and `--pd-threshold T1,T2` sweeps the P/D pools' disaggregation threshold
+//! ([`topology`]). P/D rows add the gateway's P/D counters and per-role engine totals, and count
+//! tokens so that they compare with aggregated rows ([`pd`]).
+//!
+//! Flow control ([`flow`]): `--flow-control on,off` replays every policy once with the gateway's
+//! flow control and once without. A multi-team workload gets bands (`interactive` above
+//! `batch`) and one API key per team; the gateway's per-endpoint cap is the replicas'
+//! `--max-num-seqs`. For `mixed`, `--mixed-batch-load F` sizes the agents team at
+//! `F x request slots` sessions (replicas serving requests x max_num_seqs, on the first
+//! `--topology` layout), and `--interactive-alone` adds a row per policy and layout replaying
+//! only the interactive team (same sessions, same configuration), so one run yields the
+//! interactive team's TTFT alone, beside the batch load with flow control, and without it
+//! ([`summary::IsolationCheck`]). The `fairness` workload puts two teams of equal weight in one
+//! band, one with ten times the other's sessions.
+//!
+//! Each replay is a *row* of the summary: one per policy x layout x threshold x flow setting,
+//! plus the interactive team alone; [`rows`] gives their order and labels.
 
 pub mod clock;
+pub mod flow;
 pub mod kill;
 pub mod metrics;
 pub mod pd;
@@ -35,6 +51,7 @@ pub mod relay;
 pub mod replay;
 pub mod report;
 pub mod reuse;
+pub mod rows;
 pub mod sse;
 pub mod store;
 pub mod summary;
@@ -50,11 +67,14 @@ use std::time::{Duration, Instant};
 use crate::workload::{self, Workload, WorkloadKind, WorkloadParams};
 
 use clock::SimClock;
+use flow::{FlowMode, FlowSetup, SaturationSampler};
 use kill::{KillOutcome, Killer, KILLED_REPLICA};
 use relay::Relay;
 use store::{SharedStore, StoreTarget};
-use summary::{PolicyRun, PolicySummary, RunSummary};
-use topology::{Topology, Variant};
+use summary::{IsolationCheck, PolicyRun, PolicySummary, RunSummary};
+use topology::Topology;
+
+pub use rows::{rows, Row};
 
 /// Model name the simulated replicas serve and the benchmark requests.
 pub const MODEL: &str = "sim-model";
@@ -66,7 +86,8 @@ pub const DEFAULT_OUTPUT_TOKENS: usize = 300;
 /// Command-line arguments of `agentgate-bench run`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
-    /// Workload to replay: agentic, chat, mixed or trace:PATH (a Mooncake-format JSONL trace).
+    /// Workload to replay: agentic, chat, mixed, fairness or trace:PATH (a Mooncake-format
+    /// JSONL trace).
     #[arg(long)]
     pub workload: String,
     /// Simulated replicas behind the gateway.
@@ -91,7 +112,30 @@ pub struct Args {
         default_value = "round_robin,least_loaded,prefix,session"
     )]
     pub policies: Vec<String>,
-    /// Sessions that start within the replayed span (ignored by trace workloads).
+    /// Flow control in the gateway, comma-separated to compare: on (bands, fair queuing, the
+    /// gateway's cap) or off (arrival order, queueing only in the engines).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "on")]
+    pub flow_control: Vec<FlowMode>,
+    /// Sequences each simulated replica runs at once (vLLM --max-num-seqs); the gateway's
+    /// per-endpoint cap is set to match.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// mixed only: the agents team runs FACTOR x request slots sessions (replicas serving
+    /// requests x max-num-seqs, on the first --topology layout), half
+    /// starting within the first 10 s, half over the first half of the span (default: half of
+    /// --sessions in up to three bursts).
+    #[arg(long, value_name = "FACTOR")]
+    pub mixed_batch_load: Option<f64>,
+    /// mixed only: also replay the interactive team alone, once per policy, layout and
+    /// threshold.
+    #[arg(long)]
+    pub interactive_alone: bool,
+    /// Make the batch band sheddable: its requests are refused at once while the pool is
+    /// saturated instead of queued.
+    #[arg(long)]
+    pub batch_sheddable: bool,
+    /// Sessions that start within the replayed span (ignored by trace workloads; mixed: half
+    /// are chat; fairness: split 1:10 between teams light and heavy).
     #[arg(long, default_value_t = 100)]
     pub sessions: usize,
     /// Simulated span of the workload (e.g. 120s, 10m); no new turn starts after it.
@@ -125,7 +169,7 @@ pub struct Args {
     pub pd_threshold: Vec<u64>,
 }
 
-/// Run the command: validate, generate, replay per policy, write the outputs.
+/// Run the command: validate, generate, replay every row, write the outputs.
 pub async fn run(args: Args) -> Result<(), String> {
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
     // The `\r` progress line is for a person at a terminal; logs get the final table only.
@@ -140,6 +184,19 @@ pub async fn run(args: Args) -> Result<(), String> {
     Ok(())
 }
 
+/// Requests the fleet of the first `--topology` layout runs at once (replicas serving requests
+/// x max_num_seqs, see [`rows::request_slots`]): what `--mixed-batch-load` is a factor of.
+pub fn request_slots(args: &Args) -> usize {
+    let layout = args.topology.first().copied().unwrap_or(Topology::Agg);
+    rows::request_slots(&layout.roles(args.replicas), args.max_num_seqs)
+}
+
+/// Sessions of the `mixed` agents team for `--mixed-batch-load`: `ceil(FACTOR x slots)`.
+pub fn batch_sessions(args: &Args) -> Option<usize> {
+    args.mixed_batch_load
+        .map(|factor| (factor * request_slots(args) as f64).ceil() as usize)
+}
+
 /// Everything `run` does, callable from tests: returns what was written to `summary.json`.
 pub async fn execute(
     args: &Args,
@@ -147,23 +204,29 @@ pub async fn execute(
     show_progress: bool,
 ) -> Result<RunSummary, String> {
     validate_args(args)?;
+    let kind: WorkloadKind = args.workload.parse()?;
+    validate_workload_args(args, &kind)?;
+    let probe_teams = ["agents".to_string(), "interactive".to_string()];
     for policy in &args.policies {
-        gateway_config(
-            policy,
-            &["http://127.0.0.1:9".to_string()],
-            &[],
-            &StoreTarget::Memory,
-        )?;
+        for &mode in &args.flow_control {
+            gateway_config(
+                policy,
+                &["http://127.0.0.1:9".to_string()],
+                &probe_teams,
+                &StoreTarget::Memory,
+                &flow_setup(args, mode, args.time_scale),
+            )?;
+        }
     }
     if let Some(url) = &args.redis_url {
         store::check_url(url)?;
     }
-    let kind: WorkloadKind = args.workload.parse()?;
     let params = WorkloadParams {
-        kind,
+        kind: kind.clone(),
         sessions: args.sessions,
         duration_s: args.duration.as_secs_f64(),
         seed: args.seed,
+        agent_sessions: batch_sessions(args),
     };
     let workload = Arc::new(
         workload::generate(&params).map_err(|e| format!("workload {}: {e}", args.workload))?,
@@ -174,23 +237,45 @@ pub async fn execute(
             args.workload
         ));
     }
+    let alone = Arc::new(workload.only_team(flow::INTERACTIVE_TEAM));
+    if args.interactive_alone && alone.sessions.is_empty() {
+        return Err(
+            "--interactive-alone: the workload has no interactive session; raise --sessions".into(),
+        );
+    }
+    let teams = teams_of(&workload);
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     let store = SharedStore::open(args.gateways, args.redis_url.as_deref()).await?;
 
-    let rows = topology::variants(&args.policies, &args.topology, &args.pd_threshold);
+    let rows = rows(args);
+    let replay = |row: &Row| {
+        if row.interactive_alone {
+            Arc::clone(&alone)
+        } else {
+            Arc::clone(&workload)
+        }
+    };
     let mut runs = Vec::new();
     for row in &rows {
         let scale = args.time_scale;
-        runs.push(run_policy(args, row, &workload, &store, scale, show_progress).await?);
+        let load = replay(row);
+        runs.push(run_row(args, row, &load, &teams, &store, scale, show_progress).await?);
     }
     let mut check = Vec::new();
     if let Some(scale) = args.compare_time_scale {
         for row in &rows {
-            let run = run_policy(args, row, &workload, &store, scale, show_progress).await?;
+            let load = replay(row);
+            let run = run_row(args, row, &load, &teams, &store, scale, show_progress).await?;
             check.push(run.summary);
         }
     }
+    let policies: Vec<PolicySummary> = runs.iter().map(|r| r.summary.clone()).collect();
+    let interactive_isolation = if kind == WorkloadKind::Mixed {
+        isolation_checks(&rows, &policies)
+    } else {
+        Vec::new()
+    };
     let summary = RunSummary {
         workload: workload.name.clone(),
         command: command_line.to_string(),
@@ -204,8 +289,18 @@ pub async fn execute(
         kv_blocks: args.kv_blocks,
         block_size: args.block_size,
         seed: args.seed,
+        max_num_seqs: args.max_num_seqs,
+        request_slots: request_slots(args),
+        flow_control: args
+            .flow_control
+            .iter()
+            .map(|m| m.as_str().to_string())
+            .collect(),
+        batch_sheddable: args.batch_sheddable,
+        mixed_batch_load: args.mixed_batch_load,
         engine_busy_counter: runs.iter().all(|r| r.summary.engine.busy_seconds.is_some()),
-        policies: runs.iter().map(|r| r.summary.clone()).collect(),
+        policies,
+        interactive_isolation,
         time_scale_check: args
             .compare_time_scale
             .map(|scale| summary::TimeScaleCheck {
@@ -217,6 +312,68 @@ pub async fn execute(
     };
     write_outputs(&args.out, &summary, &runs)?;
     Ok(summary)
+}
+
+/// Per setup (policy, layout and threshold: [`Row::setup`]), the interactive team's TTFT p99
+/// alone, with flow control on and off, and the ratios the isolation goal is stated in. `rows`
+/// and `summaries` are parallel: the summary of `rows[i]` is `summaries[i]`.
+pub fn isolation_checks(rows: &[Row], summaries: &[PolicySummary]) -> Vec<IsolationCheck> {
+    let mut setups: Vec<&Row> = Vec::new();
+    for row in rows {
+        if !setups.iter().any(|s| s.setup == row.setup) {
+            setups.push(row);
+        }
+    }
+    let find = |setup: &str, flow: Option<FlowMode>, alone: bool| {
+        rows.iter()
+            .zip(summaries)
+            .find(|(r, _)| {
+                r.setup == setup && r.interactive_alone == alone && flow.is_none_or(|f| r.flow == f)
+            })
+            .map(|(_, s)| s)
+    };
+    let p99 = |row: Option<&PolicySummary>| {
+        row.and_then(|r| r.teams.get(flow::INTERACTIVE_TEAM))
+            .filter(|t| t.requests > t.errors + t.shed + t.rate_limited)
+            .map(|t| t.ttft_p99_ms)
+    };
+    let over = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    };
+    setups
+        .into_iter()
+        .map(|row| {
+            let on = find(&row.setup, Some(FlowMode::On), false);
+            let alone = p99(find(&row.setup, None, true));
+            let flow_on = p99(on);
+            let flow_off = p99(find(&row.setup, Some(FlowMode::Off), false));
+            IsolationCheck {
+                policy: row.policy.clone(),
+                setup: row.setup.clone(),
+                topology: row.topology.to_string(),
+                alone_ttft_p99_ms: alone,
+                flow_on_ttft_p99_ms: flow_on,
+                flow_off_ttft_p99_ms: flow_off,
+                on_over_alone: over(flow_on, alone),
+                off_over_on: over(flow_off, flow_on),
+                agents_offered_load: on
+                    .and_then(|r| r.teams.get(flow::AGENTS_TEAM))
+                    .map(|t| t.offered_load),
+            }
+        })
+        .collect()
+}
+
+/// The flow-control setup of a replay with `mode` at `time_scale`.
+fn flow_setup(args: &Args, mode: FlowMode, time_scale: f64) -> FlowSetup {
+    FlowSetup::new(
+        mode,
+        args.max_num_seqs,
+        args.gateways,
+        time_scale,
+        args.batch_sheddable,
+    )
 }
 
 fn validate_args(args: &Args) -> Result<(), String> {
@@ -233,6 +390,23 @@ fn validate_args(args: &Args) -> Result<(), String> {
     for policy in &args.policies {
         if !seen.insert(policy.as_str()) {
             return Err(format!("--policies lists `{policy}` twice"));
+        }
+    }
+    if args.flow_control.is_empty() {
+        return Err("--flow-control needs on, off or on,off".into());
+    }
+    let modes: BTreeSet<&str> = args.flow_control.iter().map(|m| m.as_str()).collect();
+    if modes.len() != args.flow_control.len() {
+        return Err("--flow-control lists a setting twice; use on, off or on,off".into());
+    }
+    if args.max_num_seqs == 0 {
+        return Err("--max-num-seqs must be at least 1".into());
+    }
+    if let Some(factor) = args.mixed_batch_load {
+        if !factor.is_finite() || factor <= 0.0 {
+            return Err(format!(
+                "--mixed-batch-load {factor} is invalid; use a factor above 0 (2 = twice the fleet's request slots)"
+            ));
         }
     }
     let scales = std::iter::once(args.time_scale).chain(args.compare_time_scale);
@@ -273,6 +447,23 @@ fn validate_args(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks of the options that only some workloads take.
+fn validate_workload_args(args: &Args, kind: &WorkloadKind) -> Result<(), String> {
+    if *kind != WorkloadKind::Mixed {
+        if args.mixed_batch_load.is_some() {
+            return Err(format!(
+                "--mixed-batch-load applies to --workload mixed, not {kind}"
+            ));
+        }
+        if args.interactive_alone {
+            return Err(format!(
+                "--interactive-alone applies to --workload mixed, not {kind}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// API key the benchmark uses for `team` (teams are configured only when a workload has several).
 fn team_key(team: &str) -> String {
     format!("bench-key-{team}")
@@ -299,27 +490,32 @@ pub fn replica_of(endpoint: &str) -> Option<usize> {
         .and_then(|index| index.parse().ok())
 }
 
-/// The gateway configuration for one policy: one pool over `endpoints`, one API key per team
-/// when there are several teams (so the gateway sees who sends what), and the `store`.
+/// The gateway configuration for one replay: one pool over `endpoints` with `policy`, the
+/// `store`, and flow control as `flow` says; with several teams, one API key per team (so the
+/// gateway sees who sends what) and the bands of [`flow`].
 pub fn gateway_config(
     policy: &str,
     endpoints: &[String],
     teams: &[String],
     store: &StoreTarget,
+    flow: &FlowSetup,
 ) -> Result<agentgate::Config, String> {
     let quoted: Vec<String> = endpoints.iter().map(|e| format!("\"{e}\"")).collect();
     let mut text = format!(
-        "{}[upstream]\nfirst_byte_timeout_s = 3600.0\nidle_timeout_s = 3600.0\n\n\
+        "{}{}[upstream]\nfirst_byte_timeout_s = 3600.0\nidle_timeout_s = 3600.0\n\n\
          [[pools]]\nname = \"{POOL}\"\nmodel = \"{MODEL}\"\nflavor = \"vllm\"\npolicy = \"{policy}\"\n\
          prefix_bytes_per_token = {SIM_BYTES_PER_TOKEN}\nendpoints = [{}]\n",
         store.toml(),
+        flow.toml(),
         quoted.join(", ")
     );
     if teams.len() > 1 {
+        text.push_str(&flow.bands_toml());
         for team in teams {
             text.push_str(&format!(
-                "\n[[teams]]\nname = \"{team}\"\napi_key_sha256 = [\"{}\"]\n",
-                agentgate::auth::hash_key(&team_key(team))
+                "\n[[teams]]\nname = \"{team}\"\napi_key_sha256 = [\"{}\"]\ndefault_band = \"{}\"\n",
+                agentgate::auth::hash_key(&team_key(team)),
+                flow::band_of(team)
             ));
         }
     }
@@ -328,24 +524,46 @@ pub fn gateway_config(
     })
 }
 
+/// The band each team's requests run in, as configured (empty with flow control off): the
+/// bench's bands with several teams, the gateway's implicit band with one.
+pub fn team_bands(teams: &[String], mode: FlowMode) -> std::collections::BTreeMap<String, String> {
+    if mode == FlowMode::Off {
+        return Default::default();
+    }
+    teams
+        .iter()
+        .map(|team| {
+            let band = if teams.len() > 1 {
+                flow::band_of(team)
+            } else {
+                agentgate::config::IMPLICIT_BAND
+            };
+            (team.clone(), band.to_string())
+        })
+        .collect()
+}
+
 /// Distinct team names of a workload, sorted.
 fn teams_of(workload: &Workload) -> Vec<String> {
     let set: BTreeSet<&str> = workload.sessions.iter().map(|s| s.team.as_str()).collect();
     set.into_iter().map(str::to_string).collect()
 }
 
-/// One row (a policy on a topology): fresh replicas (behind relays when one is to be killed),
-/// the gateways, the replay (with the kill, if any), the final scrape and the oracle.
-async fn run_policy(
+/// One row: fresh replicas of its layout (behind relays when one is to be killed), the
+/// gateways, the replay (with the kill, if any), the final scrape and the oracle. `teams` are
+/// the whole workload's, so a row replaying one team's sessions runs under the same
+/// configuration.
+async fn run_row(
     args: &Args,
-    row: &Variant,
+    row: &Row,
     workload: &Arc<Workload>,
+    teams: &[String],
     store: &SharedStore,
     time_scale: f64,
     show_progress: bool,
 ) -> Result<PolicyRun, String> {
     let policy = row.policy.as_str();
-    let roles = row.topology.roles(args.replicas);
+    let roles = row.roles(args.replicas);
     let mut sims = Vec::with_capacity(roles.len());
     for (index, role) in roles.iter().enumerate() {
         let config = agentgate_sim::SimConfig {
@@ -355,6 +573,7 @@ async fn run_policy(
             time_scale,
             kv_blocks: args.kv_blocks,
             block_size: args.block_size,
+            max_num_seqs: args.max_num_seqs,
             default_output_tokens: DEFAULT_OUTPUT_TOKENS,
             seed: Some(args.seed),
             ..agentgate_sim::SimConfig::default()
@@ -381,8 +600,14 @@ async fn run_policy(
     } else {
         relays.iter().flatten().map(Relay::base_url).collect()
     };
-    let teams = teams_of(workload);
-    let mut config = gateway_config(policy, &targets, &teams, &store.for_replay(policy))?;
+    let flow_setup = flow_setup(args, row.flow, time_scale);
+    let mut config = gateway_config(
+        policy,
+        &targets,
+        teams,
+        &store.for_replay(policy),
+        &flow_setup,
+    )?;
     let threshold = topology::configure(&mut config, &roles, row.threshold)?;
     let mut gateways = Vec::with_capacity(args.gateways);
     for index in 0..args.gateways {
@@ -400,6 +625,10 @@ async fn run_policy(
         .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
     let clock = SimClock::start(time_scale);
     let sampler = metrics::Sampler::start(client.clone(), urls.clone(), clock);
+    let saturation = (row.flow == FlowMode::On).then(|| {
+        let states = gateways.iter().map(|g| Arc::clone(g.state())).collect();
+        SaturationSampler::start(states, POOL, clock)
+    });
     let keys = if teams.len() > 1 {
         teams.iter().map(|t| (t.clone(), team_key(t))).collect()
     } else {
@@ -467,6 +696,10 @@ async fn run_policy(
         }
     }
     let samples = sampler.stop().await;
+    let saturation = match saturation {
+        Some(sampler) => sampler.stop().await,
+        None => Vec::new(),
+    };
     // A replica that is gone contributes its counters as of the kill.
     let mut replicas = Vec::with_capacity(urls.len());
     for (sim, url) in sims.iter().zip(&urls) {
@@ -496,8 +729,16 @@ async fn run_policy(
     let oracle = tokio::task::spawn_blocking(move || reuse.finish())
         .await
         .map_err(|e| format!("the reuse oracle failed: {e}"))??;
+    let team_bands = team_bands(teams, row.flow);
     let mut summary = PolicySummary::build(summary::BuildInput {
+        row: &row.label,
         policy,
+        flow_control: row.flow.as_str(),
+        traffic: row.traffic(),
+        team_bands: &team_bands,
+        saturation: &saturation,
+        duration_s: args.duration.as_secs_f64(),
+        request_slots: rows::request_slots(&roles, args.max_num_seqs),
         time_scale,
         records: &records,
         available: &oracle.available,
@@ -509,7 +750,6 @@ async fn run_policy(
         replicas: roles.len(),
         wall_s,
     });
-    summary.label = row.label.clone();
     summary.topology = row.topology.to_string();
     if let Some(counters) = pd_counters {
         let input = pd::PdInput {
@@ -568,18 +808,75 @@ fn write_outputs(
 mod tests {
     use super::*;
 
+    fn on() -> FlowSetup {
+        FlowSetup::new(FlowMode::On, 8, 1, 0.5, false)
+    }
+
     #[test]
     fn baseline_policies_configure_and_unknown_ones_fail_clearly() {
         let urls = ["http://127.0.0.1:1".to_string()];
         let memory = StoreTarget::Memory;
-        assert!(gateway_config("round_robin", &urls, &[], &memory).is_ok());
+        assert!(gateway_config("round_robin", &urls, &[], &memory, &on()).is_ok());
         let teams = ["agents".to_string(), "interactive".to_string()];
-        let config = gateway_config("least_loaded", &urls, &teams, &memory).unwrap();
+        let config = gateway_config("least_loaded", &urls, &teams, &memory, &on()).unwrap();
         assert_eq!(config.teams.len(), 2);
         assert_eq!(config.store.url, None);
-        let message = gateway_config("no_such_policy", &urls, &[], &memory).unwrap_err();
+        let message = gateway_config("no_such_policy", &urls, &[], &memory, &on()).unwrap_err();
         assert!(message.contains("no_such_policy"), "{message}");
         assert!(message.contains("pools[0].policy"), "{message}");
+    }
+
+    #[test]
+    fn teams_get_their_bands_keys_and_the_engines_batch_as_cap() {
+        let urls = ["http://127.0.0.1:1".to_string()];
+        let teams = ["agents".to_string(), "interactive".to_string()];
+        let memory = StoreTarget::Memory;
+        let config = gateway_config("session", &urls, &teams, &memory, &on()).unwrap();
+        assert!(config.flow.enabled);
+        assert_eq!(config.flow.max_in_flight_per_endpoint, 8);
+        assert_eq!(config.routing.scrape_interval_ms, 500);
+        let bands: Vec<(&str, i32, u64)> = config
+            .bands
+            .iter()
+            .map(|b| (b.name.as_str(), b.priority, b.queue_ttl_ms))
+            .collect();
+        assert_eq!(
+            bands,
+            [("interactive", 100, 30_000), ("batch", 10, 300_000)]
+        );
+        assert!(config.bands.iter().all(|b| !b.sheddable));
+        let flow = config.flow_config();
+        let band_of = |team: &str| {
+            flow.teams
+                .iter()
+                .find(|t| t.name == team)
+                .map(|t| t.default_band.clone())
+        };
+        assert_eq!(band_of("interactive").as_deref(), Some("interactive"));
+        assert_eq!(band_of("agents").as_deref(), Some("batch"));
+        // Each team is known by its own key.
+        for team in &teams {
+            let digest = agentgate::auth::hash_key(&team_key(team));
+            let owner = config
+                .teams
+                .iter()
+                .find(|t| t.api_key_sha256.contains(&digest));
+            assert_eq!(owner.map(|t| t.name.as_str()), Some(team.as_str()));
+        }
+        // Off: the same configuration with flow control disabled.
+        let off = FlowSetup::new(FlowMode::Off, 8, 1, 0.5, false);
+        let config = gateway_config("session", &urls, &teams, &memory, &off).unwrap();
+        assert!(!config.flow.enabled);
+        assert_eq!(config.bands.len(), 2);
+        // One team: the gateway runs open with its implicit band.
+        let single = gateway_config("session", &urls, &["default".to_string()], &memory, &on());
+        assert!(single.unwrap().bands.is_empty());
+        assert_eq!(
+            team_bands(&["default".to_string()], FlowMode::On)["default"],
+            "default"
+        );
+        assert_eq!(team_bands(&teams, FlowMode::On)["agents"], "batch");
+        assert!(team_bands(&teams, FlowMode::Off).is_empty());
     }
 
     #[test]
@@ -592,7 +889,7 @@ mod tests {
             url: "redis://127.0.0.1:6390/0".into(),
             key_prefix: "agentgate-bench:test:".into(),
         };
-        let config = gateway_config("session", &urls, &[], &redis).unwrap();
+        let config = gateway_config("session", &urls, &[], &redis, &on()).unwrap();
         assert_eq!(
             config.store.url.as_deref(),
             Some("redis://127.0.0.1:6390/0")
@@ -602,7 +899,7 @@ mod tests {
             url: "http://127.0.0.1:6390".into(),
             key_prefix: "p:".into(),
         };
-        let message = gateway_config("session", &urls, &[], &bad).unwrap_err();
+        let message = gateway_config("session", &urls, &[], &bad, &on()).unwrap_err();
         assert!(message.contains("store.url"), "{message}");
     }
 
@@ -615,7 +912,7 @@ mod tests {
         assert_eq!(replica_of("other/1"), None);
     }
 
-    fn args() -> Args {
+    pub(crate) fn args() -> Args {
         Args {
             workload: "agentic".into(),
             replicas: 2,
@@ -623,6 +920,11 @@ mod tests {
             redis_url: None,
             kill_replica: None,
             policies: vec!["session".into()],
+            flow_control: vec![FlowMode::On],
+            max_num_seqs: 64,
+            mixed_batch_load: None,
+            interactive_alone: false,
+            batch_sheddable: false,
             sessions: 3,
             duration: Duration::from_secs(60),
             time_scale: 0.1,
@@ -667,5 +969,52 @@ mod tests {
             ..inside
         };
         assert!(validate_args(&compare_instant).is_err());
+    }
+
+    #[test]
+    fn flow_options_are_validated() {
+        let twice = Args {
+            flow_control: vec![FlowMode::Off, FlowMode::Off],
+            ..args()
+        };
+        assert!(validate_args(&twice)
+            .unwrap_err()
+            .contains("--flow-control"));
+        let none = Args {
+            flow_control: Vec::new(),
+            ..args()
+        };
+        assert!(validate_args(&none).is_err());
+        let seqs = Args {
+            max_num_seqs: 0,
+            ..args()
+        };
+        assert!(validate_args(&seqs).unwrap_err().contains("--max-num-seqs"));
+        for factor in [0.0, -1.0, f64::NAN] {
+            let load = Args {
+                mixed_batch_load: Some(factor),
+                ..args()
+            };
+            assert!(validate_args(&load)
+                .unwrap_err()
+                .contains("--mixed-batch-load"));
+        }
+        let load = Args {
+            mixed_batch_load: Some(2.0),
+            max_num_seqs: 8,
+            ..args()
+        };
+        assert!(validate_args(&load).is_ok());
+        // 2 x 2 replicas x 8 sequences.
+        assert_eq!(batch_sessions(&load), Some(32));
+        let message = validate_workload_args(&load, &WorkloadKind::Agentic).unwrap_err();
+        assert!(message.contains("--mixed-batch-load"), "{message}");
+        assert!(validate_workload_args(&load, &WorkloadKind::Mixed).is_ok());
+        let alone = Args {
+            interactive_alone: true,
+            ..args()
+        };
+        let message = validate_workload_args(&alone, &WorkloadKind::Fairness).unwrap_err();
+        assert!(message.contains("--interactive-alone"), "{message}");
     }
 }

@@ -606,18 +606,21 @@ pub fn table(policies: &[PolicySummary]) -> String {
     out
 }
 
-/// A generated reading: per policy, how each P/D row compares with the aggregated row on the
-/// headline figures, what the threshold changed, and which pool was the busier.
+/// A generated reading: per policy (and flow setting and traffic, when those vary), how each
+/// P/D row compares with the aggregated row on the headline figures, what the threshold
+/// changed, and which pool was the busier.
 pub fn reading(policies: &[PolicySummary]) -> String {
-    let mut names: Vec<&str> = Vec::new();
+    // Rows that differ only in layout and threshold compare with each other.
+    let group = |p: &PolicySummary| (p.policy.clone(), p.flow_control.clone(), p.traffic.clone());
+    let mut groups: Vec<(String, String, String)> = Vec::new();
     for p in policies {
-        if !names.contains(&p.policy.as_str()) {
-            names.push(&p.policy);
+        if !groups.contains(&group(p)) {
+            groups.push(group(p));
         }
     }
     let mut text = String::new();
-    for name in names {
-        let rows: Vec<&PolicySummary> = policies.iter().filter(|p| p.policy == name).collect();
+    for key in groups {
+        let rows: Vec<&PolicySummary> = policies.iter().filter(|p| group(p) == key).collect();
         let pd_rows: Vec<&PolicySummary> =
             rows.iter().copied().filter(|p| p.pd.is_some()).collect();
         if pd_rows.is_empty() {
@@ -626,6 +629,14 @@ pub fn reading(policies: &[PolicySummary]) -> String {
         match rows.iter().find(|p| p.pd.is_none()) {
             Some(agg) => compare_with_agg(&mut text, agg, &pd_rows),
             None => {
+                let (policy, flow, traffic) = &key;
+                let name = if traffic != "all" {
+                    format!("{policy} {traffic}")
+                } else if flow == "off" {
+                    format!("{policy} flow-off")
+                } else {
+                    policy.clone()
+                };
                 let _ = write!(
                     text,
                     "With {name} there is no aggregated row to compare with (add `agg` to \
@@ -943,12 +954,19 @@ agentgate_pd_leg_duration_seconds_count{pool=\"bench\",leg=\"decode\"} 10
 
     pub(crate) fn row(label: &str, policy: &str, topology: &str) -> PolicySummary {
         PolicySummary {
+            row: label.into(),
             policy: policy.into(),
+            flow_control: "on".into(),
+            traffic: "all".into(),
+            request_slots: 128,
             time_scale: 0.1,
             requests: 10,
             successes: 10,
             errors: 0,
             shed: 0,
+            rate_limited: 0,
+            shed_unsaturated: None,
+            saturated_fraction: None,
             prompt_tokens: 10_000,
             cached_tokens: 9_000,
             output_tokens: 500,
@@ -979,6 +997,9 @@ agentgate_pd_leg_duration_seconds_count{pool=\"bench\",leg=\"decode\"} 10
             requests_per_replica: vec![0, 10],
             kill: None,
             teams: BTreeMap::new(),
+            bands: BTreeMap::new(),
+            turns: crate::run::flow::turns(std::iter::empty(), &[]),
+            fairness: BTreeMap::new(),
             first_error: None,
             label: label.into(),
             topology: topology.into(),

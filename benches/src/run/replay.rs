@@ -8,7 +8,14 @@
 //! history up to that turn (by `previous_response_id` when both are chained and the parent's turn
 //! was stored, inline otherwise); the parent waits for its sub-agents before its next turn.
 //! No turn starts after `duration_s`; requests still running `drain_s` after it are cut and
-//! counted as errors. Errors and load rejections (429/503, "shed") are counted, never fatal.
+//! counted as errors. Errors and refusals are counted, never fatal: a 429/503 whose error `code`
+//! is `overloaded_shed`, `queue_full` or `queue_timeout` is [`Outcome::Shed`], one with a
+//! `rate_limit_exceeded_*` or `request_too_large` code is [`Outcome::RateLimited`], anything else
+//! is an [`Outcome::Error`].
+//!
+//! Flow control: an admitted response says the band it ran in (`x-agentgate-band`) and how long
+//! it waited in the gateway's queue (`x-agentgate-queue-wait-ms`, wall milliseconds, converted
+//! to simulated milliseconds like every other latency); both are kept in the record.
 //!
 //! With several gateways (`urls`), turn `t` (0-based) of session `s` (its index in
 //! [`Workload::sessions`], sub-agents included) goes to gateway `(s + t) % urls.len()`: a session
@@ -54,10 +61,41 @@ pub struct ReplayConfig {
 pub enum Outcome {
     /// A terminal `response.completed` (or `response.incomplete`) event arrived.
     Success,
-    /// Rejected for load: HTTP 429 or 503.
-    Shed,
+    /// Refused by flow control for load: 429 `overloaded_shed` or `queue_full`, 503
+    /// `queue_timeout` (the code is kept).
+    Shed(String),
+    /// Refused by the team's rate limits: 429 `rate_limit_exceeded_requests`,
+    /// `rate_limit_exceeded_tokens` or `request_too_large` (the code is kept).
+    RateLimited(String),
     /// Anything else: transport error, other status, `response.failed`, cut stream.
     Error(String),
+}
+
+/// Error codes of flow-control load refusals ([`Outcome::Shed`]).
+pub const SHED_CODES: &[&str] = &["overloaded_shed", "queue_full", "queue_timeout"];
+
+impl Outcome {
+    /// Whether the gateway refused the request (shed or rate-limited) rather than failing it.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, Outcome::Shed(_) | Outcome::RateLimited(_))
+    }
+
+    /// The outcome of an HTTP 429/503 answer whose body is `body`: [`Outcome::Shed`] or
+    /// [`Outcome::RateLimited`] by its OpenAI-shaped error `code`, else an error.
+    pub fn of_refusal(status: u16, body: &str) -> Outcome {
+        let code = serde_json::from_str::<Value>(body)
+            .ok()
+            .and_then(|v| v["error"]["code"].as_str().map(str::to_string))
+            .unwrap_or_default();
+        if SHED_CODES.contains(&code.as_str()) {
+            Outcome::Shed(code)
+        } else if code.starts_with("rate_limit_exceeded") || code == "request_too_large" {
+            Outcome::RateLimited(code)
+        } else {
+            let snippet: String = body.chars().take(300).collect();
+            Outcome::Error(format!("HTTP {status}: {snippet}"))
+        }
+    }
 }
 
 /// One request as the client saw it.
@@ -69,6 +107,9 @@ pub struct RequestRecord {
     pub session: usize,
     /// Index of the turn in its session.
     pub turn: usize,
+    /// Whether the request continues a conversation: a turn after the first of its session,
+    /// or any turn of a sub-agent (which starts from its parent's history).
+    pub continuing: bool,
     /// Index of the gateway it was sent to.
     pub gateway: usize,
     /// The endpoint the gateway streamed it from (`x-agentgate-endpoint`, e.g. `bench/0`); None
@@ -76,6 +117,12 @@ pub struct RequestRecord {
     pub endpoint: Option<String>,
     /// The session's team.
     pub team: String,
+    /// The band the gateway ran it in (`x-agentgate-band`); None without flow control or when
+    /// it was not admitted.
+    pub band: Option<String>,
+    /// Simulated ms it waited in the gateway's flow-control queue (`x-agentgate-queue-wait-ms`);
+    /// None when the gateway did not say (flow control off, or not admitted).
+    pub queue_wait_ms: Option<f64>,
     /// Simulated time the request was sent, seconds since the start.
     pub sent_s: f64,
     /// How it ended.
@@ -99,7 +146,7 @@ pub struct Counters {
     pub done: AtomicU64,
     /// Requests that ended in an error.
     pub errors: AtomicU64,
-    /// Requests shed (429/503).
+    /// Requests refused by flow control (shed or rate-limited).
     pub shed: AtomicU64,
     /// Requests sent and not finished.
     pub in_flight: AtomicU64,
@@ -342,8 +389,8 @@ async fn send_turn(
         .get(gateway)
         .map(String::as_str)
         .unwrap_or_default();
-    let mut endpoint = None;
-    let exchange = stream_response(shared, url, &body, key, sent, &mut endpoint);
+    let mut admission = Admission::default();
+    let exchange = stream_response(shared, url, &body, key, sent, &mut admission);
     let result = match shared.hard_stop {
         Some(stop) => match tokio::time::timeout_at(stop.into(), exchange).await {
             Ok(result) => result,
@@ -361,9 +408,14 @@ async fn send_turn(
         seq,
         session: index,
         turn: turn_index,
+        continuing: turn_index > 0 || plan.parent.is_some(),
         gateway,
-        endpoint,
+        endpoint: admission.endpoint,
         team: plan.team.clone(),
+        band: admission.band,
+        queue_wait_ms: admission
+            .queue_wait
+            .map(|wait| shared.clock.to_sim_s(wait) * 1000.0),
         sent_s,
         outcome: result.outcome.clone(),
         ttft_ms: result
@@ -404,7 +456,7 @@ async fn send_turn(
                 conversation.last_response_id = response["id"].as_str().map(str::to_string);
             }
         }
-        Outcome::Shed => {
+        Outcome::Shed(_) | Outcome::RateLimited(_) => {
             shared.counters.shed.fetch_add(1, Ordering::Relaxed);
             let _ = shared.reuse.send(ReuseJob::Failed { seq });
         }
@@ -446,6 +498,36 @@ impl Exchange {
 
 /// Response header naming the endpoint that served a request.
 pub const ENDPOINT_HEADER: &str = "x-agentgate-endpoint";
+/// Response header naming the flow-control band an admitted request ran in.
+pub const BAND_HEADER: &str = "x-agentgate-band";
+/// Response header: wall milliseconds an admitted request waited in the flow-control queue.
+pub const QUEUE_WAIT_HEADER: &str = "x-agentgate-queue-wait-ms";
+
+/// What the response headers said about routing and admission.
+#[derive(Debug, Default)]
+struct Admission {
+    endpoint: Option<String>,
+    band: Option<String>,
+    queue_wait: Option<std::time::Duration>,
+}
+
+impl Admission {
+    fn read(headers: &reqwest::header::HeaderMap) -> Admission {
+        let text = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|value| value.to_str().ok())
+                .map(str::to_string)
+        };
+        Admission {
+            endpoint: text(ENDPOINT_HEADER),
+            band: text(BAND_HEADER),
+            queue_wait: text(QUEUE_WAIT_HEADER)
+                .and_then(|ms| ms.trim().parse::<u64>().ok())
+                .map(std::time::Duration::from_millis),
+        }
+    }
+}
 
 /// Event types that carry generated tokens (the first one marks time to first token).
 const DELTA_EVENTS: &[&str] = &[
@@ -454,7 +536,7 @@ const DELTA_EVENTS: &[&str] = &[
     "response.reasoning_text.delta",
 ];
 
-/// POST the body to `url` and read the event stream to its terminal event; `endpoint` is set
+/// POST the body to `url` and read the event stream to its terminal event; `admission` is set
 /// from the response headers as soon as they arrive (so it is known even if the stream is cut).
 async fn stream_response(
     shared: &Shared,
@@ -462,7 +544,7 @@ async fn stream_response(
     body: &Value,
     key: Option<&str>,
     sent: Instant,
-    endpoint: &mut Option<String>,
+    admission: &mut Admission,
 ) -> Exchange {
     let mut request = shared.client.post(url).json(body);
     if let Some(key) = key {
@@ -472,14 +554,11 @@ async fn stream_response(
         Ok(response) => response,
         Err(e) => return Exchange::failed(Outcome::Error(format!("transport: {e}")), None),
     };
-    *endpoint = response
-        .headers()
-        .get(ENDPOINT_HEADER)
-        .and_then(|value| value.to_str().ok())
-        .map(str::to_string);
+    *admission = Admission::read(response.headers());
     let status = response.status().as_u16();
     if status == 429 || status == 503 {
-        return Exchange::failed(Outcome::Shed, None);
+        let text = response.text().await.unwrap_or_default();
+        return Exchange::failed(Outcome::of_refusal(status, &text), None);
     }
     if !response.status().is_success() {
         let text = response.text().await.unwrap_or_default();
@@ -557,6 +636,50 @@ mod tests {
         // (s + t) % n without overflow: 2^64 - 1 is divisible by 3.
         assert_eq!(gateway_for(usize::MAX, usize::MAX, 3), 0);
         assert_eq!(gateway_for(usize::MAX, 1, 3), 1);
+    }
+
+    #[test]
+    fn refusals_are_told_apart_by_their_error_code() {
+        let body = |code: &str| {
+            json!({"error": {"message": "m", "type": "rate_limit_error", "code": code}}).to_string()
+        };
+        for code in ["overloaded_shed", "queue_full", "queue_timeout"] {
+            assert_eq!(
+                Outcome::of_refusal(429, &body(code)),
+                Outcome::Shed(code.into())
+            );
+        }
+        for code in [
+            "rate_limit_exceeded_requests",
+            "rate_limit_exceeded_tokens",
+            "request_too_large",
+        ] {
+            let outcome = Outcome::of_refusal(429, &body(code));
+            assert_eq!(outcome, Outcome::RateLimited(code.into()));
+            assert!(outcome.is_refusal());
+        }
+        // A 503 without a flow-control code (no endpoint, an engine's own answer) is a failure.
+        let Outcome::Error(message) = Outcome::of_refusal(503, "no healthy endpoint") else {
+            panic!("expected an error");
+        };
+        assert!(
+            message.starts_with("HTTP 503: no healthy endpoint"),
+            "{message}"
+        );
+        assert!(!Outcome::of_refusal(503, &body("server_error")).is_refusal());
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(BAND_HEADER, "batch".parse().unwrap());
+        headers.insert(QUEUE_WAIT_HEADER, "1250".parse().unwrap());
+        headers.insert(ENDPOINT_HEADER, "bench/1".parse().unwrap());
+        let admission = Admission::read(&headers);
+        assert_eq!(admission.band.as_deref(), Some("batch"));
+        assert_eq!(
+            admission.queue_wait,
+            Some(std::time::Duration::from_millis(1250))
+        );
+        assert_eq!(admission.endpoint.as_deref(), Some("bench/1"));
+        headers.insert(QUEUE_WAIT_HEADER, "soon".parse().unwrap());
+        assert_eq!(Admission::read(&headers).queue_wait, None);
     }
 
     #[test]

@@ -1,7 +1,11 @@
-//! `report.md`: the run's parameters and command line, the comparison table, per-team figures, a
-//! one-paragraph reading, how requests were spread over gateways, what killing a replica did
-//! (`--kill-replica`), and how much the figures move with the time scale.
+//! `report.md`: the run's parameters and command line, the comparison table (one row per policy,
+//! layout, threshold, flow-control setting and traffic; see `run::rows`), per-team figures,
+//! flow control (bands, teams, turn kinds, fairness, the interactive team's isolation) with a
+//! short reading, how requests were spread over gateways, what killing a replica did
+//! (`--kill-replica`), the prefill/decode comparison (`--topology` with a `pd:PxD` layout), a
+//! one-paragraph reading, and how much the figures move with the time scale.
 
+use std::collections::BTreeSet;
 use std::fmt::Write;
 
 use super::summary::{PolicySummary, RunSummary};
@@ -18,11 +22,11 @@ fn pct(value: f64) -> String {
     format!("{:.1}%", value * 100.0)
 }
 
-/// The comparison as a Markdown table, one row per policy.
+/// The comparison as a Markdown table, one row per replay.
 pub fn table(policies: &[PolicySummary]) -> String {
     let mut out = String::new();
     out.push_str(
-        "| policy | requests | errors | shed | cache hit | available reuse | infinite reuse | captured | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | output tok/s | prefill computed | GPU s / M tok |\n",
+        "| row | requests | errors | shed | cache hit | available reuse | infinite reuse | captured | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | output tok/s | prefill computed | GPU s / M tok |\n",
     );
     out.push_str(
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
@@ -61,7 +65,7 @@ fn team_table(policies: &[PolicySummary]) -> Option<String> {
         return None;
     }
     let mut out = String::from(
-        "| policy | team | requests | errors | shed | cache hit | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |\n\
+        "| row | team | requests | errors | shed | cache hit | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |\n\
          |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for p in policies {
@@ -85,9 +89,17 @@ fn team_table(policies: &[PolicySummary]) -> Option<String> {
     Some(out)
 }
 
-/// A paragraph reading the table: reuse captured, latency and prefill work by policy.
+/// A paragraph reading the table: reuse captured, latency and prefill work by row. Rows that
+/// replay only part of the workload (`interactive-alone`) are compared in the flow-control
+/// section, not here.
 pub fn reading(summary: &RunSummary) -> String {
-    let policies = &summary.policies;
+    let whole: Vec<PolicySummary> = summary
+        .policies
+        .iter()
+        .filter(|p| p.traffic == "all")
+        .cloned()
+        .collect();
+    let policies = &whole;
     let Some(first) = policies.first() else {
         return "No policy was run.".into();
     };
@@ -160,11 +172,14 @@ pub fn reading(summary: &RunSummary) -> String {
             ms(first.ttft_p99_ms)
         );
     }
-    let failed: u64 = policies.iter().map(|p| p.errors + p.shed).sum();
+    let failed: u64 = policies
+        .iter()
+        .map(|p| p.errors + p.shed + p.rate_limited)
+        .sum();
     if failed > 0 {
         let _ = write!(
             text,
-            "{failed} requests failed or were shed in total; their latencies are excluded. "
+            "{failed} requests failed or were refused in total; their latencies are excluded. "
         );
     }
     let bound = policies
@@ -218,7 +233,7 @@ fn time_scale_section(summary: &RunSummary) -> String {
     };
     let mut out = format!(
         "The same replay at time scale {} (main run: {}); change relative to the main run:\n\n\
-         | policy | cache hit | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | output tok/s |\n\
+         | row | cache hit | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | output tok/s |\n\
          |---|---:|---:|---:|---:|---:|\n",
         check.time_scale, summary.time_scale
     );
@@ -267,7 +282,7 @@ fn gateway_section(summary: &RunSummary) -> String {
          session pins). Turn t (0-based) of session s (its index in the workload, sub-agents \
          included) was sent to gateway (s + t) mod {}: every session alternates between gateways \
          from one turn to the next, so its history and its pin reach the next gateway only \
-         through the store.\n\n| policy | requests per gateway | requests per replica |\n|---|---|---|\n",
+         through the store.\n\n| row | requests per gateway | requests per replica |\n|---|---|---|\n",
         summary.gateways, summary.store, summary.gateways
     );
     for p in &summary.policies {
@@ -289,6 +304,334 @@ fn gateway_section(summary: &RunSummary) -> String {
     out
 }
 
+fn optional_ms(value: Option<f64>) -> String {
+    value.map_or_else(|| "n/a".to_string(), ms)
+}
+
+fn optional_times(value: Option<f64>) -> String {
+    value.map_or_else(|| "n/a".to_string(), |v| format!("{v:.2}x"))
+}
+
+/// Whether the report has anything to say about flow control: a row with bands, several
+/// flow settings, or several teams.
+fn has_flow_section(summary: &RunSummary) -> bool {
+    summary.flow_control.len() > 1
+        || summary
+            .policies
+            .iter()
+            .any(|p| !p.bands.is_empty() || p.teams.len() > 1)
+}
+
+/// The flow-control section: configuration, isolation check, per-row saturation, bands, teams,
+/// turn kinds, fairness, and a short reading.
+pub fn flow_section(summary: &RunSummary) -> Option<String> {
+    if !has_flow_section(summary) {
+        return None;
+    }
+    let multi_team = summary.policies.iter().any(|p| p.teams.len() > 1);
+    let slots: BTreeSet<usize> = summary.policies.iter().map(|p| p.request_slots).collect();
+    let slots = if slots.len() > 1 {
+        let list: Vec<String> = slots.iter().map(usize::to_string).collect();
+        format!(
+            "{} request slots over the fleet, depending on the row's layout",
+            list.join(" or ")
+        )
+    } else {
+        let n = slots.first().copied().unwrap_or(summary.request_slots);
+        format!("{n} request slots over the fleet")
+    };
+    let mut out = format!(
+        "{} The gateway's per-endpoint cap is the replicas' batch width ({} sequences, {}{}), \
+         so what the engines cannot run waits in the gateway. ",
+        if summary.flow_control.len() > 1 {
+            format!(
+                "Flow control {} were compared.",
+                summary.flow_control.join(" and ")
+            )
+        } else {
+            format!("Flow control was {}.", summary.flow_control.join(""))
+        },
+        summary.max_num_seqs,
+        slots,
+        if summary.gateways > 1 {
+            format!(", divided among {} gateways", summary.gateways)
+        } else {
+            String::new()
+        }
+    );
+    if multi_team {
+        let _ = write!(
+            out,
+            "Bands: `interactive` (priority 100, queue TTL {:.0} s) above `batch` (priority 10, \
+             TTL {:.0} s, {}); team `interactive` runs in `interactive`, every other team in \
+             `batch`, each with its own API key and weight 1. ",
+            super::flow::INTERACTIVE_TTL_S,
+            super::flow::BATCH_TTL_S,
+            if summary.batch_sheddable {
+                "sheddable"
+            } else {
+                "not sheddable"
+            }
+        );
+    } else {
+        out.push_str("One team: the gateway's implicit band `default`. ");
+    }
+    out.push_str(
+        "Queue waits are the gateway's `x-agentgate-queue-wait-ms` of admitted requests; \
+         \"saturated\" is the share of samples (every 20 ms of wall time) in which the pool had \
+         requests queued or its in-flight requests at capacity, and \"shed while not saturated\" \
+         counts refusals with no saturated sample from just before their send to just after \
+         their answer.\n\n",
+    );
+    if !summary.interactive_isolation.is_empty() {
+        out.push_str(
+            "Interactive isolation (team `interactive`, TTFT p99 in simulated ms; goals: flow on \
+             at most 2x alone, flow off at least 5x flow on, the agents offering at least twice \
+             the fleet's request slots):\n\n\
+             | setup | alone | flow on | flow off | on / alone | off / on | agents' offered load |\n\
+             |---|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for c in &summary.interactive_isolation {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                c.setup,
+                optional_ms(c.alone_ttft_p99_ms),
+                optional_ms(c.flow_on_ttft_p99_ms),
+                optional_ms(c.flow_off_ttft_p99_ms),
+                optional_times(c.on_over_alone),
+                optional_times(c.off_over_on),
+                c.agents_offered_load
+                    .map_or_else(|| "n/a".to_string(), |v| format!("{v:.2}")),
+            );
+        }
+        out.push('\n');
+    }
+    out.push_str(
+        "| row | flow control | saturated | shed | rate limited | shed while not saturated |\n\
+         |---|---|---:|---:|---:|---:|\n",
+    );
+    for p in &summary.policies {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} |",
+            p.label,
+            p.flow_control,
+            optional_pct(p.saturated_fraction),
+            p.shed,
+            p.rate_limited,
+            p.shed_unsaturated
+                .map_or_else(|| "n/a".to_string(), |v| v.to_string()),
+        );
+    }
+    out.push_str(
+        "\nQueue wait of continuing turns (after the first of a session, or a sub-agent's) and of \
+         new sessions, median in simulated ms over every admitted request; then, because waits \
+         drift with the backlog, each new session sent while the pool was saturated against its \
+         team's continuing turns sent within 15 s of it (turn-first order applies within a team; \
+         goal under saturation: continuing at most 0.5x new):\n\n\
+         | row | team | continuing | new | new sessions paired | new, paired | continuing around them | continuing / new |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for p in summary.policies.iter().filter(|p| p.flow_control == "on") {
+        let all = std::iter::once(("(all)", &p.turns));
+        let teams = p.teams.iter().map(|(name, t)| (name.as_str(), &t.turns));
+        for (team, t) in all.chain(teams) {
+            let m = t.matched.as_ref();
+            let _ = writeln!(
+                out,
+                "| {} | {team} | {} | {} | {} | {} | {} | {} |",
+                p.label,
+                optional_ms(t.continuing.queue_wait_p50_ms),
+                optional_ms(t.new.queue_wait_p50_ms),
+                m.map_or(0, |m| m.pairs),
+                optional_ms(m.map(|m| m.new_queue_wait_p50_ms)),
+                optional_ms(m.map(|m| m.continuing_queue_wait_p50_ms)),
+                m.and_then(|m| m.continuing_over_new)
+                    .map_or_else(|| "n/a".to_string(), |r| format!("{r:.2}")),
+            );
+        }
+    }
+    if summary.policies.iter().any(|p| !p.bands.is_empty()) {
+        out.push_str(
+            "\n| row | band | requests | shed | rate limited | errors | TTFT p50 ms | TTFT p99 ms | queue wait p50 ms | queue wait p99 ms | longest wait ms | queue TTL ms |\n\
+             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for p in &summary.policies {
+            for (band, b) in &p.bands {
+                let _ = writeln!(
+                    out,
+                    "| {} | {band} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    p.label,
+                    b.requests,
+                    b.shed,
+                    b.rate_limited,
+                    b.errors,
+                    ms(b.ttft_p50_ms),
+                    ms(b.ttft_p99_ms),
+                    optional_ms(b.queue_wait_p50_ms),
+                    optional_ms(b.queue_wait_p99_ms),
+                    optional_ms(b.queue_wait_max_ms),
+                    optional_ms(b.queue_ttl_ms),
+                );
+            }
+        }
+    }
+    out.push_str(
+        "\n| row | team | requests | dispatched tokens | token share | offered load | shed | rate limited | queue wait p50 ms | queue wait p99 ms | TTFT p99 ms |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for p in &summary.policies {
+        for (team, t) in &p.teams {
+            let _ = writeln!(
+                out,
+                "| {} | {team} | {} | {} | {} | {:.2} | {} | {} | {} | {} | {} |",
+                p.label,
+                t.requests,
+                t.dispatched_tokens,
+                pct(t.dispatched_token_share),
+                t.offered_load,
+                t.shed,
+                t.rate_limited,
+                optional_ms(t.queue_wait_p50_ms),
+                optional_ms(t.queue_wait_p99_ms),
+                ms(t.ttft_p99_ms),
+            );
+        }
+    }
+    out.push_str(
+        "\n\"Offered load\" is the team's mean requests outstanding (sent, not yet answered) over \
+         the replayed span, per request slot of the fleet: above 1 the team alone asks for more \
+         than the fleet runs at once. \"Token share\" is its share of the input + output tokens \
+         of every successful request.\n",
+    );
+    if summary.policies.iter().any(|p| !p.fairness.is_empty()) {
+        out.push_str(
+            "\nFairness within a band, over the time every team of the band had a request queued \
+             (goal with equal weights: each team 45-55% of the tokens dispatched then):\n\n\
+             | row | band | both backlogged s | team | dispatched requests | dispatched tokens | share |\n\
+             |---|---|---:|---|---:|---:|---:|\n",
+        );
+        for p in &summary.policies {
+            for (band, f) in &p.fairness {
+                for (team, share) in &f.teams {
+                    let _ = writeln!(
+                        out,
+                        "| {} | {band} | {:.1} | {team} | {} | {} | {} |",
+                        p.label,
+                        f.backlogged_s,
+                        share.dispatched_requests,
+                        share.dispatched_tokens,
+                        optional_pct(share.share),
+                    );
+                }
+            }
+        }
+    }
+    out.push('\n');
+    out.push_str(&flow_reading(summary));
+    out.push('\n');
+    Some(out)
+}
+
+/// A few sentences on the flow-control figures, against the goals they are measured for.
+pub fn flow_reading(summary: &RunSummary) -> String {
+    let mut text = String::new();
+    for c in &summary.interactive_isolation {
+        if let (Some(on), Some(ratio)) = (c.flow_on_ttft_p99_ms, c.on_over_alone) {
+            let _ = write!(
+                text,
+                "With {}, the interactive team's TTFT p99 beside the batch load was {} ms with \
+                 flow control, {ratio:.2}x its {} ms alone ({} the 2x goal)",
+                c.setup,
+                ms(on),
+                optional_ms(c.alone_ttft_p99_ms),
+                if ratio <= 2.0 { "within" } else { "outside" },
+            );
+            match c.off_over_on {
+                Some(off) => {
+                    let _ = write!(
+                        text,
+                        ", and {off:.2}x better than without flow control ({} the 5x goal)",
+                        if off >= 5.0 { "meeting" } else { "short of" }
+                    );
+                }
+                None => text.push_str("; flow control off was not run"),
+            }
+            if let Some(load) = c.agents_offered_load {
+                let _ = write!(
+                    text,
+                    "; the agents kept {load:.2}x the fleet's request slots outstanding{}",
+                    if load >= 2.0 {
+                        ""
+                    } else {
+                        ", less than the 2x the goal is stated for (raise --mixed-batch-load)"
+                    }
+                );
+            }
+            text.push_str(". ");
+        }
+    }
+    for p in &summary.policies {
+        for (band, f) in &p.fairness {
+            let shares: Vec<String> = f
+                .teams
+                .iter()
+                .map(|(team, s)| format!("{team} {}", optional_pct(s.share)))
+                .collect();
+            let fair = f
+                .teams
+                .values()
+                .all(|s| s.share.is_some_and(|v| (0.45..=0.55).contains(&v)));
+            let _ = write!(
+                text,
+                "In {}, while every team of band {band} was backlogged ({:.0} s), dispatched \
+                 tokens split {} ({} 45-55% each). ",
+                p.label,
+                f.backlogged_s,
+                shares.join(" / "),
+                if fair { "within" } else { "not within" }
+            );
+        }
+    }
+    for p in summary.policies.iter().filter(|p| p.flow_control == "on") {
+        for (team, t) in &p.teams {
+            let Some(m) = &t.turns.matched else {
+                continue;
+            };
+            if let Some(ratio) = m.continuing_over_new {
+                let _ = write!(
+                    text,
+                    "In {}, {} new sessions of team {team} sent while the pool was saturated \
+                     waited {} ms at the median, and the team's continuing turns sent around them \
+                     {} ms ({ratio:.2}x; goal: at most 0.5x). ",
+                    p.label,
+                    m.pairs,
+                    ms(m.new_queue_wait_p50_ms),
+                    ms(m.continuing_queue_wait_p50_ms),
+                );
+            }
+        }
+    }
+    let unsaturated: u64 = summary
+        .policies
+        .iter()
+        .filter_map(|p| p.shed_unsaturated)
+        .sum();
+    let refused: u64 = summary
+        .policies
+        .iter()
+        .filter(|p| p.flow_control == "on")
+        .map(|p| p.shed + p.rate_limited)
+        .sum();
+    let _ = write!(
+        text,
+        "Flow control refused {refused} requests in all; {unsaturated} of them while the pool \
+         was not saturated (goal: none)."
+    );
+    text
+}
+
 /// What killing a replica did, per policy.
 fn kill_section(summary: &RunSummary) -> Option<String> {
     let at = summary.kill_replica_s?;
@@ -308,7 +651,7 @@ fn kill_section(summary: &RunSummary) -> Option<String> {
          pooled-cache oracle's hit ratio on the same requests (an ideal cache with the whole \
          fleet's capacity before the kill and the surviving replicas' after it), so reuse has \
          recovered when captured late is back near captured before.\n\n\
-         | policy | killed at s | engine in flight | in flight | errors in flight | requests after | errors after | shed after | other errors | hit before | hit right after | hit late | captured before | captured right after | captured late |\n\
+         | row | killed at s | engine in flight | in flight | errors in flight | requests after | errors after | shed after | other errors | hit before | hit right after | hit late | captured before | captured right after | captured late |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         super::kill::KILLED_REPLICA
     );
@@ -398,6 +741,11 @@ pub fn render(summary: &RunSummary) -> String {
     if let Some(teams) = team_table(&summary.policies) {
         out.push_str("### Per team\n\n");
         out.push_str(&teams);
+        out.push('\n');
+    }
+    if let Some(flow) = flow_section(summary) {
+        out.push_str("### Flow control\n\n");
+        out.push_str(&flow);
         out.push('\n');
     }
     if summary.gateways > 1 {

@@ -1,5 +1,13 @@
-//! `summary.json`: one object per policy, computed from the client's request records, the
-//! engines' counters and the reuse oracle. Times are simulated milliseconds.
+//! `summary.json`: one object per row (a routing policy, a fleet layout and threshold, flow
+//! control on or off, and which traffic; see `run::rows`), computed from the client's request records, the engines' counters, the reuse
+//! oracle and the gateways' flow-control state. Times are simulated milliseconds.
+//!
+//! Outcomes: `requests = successes + errors + shed + rate_limited`, where `shed` counts the
+//! flow-control refusals for load (`overloaded_shed`, `queue_full`, `queue_timeout`) and
+//! `rate_limited` the refusals by a team's rate limits (the benchmark configures none, so it
+//! stays 0 and `requests = successes + errors + shed`). Every other failure is an error.
+//! Flow-control figures (`bands`, `turns`, `fairness`, queue waits) are defined in
+//! [`super::flow`].
 
 use std::collections::BTreeMap;
 
@@ -7,6 +15,7 @@ use serde::Serialize;
 
 use crate::oracle::ReuseResult;
 
+use super::flow::{self, BandSummary, FairnessSummary, SaturationSample, TurnsSummary};
 use super::kill::KillSummary;
 use super::metrics::{FleetMetrics, Sample};
 use super::pd::PdSummary;
@@ -41,10 +50,28 @@ pub struct RunSummary {
     pub block_size: usize,
     /// Seed of the workload and the replicas.
     pub seed: u64,
-    /// Whether the replicas expose simulated engine busy time (else GPU figures are null).
+    /// `max_num_seqs` of every replica (the engine's batch width).
+    pub max_num_seqs: usize,
+    /// Requests the fleet of the first `--topology` layout runs at once: replicas serving
+    /// requests (all of `agg`, the decode ones of `pd:PxD`) x max_num_seqs. `--mixed-batch-load`
+    /// is a factor of it; each row's own is in its `request_slots`.
+    pub request_slots: usize,
+    /// `--flow-control` settings compared, in order (`on`, `off`).
+    pub flow_control: Vec<String>,
+    /// Whether the batch band is sheddable (`--batch-sheddable`).
+    pub batch_sheddable: bool,
+    /// `--mixed-batch-load`: the agents team's sessions per request slot, if given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mixed_batch_load: Option<f64>,
+    /// Whether the engines expose simulated engine busy time (else GPU figures are null).
     pub engine_busy_counter: bool,
-    /// One object per policy, in the order requested.
+    /// One object per row, in the order of `run::rows`: for each policy, layout and threshold,
+    /// each `--flow-control` setting, then the interactive team alone (`--interactive-alone`).
     pub policies: Vec<PolicySummary>,
+    /// Per policy, layout and threshold, the interactive team's TTFT p99 with flow control on,
+    /// off and alone.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub interactive_isolation: Vec<IsolationCheck>,
     /// The same policies replayed at a second time scale (`--compare-time-scale`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub time_scale_check: Option<TimeScaleCheck>,
@@ -52,6 +79,31 @@ pub struct RunSummary {
     pub topologies: Vec<String>,
     /// `--pd-threshold` values swept over the P/D layouts (empty: the gateway's default).
     pub pd_thresholds: Vec<u64>,
+}
+
+/// How well flow control isolates the interactive team from a batch load, for one policy.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct IsolationCheck {
+    /// Routing policy.
+    pub policy: String,
+    /// The rows' common label part: the policy, with `@TOPOLOGY[/t=T]` when the run compares
+    /// layouts (see `run::rows`).
+    pub setup: String,
+    /// Fleet layout of the rows compared: `agg` or `pd:PxD`.
+    pub topology: String,
+    /// Interactive TTFT p99 when it runs alone (the `interactive-alone` row).
+    pub alone_ttft_p99_ms: Option<f64>,
+    /// Interactive TTFT p99 beside the batch load with flow control on.
+    pub flow_on_ttft_p99_ms: Option<f64>,
+    /// The same with flow control off.
+    pub flow_off_ttft_p99_ms: Option<f64>,
+    /// flow_on / alone (the goal: at most 2).
+    pub on_over_alone: Option<f64>,
+    /// flow_off / flow_on (the goal: at least 5).
+    pub off_over_on: Option<f64>,
+    /// The agents team's offered load with flow control on (outstanding requests per request
+    /// slot; the goal needs at least 2).
+    pub agents_offered_load: Option<f64>,
 }
 
 /// A second replay at another time scale, to show how much the figures depend on it.
@@ -70,8 +122,19 @@ pub struct TeamSummary {
     pub requests: u64,
     /// Requests that ended in an error.
     pub errors: u64,
-    /// Requests shed (429/503).
+    /// Requests refused for load (`overloaded_shed`, `queue_full`, `queue_timeout`).
     pub shed: u64,
+    /// Requests refused by rate limits.
+    pub rate_limited: u64,
+    /// Input + output tokens of its successful requests (what the fleet ran for it).
+    pub dispatched_tokens: u64,
+    /// dispatched_tokens over every team's.
+    pub dispatched_token_share: f64,
+    /// Mean requests outstanding (sent, not finished) over the replayed span.
+    pub outstanding_mean: f64,
+    /// outstanding_mean / the fleet's request slots: above 1 the team alone asks for more than
+    /// the fleet runs at once.
+    pub offered_load: f64,
     /// Prompt tokens of its successful requests.
     pub prompt_tokens: u64,
     /// Cached prompt tokens of its successful requests.
@@ -88,6 +151,12 @@ pub struct TeamSummary {
     pub e2e_p50_ms: f64,
     /// End-to-end latency, 99th percentile.
     pub e2e_p99_ms: f64,
+    /// Queue wait of its admitted requests, median (null without flow control).
+    pub queue_wait_p50_ms: Option<f64>,
+    /// Queue wait, 99th percentile.
+    pub queue_wait_p99_ms: Option<f64>,
+    /// Its continuing turns versus new sessions (turn-first order applies within a team).
+    pub turns: TurnsSummary,
 }
 
 /// Engine-side totals as scraped from the replicas.
@@ -105,21 +174,40 @@ pub struct EngineSummary {
     pub prefill_counter_exposed: bool,
 }
 
-/// One policy's results: every field `summary.json` promises.
+/// One row's results: every field `summary.json` promises.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PolicySummary {
+    /// Row label, unique in the run (see `run::rows`): the policy, `POLICY@TOPOLOGY[/t=T]` when
+    /// the run compares layouts, then ` flow-off` or ` interactive-alone`. Same as `label`.
+    pub row: String,
     /// Routing policy name.
     pub policy: String,
+    /// `on` or `off`.
+    pub flow_control: String,
+    /// `all` (the whole workload) or `interactive-alone` (only the interactive team).
+    pub traffic: String,
+    /// Requests this row's fleet runs at once: replicas serving requests x max_num_seqs (the
+    /// unit of the teams' `offered_load`).
+    pub request_slots: usize,
     /// Time scale of this replay.
     pub time_scale: f64,
-    /// Requests sent (= successes + errors + shed).
+    /// Requests sent (= successes + errors + shed + rate_limited).
     pub requests: u64,
     /// Requests with a terminal completed/incomplete event.
     pub successes: u64,
     /// Requests that failed.
     pub errors: u64,
-    /// Requests rejected for load (429/503).
+    /// Requests refused for load by flow control (`overloaded_shed`, `queue_full`,
+    /// `queue_timeout`).
     pub shed: u64,
+    /// Requests refused by rate limits.
+    pub rate_limited: u64,
+    /// Refusals for which no saturation sample from before their send to after their answer
+    /// shows the gateways' pool saturated (see `run::flow`); null without flow control.
+    pub shed_unsaturated: Option<u64>,
+    /// Fraction of the replay's saturation samples in which the pool was saturated; null
+    /// without flow control.
+    pub saturated_fraction: Option<f64>,
     /// Prompt tokens of successful requests (`usage.input_tokens`).
     pub prompt_tokens: u64,
     /// Cached prompt tokens of successful requests (`usage.input_tokens_details.cached_tokens`).
@@ -174,10 +262,15 @@ pub struct PolicySummary {
     pub kill: Option<KillSummary>,
     /// Per team (the gateway's unit of priority bands), by name.
     pub teams: BTreeMap<String, TeamSummary>,
+    /// Per flow-control band, by name (empty with flow control off).
+    pub bands: BTreeMap<String, BandSummary>,
+    /// Continuing turns versus new sessions.
+    pub turns: TurnsSummary,
+    /// Per band with several teams: token shares while every team of it was backlogged.
+    pub fairness: BTreeMap<String, FairnessSummary>,
     /// The first error message seen, to show what went wrong.
     pub first_error: Option<String>,
-    /// Row label: the policy, or `POLICY@TOPOLOGY[/t=THRESHOLD]` when the run compares
-    /// topologies (see `run::topology`).
+    /// Row label (see `run::rows`); the same as `row`.
     pub label: String,
     /// Fleet layout: `agg` or `pd:PxD`.
     pub topology: String,
@@ -200,8 +293,22 @@ pub struct PolicyRun {
 
 /// What [`PolicySummary::build`] needs.
 pub struct BuildInput<'a> {
+    /// Row label.
+    pub row: &'a str,
     /// Policy name.
     pub policy: &'a str,
+    /// `on` or `off`.
+    pub flow_control: &'a str,
+    /// `all` or `interactive-alone`.
+    pub traffic: &'a str,
+    /// The band the configuration gives each team (empty with flow control off).
+    pub team_bands: &'a BTreeMap<String, String>,
+    /// Gateway saturation samples (empty with flow control off).
+    pub saturation: &'a [SaturationSample],
+    /// Simulated span in which turns start (`--duration`).
+    pub duration_s: f64,
+    /// Requests the row's fleet runs at once.
+    pub request_slots: usize,
     /// Time scale of the replay.
     pub time_scale: f64,
     /// The requests.
@@ -236,7 +343,8 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn ratio(part: u64, whole: u64) -> f64 {
+/// part / whole (0 when whole is 0).
+pub fn ratio(part: u64, whole: u64) -> f64 {
     if whole == 0 {
         0.0
     } else {
@@ -250,11 +358,13 @@ struct Tally {
     successes: u64,
     errors: u64,
     shed: u64,
+    rate_limited: u64,
     prompt_tokens: u64,
     cached_tokens: u64,
     output_tokens: u64,
     ttft: Vec<f64>,
     e2e: Vec<f64>,
+    queue_wait: Vec<f64>,
 }
 
 impl Tally {
@@ -264,11 +374,13 @@ impl Tally {
             successes: 0,
             errors: 0,
             shed: 0,
+            rate_limited: 0,
             prompt_tokens: 0,
             cached_tokens: 0,
             output_tokens: 0,
             ttft: Vec::new(),
             e2e: Vec::new(),
+            queue_wait: Vec::new(),
         };
         for record in records {
             tally.requests += 1;
@@ -282,14 +394,22 @@ impl Tally {
                         tally.ttft.push(ttft);
                     }
                     tally.e2e.push(record.e2e_ms);
+                    tally.queue_wait.extend(record.queue_wait_ms);
                 }
-                Outcome::Shed => tally.shed += 1,
+                Outcome::Shed(_) => tally.shed += 1,
+                Outcome::RateLimited(_) => tally.rate_limited += 1,
                 Outcome::Error(_) => tally.errors += 1,
             }
         }
         tally.ttft.sort_by(f64::total_cmp);
         tally.e2e.sort_by(f64::total_cmp);
+        tally.queue_wait.sort_by(f64::total_cmp);
         tally
+    }
+
+    /// Queue wait percentile, None when no request reported one.
+    fn queue_wait(&self, p: f64) -> Option<f64> {
+        (!self.queue_wait.is_empty()).then(|| percentile(&self.queue_wait, p))
     }
 }
 
@@ -302,14 +422,24 @@ impl PolicySummary {
         for record in records {
             teams.entry(record.team.clone()).or_default().push(record);
         }
+        let all_dispatched = all.prompt_tokens + all.output_tokens;
+        let slots = input.request_slots.max(1) as f64;
         let teams = teams
             .into_iter()
             .map(|(team, records)| {
+                let outstanding = flow::outstanding_mean(records.iter().copied(), input.duration_s);
+                let turns = flow::turns(records.iter().copied(), input.saturation);
                 let t = Tally::of(records.into_iter());
+                let dispatched_tokens = t.prompt_tokens + t.output_tokens;
                 let summary = TeamSummary {
                     requests: t.requests,
                     errors: t.errors,
                     shed: t.shed,
+                    rate_limited: t.rate_limited,
+                    dispatched_tokens,
+                    dispatched_token_share: ratio(dispatched_tokens, all_dispatched),
+                    outstanding_mean: outstanding,
+                    offered_load: outstanding / slots,
                     prompt_tokens: t.prompt_tokens,
                     cached_tokens: t.cached_tokens,
                     cache_hit_ratio: ratio(t.cached_tokens, t.prompt_tokens),
@@ -318,6 +448,9 @@ impl PolicySummary {
                     ttft_p99_ms: percentile(&t.ttft, 99.0),
                     e2e_p50_ms: percentile(&t.e2e, 50.0),
                     e2e_p99_ms: percentile(&t.e2e, 99.0),
+                    queue_wait_p50_ms: t.queue_wait(50.0),
+                    queue_wait_p99_ms: t.queue_wait(99.0),
+                    turns,
                 };
                 (team, summary)
             })
@@ -369,13 +502,35 @@ impl PolicySummary {
             Outcome::Error(message) => Some(message.clone()),
             _ => None,
         });
+        let sampled = !input.saturation.is_empty();
+        let shed_unsaturated = sampled.then(|| {
+            records
+                .iter()
+                .filter(|r| r.outcome.is_refusal())
+                .filter(|r| {
+                    let answered_s = r.sent_s + r.e2e_ms / 1000.0;
+                    !flow::saturated_during(input.saturation, r.sent_s, answered_s)
+                })
+                .count() as u64
+        });
+        let saturated_fraction = sampled.then(|| {
+            let saturated = input.saturation.iter().filter(|s| s.saturated).count();
+            saturated as f64 / input.saturation.len() as f64
+        });
         PolicySummary {
+            row: input.row.to_string(),
             policy: input.policy.to_string(),
+            flow_control: input.flow_control.to_string(),
+            traffic: input.traffic.to_string(),
+            request_slots: input.request_slots,
             time_scale: input.time_scale,
             requests: all.requests,
             successes: all.successes,
             errors: all.errors,
             shed: all.shed,
+            rate_limited: all.rate_limited,
+            shed_unsaturated,
+            saturated_fraction,
             prompt_tokens: all.prompt_tokens,
             cached_tokens: all.cached_tokens,
             output_tokens: all.output_tokens,
@@ -414,8 +569,11 @@ impl PolicySummary {
             requests_per_replica,
             kill: None,
             teams,
+            bands: flow::bands(records, input.team_bands),
+            turns: flow::turns(records.iter(), input.saturation),
+            fairness: flow::fairness(records, input.team_bands),
             first_error,
-            label: input.policy.to_string(),
+            label: input.row.to_string(),
             topology: "agg".to_string(),
             pd: None,
         }
@@ -431,9 +589,12 @@ mod tests {
             seq,
             session: 0,
             turn: seq as usize,
+            continuing: seq > 0,
             gateway: (seq % 2) as usize,
             endpoint: Some("bench/0".into()),
             team: team.into(),
+            band: None,
+            queue_wait_ms: None,
             sent_s: seq as f64,
             outcome,
             ttft_ms: Some(100.0 * (seq + 1) as f64),
@@ -457,8 +618,15 @@ mod tests {
         let records = vec![
             record(0, "agents", Outcome::Success, 1000, 0),
             record(1, "agents", Outcome::Success, 1100, 1000),
-            record(2, "interactive", Outcome::Shed, 0, 0),
+            record(2, "interactive", Outcome::Shed("queue_full".into()), 0, 0),
             record(3, "interactive", Outcome::Error("HTTP 500".into()), 0, 0),
+            record(
+                4,
+                "interactive",
+                Outcome::RateLimited("rate_limit_exceeded_requests".into()),
+                0,
+                0,
+            ),
         ];
         let oracle = ReuseResult {
             prompt_tokens: 2100,
@@ -474,8 +642,30 @@ mod tests {
             busy_seconds: Some(2.12),
             replicas: Vec::new(),
         };
+        let team_bands = BTreeMap::new();
+        let saturation: Vec<SaturationSample> = [
+            (1.0, false),
+            (2.5, false),
+            (3.2, false),
+            (3.5, true),
+            (4.5, false),
+        ]
+        .into_iter()
+        .map(|(t_s, saturated)| SaturationSample {
+            t_s,
+            queued: u64::from(saturated),
+            saturated,
+        })
+        .collect();
         let summary = PolicySummary::build(BuildInput {
+            row: "round_robin",
             policy: "round_robin",
+            flow_control: "on",
+            traffic: "all",
+            team_bands: &team_bands,
+            saturation: &saturation,
+            duration_s: 4.0,
+            request_slots: 2,
             time_scale: 0.1,
             records: &records,
             available: &oracle,
@@ -487,11 +677,16 @@ mod tests {
             replicas: 2,
             wall_s: 1.0,
         });
-        assert_eq!(summary.requests, 4);
+        assert_eq!(summary.requests, 5);
         assert_eq!(
-            summary.successes + summary.errors + summary.shed,
+            summary.successes + summary.errors + summary.shed + summary.rate_limited,
             summary.requests
         );
+        assert_eq!((summary.shed, summary.rate_limited), (1, 1));
+        // The refusal sent at 2 s and answered at 3 s saw no saturated sample from before to
+        // after; the one sent at 4 s came right after a saturated one.
+        assert_eq!(summary.shed_unsaturated, Some(1));
+        assert!((summary.saturated_fraction.unwrap() - 0.2).abs() < 1e-12);
         assert_eq!(summary.prompt_tokens, 2100);
         assert!((summary.cache_hit_ratio - 1000.0 / 2100.0).abs() < 1e-12);
         assert!((summary.captured_reuse - 2.0 * 1000.0 / 2100.0).abs() < 1e-12);
@@ -500,16 +695,31 @@ mod tests {
         assert!((summary.gpu_seconds_per_million_tokens.unwrap() - 1000.0).abs() < 1e-9);
         let interactive = &summary.teams["interactive"];
         assert_eq!(
-            (interactive.requests, interactive.shed, interactive.errors),
-            (2, 1, 1)
+            (
+                interactive.requests,
+                interactive.shed,
+                interactive.rate_limited,
+                interactive.errors
+            ),
+            (3, 1, 1, 1)
         );
-        assert_eq!(summary.teams["agents"].cached_tokens, 1000);
-        assert_eq!(summary.requests_per_gateway, [2, 2]);
-        assert_eq!(summary.requests_per_replica, [4, 0]);
+        let agents = &summary.teams["agents"];
+        assert_eq!(agents.cached_tokens, 1000);
+        assert_eq!(agents.dispatched_tokens, 2120);
+        assert_eq!(agents.dispatched_token_share, 1.0);
+        assert_eq!(interactive.dispatched_tokens, 0);
+        // Two requests of 1 s each over a 4 s span, over 2 request slots.
+        assert!((agents.outstanding_mean - 0.5).abs() < 1e-12);
+        assert!((agents.offered_load - 0.25).abs() < 1e-12);
+        assert_eq!(agents.queue_wait_p50_ms, None, "no queue wait was reported");
+        assert!(summary.bands.is_empty() && summary.fairness.is_empty());
+        assert_eq!(summary.turns.new.requests, 1);
+        assert_eq!(summary.requests_per_gateway, [3, 2]);
+        assert_eq!(summary.requests_per_replica, [5, 0]);
         // 100 distinct blocks + two successes with 10 output tokens: (3 + 2) each.
         assert_eq!(summary.no_eviction_kv_blocks, 110);
         assert_eq!(summary.kill, None);
-        // span: first send at 0 s, last completion at 3 s + 1 s.
-        assert_eq!(summary.span_s, 4.0);
+        // span: first send at 0 s, last completion at 4 s + 1 s.
+        assert_eq!(summary.span_s, 5.0);
     }
 }

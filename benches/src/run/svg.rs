@@ -1,4 +1,4 @@
-//! Hand-written SVG line charts: TTFT CDF per policy, cache hit ratio over time, per-replica load
+//! Hand-written SVG line charts: TTFT CDF per row, cache hit ratio over time, per-replica load
 //! over time. Each chart has titled, ticked axes and a legend.
 
 use std::fmt::Write;
@@ -35,10 +35,10 @@ pub struct Panel {
 const COLORS: &[&str] = &[
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
 ];
-const WIDTH: f64 = 900.0;
+const WIDTH: f64 = 960.0;
 const PANEL_HEIGHT: f64 = 340.0;
 const LEFT: f64 = 80.0;
-const RIGHT: f64 = 230.0;
+const RIGHT: f64 = 290.0;
 const TOP: f64 = 40.0;
 const BOTTOM: f64 = 55.0;
 
@@ -237,7 +237,7 @@ fn thin(points: Vec<(f64, f64)>, limit: usize) -> Vec<(f64, f64)> {
     out
 }
 
-/// TTFT CDF, one line per policy, log-scaled time axis.
+/// TTFT CDF, one line per row (see `run::rows`), log-scaled time axis.
 pub fn ttft_cdf(runs: &[PolicyRun]) -> String {
     let series = runs
         .iter()
@@ -259,7 +259,7 @@ pub fn ttft_cdf(runs: &[PolicyRun]) -> String {
     render(
         "Time to first token",
         &[Panel {
-            title: "CDF of TTFT per policy".into(),
+            title: "CDF of TTFT per row".into(),
             x_label: "TTFT (simulated ms, log scale)".into(),
             y_label: "fraction of requests".into(),
             x_log: true,
@@ -272,7 +272,7 @@ pub fn ttft_cdf(runs: &[PolicyRun]) -> String {
 /// Number of time bins of the over-time charts.
 const BINS: usize = 40;
 
-/// Prompt-token cache hit ratio of the requests sent in each time bin, one line per policy.
+/// Prompt-token cache hit ratio of the requests sent in each time bin, one line per row.
 pub fn cache_hit_over_time(runs: &[PolicyRun]) -> String {
     let end = runs
         .iter()
@@ -323,7 +323,7 @@ pub fn cache_hit_over_time(runs: &[PolicyRun]) -> String {
     )
 }
 
-/// Requests running + waiting on each replica over time, one panel per policy.
+/// Requests running + waiting on each replica over time, one panel per row.
 pub fn replica_load(runs: &[PolicyRun]) -> String {
     let panels: Vec<Panel> = runs
         .iter()

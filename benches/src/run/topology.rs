@@ -6,8 +6,8 @@
 //! - `pd:PxD`: P prefill-role replicas then D decode-role replicas, listed in the pool as
 //!   endpoint tables `{url, role}` in that order (endpoints `bench/0` .. `bench/P-1` prefill,
 //!   `bench/P` .. `bench/P+D-1` decode). Every replica has the same simulated hardware as an
-//!   aggregated one: `--kv-blocks` blocks of `--block-size` tokens, and the simulator's default
-//!   prefill speed, decode time per token, batch width and KV transfer bandwidth. The gateway
+//!   aggregated one: `--kv-blocks` blocks of `--block-size` tokens, `--max-num-seqs`, and the
+//!   simulator's default prefill speed, decode time per token and KV transfer bandwidth. The gateway
 //!   picks a decode endpoint first and has the prompt prefilled on a prefill endpoint only when
 //!   more than `[pools.disaggregation] threshold_tokens` of it are not cached on that decode
 //!   endpoint (`gateway/src/turn.rs`).
@@ -16,11 +16,8 @@
 //! value: a sweep. It applies to P/D topologies only; an `agg` layout does not depend on it and
 //! is replayed once.
 //!
-//! Rows ([`Variant`]) are every policy x topology x threshold, policy outermost, in the order
-//! given. A row's label is the policy alone when the run compares policies on the default
-//! `agg` layout only (so summaries of such runs are unchanged), else
-//! `POLICY@TOPOLOGY`, with `/t=THRESHOLD` for P/D rows when `--pd-threshold` was given, e.g.
-//! `session@agg`, `session@pd:2x2/t=2048`.
+//! Every policy is replayed on every layout (and threshold); the rows and their labels
+//! (`session@agg`, `session@pd:2x2/t=2048`) are in [`super::rows`].
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -102,48 +99,6 @@ pub fn role_name(role: Role) -> &'static str {
         Role::Prefill => "prefill",
         Role::Decode => "decode",
     }
-}
-
-/// One row of a run: a policy replayed on one topology (with one threshold, for P/D).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Variant {
-    /// Routing policy.
-    pub policy: String,
-    /// Fleet layout.
-    pub topology: Topology,
-    /// `threshold_tokens` for a P/D layout; None = the gateway's default (always None for agg).
-    pub threshold: Option<u64>,
-    /// Row label (see the module doc).
-    pub label: String,
-}
-
-/// Every row of a run, policy outermost (see the module doc).
-pub fn variants(policies: &[String], topologies: &[Topology], thresholds: &[u64]) -> Vec<Variant> {
-    let plain = topologies.iter().all(|t| *t == Topology::Agg);
-    let mut rows = Vec::new();
-    for policy in policies {
-        for topology in topologies {
-            let sweep: Vec<Option<u64>> = if topology.is_pd() && !thresholds.is_empty() {
-                thresholds.iter().copied().map(Some).collect()
-            } else {
-                vec![None]
-            };
-            for threshold in sweep {
-                let label = match (plain, threshold) {
-                    (true, _) => policy.clone(),
-                    (false, None) => format!("{policy}@{topology}"),
-                    (false, Some(t)) => format!("{policy}@{topology}/t={t}"),
-                };
-                rows.push(Variant {
-                    policy: policy.clone(),
-                    topology: *topology,
-                    threshold,
-                    label,
-                });
-            }
-        }
-    }
-    rows
 }
 
 /// Check `--topology` and `--pd-threshold` against each other and the other options.
@@ -272,38 +227,6 @@ mod tests {
     }
 
     #[test]
-    fn rows_cover_every_policy_topology_and_threshold_with_labels() {
-        let policies = ["session".to_string(), "round_robin".to_string()];
-        let agg_only = variants(&policies, &[Topology::Agg], &[]);
-        let labels: Vec<&str> = agg_only.iter().map(|v| v.label.as_str()).collect();
-        assert_eq!(
-            labels,
-            ["session", "round_robin"],
-            "plain runs keep plain labels"
-        );
-
-        let pd = Topology::Pd {
-            prefill: 2,
-            decode: 2,
-        };
-        let rows = variants(&policies[..1], &[Topology::Agg, pd], &[0, 2048]);
-        let labels: Vec<&str> = rows.iter().map(|v| v.label.as_str()).collect();
-        assert_eq!(
-            labels,
-            ["session@agg", "session@pd:2x2/t=0", "session@pd:2x2/t=2048"]
-        );
-        assert_eq!(
-            rows[0].threshold, None,
-            "agg runs once, without a threshold"
-        );
-        assert_eq!(rows[2].threshold, Some(2048));
-        let default = variants(&policies[..1], &[pd], &[]);
-        assert_eq!(default.len(), 1);
-        assert_eq!(default[0].label, "session@pd:2x2");
-        assert_eq!(default[0].threshold, None);
-    }
-
-    #[test]
     fn options_are_checked_against_each_other() {
         let pd = Topology::Pd {
             prefill: 1,
@@ -328,7 +251,9 @@ mod tests {
         let urls: Vec<String> = (0..replicas)
             .map(|i| format!("http://127.0.0.1:{}", 1000 + i))
             .collect();
-        crate::run::gateway_config("session", &urls, &[], &StoreTarget::Memory).unwrap()
+        let flow =
+            crate::run::flow::FlowSetup::new(crate::run::flow::FlowMode::On, 8, 1, 0.5, false);
+        crate::run::gateway_config("session", &urls, &[], &StoreTarget::Memory, &flow).unwrap()
     }
 
     #[test]

@@ -383,6 +383,7 @@ mod tests {
             sessions,
             duration_s: 120.0,
             seed,
+            agent_sessions: None,
         })
         .unwrap_or_else(|e| panic!("{e}"))
     }

@@ -91,6 +91,7 @@ mod tests {
             sessions: 200,
             duration_s: 120.0,
             seed: 4,
+            agent_sessions: None,
         };
         let workload = generate(&params).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(

@@ -9,7 +9,10 @@
 //! - `agentic` ([`agentic`]): coding-agent sessions (long shared prefixes, tool-call loops,
 //!   lognormal per-turn new tokens, contexts growing toward 200k, sub-agent fan-out);
 //! - `chat` ([`chat`]): short human conversations with think times of tens of seconds;
-//! - `mixed` ([`mixed`]): `chat` for team `interactive` plus bursts of `agentic` for team `agents`;
+//! - `mixed` ([`mixed`]): `chat` for team `interactive` plus bursts of `agentic` for team `agents`
+//!   (or, with [`WorkloadParams::agent_sessions`], that many agent sessions from the start);
+//! - `fairness` ([`fairness`]): two closed-loop teams of alike requests, `heavy` with ten times
+//!   the sessions of `light`;
 //! - `trace:PATH` ([`trace`]): replay of a Mooncake JSONL trace.
 //!
 //! All text is lowercase pseudo-words separated by single spaces ([`text`]), so for the
@@ -18,6 +21,7 @@
 
 pub mod agentic;
 pub mod chat;
+pub mod fairness;
 pub mod mixed;
 mod stats;
 pub mod text;
@@ -37,6 +41,8 @@ pub enum WorkloadKind {
     Chat,
     /// `chat` (team `interactive`) and `agentic` bursts (team `agents`) at once.
     Mixed,
+    /// Teams `light` and `heavy` (ten times the sessions), closed loops of alike requests.
+    Fairness,
     /// Replay of a Mooncake-format JSONL trace at this path.
     Trace(PathBuf),
 }
@@ -49,11 +55,12 @@ impl FromStr for WorkloadKind {
             "agentic" => Ok(WorkloadKind::Agentic),
             "chat" => Ok(WorkloadKind::Chat),
             "mixed" => Ok(WorkloadKind::Mixed),
+            "fairness" => Ok(WorkloadKind::Fairness),
             other => match other.strip_prefix("trace:") {
                 Some("") => Err("`trace:` needs a path, e.g. trace:../shared/traces/mooncake_conversation.jsonl".into()),
                 Some(path) => Ok(WorkloadKind::Trace(PathBuf::from(path))),
                 None => Err(format!(
-                    "unknown workload `{other}`: use agentic, chat, mixed or trace:PATH"
+                    "unknown workload `{other}`: use agentic, chat, mixed, fairness or trace:PATH"
                 )),
             },
         }
@@ -66,6 +73,7 @@ impl std::fmt::Display for WorkloadKind {
             WorkloadKind::Agentic => f.write_str("agentic"),
             WorkloadKind::Chat => f.write_str("chat"),
             WorkloadKind::Mixed => f.write_str("mixed"),
+            WorkloadKind::Fairness => f.write_str("fairness"),
             WorkloadKind::Trace(path) => write!(f, "trace:{}", path.display()),
         }
     }
@@ -82,6 +90,10 @@ pub struct WorkloadParams {
     pub duration_s: f64,
     /// Seed of every random choice.
     pub seed: u64,
+    /// `mixed` only: the `agents` team runs this many sessions, half in a burst at the start
+    /// and half over the first half of the span ([`mixed`]), instead of half of `sessions` in
+    /// up to three bursts.
+    pub agent_sessions: Option<usize>,
 }
 
 /// A generated workload: every session to replay.
@@ -201,9 +213,56 @@ pub fn generate(params: &WorkloadParams) -> Result<Workload, String> {
         }),
         WorkloadKind::Mixed => Ok(Workload {
             name: "mixed".into(),
-            sessions: mixed::generate(params.sessions, params.duration_s, params.seed),
+            sessions: mixed::generate(
+                params.sessions,
+                params.agent_sessions,
+                params.duration_s,
+                params.seed,
+            ),
+        }),
+        WorkloadKind::Fairness => Ok(Workload {
+            name: "fairness".into(),
+            sessions: fairness::generate(params.sessions, params.duration_s, params.seed),
         }),
         WorkloadKind::Trace(path) => trace::generate(path, params.duration_s),
+    }
+}
+
+impl Workload {
+    /// The sessions of `team` only, with spawn and parent links renumbered (a link to a session
+    /// of another team is dropped); the name gets ` (TEAM only)`.
+    pub fn only_team(&self, team: &str) -> Workload {
+        let mut index = vec![None; self.sessions.len()];
+        let mut next = 0;
+        for (old, session) in self.sessions.iter().enumerate() {
+            if session.team == team {
+                index[old] = Some(next);
+                next += 1;
+            }
+        }
+        let remap = |old: usize| index.get(old).copied().flatten();
+        let sessions = self
+            .sessions
+            .iter()
+            .filter(|s| s.team == team)
+            .map(|session| {
+                let mut session = session.clone();
+                for turn in &mut session.turns {
+                    turn.spawn = turn.spawn.iter().filter_map(|&c| remap(c)).collect();
+                }
+                session.parent = session.parent.and_then(|link| {
+                    remap(link.session).map(|session| ParentLink {
+                        session,
+                        turn: link.turn,
+                    })
+                });
+                session
+            })
+            .collect();
+        Workload {
+            name: format!("{} ({team} only)", self.name),
+            sessions,
+        }
     }
 }
 
@@ -242,7 +301,8 @@ mod tests {
         );
         assert!("trace:".parse::<WorkloadKind>().is_err());
         let unknown = "agents".parse::<WorkloadKind>().unwrap_err();
-        assert!(unknown.contains("agentic, chat, mixed or trace:PATH"));
+        assert!(unknown.contains("agentic, chat, mixed, fairness or trace:PATH"));
+        assert_eq!("fairness".parse(), Ok(WorkloadKind::Fairness));
         assert_eq!(WorkloadKind::Trace("a/b".into()).to_string(), "trace:a/b");
     }
 
@@ -253,11 +313,58 @@ mod tests {
             sessions: 0,
             duration_s: 10.0,
             seed: 1,
+            agent_sessions: None,
         };
         assert!(generate(&params).unwrap_err().contains("--sessions"));
         params.sessions = 3;
         params.duration_s = 0.0;
         assert!(generate(&params).unwrap_err().contains("duration"));
+    }
+
+    #[test]
+    fn one_team_keeps_its_sessions_and_their_links() {
+        let params = WorkloadParams {
+            kind: WorkloadKind::Mixed,
+            sessions: 30,
+            duration_s: 120.0,
+            seed: 5,
+            agent_sessions: None,
+        };
+        let workload = generate(&params).unwrap_or_else(|e| panic!("{e}"));
+        let agents = workload.only_team("agents");
+        let expected: Vec<&str> = workload
+            .sessions
+            .iter()
+            .filter(|s| s.team == "agents")
+            .map(|s| s.id.as_str())
+            .collect();
+        let kept: Vec<&str> = agents.sessions.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!(kept, expected);
+        assert_eq!(agents.name, "mixed (agents only)");
+        // Every link still joins the same two sessions, by id.
+        let links = |w: &Workload| {
+            let mut links = Vec::new();
+            for session in &w.sessions {
+                for (t, turn) in session.turns.iter().enumerate() {
+                    for &child in &turn.spawn {
+                        let c = &w.sessions[child];
+                        assert_eq!(
+                            c.parent.map(|l| (l.turn, w.sessions[l.session].id.clone())),
+                            Some((t, session.id.clone()))
+                        );
+                        links.push((session.id.clone(), c.id.clone()));
+                    }
+                }
+            }
+            links
+        };
+        let before = links(&workload);
+        assert!(!before.is_empty(), "the seed spawns sub-agents");
+        assert_eq!(links(&agents), before);
+        let chat = workload.only_team("interactive");
+        assert_eq!(chat.sessions.len(), 15);
+        assert!(chat.sessions.iter().all(|s| s.team == "interactive"));
+        assert!(workload.only_team("nobody").sessions.is_empty());
     }
 
     #[test]

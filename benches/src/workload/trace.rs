@@ -171,6 +171,7 @@ mod tests {
             sessions: 1,
             duration_s: 5.0,
             seed: 1,
+            agent_sessions: None,
         };
         let workload = generate_workload(&params).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(workload.name, "trace:small.jsonl");
