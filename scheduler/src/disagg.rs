@@ -452,7 +452,8 @@ mod tests {
         let h = chunks(100);
         index.record(0, &h[..90]);
         index.record(1, &h[..10]);
-        let p = PrefillPicker::default();
+        let mut p = PrefillPicker::default();
+        p.rule.hysteresis_tokens = 4096.0;
         let request = req(&h, 100_000, Pinned::At(0));
         let pick = p.pick_at(&e, Some(&index), &request, now).unwrap();
         assert_eq!(

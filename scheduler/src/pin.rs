@@ -47,10 +47,16 @@
 //!   (a few hundred to a few thousand tokens) to a cached history, so a request waiting in an
 //!   engine's queue stands for about 2k tokens of prefill. The term only has to rank engine
 //!   queues; the gateway's own work is counted exactly.
-//! - `hysteresis_tokens = 4096`: a move must save at least about two queued turns' worth of
-//!   prefill (0.2 to 0.4 s on one modern GPU for a mid-size model prefilling 10k to 20k tokens/s),
-//!   so a pin does not flap between endpoints whose waits differ by noise, and a session that
-//!   just moved is not pulled back by the next small fluctuation.
+//! - `hysteresis_tokens = 131072`: a move must save at least 128k tokens of prefill (several
+//!   seconds on one GPU for a mid-size model prefilling 10k to 40k tokens/s), so only a replica
+//!   that is badly backed up loses its sessions. `pending_prefill_tokens` is each gateway
+//!   replica's own view: with several gateways each sees part of every endpoint's work, their
+//!   views differ, and a small margin lets them move the same session back and forth
+//!   (sub-agents of one session run concurrently through different gateways), recomputing its
+//!   context on every move. With `agentgate-bench run --workload agentic --policies session`
+//!   (4 replicas, seed 1) a margin of 4096 kept 0.96 of the pooled oracle's reuse with one
+//!   gateway but 0.89 with `--gateways 2`; 131072 kept 0.96 with both. Unavailable and
+//!   saturated pins still break at once.
 //!
 //! Both are fields of [`ScoringConfig`](crate::ScoringConfig).
 
@@ -59,7 +65,7 @@ use crate::picker::BreakCause;
 /// Default charge, in prefill tokens, per request waiting in an engine's queue.
 pub const DEFAULT_QUEUE_PENALTY_TOKENS: f64 = 2048.0;
 /// Default margin, in prefill tokens, by which moving must win before a pin breaks.
-pub const DEFAULT_HYSTERESIS_TOKENS: f64 = 4096.0;
+pub const DEFAULT_HYSTERESIS_TOKENS: f64 = 131_072.0;
 
 /// One endpoint's side of the wait rule.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -192,7 +198,10 @@ mod tests {
 
     #[test]
     fn an_alternative_holding_more_of_the_prompt_makes_moving_cheaper() {
-        let rule = PinRule::default();
+        let rule = PinRule {
+            hysteresis_tokens: 4096.0,
+            ..PinRule::default()
+        };
         // The index lost the pin's copy (m = 0) while another endpoint holds it all.
         let pin = cost(5_000.0, 0.0);
         let holder = cost(0.0, 1.0);

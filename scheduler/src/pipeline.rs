@@ -46,7 +46,7 @@
 //! So a full prefix match wins until the anti-herding gate takes it away, a half match (1.5)
 //! still beats moderate load differences, and cold prompts are placed by load alone.
 //! Anti-herding: `herd_factor = 1.5`, `herd_slack = 2`. Pin rule: `queue_penalty_tokens =
-//! 2048`, `pin_hysteresis_tokens = 4096` (reasons in [`crate::pin`]). Saturation:
+//! 2048`, `pin_hysteresis_tokens = 131072` (reasons in [`crate::pin`]). Saturation:
 //! [`Saturation::default`], with the metrics staleness set by whoever scrapes the engines.
 
 use std::collections::BTreeMap;
@@ -836,7 +836,7 @@ mod tests {
     fn the_pin_breaks_when_waiting_costs_more_than_recomputing_and_holds_again_after() {
         let (e, p, h) = pinned_session(2);
         // 100k-token prompt: the pin holds 90k, the alternative 10k, so moving recomputes 80k;
-        // with the 4096-token hysteresis the pin breaks once its pending prefill passes 84 096.
+        // with the default hysteresis the pin breaks once its pending prefill passes 80k + that.
         let threshold = 80_000 + DEFAULT_HYSTERESIS_TOKENS as u64;
         let request = req(&h, 100_000, Pinned::At(0));
         let mut queued = vec![e[0].begin(threshold, threshold)];
@@ -873,6 +873,7 @@ mod tests {
         // below the default saturation limit of 32 queued, so only the wait rule can break it.
         let mut config = ScoringConfig::session();
         config.saturation.max_waiting = 1000.0;
+        config.pin_hysteresis_tokens = 4096.0;
         let p2 = pipeline(&config);
         p2.routed(0, &h[..90]);
         p2.routed(1, &h[..10]);

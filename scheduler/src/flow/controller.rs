@@ -774,7 +774,7 @@ impl State {
     fn pump(&mut self, inner: &Arc<Inner>, out: &mut VecDeque<Delivery>) {
         let now = Instant::now();
         while !self.entries.is_empty() && inner.capacity.can_dispatch(&self.load()) {
-            let Some((b, pick)) = self.pick(now) else {
+            let Some((b, pick)) = self.pick() else {
                 break;
             };
             if let Some(delivery) = self.dispatch(inner, b, &pick, now) {
@@ -783,7 +783,7 @@ impl State {
         }
     }
 
-    fn pick(&self, now: Instant) -> Option<(usize, Pick)> {
+    fn pick(&self) -> Option<(usize, Pick)> {
         let eligible = |team: &str| {
             let limit = self.team_spec(team).map(|t| t.max_concurrent);
             let in_flight = self.teams.get(team).map_or(0, |t| t.in_flight);
@@ -798,7 +798,7 @@ impl State {
             if band.queued == 0 {
                 return None;
             }
-            band.pick(enqueued_at, eligible, now, self.config.aging)
+            band.pick(enqueued_at, eligible, self.config.aging)
                 .map(|pick| (b, pick))
         })
     }

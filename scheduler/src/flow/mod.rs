@@ -60,10 +60,13 @@
 //!   iff that session had a request in flight within `turn_window` (in flight now, or finished
 //!   at most `turn_window` ago: its KV cache is likely warm); a session never seen here (first
 //!   turn, another replica served it, restart) or no session at all falls back to
-//!   [`Ticket::continuing`]. The team's next request is its oldest continuing turn, unless its
-//!   oldest new session has waited at least `aging` and arrived earlier: then that one goes
-//!   (counted as promoted). Aged requests are thus ordered by arrival with continuing turns,
-//!   and none waits behind an endless stream of them. `aging = 0` gives plain arrival order.
+//!   [`Ticket::continuing`]. Continuing turns get a head start of `aging`: the team's next
+//!   request is its oldest continuing turn, unless its oldest new session arrived at least
+//!   `aging` before that turn: then the new session goes (counted as promoted). So a
+//!   continuing turn overtakes only the new sessions that arrived less than `aging` before it,
+//!   and no new session waits more than `aging` behind arrival order, however long the queue
+//!   (a rule on time waited alone would stop favouring continuing turns as soon as queue waits
+//!   exceed `aging`). `aging = 0` gives plain arrival order.
 //!   The team's fair-queuing tag does not depend on which of its requests goes, so this order
 //!   never changes the team's share.
 //!

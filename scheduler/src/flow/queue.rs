@@ -148,12 +148,11 @@ impl BandQueue {
 
     /// The next request: among teams with queued requests that `eligible` accepts, the one
     /// with the smallest start tag (earliest arrival breaks ties); within it, the oldest
-    /// continuing turn, unless the oldest new session has waited `aging` and arrived earlier.
+    /// continuing turn, unless the oldest new session arrived at least `aging` before it.
     pub fn pick(
         &self,
         enqueued_at: impl Fn(u64) -> Option<Instant>,
         eligible: impl Fn(&str) -> bool,
-        now: Instant,
         aging: Duration,
     ) -> Option<Pick> {
         let mut best: Option<(f64, u64, Pick)> = None;
@@ -161,11 +160,15 @@ impl BandQueue {
             if flow.is_empty() || !eligible(team) {
                 continue;
             }
-            let aged = |id: u64| {
-                enqueued_at(id).is_none_or(|at| now.saturating_duration_since(at) >= aging)
+            // Continuing turns are ordered as if they had arrived `aging` earlier: a new
+            // session goes first only when it arrived at least `aging` before the oldest
+            // continuing turn, so it never waits more than `aging` behind arrival order.
+            let head_start = |n: u64, c: u64| match (enqueued_at(n), enqueued_at(c)) {
+                (Some(new_at), Some(cont_at)) => new_at + aging <= cont_at,
+                _ => n < c,
             };
             let (id, kind, promoted) = match (flow.continuing.front(), flow.new.front()) {
-                (Some(&c), Some(&n)) if n < c && aged(n) => (n, TurnKind::New, true),
+                (Some(&c), Some(&n)) if n < c && head_start(n, c) => (n, TurnKind::New, true),
                 (Some(&c), _) => (c, TurnKind::Continuing, false),
                 (None, Some(&n)) => (n, TurnKind::New, false),
                 (None, None) => continue,
@@ -229,7 +232,7 @@ mod tests {
     ) -> Vec<(String, u64)> {
         let now = Instant::now();
         let mut order = Vec::new();
-        while let Some(pick) = q.pick(|_| Some(now), |_| true, now, Duration::from_secs(60)) {
+        while let Some(pick) = q.pick(|_| Some(now), |_| true, Duration::from_secs(60)) {
             assert!(q.take(&pick, costs[&pick.id], weights[pick.team.as_str()], 0));
             order.push((pick.team, pick.id));
         }
@@ -263,9 +266,7 @@ mod tests {
             q.push(id, "a", TurnKind::New, 0);
         }
         for _ in 0..10 {
-            let pick = q
-                .pick(|_| Some(now), |_| true, now, Duration::ZERO)
-                .unwrap();
+            let pick = q.pick(|_| Some(now), |_| true, Duration::ZERO).unwrap();
             q.take(&pick, 100, 1.0, 0);
         }
         // b arrives after a has been served alone: it starts at the band's virtual time and
@@ -278,9 +279,7 @@ mod tests {
         }
         let mut teams = Vec::new();
         for _ in 0..4 {
-            let pick = q
-                .pick(|_| Some(now), |_| true, now, Duration::ZERO)
-                .unwrap();
+            let pick = q.pick(|_| Some(now), |_| true, Duration::ZERO).unwrap();
             q.take(&pick, 100, 1.0, 0);
             teams.push(pick.team);
         }
@@ -298,11 +297,9 @@ mod tests {
         assert!(q.remove(2, "b", TurnKind::Continuing, 20));
         assert_eq!((q.queued, q.queued_bytes), (1, 10));
         assert!(q
-            .pick(|_| Some(now), |t| t != "a", now, Duration::ZERO)
+            .pick(|_| Some(now), |t| t != "a", Duration::ZERO)
             .is_none());
-        let pick = q
-            .pick(|_| Some(now), |_| true, now, Duration::ZERO)
-            .unwrap();
+        let pick = q.pick(|_| Some(now), |_| true, Duration::ZERO).unwrap();
         assert_eq!(pick.id, 1);
         // A stale pick is not taken.
         let stale = Pick {
