@@ -10,7 +10,7 @@
 //!
 //! A pool without prefill endpoints sends the turn to the endpoint its picker chooses, trying
 //! the others when an engine is unreachable or answers 5xx ([`open_upstream`]). A pool with
-//! prefill endpoints splits long prompts ([`open_routed`]; formulas in
+//! prefill endpoints splits long prompts (also [`open_upstream`]; formulas in
 //! `agentgate_scheduler::disagg`):
 //!
 //! 1. the picker chooses a decode endpoint `d` among those that can decode (roles `decode` and
@@ -140,7 +140,7 @@ pub async fn open_turn(
     let auto = turn.request.get("truncation").and_then(Value::as_str) == Some("auto");
     let mut rounds = 0;
     loop {
-        let routed = open_routed(
+        let routed = open_upstream(
             state,
             &turn.pool,
             &turn.plan.body,
@@ -235,18 +235,8 @@ async fn session_pin(state: &AppState, pool: &Pool, session: Option<&str>) -> Op
 /// endpoint is unavailable or saturated, or waiting there costs more than recomputing the
 /// prefix elsewhere; when the chosen endpoint differs from the pin, the session is re-pinned in
 /// the store and the move counted with its cause. A pool with prefill endpoints splits long
-/// prompts (see the module doc and [`open_routed`]).
+/// prompts (see the module doc); `lineage` says which session spawned a sub-agent's call.
 pub async fn open_upstream(
-    state: &AppState,
-    pool: &Pool,
-    body: &Value,
-    session: Option<&str>,
-) -> Result<(ChunkStream, Routed), HttpError> {
-    open_routed(state, pool, body, session, None).await
-}
-
-/// [`open_upstream`] for a call that may come from a sub-agent (`lineage`).
-pub async fn open_routed(
     state: &AppState,
     pool: &Pool,
     body: &Value,
