@@ -11,6 +11,16 @@ pub enum Flavor {
     Sglang,
 }
 
+/// `--scheduling-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SchedulingPolicyArg {
+    /// Arrival order; requests with a non-zero `priority` are refused (vLLM) or the field is
+    /// ignored (SGLang).
+    Fcfs,
+    /// By the request's `priority`, then arrival.
+    Priority,
+}
+
 /// The part a replica plays in prefill/decode disaggregation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Role {
@@ -51,6 +61,21 @@ pub struct SimConfig {
     /// Maximum number of sequences running at once (continuous batching width).
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
+    /// Tokens one engine step may compute (vLLM `--max-num-batched-tokens`): decodes take one
+    /// each, prompts are prefilled in chunks of what is left. The default is vLLM's for an API
+    /// server on a large GPU; 0 prefills whole prompts in one step.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// Largest prefill chunk one sequence takes per step (vLLM
+    /// `--long-prefill-token-threshold`), so long prompts leave budget for short ones; 0 = no
+    /// limit beyond the step budget.
+    #[arg(long, default_value_t = 0)]
+    pub long_prefill_token_threshold: usize,
+    /// Order of the waiting queue (vLLM `--scheduling-policy`; SGLang
+    /// `--enable-priority-scheduling`): `priority` orders by the request's `priority` field
+    /// (vLLM: lower first; SGLang: higher first) and preempts the lowest priority first.
+    #[arg(long, value_enum, default_value_t = SchedulingPolicyArg::Fcfs)]
+    pub scheduling_policy: SchedulingPolicyArg,
     /// Prefill throughput: uncached prompt tokens processed per simulated second.
     #[arg(long, default_value_t = 20000.0)]
     pub prefill_tokens_per_s: f64,

@@ -1,21 +1,35 @@
-//! The engine loop: one tokio task owning the KV cache and the scheduler (continuous batching).
+//! The engine loop: one tokio task owning the KV cache and the scheduler (continuous batching
+//! with chunked prefill, as vLLM's V1 scheduler).
 //!
-//! Each iteration takes the new commands, admits waiting sequences in arrival order while fewer
-//! than `max_num_seqs` run and their blocks fit, then runs one *step*: newly admitted sequences
-//! prefill their uncached tokens and emit their first token, running ones decode one token each.
-//! The step lasts `uncached_prefill_tokens / prefill_tokens_per_s + decode_ms_per_token *
-//! (1 + (decoding - 1) / max_num_seqs)` simulated seconds (decode slows down as the batch grows, up
-//! to 2x at a full batch); the loop sleeps `duration * time_scale` before delivering the step's
-//! tokens. When a decoding sequence needs a new block and none is free, the most recently admitted
-//! sequence is preempted (its blocks freed, requeued at the front, recomputed later) and counted.
+//! Each iteration takes the new commands and runs one *step* with a token budget
+//! (`max_num_batched_tokens`, 0 = unlimited):
+//!
+//! 1. decoding sequences that need a new block grow into it; when none is free, a running
+//!    sequence is preempted (its blocks freed, requeued, recomputed later) and counted: the
+//!    newest under `fcfs`, the lowest-priority newest under `priority`;
+//! 2. running sequences, in admission order, take their tokens from the budget: one per
+//!    decoding sequence, a chunk of the rest of the prompt per prefilling one (at most
+//!    `long_prefill_token_threshold` when set); once the budget is spent the rest wait a step;
+//! 3. if nothing was preempted, waiting sequences are admitted, in arrival order (`fcfs`) or
+//!    by (priority, arrival) (`priority`, lower values first), while fewer than
+//!    `max_num_seqs` run, budget is left and their blocks fit; their cached prefix counts as
+//!    computed and they take a first chunk.
+//!
+//! The step lasts `prefill_tokens / prefill_tokens_per_s + decode_ms_per_token *
+//! (1 + (decoding - 1) / max_num_seqs)` simulated seconds (decode slows down as the batch
+//! grows, up to 2x at a full batch); the loop sleeps `duration * time_scale` before delivering
+//! the step's tokens. A sequence whose prompt is done in a step samples its first token at the
+//! step's end; a fully cached prompt still computes its last token, as vLLM does.
 //!
 //! With `time_scale == 0` nothing sleeps and each admitted sequence runs to completion inside its
-//! step, delivering all its tokens in one event; timings for the metrics are computed the same way.
+//! step, delivering all its tokens in one event (no budget); timings for the metrics are computed
+//! the same way.
 //!
 //! A sequence's tokens are its prompt followed by its planned output. Like vLLM's prefix caching,
 //! every block that fills up, with prompt or generated tokens, is hashed and cached
-//! ([`KvCache::promote`]) and stays cached after the request finishes; at `time_scale == 0` the
-//! output blocks are cached when the sequence finishes, in one pass.
+//! ([`KvCache::promote`]) and stays cached after the request finishes; prompt blocks are cached
+//! when the prompt is done, not chunk by chunk; at `time_scale == 0` the output blocks are
+//! cached when the sequence finishes, in one pass.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -61,6 +75,9 @@ pub struct SeqRequest {
     pub imported_blocks: usize,
     /// Keep the full blocks pinned for a decode replica instead of freeing them.
     pub handoff: Option<Handoff>,
+    /// Scheduling priority under [`SchedulingPolicy::Priority`]: lower runs first (vLLM's
+    /// convention; the HTTP side converts SGLang's).
+    pub priority: i64,
     /// Where the scheduler reports progress.
     pub events: mpsc::UnboundedSender<SeqEvent>,
 }
@@ -107,6 +124,24 @@ pub struct EngineParams {
     pub time_scale: f64,
     /// How long handed-off blocks stay pinned.
     pub pin_timeout: Duration,
+    /// Tokens one step may compute (vLLM `--max-num-batched-tokens`); 0 = no limit, whole
+    /// prompts in one step.
+    pub max_num_batched_tokens: usize,
+    /// Largest prefill chunk of one sequence per step (vLLM `--long-prefill-token-threshold`);
+    /// 0 = only the step budget limits it.
+    pub long_prefill_token_threshold: usize,
+    /// Order of the waiting queue and choice of preemption victim.
+    pub policy: SchedulingPolicy,
+}
+
+/// How waiting sequences are ordered (vLLM `--scheduling-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SchedulingPolicy {
+    /// Arrival order; the newest running sequence is preempted first.
+    #[default]
+    Fcfs,
+    /// By (priority, arrival); the lowest-priority, newest running sequence is preempted first.
+    Priority,
 }
 
 #[derive(Debug)]
@@ -119,7 +154,12 @@ struct Seq {
     generated: usize,
     private_blocks: usize,
     holds_blocks: bool,
-    just_admitted: bool,
+    /// Tokens of the context whose KV is computed (cache hits count).
+    computed: usize,
+    /// Admitted and still computing its context; it samples a token when that is done.
+    prefilling: bool,
+    /// Arrival order, breaking priority ties.
+    order: u64,
     arrival: f64,
     first_token_at: Option<f64>,
     last_token_at: f64,
@@ -147,6 +187,7 @@ pub struct Core {
     clock: f64,
     started: Instant,
     hash_buffer: Vec<u8>,
+    arrivals: u64,
 }
 
 /// What one step produced.
@@ -173,6 +214,7 @@ impl Core {
             clock: 0.0,
             started: Instant::now(),
             hash_buffer: Vec::new(),
+            arrivals: 0,
         }
     }
 
@@ -200,20 +242,27 @@ impl Core {
                     self.clock = self.clock.max(wall);
                 }
                 let hashes = std::mem::take(&mut request.hashes);
-                self.waiting.push_back(Seq {
+                self.arrivals += 1;
+                let seq = Seq {
                     request,
                     prompt_blocks: hashes.len(),
                     hashes,
                     generated: 0,
                     private_blocks: 0,
                     holds_blocks: false,
-                    just_admitted: false,
+                    computed: 0,
+                    prefilling: false,
+                    order: self.arrivals,
                     arrival: self.clock,
                     first_token_at: None,
                     last_token_at: self.clock,
                     cached_tokens: None,
                     counted_prompt: false,
-                });
+                };
+                match self.params.policy {
+                    SchedulingPolicy::Fcfs => self.waiting.push_back(seq),
+                    SchedulingPolicy::Priority => self.enqueue_by_priority(seq),
+                }
             }
             Command::ResetCache { reply } => {
                 let _ = reply.send(self.cache.reset());
@@ -280,139 +329,258 @@ impl Core {
     pub fn step(&mut self, slow_factor: f64) -> StepOutcome {
         self.drop_cancelled();
         self.expire_pins(Instant::now());
-        let instant = self.params.time_scale <= 0.0;
+        if self.params.time_scale <= 0.0 {
+            self.step_instant(slow_factor)
+        } else {
+            self.step_scheduled(slow_factor)
+        }
+    }
+
+    /// Take the head of the waiting queue into the running batch if its blocks fit: the prefix
+    /// hit becomes computed, the rest is left to prefill. `needed_tokens` is how many tokens
+    /// its blocks must hold.
+    fn admit_next(&mut self, needed_tokens: impl Fn(&Seq) -> usize) -> bool {
         let block_size = self.cache.block_size();
+        let Some(seq) = self.waiting.front() else {
+            return false;
+        };
+        let private = self
+            .blocks_for(needed_tokens(seq))
+            .saturating_sub(seq.hashes.len());
+        let Some(acquired) = self
+            .cache
+            .acquire(&seq.hashes, &seq.request.tokens, private)
+        else {
+            return false;
+        };
+        let Some(mut seq) = self.waiting.pop_front() else {
+            return false;
+        };
+        let prompt_len = seq.request.prompt_len;
+        let context = prompt_len + seq.generated;
+        let hit_blocks = acquired
+            .hit_blocks
+            .max(seq.request.imported_blocks.min(seq.prompt_blocks));
+        let hit_tokens = (hit_blocks * block_size).min(context);
+        self.stats.prefix_queries += prompt_len as u64;
+        self.stats.prefix_hits += (acquired.hit_blocks * block_size).min(prompt_len) as u64;
+        if !seq.counted_prompt {
+            seq.counted_prompt = true;
+            seq.cached_tokens = Some(hit_tokens.min(prompt_len));
+            self.stats.prompt_tokens += prompt_len as u64;
+        }
+        seq.computed = hit_tokens;
+        seq.prefilling = true;
+        seq.private_blocks = private;
+        seq.holds_blocks = true;
+        self.running.push(seq);
+        true
+    }
+
+    /// `time_scale == 0`: every admitted sequence prefills and runs to completion in one step.
+    fn step_instant(&mut self, slow_factor: f64) -> StepOutcome {
         let mut outcome = StepOutcome::default();
         let mut prefill_tokens = 0usize;
-
-        while self.running.len() < self.params.max_num_seqs.max(1) {
-            let Some(seq) = self.waiting.front() else {
-                break;
-            };
-            let prompt_len = seq.request.prompt_len;
-            let context = prompt_len + seq.generated;
-            let needed_tokens = if instant {
-                prompt_len + seq.request.output_tokens
-            } else {
-                context + 1
-            };
-            let private = self
-                .blocks_for(needed_tokens)
-                .saturating_sub(seq.hashes.len());
-            let Some(acquired) = self
-                .cache
-                .acquire(&seq.hashes, &seq.request.tokens, private)
-            else {
-                break;
-            };
-            let Some(mut seq) = self.waiting.pop_front() else {
-                break;
-            };
-            let hit_blocks = acquired
-                .hit_blocks
-                .max(seq.request.imported_blocks.min(seq.prompt_blocks));
-            let hit_tokens = (hit_blocks * block_size).min(context);
-            self.stats.prefix_queries += prompt_len as u64;
-            self.stats.prefix_hits += (acquired.hit_blocks * block_size).min(prompt_len) as u64;
-            if !seq.counted_prompt {
-                seq.counted_prompt = true;
-                seq.cached_tokens = Some(hit_tokens.min(prompt_len));
-                self.stats.prompt_tokens += prompt_len as u64;
+        while self.running.len() < self.params.max_num_seqs.max(1)
+            && self.admit_next(|seq| seq.request.prompt_len + seq.request.output_tokens)
+        {
+            if let Some(seq) = self.running.last_mut() {
+                let context = seq.request.prompt_len + seq.generated;
+                prefill_tokens += context - seq.computed;
+                self.stats.prefill_tokens_computed += (context - seq.computed) as u64;
             }
-            prefill_tokens += context - hit_tokens;
-            self.stats.prefill_tokens_computed += (context - hit_tokens) as u64;
-            seq.private_blocks = private;
-            seq.holds_blocks = true;
-            seq.just_admitted = true;
-            self.running.push(seq);
             outcome.progressed = true;
         }
-
         let prefill_s = prefill_tokens as f64 / self.params.prefill_tokens_per_s.max(1e-9);
-        let batch = self.running.len();
-        let per_token_s = self.params.decode_ms_per_token / 1000.0
-            * (1.0 + batch.saturating_sub(1) as f64 / self.params.max_num_seqs.max(1) as f64)
-            * slow_factor.max(1.0);
-
-        if instant {
-            let mut longest = 0usize;
-            for mut seq in std::mem::take(&mut self.running) {
-                let count = seq
-                    .request
-                    .output_tokens
-                    .saturating_sub(seq.generated)
-                    .max(1);
-                longest = longest.max(count);
-                let ttft = self.clock + prefill_s - seq.arrival;
-                self.stats.ttft.observe(ttft.max(0.0), 1);
-                self.stats.itl.observe(per_token_s, (count - 1) as u64);
-                self.stats
-                    .e2e
-                    .observe(ttft.max(0.0) + per_token_s * (count - 1) as f64, 1);
-                self.stats.generation_tokens += count as u64;
-                seq.generated += count;
-                cache_filled_blocks(&mut self.cache, &mut seq, &mut self.hash_buffer);
-                outcome
-                    .deliveries
-                    .push((seq.request.events.clone(), SeqEvent::Tokens { count }));
-                self.finish(seq, &mut outcome);
-            }
-            outcome.duration = prefill_s + per_token_s * longest.saturating_sub(1) as f64;
-            self.stats.busy_seconds += outcome.duration;
-            self.clock += outcome.duration;
-            return outcome;
+        let per_token_s = self.decode_step_s(self.running.len()) * slow_factor.max(1.0);
+        let mut longest = 0usize;
+        for mut seq in std::mem::take(&mut self.running) {
+            let count = seq
+                .request
+                .output_tokens
+                .saturating_sub(seq.generated)
+                .max(1);
+            longest = longest.max(count);
+            let ttft = self.clock + prefill_s - seq.arrival;
+            self.stats.ttft.observe(ttft.max(0.0), 1);
+            self.stats.itl.observe(per_token_s, (count - 1) as u64);
+            self.stats
+                .e2e
+                .observe(ttft.max(0.0) + per_token_s * (count - 1) as f64, 1);
+            self.stats.generation_tokens += count as u64;
+            seq.generated += count;
+            cache_filled_blocks(&mut self.cache, &mut seq, &mut self.hash_buffer);
+            outcome
+                .deliveries
+                .push((seq.request.events.clone(), SeqEvent::Tokens { count }));
+            self.finish(seq, &mut outcome);
         }
+        outcome.duration = prefill_s + per_token_s * longest.saturating_sub(1) as f64;
+        self.stats.busy_seconds += outcome.duration;
+        self.clock += outcome.duration;
+        outcome
+    }
 
-        // grow decoding sequences into new blocks, preempting the newest when the cache is full
+    /// Decode time of one step with `decoding` sequences in it, before the slow-down factor.
+    fn decode_step_s(&self, decoding: usize) -> f64 {
+        if decoding == 0 {
+            return 0.0;
+        }
+        self.params.decode_ms_per_token / 1000.0
+            * (1.0 + (decoding - 1) as f64 / self.params.max_num_seqs.max(1) as f64)
+    }
+
+    /// The running sequence to preempt when blocks run out: the newest (FCFS), or the lowest
+    /// priority, newest among equals (priority policy).
+    fn preemption_victim(&self) -> Option<usize> {
+        match self.params.policy {
+            SchedulingPolicy::Fcfs => self.running.len().checked_sub(1),
+            SchedulingPolicy::Priority => self
+                .running
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, seq)| (seq.request.priority, seq.order))
+                .map(|(index, _)| index),
+        }
+    }
+
+    /// Put a preempted sequence back: at the front (FCFS) or in priority order.
+    fn requeue(&mut self, mut seq: Seq) {
+        self.release_blocks(&seq);
+        seq.holds_blocks = false;
+        seq.private_blocks = 0;
+        seq.computed = 0;
+        seq.prefilling = false;
+        self.stats.preemptions += 1;
+        match self.params.policy {
+            SchedulingPolicy::Fcfs => self.waiting.push_front(seq),
+            SchedulingPolicy::Priority => self.enqueue_by_priority(seq),
+        }
+    }
+
+    fn enqueue_by_priority(&mut self, seq: Seq) {
+        let key = (seq.request.priority, seq.order);
+        let at = self
+            .waiting
+            .partition_point(|w| (w.request.priority, w.order) <= key);
+        self.waiting.insert(at, seq);
+    }
+
+    /// Grow every decoding sequence into the block its next token needs, preempting per the
+    /// policy when the cache is full. Returns whether anything was preempted.
+    fn grow_decoding(&mut self) -> bool {
+        let mut preempted = false;
         let mut index = 0;
         while index < self.running.len() {
-            if self.running[index].just_admitted {
+            let seq = &self.running[index];
+            if seq.prefilling {
                 index += 1;
                 continue;
             }
-            let seq = &self.running[index];
             let context = seq.request.prompt_len + seq.generated + 1;
             let have = seq.hashes.len() + seq.private_blocks;
             let need = self.blocks_for(context).saturating_sub(have);
-            if need > 0 {
-                loop {
-                    if self.cache.grow_private(need) {
-                        self.running[index].private_blocks += need;
-                        break;
-                    }
-                    let Some(mut victim) = self.running.pop() else {
-                        break;
-                    };
-                    self.release_blocks(&victim);
-                    victim.holds_blocks = false;
-                    victim.private_blocks = 0;
-                    victim.just_admitted = false;
-                    self.waiting.push_front(victim);
-                    self.stats.preemptions += 1;
-                    if self.running.len() <= index {
-                        break;
-                    }
+            if need == 0 || self.cache.grow_private(need) {
+                if need > 0 {
+                    self.running[index].private_blocks += need;
                 }
+                index += 1;
+                continue;
             }
-            index += 1;
+            let Some(victim) = self.preemption_victim() else {
+                break;
+            };
+            let seq = self.running.remove(victim);
+            self.requeue(seq);
+            preempted = true;
+            // retry the same sequence (or the one that moved into its place)
+            if victim < index {
+                index -= 1;
+            }
+        }
+        preempted
+    }
+
+    /// One step of continuous batching with chunked prefill (see the module doc).
+    fn step_scheduled(&mut self, slow_factor: f64) -> StepOutcome {
+        let mut outcome = StepOutcome::default();
+        let preempted = self.grow_decoding();
+        let mut budget = match self.params.max_num_batched_tokens {
+            0 => usize::MAX,
+            limit => limit,
+        };
+        let cap = match self.params.long_prefill_token_threshold {
+            0 => usize::MAX,
+            limit => limit,
+        };
+        let chunk = |seq: &Seq, budget: usize| {
+            let context = seq.request.prompt_len + seq.generated;
+            // a fully cached prompt still computes its last token, as vLLM does
+            let remaining = context.saturating_sub(seq.computed).max(1);
+            remaining.min(cap).min(budget)
+        };
+        // running sequences first, in admission order: decodes take one token, prefills a chunk
+        let mut planned = Vec::with_capacity(self.running.len());
+        for seq in &self.running {
+            let tokens = if budget == 0 {
+                0
+            } else if seq.prefilling {
+                chunk(seq, budget)
+            } else {
+                1
+            };
+            budget -= tokens;
+            planned.push(tokens);
+        }
+        // then new sequences, while the batch, the budget and the cache allow
+        if !preempted {
+            while budget > 0
+                && self.running.len() < self.params.max_num_seqs.max(1)
+                && self.admit_next(|seq| seq.request.prompt_len + seq.generated + 1)
+            {
+                let tokens = self.running.last().map_or(0, |seq| chunk(seq, budget));
+                budget -= tokens;
+                planned.push(tokens);
+            }
         }
 
-        let decoding = self.running.iter().filter(|seq| !seq.just_admitted).count();
-        let decode_s = if decoding > 0 {
-            self.params.decode_ms_per_token / 1000.0
-                * (1.0 + (decoding - 1) as f64 / self.params.max_num_seqs.max(1) as f64)
-        } else {
-            0.0
-        };
-        outcome.duration = (prefill_s + decode_s) * slow_factor.max(1.0);
+        let mut prefill_tokens = 0usize;
+        let mut decoding = 0usize;
+        for (seq, &tokens) in self.running.iter().zip(&planned) {
+            if tokens == 0 {
+                continue;
+            }
+            if seq.prefilling {
+                let context = seq.request.prompt_len + seq.generated;
+                prefill_tokens += tokens.min(context.saturating_sub(seq.computed));
+            } else {
+                decoding += 1;
+            }
+        }
+        let prefill_s = prefill_tokens as f64 / self.params.prefill_tokens_per_s.max(1e-9);
+        outcome.duration = (prefill_s + self.decode_step_s(decoding)) * slow_factor.max(1.0);
         self.stats.busy_seconds += outcome.duration;
+        self.stats.prefill_tokens_computed += prefill_tokens as u64;
         let end = self.clock + outcome.duration;
         let mut finished = Vec::new();
-        for (index, seq) in self.running.iter_mut().enumerate() {
-            seq.just_admitted = false;
+        for (index, (seq, &tokens)) in self.running.iter_mut().zip(&planned).enumerate() {
+            if tokens == 0 {
+                continue;
+            }
+            outcome.progressed = true;
+            let context = seq.request.prompt_len + seq.generated;
+            if seq.prefilling {
+                seq.computed = (seq.computed + tokens).min(context);
+                if seq.computed < context {
+                    continue;
+                }
+                seq.prefilling = false;
+            } else {
+                seq.computed = context;
+            }
+            // the step samples one token
             seq.generated += 1;
             cache_filled_blocks(&mut self.cache, seq, &mut self.hash_buffer);
-            outcome.progressed = true;
             match seq.first_token_at {
                 None => {
                     seq.first_token_at = Some(end);
@@ -543,6 +711,9 @@ mod tests {
             decode_ms_per_token: 10.0,
             time_scale,
             pin_timeout: Duration::from_secs(60),
+            max_num_batched_tokens: 0,
+            long_prefill_token_threshold: 0,
+            policy: SchedulingPolicy::Fcfs,
         }
     }
 
@@ -561,6 +732,7 @@ mod tests {
             output_tokens: output,
             imported_blocks: 0,
             handoff: None,
+            priority: 0,
             events,
         };
         (request, rx)
@@ -620,6 +792,119 @@ mod tests {
         assert_eq!(core.stats.generation_tokens, 9);
         assert_eq!(core.stats.requests_finished, 3);
         assert_eq!(core.cache.used_blocks(), 0);
+    }
+
+    fn first_token_step(rx: &mut mpsc::UnboundedReceiver<SeqEvent>) -> bool {
+        matches!(rx.try_recv(), Ok(SeqEvent::Tokens { .. }))
+    }
+
+    fn deliver(outcome: StepOutcome) {
+        for (tx, event) in outcome.deliveries {
+            let _ = tx.send(event);
+        }
+    }
+
+    #[test]
+    fn long_prompts_prefill_in_chunks_beside_running_decodes() {
+        let mut p = params(4, 1.0);
+        p.max_num_batched_tokens = 8;
+        let mut core = Core::new(KvCache::new(4, 100, None), p);
+        let (short, mut short_rx) = request(1, 4, 10);
+        core.apply(Command::Submit(short));
+        deliver(core.step(1.0));
+        assert!(first_token_step(&mut short_rx), "4 tokens fit one step");
+        let (long, mut long_rx) = request(2, 20, 2);
+        core.apply(Command::Submit(long));
+        // the decode takes 1 token of the budget, the new prompt 7, then 7, then its last 6
+        let mut steps = 0;
+        loop {
+            steps += 1;
+            let outcome = core.step(1.0);
+            assert!(
+                outcome.duration <= (8.0 / 1000.0) + 0.0101,
+                "{}",
+                outcome.duration
+            );
+            deliver(outcome);
+            assert!(
+                first_token_step(&mut short_rx),
+                "the decode runs every step"
+            );
+            if first_token_step(&mut long_rx) {
+                break;
+            }
+            assert!(steps < 3, "20 tokens take 3 chunks");
+        }
+        assert_eq!(steps, 3);
+        assert_eq!(core.stats.prefill_tokens_computed, 24);
+    }
+
+    #[test]
+    fn the_long_prefill_threshold_leaves_budget_for_short_prompts() {
+        let mut p = params(4, 1.0);
+        p.max_num_batched_tokens = 8;
+        p.long_prefill_token_threshold = 4;
+        let mut core = Core::new(KvCache::new(4, 100, None), p);
+        let (long, _long_rx) = request(1, 40, 2);
+        core.apply(Command::Submit(long));
+        deliver(core.step(1.0));
+        let (short, mut short_rx) = request(2, 4, 2);
+        core.apply(Command::Submit(short));
+        deliver(core.step(1.0));
+        assert!(first_token_step(&mut short_rx), "4 of the budget were left");
+
+        // without the threshold the long prompt takes the whole budget
+        let mut p = params(4, 1.0);
+        p.max_num_batched_tokens = 8;
+        let mut core = Core::new(KvCache::new(4, 100, None), p);
+        let (long, _long_rx) = request(1, 40, 2);
+        core.apply(Command::Submit(long));
+        deliver(core.step(1.0));
+        let (short, mut short_rx) = request(2, 4, 2);
+        core.apply(Command::Submit(short));
+        deliver(core.step(1.0));
+        assert!(!first_token_step(&mut short_rx));
+    }
+
+    #[test]
+    fn priority_policy_admits_by_priority_and_preempts_the_lowest() {
+        let mut p = params(1, 1.0);
+        p.policy = SchedulingPolicy::Priority;
+        let mut core = Core::new(KvCache::new(4, 100, None), p);
+        let (first, _first_rx) = request(1, 4, 3);
+        core.apply(Command::Submit(first));
+        core.step(1.0);
+        let (mut low, mut low_rx) = request(2, 4, 1);
+        low.priority = 5;
+        let (mut high, mut high_rx) = request(3, 4, 1);
+        high.priority = -1;
+        core.apply(Command::Submit(low));
+        core.apply(Command::Submit(high));
+        for _ in 0..3 {
+            deliver(core.step(1.0));
+        }
+        assert!(
+            first_token_step(&mut high_rx),
+            "the later, higher-priority request runs first"
+        );
+        assert!(!first_token_step(&mut low_rx));
+
+        // 4 blocks of 4 tokens: when the cache runs out the low-priority sequence goes
+        let mut p = params(4, 1.0);
+        p.policy = SchedulingPolicy::Priority;
+        let mut core = Core::new(KvCache::new(4, 4, None), p);
+        let (mut low, _low_rx) = request(4, 6, 6);
+        low.priority = 3;
+        let (mut high, _high_rx) = request(5, 6, 6);
+        high.priority = 0;
+        core.apply(Command::Submit(low));
+        core.apply(Command::Submit(high));
+        core.step(1.0);
+        assert_eq!(core.num_running(), 2);
+        while core.stats.preemptions == 0 && core.has_work() {
+            core.step(1.0);
+        }
+        assert_eq!(core.waiting.front().map(|s| s.request.priority), Some(3));
     }
 
     #[test]

@@ -151,6 +151,12 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
         decode_ms_per_token: config.decode_ms_per_token,
         time_scale: config.time_scale.max(0.0),
         pin_timeout: Duration::from_secs_f64(config.kv_transfer_timeout_s.max(0.0)),
+        max_num_batched_tokens: config.max_num_batched_tokens,
+        long_prefill_token_threshold: config.long_prefill_token_threshold,
+        policy: match config.scheduling_policy {
+            config::SchedulingPolicyArg::Fcfs => engine::SchedulingPolicy::Fcfs,
+            config::SchedulingPolicyArg::Priority => engine::SchedulingPolicy::Priority,
+        },
     };
     let core = Arc::new(Mutex::new(engine::Core::new(cache, params)));
     let faults = Arc::new(faults::FaultState::default());

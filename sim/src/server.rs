@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::cache::chain_hashes;
-use crate::config::{Flavor, Role, SimConfig};
+use crate::config::{Flavor, Role, SchedulingPolicyArg, SimConfig};
 use crate::engine::{Command, Core, Handoff, PinKey, SeqEvent, SeqRequest};
 use crate::faults::{FaultSpec, FaultState};
 use crate::generate::{self, Channel, OutputPlan, PlanRequest};
@@ -280,6 +280,32 @@ struct Prepared {
     faults: FaultSpec,
     kv_params: Option<serde_json::Map<String, Value>>,
     bootstrap: Option<(String, u16, u64)>,
+    /// Scheduling priority, lower first (see [`request_priority`]).
+    priority: i64,
+}
+
+/// The request's `priority` field, normalised to "lower runs first". vLLM takes lower values
+/// first and refuses a non-zero priority unless `--scheduling-policy priority`; SGLang takes
+/// higher values first and ignores the field without priority scheduling.
+fn request_priority(
+    config: &SimConfig,
+    body: &serde_json::Map<String, Value>,
+) -> Result<i64, ApiError> {
+    let priority = match body.get("priority") {
+        None | Some(Value::Null) => 0,
+        Some(value) => value
+            .as_i64()
+            .ok_or_else(|| ApiError::bad_request("`priority` must be an integer"))?,
+    };
+    let enabled = config.scheduling_policy == SchedulingPolicyArg::Priority;
+    match config.flavor {
+        Flavor::Vllm if priority != 0 && !enabled => Err(ApiError::bad_request(format!(
+            "Got priority {priority} but priority scheduling is not enabled"
+        ))),
+        Flavor::Vllm => Ok(priority),
+        Flavor::Sglang if enabled => Ok(priority.saturating_neg()),
+        Flavor::Sglang => Ok(0),
+    }
 }
 
 async fn serve(
@@ -424,6 +450,7 @@ fn prepare(
         .and_then(|o| o.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    let priority = request_priority(&state.config, body)?;
     let kv_params = body
         .get("kv_transfer_params")
         .and_then(Value::as_object)
@@ -455,6 +482,7 @@ fn prepare(
         faults,
         kv_params,
         bootstrap,
+        priority,
     })
 }
 
@@ -558,6 +586,7 @@ async fn run(state: Shared, prepared: Prepared) -> Result<Response, ApiError> {
         output_tokens: prepared.plan.pieces.len().max(1),
         imported_blocks,
         handoff: handoff.clone(),
+        priority: prepared.priority,
         events: events_tx,
     };
     state
