@@ -288,6 +288,13 @@ pub struct PoolConfig {
     /// remotely, and how sub-agent calls are recognised.
     #[serde(default)]
     pub disaggregation: DisaggregationConfig,
+    /// Send each request's flow-control band priority to the engines in the body's
+    /// `priority` field, so an engine's own queue orders by band too: vLLM started with
+    /// `--scheduling-policy priority` (lower runs first: the gateway sends minus the band's
+    /// priority), SGLang with `--enable-priority-scheduling` (higher first: sent as is).
+    /// vLLM refuses a non-zero priority without that flag, so this is off by default.
+    #[serde(default)]
+    pub engine_priority: bool,
 }
 
 /// The label carrying an SGLang prefill endpoint's bootstrap port (an endpoints-file entry
@@ -606,6 +613,11 @@ pub struct BandConfig {
     /// Longest wait in the queue, in milliseconds, before 503 `queue_timeout`.
     #[serde(default = "default_queue_ttl_ms")]
     pub queue_ttl_ms: u64,
+    /// Share of the pool's request slots (0 to below 1) that lower bands leave free for this
+    /// band and the ones above it; this band's requests are placed on an endpoint with a free
+    /// slot when one exists. 0: nothing held back.
+    #[serde(default)]
+    pub reserve: f64,
 }
 
 fn default_max_queued() -> usize {
@@ -633,6 +645,7 @@ impl BandConfig {
             max_queued: default_max_queued(),
             max_queued_bytes: default_max_queued_bytes(),
             queue_ttl_ms: queue_ttl_ms.max(1),
+            reserve: 0.0,
         }
     }
 }
@@ -1013,6 +1026,7 @@ impl Config {
                 max_queued: b.max_queued,
                 max_queued_bytes: b.max_queued_bytes,
                 queue_ttl: Duration::from_millis(b.queue_ttl_ms),
+                reserve: b.reserve,
             })
             .collect();
         let mut teams: Vec<TeamSpec> = self
@@ -1129,6 +1143,15 @@ impl Config {
                 return Err(err(
                     at("queue_ttl_ms"),
                     "must be at least 1 (use max_queued = 0 for a band that never queues)",
+                ));
+            }
+            if !(0.0..1.0).contains(&band.reserve) {
+                return Err(err(
+                    at("reserve"),
+                    format!(
+                        "must be at least 0 and below 1 (a share of the pool's request slots), got {}",
+                        band.reserve
+                    ),
                 ));
             }
         }

@@ -65,6 +65,14 @@
 //! cache holds of agent-length contexts: set it to the engines' `--max-num-seqs`
 //! (`--max-running-requests` for SGLang) or a little under, lower for long contexts.
 //!
+//! **Reserves.** A band's `reserve` is a share of this capacity that lower bands leave free:
+//! a band dispatches only while `in_flight + ceil(r * capacity) < capacity`, `r` the largest
+//! reserve of the bands above it. A request of a band with a reserve then asks routing for an
+//! endpoint where this gateway has fewer than `max_in_flight_per_endpoint` requests in flight
+//! (`PickRequest::free_slot_below`), so it starts in a free batch slot at once instead of
+//! waiting in an engine whose batch is full. With `engine_priority` on a pool, requests also
+//! carry their band's priority to the engines, whose own queues then order by band.
+//!
 //! For probabilistic shedding (`[flow] shed_start`/`shed_full`) the pool's saturation is
 //! `(in_flight + queued) / (2 * capacity)`, clamped to 0..=1: 0.5 when the pool is exactly
 //! full with nothing waiting, 1 when a whole pool's worth of requests waits.
@@ -177,6 +185,10 @@ impl CapacitySignal for PoolCapacity {
     fn can_dispatch(&self, load: &FlowLoad) -> bool {
         self.capacity(Instant::now())
             .is_none_or(|capacity| load.in_flight < capacity)
+    }
+
+    fn capacity(&self) -> Option<u64> {
+        PoolCapacity::capacity(self, Instant::now())
     }
 
     fn saturation(&self, load: &FlowLoad) -> f64 {
@@ -449,6 +461,11 @@ impl FlowControl {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// The gateway-side cap per endpoint (`[flow] max_in_flight_per_endpoint`; 0 = none).
+    pub fn max_in_flight_per_endpoint(&self) -> u64 {
+        self.per_endpoint.load(Ordering::Relaxed)
     }
 
     /// Whether requests are admitted through flow control (`[flow] enabled`).

@@ -61,6 +61,24 @@ pub struct Pool {
     pub endpoints_file: Option<PathBuf>,
     /// How requests are split between prefill and decode endpoints, when the pool has both.
     pub disaggregation: Disaggregation,
+    /// Whether requests carry their band's priority to the engines (`engine_priority`).
+    pub engine_priority: bool,
+}
+
+impl Pool {
+    /// The `priority` field to send an engine of this pool for a request of a band with
+    /// `band_priority`, when the pool forwards priorities (see `engine_priority` in the
+    /// config): vLLM runs lower values first, SGLang higher ones.
+    pub fn engine_priority_of(&self, band_priority: i32) -> Option<i64> {
+        if !self.engine_priority {
+            return None;
+        }
+        match self.flavor {
+            Flavor::Vllm => Some(-i64::from(band_priority)),
+            Flavor::Sglang => Some(i64::from(band_priority)),
+            Flavor::Openai => None,
+        }
+    }
 }
 
 /// A pool's prefill/decode settings (`[pools.disaggregation]`).
@@ -329,6 +347,7 @@ impl Pools {
                 labels: pc.labels.clone(),
                 endpoints_file: pc.endpoints_file.clone(),
                 disaggregation,
+                engine_priority: pc.engine_priority,
             });
             let record_load = config.routing.scrape_interval().is_some();
             if pool.flavor != Flavor::Openai
@@ -409,6 +428,12 @@ fn sim_config(
         decode_ms_per_token: sim.decode_ms_per_token,
         time_scale: sim.time_scale,
         seed: Some(replica as u64 + 1),
+        // the simulated engines run priority scheduling when the pool sends priorities
+        scheduling_policy: if pool.engine_priority {
+            agentgate_sim::config::SchedulingPolicyArg::Priority
+        } else {
+            agentgate_sim::config::SchedulingPolicyArg::Fcfs
+        },
         ..Default::default()
     }
 }

@@ -139,13 +139,28 @@ pub async fn open_turn(
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let auto = turn.request.get("truncation").and_then(Value::as_str) == Some("auto");
     let mut rounds = 0;
+    // A band with a reserve looks for an endpoint with a free slot under the gateway's cap.
+    let cap = state.flow.max_in_flight_per_endpoint();
+    let free_slot_below = turn
+        .permit
+        .as_ref()
+        .filter(|p| p.band_reserves() && cap > 0)
+        .map(|_| cap);
+    let engine_priority = turn
+        .permit
+        .as_ref()
+        .and_then(|p| turn.pool.engine_priority_of(p.band_priority()));
     loop {
+        if let (Some(priority), Some(body)) = (engine_priority, turn.plan.body.as_object_mut()) {
+            body.insert("priority".into(), Value::from(priority));
+        }
         let routed = open_upstream(
             state,
             &turn.pool,
             &turn.plan.body,
             turn.session.as_deref(),
             turn.lineage.as_ref(),
+            free_slot_below,
         );
         match routed.await {
             Err(e)
@@ -242,6 +257,7 @@ pub async fn open_upstream(
     body: &Value,
     session: Option<&str>,
     lineage: Option<&Lineage>,
+    free_slot_below: Option<u64>,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let endpoints = pool.endpoints();
     let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
@@ -256,6 +272,7 @@ pub async fn open_upstream(
             prefix,
             pin: session_pin(state, pool, session).await,
             key: session,
+            free_slot_below,
         };
         return open_local(state, pool, &endpoints, placement, None).await;
     }
@@ -268,6 +285,7 @@ pub async fn open_upstream(
         prefix,
         session,
         lineage,
+        free_slot_below,
     )
     .await
 }
@@ -282,6 +300,9 @@ struct Placement<'a> {
     key: Option<&'a str>,
     /// The pin found there.
     pin: Option<SessionPin>,
+    /// Prefer endpoints with fewer of this gateway's requests in flight than this (a band
+    /// with a reserve; see `PickRequest::free_slot_below`).
+    free_slot_below: Option<u64>,
 }
 
 /// The pin's position in `view`: `At`, `Gone` when its endpoint is not there, `None` unpinned.
@@ -330,6 +351,7 @@ async fn open_local(
                     prompt_tokens: placement.prompt_tokens,
                     pinned,
                     role: None,
+                    free_slot_below: placement.free_slot_below,
                 };
                 match pool.picker.pick(view, &request) {
                     Some(pick) => pick,
@@ -419,6 +441,7 @@ async fn open_split(
     prefix: Vec<u64>,
     session: Option<&str>,
     lineage: Option<&Lineage>,
+    free_slot_below: Option<u64>,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let prefill_view: Vec<Arc<Endpoint>> = endpoints
         .iter()
@@ -445,6 +468,7 @@ async fn open_split(
         prefix,
         pin: session_pin(state, pool, key).await,
         key,
+        free_slot_below,
     };
 
     // 1. The decode endpoint. Siblings of a burst spread by load, whatever they share.
@@ -459,6 +483,7 @@ async fn open_split(
         prompt_tokens,
         pinned: pinned_in(&decode_view, placement.pin.as_ref()),
         role: None,
+        free_slot_below: placement.free_slot_below,
     };
     let Some(mut decode) = pool.picker.pick(&decode_view, &request) else {
         return Err(no_endpoint(pool, "no available decode endpoint"));

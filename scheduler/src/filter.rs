@@ -10,7 +10,13 @@
 //!    are expected, a full engine queue, a full KV cache with requests waiting; see
 //!    [`Saturation::saturated`]) *unless every candidate is saturated*, in which case all stay:
 //!    saturation steers work away from an endpoint while there is somewhere else to go, and
-//!    admission control (not the picker) decides whether to queue or shed when there is not.
+//!    admission control (not the picker) decides whether to queue or shed when there is not;
+//! 5. [`PreferFreeSlot`]: when the request asks for a free slot
+//!    ([`PickRequest::free_slot_below`]), drop endpoints where this gateway already has that
+//!    many requests in flight, unless every candidate has. A request of a band with a reserve
+//!    finds the capacity held for it on an endpoint that can start it at once, instead of in
+//!    the queue of an engine whose batch is full. A pin on a dropped endpoint breaks as for a
+//!    saturated one.
 //!
 //! Every filter sees the same [`PoolView`], taken once per pick, so they agree with each other
 //! and with the scorers about each endpoint's load report.
@@ -141,6 +147,27 @@ impl Filter for PreferUnsaturated {
     }
 }
 
+/// Drops endpoints without a free slot for the request ([`PickRequest::free_slot_below`]) while
+/// at least one candidate has one.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PreferFreeSlot;
+
+impl Filter for PreferFreeSlot {
+    fn name(&self) -> &'static str {
+        "prefer_free_slot"
+    }
+
+    fn filter(&self, view: &PoolView<'_>, candidates: &mut Vec<usize>) {
+        let Some(limit) = view.request.free_slot_below else {
+            return;
+        };
+        let free = |i: usize| view.in_flight_requests(i) < limit;
+        if candidates.iter().any(|&i| free(i)) {
+            candidates.retain(|&i| free(i));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,5 +244,36 @@ mod tests {
         assert_eq!(view.engine_waiting(0), 8.0);
         assert_eq!(view.engine_waiting(2), 0.0);
         assert_eq!(view.engine_waiting(9), 0.0);
+    }
+
+    #[test]
+    fn a_request_asking_for_a_free_slot_skips_full_endpoints_while_one_has_room() {
+        let endpoints: Vec<Arc<Endpoint>> = (0..3)
+            .map(|i| Arc::new(Endpoint::new(format!("p/{i}"), "http://x").with_slot(i)))
+            .collect();
+        let _busy: Vec<_> = [0, 0, 1, 2, 2]
+            .iter()
+            .map(|&i| endpoints[i].begin(10, 10))
+            .collect();
+        let reports = vec![None; endpoints.len()];
+        let keep = |free_slot_below: Option<u64>| {
+            let request = PickRequest {
+                free_slot_below,
+                ..PickRequest::default()
+            };
+            let view = PoolView {
+                endpoints: &endpoints,
+                request: &request,
+                now: Instant::now(),
+                reports: &reports,
+            };
+            let mut candidates: Vec<usize> = (0..3).collect();
+            PreferFreeSlot.filter(&view, &mut candidates);
+            candidates
+        };
+        assert_eq!(keep(Some(2)), [1]);
+        assert_eq!(keep(Some(3)), [0, 1, 2]);
+        assert_eq!(keep(Some(1)), [0, 1, 2], "all full: all stay");
+        assert_eq!(keep(None), [0, 1, 2]);
     }
 }

@@ -50,6 +50,10 @@ pub struct PickRequest<'a> {
     pub pinned: Pinned,
     /// Only endpoints of this role; `None`: any role.
     pub role: Option<Role>,
+    /// Prefer endpoints with fewer than this many of this gateway's requests in flight, when
+    /// any has (a request of a band with a reserve looks for a free batch slot); `None`: no
+    /// preference. Honoured by the scoring pipeline ([`crate::filter::PreferFreeSlot`]).
+    pub free_slot_below: Option<u64>,
 }
 
 impl PickRequest<'_> {

@@ -54,7 +54,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::endpoint::{Endpoint, LoadReport, Saturation};
-use crate::filter::{Available, Filter, NotExcluded, PoolView, PreferUnsaturated, RoleMatch};
+use crate::filter::{
+    Available, Filter, NotExcluded, PoolView, PreferFreeSlot, PreferUnsaturated, RoleMatch,
+};
 use crate::picker::{
     random_choice, BreakCause, Pick, PickRequest, Picker, PinOutcome, Pinned, Reason,
 };
@@ -179,7 +181,6 @@ pub struct Pipeline {
     scorers: Vec<(f64, Box<dyn Scorer>)>,
     index: PrefixIndex,
     rule: PinRule,
-    saturation: Saturation,
     pins: bool,
 }
 
@@ -194,6 +195,7 @@ impl Pipeline {
             Box::new(PreferUnsaturated {
                 limits: config.saturation,
             }),
+            Box::new(PreferFreeSlot),
         ];
         let all: [Box<dyn Scorer>; 5] = [
             Box::new(SessionPinScorer),
@@ -218,7 +220,6 @@ impl Pipeline {
                 queue_penalty_tokens: config.queue_penalty_tokens,
                 hysteresis_tokens: config.pin_hysteresis_tokens,
             },
-            saturation: config.saturation,
             pins: config.weight(SessionPinScorer::NAME) > 0.0,
         })
     }
@@ -349,12 +350,8 @@ impl Pipeline {
     /// Why the pinned endpoint at `position` did not survive the filters.
     fn why_dropped(&self, view: &PoolView<'_>, position: usize) -> BreakCause {
         match view.endpoints.get(position) {
-            Some(ep)
-                if view.request.admits(ep, position)
-                    && view.saturated(position, &self.saturation) =>
-            {
-                BreakCause::Saturated
-            }
+            // admitted by the request but dropped by a load filter (saturated, no free slot)
+            Some(ep) if view.request.admits(ep, position) => BreakCause::Saturated,
             _ => BreakCause::Unavailable,
         }
     }

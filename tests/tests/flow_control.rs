@@ -744,3 +744,106 @@ async fn rate_limits_fail_open_when_the_store_is_down() {
     gw.shutdown().await;
     sim.shutdown().await;
 }
+
+/// Start `n` simulated vLLM replicas with the given scheduling policy, no simulated delays.
+async fn start_sims(
+    n: usize,
+    policy: agentgate_sim::config::SchedulingPolicyArg,
+) -> Vec<agentgate_sim::SimHandle> {
+    let mut sims = Vec::new();
+    for _ in 0..n {
+        let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+            listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            model: "sim-model".into(),
+            time_scale: 0.0,
+            scheduling_policy: policy,
+            ..Default::default()
+        })
+        .await
+        .expect("simulator starts");
+        sims.push(sim);
+    }
+    sims
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
+    use agentgate_sim::config::SchedulingPolicyArg;
+    let sims = start_sims(4, SchedulingPolicyArg::Priority).await;
+    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
+    // 4 replicas x 1 slot; a quarter held for interactive: batch may run 3
+    let bands = BANDS.replace("priority = 10\n", "priority = 10\nreserve = 0.25\n");
+    let extra = format!(
+        "engine_priority = true\n{STILL}[flow]\nmax_in_flight_per_endpoint = 1\n{bands}{}{}",
+        team("chat", "default_band = \"interactive\""),
+        team("bulk", "default_band = \"batch\""),
+    );
+    let gw = start_gateway(&config_toml(&urls, None, &extra)).await;
+    let base = gw.base_url();
+    for sim in &sims {
+        stall(sim).await;
+    }
+    let batch: Vec<_> = (0..4)
+        .map(|i| {
+            let body =
+                json!({"model": "sim-model", "input": format!("job {i}"), "max_output_tokens": 16});
+            spawn_call(&base, Some("bulk"), body, &[])
+        })
+        .collect();
+    eventually("three batch requests run and one waits", || {
+        snapshot(&gw).in_flight == 3 && queued(&gw, "batch") == 1
+    })
+    .await;
+    // the interactive request finds the one free slot at once, on the replica without a batch job
+    let chat = spawn_call(&base, Some("chat"), hello(), &[]);
+    eventually("the interactive request runs", || {
+        snapshot(&gw).band("interactive").unwrap().dispatched == 1
+    })
+    .await;
+    let pool = gw.state().pools.for_model("sim-model").unwrap();
+    eventually("every replica runs exactly one request", || {
+        pool.endpoints().iter().all(|e| e.in_flight_requests() == 1)
+    })
+    .await;
+    assert_eq!(
+        queued(&gw, "batch"),
+        1,
+        "batch still leaves the reserve free"
+    );
+    chat.abort();
+    for call in batch {
+        call.abort();
+    }
+    gw.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn band_priorities_reach_the_engines_when_the_pool_forwards_them() {
+    use agentgate_sim::config::SchedulingPolicyArg;
+    let extra = |forward: bool| {
+        format!(
+            "engine_priority = {forward}\n{STILL}{BANDS}{}",
+            team("chat", "default_band = \"interactive\""),
+        )
+    };
+    // A vLLM engine without priority scheduling refuses a non-zero priority and names it: the
+    // interactive band (priority 10) arrives as -10 (vLLM runs lower values first).
+    let fcfs = start_sims(1, SchedulingPolicyArg::Fcfs).await;
+    let gw = start_gateway(&config_toml(&[fcfs[0].base_url()], None, &extra(true))).await;
+    let answer = call(&gw.base_url(), Some("chat"), hello(), &[]).await;
+    assert_ne!(answer.status, 200);
+    let message = answer.body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("priority -10"), "{}", answer.body);
+    gw.shutdown().await;
+    // Not forwarded: the same engine serves it.
+    let gw = start_gateway(&config_toml(&[fcfs[0].base_url()], None, &extra(false))).await;
+    let answer = call(&gw.base_url(), Some("chat"), hello(), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    gw.shutdown().await;
+    // Forwarded to an engine with priority scheduling: served.
+    let priority = start_sims(1, SchedulingPolicyArg::Priority).await;
+    let gw = start_gateway(&config_toml(&[priority[0].base_url()], None, &extra(true))).await;
+    let answer = call(&gw.base_url(), Some("chat"), hello(), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    gw.shutdown().await;
+}

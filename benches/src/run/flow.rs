@@ -9,10 +9,15 @@
 //! the engines. Everything else in the configuration is the same for both. A workload with
 //! several teams gets one API key per team and two bands:
 //!
-//! | band | priority | sheddable | queue TTL (simulated) | teams |
-//! |---|---:|---|---:|---|
-//! | `interactive` | 100 | no | [`INTERACTIVE_TTL_S`] | `interactive` |
-//! | `batch` | 10 | `--batch-sheddable` (default no) | [`BATCH_TTL_S`] | every other team (`agents`, `light`, `heavy`) |
+//! | band | priority | sheddable | reserve | queue TTL (simulated) | teams |
+//! |---|---:|---|---:|---:|---|
+//! | `interactive` | 100 | no | `--interactive-reserve` (default 0.25) | [`INTERACTIVE_TTL_S`] | `interactive` |
+//! | `batch` | 10 | `--batch-sheddable` (default no) | 0 | [`BATCH_TTL_S`] | every other team (`agents`, `light`, `heavy`) |
+//!
+//! With flow control on, the pool also sends each request's band priority to the engines
+//! (`engine_priority = true`); the simulated replicas always run vLLM's
+//! `--scheduling-policy priority`, so without bands (or with flow control off) every request
+//! has priority 0 and they run in arrival order.
 //!
 //! Batch work is not sheddable by default: an agent job waits rather than fails, and the
 //! replay, like a job runner that gives up on a turn, would otherwise turn every refusal into a
@@ -122,6 +127,8 @@ pub struct FlowSetup {
     pub wall_per_sim_s: f64,
     /// Whether the batch band is sheddable.
     pub batch_sheddable: bool,
+    /// The interactive band's `reserve`.
+    pub interactive_reserve: f64,
 }
 
 impl FlowSetup {
@@ -139,7 +146,14 @@ impl FlowSetup {
             max_in_flight_per_endpoint: max_num_seqs.div_ceil(gateways.max(1)).max(1) as u64,
             wall_per_sim_s: if time_scale > 0.0 { time_scale } else { 1.0 },
             batch_sheddable,
+            interactive_reserve: 0.0,
         }
+    }
+
+    /// The same with the interactive band holding `reserve` of the pool's request slots.
+    pub fn with_interactive_reserve(mut self, reserve: f64) -> FlowSetup {
+        self.interactive_reserve = reserve;
+        self
     }
 
     /// Wall milliseconds of `sim_s` simulated seconds, at least 1.
@@ -163,9 +177,10 @@ impl FlowSetup {
     /// `[[bands]]` of a multi-team workload.
     pub fn bands_toml(&self) -> String {
         format!(
-            "\n[[bands]]\nname = \"{INTERACTIVE_BAND}\"\npriority = 100\nqueue_ttl_ms = {}\n\
+            "\n[[bands]]\nname = \"{INTERACTIVE_BAND}\"\npriority = 100\nqueue_ttl_ms = {}\nreserve = {:?}\n\
              \n[[bands]]\nname = \"{BATCH_BAND}\"\npriority = 10\nsheddable = {}\nqueue_ttl_ms = {}\n",
             self.wall_ms(INTERACTIVE_TTL_S),
+            self.interactive_reserve,
             self.batch_sheddable,
             self.wall_ms(BATCH_TTL_S),
         )

@@ -120,6 +120,18 @@ pub struct Args {
     /// per-endpoint cap is set to match.
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
+    /// Tokens each simulated replica computes per step (vLLM --max-num-batched-tokens; prompts
+    /// are prefilled in chunks of what decodes leave; 0 = whole prompts in one step).
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// Largest prefill chunk one sequence takes per step (vLLM --long-prefill-token-threshold;
+    /// 0 = only the step budget limits it).
+    #[arg(long, default_value_t = 0)]
+    pub long_prefill_token_threshold: usize,
+    /// Workloads with bands: the share of the pool's request slots the batch band leaves free
+    /// for the interactive band (its `reserve`).
+    #[arg(long, default_value_t = 0.25)]
+    pub interactive_reserve: f64,
     /// mixed only: the agents team runs FACTOR x request slots sessions (replicas serving
     /// requests x max-num-seqs, on the first --topology layout), half
     /// starting within the first 10 s, half over the first half of the span (default: half of
@@ -290,6 +302,9 @@ pub async fn execute(
         block_size: args.block_size,
         seed: args.seed,
         max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        long_prefill_token_threshold: args.long_prefill_token_threshold,
+        interactive_reserve: args.interactive_reserve,
         request_slots: request_slots(args),
         flow_control: args
             .flow_control
@@ -374,6 +389,7 @@ fn flow_setup(args: &Args, mode: FlowMode, time_scale: f64) -> FlowSetup {
         time_scale,
         args.batch_sheddable,
     )
+    .with_interactive_reserve(args.interactive_reserve)
 }
 
 fn validate_args(args: &Args) -> Result<(), String> {
@@ -510,6 +526,10 @@ pub fn gateway_config(
         quoted.join(", ")
     );
     if teams.len() > 1 {
+        if flow.enabled {
+            // the engines order their own queues by band too
+            text.push_str("engine_priority = true\n");
+        }
         text.push_str(&flow.bands_toml());
         for team in teams {
             text.push_str(&format!(
@@ -574,6 +594,10 @@ async fn run_row(
             kv_blocks: args.kv_blocks,
             block_size: args.block_size,
             max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            long_prefill_token_threshold: args.long_prefill_token_threshold,
+            // requests without a `priority` (no bands) all have 0: arrival order
+            scheduling_policy: agentgate_sim::config::SchedulingPolicyArg::Priority,
             default_output_tokens: DEFAULT_OUTPUT_TOKENS,
             seed: Some(args.seed),
             ..agentgate_sim::SimConfig::default()
@@ -922,6 +946,9 @@ mod tests {
             policies: vec!["session".into()],
             flow_control: vec![FlowMode::On],
             max_num_seqs: 64,
+            max_num_batched_tokens: 8192,
+            long_prefill_token_threshold: 0,
+            interactive_reserve: 0.25,
             mixed_batch_load: None,
             interactive_alone: false,
             batch_sheddable: false,

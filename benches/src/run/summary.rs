@@ -52,6 +52,12 @@ pub struct RunSummary {
     pub seed: u64,
     /// `max_num_seqs` of every replica (the engine's batch width).
     pub max_num_seqs: usize,
+    /// Tokens every replica computes per step (`--max-num-batched-tokens`).
+    pub max_num_batched_tokens: usize,
+    /// Largest prefill chunk per sequence and step (`--long-prefill-token-threshold`).
+    pub long_prefill_token_threshold: usize,
+    /// The interactive band's reserve (`--interactive-reserve`; workloads with bands).
+    pub interactive_reserve: f64,
     /// Requests the fleet of the first `--topology` layout runs at once: replicas serving
     /// requests (all of `agg`, the decode ones of `pd:PxD`) x max_num_seqs. `--mixed-batch-load`
     /// is a factor of it; each row's own is in its `request_slots`.

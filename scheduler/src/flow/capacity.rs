@@ -25,6 +25,13 @@ pub trait CapacitySignal: Send + Sync {
     /// `true` while the pool is not saturated.
     fn can_dispatch(&self, load: &FlowLoad) -> bool;
 
+    /// How many requests the pool may have in flight now, when the signal counts requests;
+    /// bands' reserves ([`BandSpec::reserve`](super::BandSpec::reserve)) are shares of it.
+    /// `None` (the default): the signal has no such figure and reserves hold nothing back.
+    fn capacity(&self) -> Option<u64> {
+        None
+    }
+
     /// How saturated the pool is, in `0..=1`, for probabilistic shedding
     /// ([`ShedCurve::Linear`](super::ShedCurve::Linear)). Defaults to 1 when
     /// [`can_dispatch`](Self::can_dispatch) says no, 0 otherwise.
@@ -67,6 +74,10 @@ impl MaxInFlight {
 impl CapacitySignal for MaxInFlight {
     fn can_dispatch(&self, load: &FlowLoad) -> bool {
         load.in_flight < self.limit()
+    }
+
+    fn capacity(&self) -> Option<u64> {
+        Some(self.limit())
     }
 
     fn saturation(&self, load: &FlowLoad) -> f64 {

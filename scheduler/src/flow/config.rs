@@ -29,6 +29,12 @@ pub struct BandSpec {
     pub max_queued_bytes: u64,
     /// Longest a request waits in the queue before it is answered with [`Rejection::Timeout`].
     pub queue_ttl: Duration,
+    /// Share of the pool's capacity (0..1) held for this band and the bands above it: lower
+    /// bands dispatch only while that much stays free, so a request of this band finds a slot
+    /// at once instead of waiting for a lower band's request to finish. Requests of a band with
+    /// a reserve are also placed on an endpoint with a free slot when one exists (the gateway's
+    /// routing does this). 0 (the default) holds nothing back.
+    pub reserve: f64,
 }
 
 impl BandSpec {
@@ -41,6 +47,7 @@ impl BandSpec {
             max_queued: 10_000,
             max_queued_bytes: 1 << 30,
             queue_ttl: Duration::from_secs(60),
+            reserve: 0.0,
         }
     }
 }
@@ -237,6 +244,12 @@ impl FlowConfig {
                 problems.push(format!(
                     "bands `{other}` and `{}` share priority {}; priorities must differ",
                     band.name, band.priority
+                ));
+            }
+            if !(0.0..1.0).contains(&band.reserve) {
+                problems.push(format!(
+                    "band `{}`: reserve must be at least 0 and below 1 (a share of the pool's capacity), got {}",
+                    band.name, band.reserve
                 ));
             }
             if band.queue_ttl.is_zero() {

@@ -82,6 +82,8 @@ pub struct Permit {
     released: bool,
     team: String,
     band: String,
+    band_priority: i32,
+    band_reserves: bool,
     cost: u64,
     session: Option<String>,
     waited: Duration,
@@ -100,6 +102,17 @@ impl Permit {
     /// The band it was dispatched from.
     pub fn band(&self) -> &str {
         &self.band
+    }
+
+    /// The priority of the band it was dispatched from.
+    pub fn band_priority(&self) -> i32 {
+        self.band_priority
+    }
+
+    /// Whether its band holds a reserve ([`BandSpec::reserve`](super::BandSpec::reserve) > 0): the request should be
+    /// placed where it can start at once.
+    pub fn band_reserves(&self) -> bool {
+        self.band_reserves
     }
 
     /// How long it waited in the queue.
@@ -770,17 +783,47 @@ impl State {
     }
 
     /// Dispatch while the capacity signal allows: the highest band with an eligible team
-    /// first, then fair queuing and turn order within it.
+    /// first, then fair queuing and turn order within it. A band dispatches only while the
+    /// reserves of the bands above it stay free (see [`BandSpec::reserve`](super::BandSpec::reserve)).
     fn pump(&mut self, inner: &Arc<Inner>, out: &mut VecDeque<Delivery>) {
         let now = Instant::now();
         while !self.entries.is_empty() && inner.capacity.can_dispatch(&self.load()) {
             let Some((b, pick)) = self.pick() else {
                 break;
             };
+            let held = self.reserved_above(b, inner.capacity.capacity());
+            if held > 0 {
+                let mut load = self.load();
+                load.in_flight = load.in_flight.saturating_add(held);
+                if !inner.capacity.can_dispatch(&load) {
+                    // every band below `b` holds back at least as much
+                    break;
+                }
+            }
             if let Some(delivery) = self.dispatch(inner, b, &pick, now) {
                 out.push_back(delivery);
             }
         }
+    }
+
+    /// Requests held free for the bands ranked above band `b`: the largest of their reserves
+    /// (each a share of `capacity`, rounded up), since a band's reserve serves it and every
+    /// band above it.
+    fn reserved_above(&self, b: usize, capacity: Option<u64>) -> u64 {
+        let Some(capacity) = capacity else {
+            return 0;
+        };
+        let priority = self
+            .bands
+            .get(b)
+            .map_or(i32::MIN, |band| band.spec.priority);
+        let share = self
+            .bands
+            .iter()
+            .filter(|band| band.spec.priority > priority)
+            .map(|band| band.spec.reserve)
+            .fold(0.0f64, f64::max);
+        (share * capacity as f64).ceil() as u64
     }
 
     fn pick(&self) -> Option<(usize, Pick)> {
@@ -850,6 +893,8 @@ impl State {
             released: false,
             team: entry.team,
             band: band.spec.name.clone(),
+            band_priority: band.spec.priority,
+            band_reserves: band.spec.reserve > 0.0,
             cost: entry.cost,
             session: entry.session,
             waited,

@@ -786,3 +786,47 @@ fn the_admit_future_is_send() {
     let future = flow.admit(Ticket::new("agents", 1));
     assert_send(&future);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_reserve_keeps_slots_free_for_higher_bands() {
+    let mut config = config();
+    // a quarter of 8 slots: batch may hold 6, interactive finds the last 2 free
+    config.bands[0].reserve = 0.25;
+    let (flow, capacity) = controller(config, 8);
+    let mut batch = Vec::new();
+    for _ in 0..6 {
+        batch.push(flow.admit(Ticket::new("bulk", 1)).await.unwrap());
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    spawn_admit(&flow, Ticket::new("bulk", 1), "b7", &tx);
+    wait_queued(&flow, 1).await;
+    let first = poll_once(flow.admit(Ticket::new("agents", 1))).await;
+    let first = first.expect("ready at once").expect("admitted");
+    let second = poll_once(flow.admit(Ticket::new("agents", 1))).await;
+    assert!(second.is_some_and(|p| p.is_ok()), "the reserve holds two");
+    assert_eq!(flow.snapshot().band("batch").unwrap().queued, 1);
+    // a finished interactive request does not let batch into the reserve
+    drop(first);
+    assert_eq!(flow.snapshot().band("batch").unwrap().queued, 1);
+    // a finished batch request does
+    drop(batch.pop());
+    let (label, _b7) = rx.recv().await.unwrap();
+    assert_eq!(label, "b7");
+    // shrinking the pool shrinks what batch may use with it (ceil(0.25 * 4) = 1 held)
+    capacity.set_limit(4);
+    flow.notify();
+    assert_eq!(flow.snapshot().in_flight, 6);
+}
+
+#[test]
+fn reserves_outside_zero_to_one_are_refused() {
+    let mut config = config();
+    config.bands[0].reserve = 1.0;
+    let error = config.validate().unwrap_err().to_string();
+    assert!(
+        error.contains("band `interactive`: reserve must be"),
+        "{error}"
+    );
+    config.bands[0].reserve = -0.1;
+    assert!(config.validate().is_err());
+}
