@@ -408,6 +408,14 @@ pub struct DisaggregationConfig {
     pub parent_header: String,
     /// Also recognise sub-agents by Codex's and Claude Code's native headers.
     pub native_parent_headers: bool,
+    /// Recognise sub-agents whose headers name no parent by the prefix their prompt shares
+    /// with an active session (`agentgate_scheduler::prefix_lineage`).
+    pub parent_by_prefix: bool,
+    /// Tokens a prompt must share with its parent's beyond any prefix shared by unrelated
+    /// sessions (a team's system prompt and tools).
+    pub parent_prefix_min_tokens: u64,
+    /// A parent found by prefix must have sent a request within this many seconds.
+    pub parent_active_s: u64,
     /// SGLang: bootstrap port of prefill endpoints that do not set their own; default each
     /// endpoint's HTTP port.
     pub bootstrap_port: Option<u16>,
@@ -419,6 +427,9 @@ impl Default for DisaggregationConfig {
             threshold_tokens: agentgate_scheduler::disagg::DEFAULT_THRESHOLD_TOKENS,
             parent_header: agentgate_scheduler::lineage::DEFAULT_PARENT_HEADER.into(),
             native_parent_headers: true,
+            parent_by_prefix: true,
+            parent_prefix_min_tokens: agentgate_scheduler::prefix_lineage::DEFAULT_MIN_TOKENS,
+            parent_active_s: agentgate_scheduler::prefix_lineage::DEFAULT_ACTIVE_S,
             bootstrap_port: None,
         }
     }
@@ -926,6 +937,12 @@ impl Config {
                 return Err(err(
                     at("disaggregation.parent_header"),
                     "must be a header name (letters, digits, '-' and '_'), or empty to read none",
+                ));
+            }
+            if pd.parent_active_s == 0 {
+                return Err(err(
+                    at("disaggregation.parent_active_s"),
+                    "must be at least 1 (set parent_by_prefix = false to find no parent by prefix)",
                 ));
             }
             if pd.bootstrap_port == Some(0) {
@@ -1592,6 +1609,26 @@ endpoints = ["http://127.0.0.1:8000"]
             pool.disaggregation.parent_header,
             "x-agentgate-parent-session"
         );
+        assert!(pool.disaggregation.parent_by_prefix);
+        assert_eq!(
+            (
+                pool.disaggregation.parent_prefix_min_tokens,
+                pool.disaggregation.parent_active_s
+            ),
+            (4096, 300)
+        );
+        let text = "[[pools]]\nname = \"p\"\nmodel = \"m\"\nendpoints = [\"http://h:1\"]\n\
+            [pools.disaggregation]\nparent_by_prefix = false\nparent_prefix_min_tokens = 8192\n\
+            parent_active_s = 60\n";
+        let pd = &Config::parse(text).unwrap().pools[0].disaggregation;
+        assert_eq!(
+            (
+                pd.parent_by_prefix,
+                pd.parent_prefix_min_tokens,
+                pd.parent_active_s
+            ),
+            (false, 8192, 60)
+        );
     }
 
     #[test]
@@ -1625,6 +1662,11 @@ endpoints = ["http://127.0.0.1:8000"]
                 "\"http://h:1\"",
                 "[pools.disaggregation]\nbootstrap_port = 0\n",
                 "pools[0].disaggregation.bootstrap_port",
+            ),
+            (
+                "\"http://h:1\"",
+                "[pools.disaggregation]\nparent_active_s = 0\n",
+                "pools[0].disaggregation.parent_active_s",
             ),
         ] {
             let e = Config::parse(&pool(endpoints, extra)).unwrap_err();

@@ -35,7 +35,10 @@
 //! `sub_agent`, `local` for `cached` or `no_prefill_endpoint`), failed KV transfers
 //! (`agentgate_pd_transfer_failures_total{pool,prefill,decode}`), fallbacks to a local prefill
 //! (`agentgate_pd_fallbacks_total{pool,cause}`, cause `prefill_failed` or `transfer_failed`),
-//! moves of the prefill half of session pins (`agentgate_pd_prefill_pin_moves_total{pool,cause}`)
+//! moves of the prefill half of session pins (`agentgate_pd_prefill_pin_moves_total{pool,cause}`),
+//! calls placed as a sub-agent's by where the parent came from
+//! (`agentgate_pd_sub_agent_calls_total{pool,source}`: `header`, `codex`, `claude_code`, or
+//! `prefix` for a parent found by shared prefix, `agentgate_scheduler::prefix_lineage`)
 //! and the latency of each leg (`agentgate_pd_leg_duration_seconds{pool,leg}`: `prefill` until
 //! the KV cache is ready for decode, `decode` from then to the first token).
 
@@ -334,6 +337,8 @@ pub struct Metrics {
     pub pd_fallbacks: CounterVec<2>,
     /// `agentgate_pd_prefill_pin_moves_total{pool,cause}`.
     pub pd_prefill_pin_moves: CounterVec<2>,
+    /// `agentgate_pd_sub_agent_calls_total{pool,source}`.
+    pub pd_sub_agent_calls: CounterVec<2>,
     /// `agentgate_pd_leg_duration_seconds{pool,leg}`.
     pub pd_leg_duration: HistogramVec<2>,
 }
@@ -409,6 +414,11 @@ impl Metrics {
                 "Prefill halves of session pins moved to another prefill endpoint, by cause.",
                 ["pool", "cause"],
             ),
+            pd_sub_agent_calls: CounterVec::new(
+                "agentgate_pd_sub_agent_calls_total",
+                "Calls of pools with prefill endpoints placed as a sub-agent's, by where the parent came from (header, codex, claude_code, or prefix: found by the prefix shared with an active session).",
+                ["pool", "source"],
+            ),
             pd_leg_duration: HistogramVec::new(
                 "agentgate_pd_leg_duration_seconds",
                 "Latency of disaggregated legs: prefill (until the KV cache is ready for decode) and decode (from then to the first token).",
@@ -437,6 +447,11 @@ impl Metrics {
     /// The prefill half of a session's pin moved for `cause`.
     pub fn pd_prefill_pin_moved(&self, pool: &str, cause: &str) {
         self.pd_prefill_pin_moves.inc([pool, cause]);
+    }
+
+    /// A call was placed as a sub-agent's; `source` says where its parent came from.
+    pub fn pd_sub_agent(&self, pool: &str, source: &str) {
+        self.pd_sub_agent_calls.inc([pool, source]);
     }
 
     /// One leg (`prefill` or `decode`) of a disaggregated request took `elapsed`.
@@ -476,6 +491,7 @@ impl Metrics {
         self.pd_transfer_failures.encode(&mut out);
         self.pd_fallbacks.encode(&mut out);
         self.pd_prefill_pin_moves.encode(&mut out);
+        self.pd_sub_agent_calls.encode(&mut out);
         self.pd_leg_duration.encode(&mut out);
         out
     }
@@ -947,12 +963,14 @@ mod tests {
         m.pd_transfer_failed("main", "main/1", "main/2");
         m.pd_fallback("main", "transfer_failed");
         m.pd_prefill_pin_moved("main", "wait");
+        m.pd_sub_agent("main", "prefix");
         m.pd_leg("main", "prefill", std::time::Duration::from_millis(30));
         for line in [
             "agentgate_pd_decisions_total{pool=\"main\",decision=\"disaggregated\",reason=\"uncached\"} 1",
             "agentgate_pd_transfer_failures_total{pool=\"main\",prefill=\"main/1\",decode=\"main/2\"} 1",
             "agentgate_pd_fallbacks_total{pool=\"main\",cause=\"transfer_failed\"} 1",
             "agentgate_pd_prefill_pin_moves_total{pool=\"main\",cause=\"wait\"} 1",
+            "agentgate_pd_sub_agent_calls_total{pool=\"main\",source=\"prefix\"} 1",
             "agentgate_pd_leg_duration_seconds_bucket{pool=\"main\",leg=\"prefill\",le=\"0.05\"} 1",
             "agentgate_pd_leg_duration_seconds_bucket{pool=\"main\",leg=\"prefill\",le=\"0.025\"} 0",
             "agentgate_pd_leg_duration_seconds_count{pool=\"main\",leg=\"prefill\"} 1",
@@ -962,6 +980,7 @@ mod tests {
             m.pd_transfer_failures.encode(&mut out);
             m.pd_fallbacks.encode(&mut out);
             m.pd_prefill_pin_moves.encode(&mut out);
+            m.pd_sub_agent_calls.encode(&mut out);
             m.pd_leg_duration.encode(&mut out);
             assert!(out.lines().any(|l| l == line), "{line} missing in\n{out}");
         }

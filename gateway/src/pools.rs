@@ -27,7 +27,8 @@ use std::time::Duration;
 use agentgate_adapters::{EngineClient, Flavor};
 pub use agentgate_scheduler::{Endpoint, PickRequest, Picker, Policy};
 use agentgate_scheduler::{
-    LineageConfig, PinRule, PrefillPicker, PrefixIndex, PrefixIndexConfig, Role, Saturation,
+    LineageConfig, PinRule, PrefillPicker, PrefixIndex, PrefixIndexConfig, PrefixLineage,
+    PrefixLineageConfig, Role, Saturation,
 };
 
 use crate::config::{Config, PoolConfig, SimulateConfig, BOOTSTRAP_PORT_LABEL};
@@ -88,6 +89,9 @@ pub struct Disaggregation {
     pub threshold_tokens: u64,
     /// How sub-agent calls name their parent session.
     pub lineage: LineageConfig,
+    /// Parents found by shared prefix for calls whose headers name none
+    /// (`parent_by_prefix`; None when off or the policy keeps no prefix index).
+    pub parents: Option<Arc<PrefixLineage>>,
     /// SGLang bootstrap port of prefill endpoints without their own (None: the HTTP port).
     pub bootstrap_port: Option<u16>,
     /// The prefill endpoint pick, with the pool's pin-rule constants and saturation limits.
@@ -319,12 +323,24 @@ impl Pools {
             scoring.saturation = saturation;
             let picker = policy.picker(index_config, &scoring).map_err(invalid)?;
             let pd = &pc.disaggregation;
+            let parents = match picker.prefix_index() {
+                Some(index) if pd.parent_by_prefix => {
+                    Some(Arc::new(PrefixLineage::new(PrefixLineageConfig {
+                        tokens_per_chunk: index.tokens_per_chunk(),
+                        min_tokens: pd.parent_prefix_min_tokens,
+                        active: Duration::from_secs(pd.parent_active_s),
+                        ..PrefixLineageConfig::default()
+                    })))
+                }
+                _ => None,
+            };
             let disaggregation = Disaggregation {
                 threshold_tokens: pd.threshold_tokens,
                 lineage: LineageConfig {
                     parent_header: pd.parent_header.trim().to_string(),
                     native_headers: pd.native_parent_headers,
                 },
+                parents,
                 bootstrap_port: pd.bootstrap_port,
                 prefill: PrefillPicker {
                     rule: PinRule {

@@ -15,8 +15,11 @@
 //!
 //! 1. the picker chooses a decode endpoint `d` among those that can decode (roles `decode` and
 //!    `both`), by the session's pin (the decode half), prefix and load. A sub-agent call
-//!    (`agentgate_scheduler::lineage`) is placed by load alone, so a burst of siblings spreads
-//!    over the decode endpoints; its own pin, when it has a key of its own, still holds;
+//!    (`agentgate_scheduler::lineage`, or, when its headers name no parent and
+//!    `parent_by_prefix` is on, `agentgate_scheduler::prefix_lineage`: a session's first
+//!    request sharing a long prefix with an active session, beyond what unrelated sessions
+//!    share) is placed by load alone, so a burst of siblings spreads over the decode
+//!    endpoints; its own pin, when it has a key of its own, still holds;
 //! 2. when more than `threshold_tokens` of the prompt are not cached on `d`, a prefill
 //!    endpoint `p` is chosen by prefix match and load weighed by measured throughput, starting
 //!    from the prefill half of the session's pin, or for a sub-agent without one, its parent's:
@@ -53,8 +56,8 @@ use agentgate_sessions::{ResponseRecord, Store};
 use crate::app::AppState;
 use crate::error::HttpError;
 use agentgate_scheduler::{
-    prefill_pin_key, remote_prefill_pays_off, Endpoint, InFlight, Lineage, Permit, Pick,
-    PinOutcome, Pinned, PrefillRequest, Role,
+    prefill_pin_key, remote_prefill_pays_off, Endpoint, InFlight, Lineage, Observation, Permit,
+    Pick, PinOutcome, Pinned, PrefillRequest, Role,
 };
 use agentgate_sessions::SessionPin;
 
@@ -108,6 +111,14 @@ pub fn lineage_of(pool: &Pool, headers: &HeaderMap, session: Option<&str>) -> Op
     agentgate_scheduler::lineage(&pool.disaggregation.lineage, &pairs, session)
 }
 
+/// Whether the turn's session key names a session the client will use again: anything but
+/// the key made from the turn's own response id when nothing else named one (no session
+/// header, `prompt_cache_key`, `conversation` or `previous_response_id`).
+fn named_session(turn: &Turn) -> bool {
+    turn.previous_response_id.is_some()
+        || agentgate_scheduler::chain_root_key(&turn.id).map(|k| k.value) != turn.session
+}
+
 /// Most rounds of `truncation: "auto"` before the context-length error is returned.
 const MAX_TRUNCATION_ROUNDS: usize = 8;
 
@@ -159,6 +170,7 @@ pub async fn open_turn(
             &turn.pool,
             &turn.plan.body,
             turn.session.as_deref(),
+            named_session(turn),
             turn.lineage.as_ref(),
             free_slot_below,
         );
@@ -250,12 +262,15 @@ async fn session_pin(state: &AppState, pool: &Pool, session: Option<&str>) -> Op
 /// endpoint is unavailable or saturated, or waiting there costs more than recomputing the
 /// prefix elsewhere; when the chosen endpoint differs from the pin, the session is re-pinned in
 /// the store and the move counted with its cause. A pool with prefill endpoints splits long
-/// prompts (see the module doc); `lineage` says which session spawned a sub-agent's call.
+/// prompts (see the module doc); `lineage` says which session spawned a sub-agent's call, as
+/// its headers name it, and `named` whether `session` names more than this one request (a
+/// request whose key does not may not be found a parent by prefix).
 pub async fn open_upstream(
     state: &AppState,
     pool: &Pool,
     body: &Value,
     session: Option<&str>,
+    named: bool,
     lineage: Option<&Lineage>,
     free_slot_below: Option<u64>,
 ) -> Result<(ChunkStream, Routed), HttpError> {
@@ -284,6 +299,7 @@ pub async fn open_upstream(
         prompt_tokens,
         prefix,
         session,
+        named,
         lineage,
         free_slot_below,
     )
@@ -440,6 +456,7 @@ async fn open_split(
     prompt_tokens: u64,
     prefix: Vec<u64>,
     session: Option<&str>,
+    named: bool,
     lineage: Option<&Lineage>,
     free_slot_below: Option<u64>,
 ) -> Result<(ChunkStream, Routed), HttpError> {
@@ -462,11 +479,31 @@ async fn open_split(
         Some(l) => l.own.as_deref(),
         None => session,
     };
+    let pin = session_pin(state, pool, key).await;
+    // A call whose headers name no parent may still be a sub-agent: its parent is found by
+    // the prefix it shares with an active session. Every call is recorded for the next.
+    let inferred = match (&pool.disaggregation.parents, session) {
+        (Some(parents), Some(session)) => parents.observe(&Observation {
+            session,
+            lineage,
+            pinned: pin.is_some(),
+            named,
+            prefix: &prefix,
+        }),
+        _ => None,
+    };
+    let lineage = lineage.or(inferred.as_ref());
+    if let Some(l) = lineage {
+        state.metrics.pd_sub_agent(&pool.name, l.source);
+        if inferred.is_some() {
+            tracing::debug!(session = ?session, parent = %l.parent, "sub-agent found by shared prefix");
+        }
+    }
     let placement = Placement {
         body,
         prompt_tokens,
         prefix,
-        pin: session_pin(state, pool, key).await,
+        pin,
         key,
         free_slot_below,
     };

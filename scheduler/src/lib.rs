@@ -19,7 +19,8 @@
 //! - [`filter`]: the [`Filter`] trait and the filters (available, not excluded, role,
 //!   prefer unsaturated);
 //! - [`scorer`]: the [`Scorer`] trait and the scorers `session_pin`, `prefix` (with the
-//!   anti-herding gate), `queue`, `kv_usage`, `in_flight_tokens`, with their formulas;
+//!   anti-herding gate), `queue`, `kv_usage`, `in_flight_tokens` (in time, by measured prefill
+//!   throughput, once every candidate has one), with their formulas;
 //! - [`pin`]: sticky until saturated: when a session's pin breaks, in tokens of prefill work
 //!   (wait on the pinned endpoint against the cost of recomputing the prefix elsewhere);
 //! - [`pipeline`]: the [`Pipeline`] picker that composes them from a [`ScoringConfig`]
@@ -34,6 +35,9 @@
 //!   `previous_response_id` chain root or the `conversation` id;
 //! - [`lineage`](mod@lineage): whether a request comes from a sub-agent and which session spawned it
 //!   ([`lineage()`]), from a configured parent header or the agents' native sub-agent headers;
+//! - [`prefix_lineage`]: the parent of a call whose headers name none, found by the prefix
+//!   its prompt shares with an active session ([`PrefixLineage`]), without mistaking a team's
+//!   common prefix for a parent's context;
 //! - [`disagg`]: prefill/decode disaggregation: when remote prefill pays off, the prefill
 //!   endpoint pick ([`PrefillPicker`]: prefix match and load weighed by measured throughput,
 //!   with its own sticky pin), and each endpoint's measured prefill throughput.
@@ -54,6 +58,7 @@ pub mod pin;
 pub mod pipeline;
 pub mod policy;
 pub mod prefix_index;
+pub mod prefix_lineage;
 pub mod scorer;
 pub mod session_key;
 
@@ -74,5 +79,6 @@ pub use pin::{PinCost, PinRule};
 pub use pipeline::{Pipeline, ScoringConfig};
 pub use policy::Policy;
 pub use prefix_index::{chunk_hashes, Occupancy, PrefixIndex, PrefixIndexConfig};
+pub use prefix_lineage::{Observation, PrefixLineage, PrefixLineageConfig};
 pub use scorer::{ScoreContext, Scorer, SCORER_NAMES};
 pub use session_key::{chain_root_key, session_key, SessionKey, SessionKeyConfig, SessionSource};

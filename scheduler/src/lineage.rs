@@ -28,8 +28,9 @@
 //! requests. The own key, when there is one, is what the sub-agent's own pins are stored
 //! under, apart from its siblings'; without one a sub-agent is placed by load every time.
 //!
-//! A burst with none of these headers still shares a prefix with its parent: the prefill pick
-//! finds it by prefix match (it has no anti-herding gate, see [`crate::disagg`]).
+//! A burst with none of these headers still shares a prefix with its parent:
+//! [`crate::prefix_lineage`] finds the parent from it, and the prefill pick finds where that
+//! prefix is cached by prefix match (it has no anti-herding gate, see [`crate::disagg`]).
 
 use crate::session_key::{SessionKey, SessionSource};
 

@@ -40,7 +40,7 @@
 //! | `session_pin` | - | 10 | more than all the others together (5.5): a held pin always wins |
 //! | `prefix` | 3 | 3 | more than the load scorers together (2.5): a full match beats any load difference |
 //! | `queue` | 1 | 1 | the engine's and this gateway's queues |
-//! | `in_flight_tokens` | 1 | 1 | prefill work queued ahead |
+//! | `in_flight_tokens` | 1 | 1 | prefill work queued ahead (as time, once throughput is measured) |
 //! | `kv_usage` | 0.5 | 0.5 | secondary: cold-prefix placement, preemption risk |
 //!
 //! So a full prefix match wins until the anti-herding gate takes it away, a half match (1.5)
@@ -512,6 +512,21 @@ mod tests {
         let _b = e[2].begin(100, 100);
         let pick = p.pick(&e, &req(&chunks(30), 100, Pinned::None)).unwrap();
         assert_eq!((pick.index, pick.reason), (1, Reason::Load));
+    }
+
+    #[test]
+    fn cold_prompts_go_where_the_queue_clears_soonest_by_measured_throughput() {
+        // Equal queues, in requests and in tokens; endpoint 1 prefills four times as fast.
+        let e = eps(2);
+        let p = prefix();
+        let _a = e[0].begin(8_000, 8_000);
+        let _b = e[1].begin(8_000, 8_000);
+        e[0].observe_prefill(10_000, Duration::from_secs(1));
+        e[1].observe_prefill(40_000, Duration::from_secs(1));
+        for _ in 0..50 {
+            let pick = p.pick(&e, &req(&chunks(30), 4_000, Pinned::None)).unwrap();
+            assert_eq!((pick.index, pick.reason), (1, Reason::Load));
+        }
     }
 
     #[test]

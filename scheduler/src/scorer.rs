@@ -20,8 +20,12 @@
 //!   room(e)         1 - fraction(e) / 2                         if e's modelled cache has room
 //!                   idle(e) / (2 * max_{full C} idle)           if it is full
 //!
-//! in_flight_tokens  1 - p(e) / (max_C p + 1)
+//! in_flight_tokens  1 - w(e) / (max_C w + 1)
+//!   w(e)            p(e) * r_max / r(e)     when every candidate has a measured rate r
+//!                   p(e)                    otherwise
 //!   p(e)            pending prefill tokens on e
+//!   r(e)            e's measured prefill throughput, tokens/s (crate::disagg)
+//!   r_max           max_C r
 //! ```
 //!
 //! with `in_flight(e)` the requests this gateway has in flight on `e`, `engine_waiting(e)` the
@@ -44,7 +48,17 @@
 //!   among full ones, the one whose next victim is coldest scores highest. The fleet then evicts
 //!   roughly in global LRU order, as one cache of its total size would, instead of one replica
 //!   thrashing while another holds stale prefixes.
-//! - **in_flight_tokens**: the prefill work queued ahead of a new request on each endpoint.
+//! - **in_flight_tokens**: the prefill work queued ahead of a new request on each endpoint, as
+//!   the time it takes there. `p(e) / r(e)` is the seconds `e` needs to clear its queue;
+//!   multiplying by `r_max` states it in tokens of the fastest candidate's time, so the scale
+//!   (and the `+ 1` smoothing) is the token form's, and on a pool of equal rates the score is
+//!   exactly the token form. On a pool of mixed hardware a token queued on a slow endpoint
+//!   then weighs more than one queued on a fast endpoint, by the throughput the gateway
+//!   measured rather than by what the hardware labels suggest. Until every candidate has a
+//!   measured rate the scorer counts tokens: an unmeasured endpoint's speed is unknown, and
+//!   any rate assumed for it (the mean, the slowest) would rank it by the assumption rather
+//!   than by its queue. Rates appear after the first timed prefills (a few requests per
+//!   endpoint), so the fallback lasts only through warm-up.
 //!
 //! Every score is in [0, 1]; the load scores are 1 for all candidates when all are idle.
 
@@ -271,8 +285,24 @@ impl Scorer for InFlightTokensScorer {
 
     fn score(&self, ctx: &ScoreContext<'_>, candidates: &[usize], out: &mut [f64]) {
         let view = ctx.view;
-        let load = |i: usize| view.pending_prefill_tokens(i) as f64;
-        relative_load(out, load, candidates);
+        let rate = |i: usize| view.endpoints.get(i).and_then(|e| e.prefill_tokens_per_s());
+        let rates: Option<Vec<f64>> = candidates.iter().map(|&i| rate(i)).collect();
+        let pending = |i: usize| view.pending_prefill_tokens(i) as f64;
+        match rates {
+            Some(rates) if !rates.is_empty() => {
+                let fastest = rates.iter().copied().fold(0.0, f64::max);
+                let weighted: Vec<f64> = candidates
+                    .iter()
+                    .zip(&rates)
+                    .map(|(&i, &r)| pending(i) * fastest / r)
+                    .collect();
+                let max = weighted.iter().copied().fold(0.0, f64::max);
+                for (o, w) in out.iter_mut().zip(&weighted) {
+                    *o = 1.0 - w / (max + 1.0);
+                }
+            }
+            _ => relative_load(out, pending, candidates),
+        }
     }
 }
 
@@ -412,6 +442,44 @@ mod tests {
         first_token.prefill_done();
         let s = run(&InFlightTokensScorer, &e, None, &[], None);
         assert_eq!(s, [1.0, 1.0 - 4999.0 / 5000.0, 1.0]);
+    }
+
+    #[test]
+    fn in_flight_tokens_weighs_pending_prefill_by_measured_throughput() {
+        use std::time::Duration;
+        let e = eps(2);
+        // Equal queues; endpoint 1 prefills four times as fast, so its queue clears in a
+        // quarter of the time.
+        let _a = e[0].begin(8_000, 8_000);
+        let _b = e[1].begin(8_000, 8_000);
+        e[1].observe_prefill(40_000, Duration::from_secs(1));
+        // Endpoint 0 unmeasured: tokens, a tie.
+        let s = run(&InFlightTokensScorer, &e, None, &[], None);
+        assert_eq!(s[0], s[1], "{s:?}");
+        e[0].observe_prefill(10_000, Duration::from_secs(1));
+        // w = 8000 * 40k / 10k = 32000 and 8000 * 40k / 40k = 8000.
+        let s = run(&InFlightTokensScorer, &e, None, &[], None);
+        let want = [1.0 - 32_000.0 / 32_001.0, 1.0 - 8_000.0 / 32_001.0];
+        for (got, want) in s.iter().zip(want) {
+            assert!((got - want).abs() < 1e-12, "{s:?}");
+        }
+        assert!(s[1] > s[0], "the faster endpoint scores higher: {s:?}");
+        // Three times the queue on the fast one still clears sooner (24k < 32k); five times
+        // does not (40k > 32k).
+        let _c: Vec<_> = (0..2).map(|_| e[1].begin(8_000, 8_000)).collect();
+        let s = run(&InFlightTokensScorer, &e, None, &[], None);
+        assert!(s[1] > s[0], "{s:?}");
+        let _d: Vec<_> = (0..2).map(|_| e[1].begin(8_000, 8_000)).collect();
+        let s = run(&InFlightTokensScorer, &e, None, &[], None);
+        assert!(s[1] < s[0], "{s:?}");
+        // Equal measured rates: exactly the token form.
+        let f = eps(2);
+        let _q = f[0].begin(3_000, 3_000);
+        let tokens = run(&InFlightTokensScorer, &f, None, &[], None);
+        for ep in &f {
+            ep.observe_prefill(20_000, Duration::from_secs(1));
+        }
+        assert_eq!(run(&InFlightTokensScorer, &f, None, &[], None), tokens);
     }
 
     #[test]

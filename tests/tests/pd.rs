@@ -4,7 +4,8 @@
 //! prefill leg falls back to a local prefill, a failed KV transfer is retried once without
 //! disaggregation, and the stored conversation keeps exactly one response per turn; a burst of
 //! sub-agents sharing their parent's long prefix computes it about once while their decodes
-//! spread over the decode replicas.
+//! spread over the decode replicas, whether a header names their parent or only the shared
+//! prefix does.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -351,6 +352,13 @@ async fn vllm_prefill_replica_gone_falls_back_to_a_local_prefill() {
         "{m}"
     );
     assert_eq!(metric_sum(&m, "agentgate_pd_transfer_failures_total"), 0.0);
+    assert!(
+        series(
+            &m,
+            "agentgate_endpoint_prefill_tokens_per_second{pool=\"pd\",endpoint=\"pd/1\"}"
+        ) > 0.0,
+        "the decode replica's local prefills were timed into its throughput: {m}"
+    );
     gw.shutdown().await;
     decode.shutdown().await;
 }
@@ -542,7 +550,17 @@ fn served_by(metrics: &str, endpoints: &[&str]) -> BTreeMap<String, f64> {
         .collect()
 }
 
-async fn sub_agents_share_their_parents_prefill(flavor: Flavor) {
+/// How the ten sub-agents of [`sub_agents_share_their_parents_prefill`] are told apart from
+/// new sessions.
+#[derive(Clone, Copy, PartialEq)]
+enum ParentNamed {
+    /// By the `x-agentgate-parent-session` header.
+    ByHeader,
+    /// By nothing but the prefix they share with the parent.
+    ByPrefixOnly,
+}
+
+async fn sub_agents_share_their_parents_prefill(flavor: Flavor, named: ParentNamed) {
     const PARENT_WORDS: usize = 100_000;
     const CHILDREN: usize = 10;
     // Slow enough that the sub-agents' decodes overlap, fast enough to run in seconds.
@@ -587,16 +605,17 @@ async fn sub_agents_share_their_parents_prefill(flavor: Flavor) {
         let context = context.clone();
         async move {
             let own = format!("child-{i}");
+            let mut headers = vec![("x-session-id", own.as_str())];
+            if named == ParentNamed::ByHeader {
+                headers.push(("x-agentgate-parent-session", "parent-1"));
+            }
             create(
                 &base,
                 json!({"model": "sim-model", "max_output_tokens": 32, "input": [
                     {"role": "user", "content": context},
                     {"role": "user", "content": format!("sub-task {i}: check module {i} and report")}
                 ]}),
-                &[
-                    ("x-session-id", own.as_str()),
-                    ("x-agentgate-parent-session", "parent-1"),
-                ],
+                &headers,
             )
             .await
         }
@@ -623,6 +642,50 @@ async fn sub_agents_share_their_parents_prefill(flavor: Flavor) {
         per_endpoint.iter().all(|&n| n >= 2.0),
         "the sub-agents' decodes spread over the decode pool: {per_endpoint:?}"
     );
+    let source = match named {
+        ParentNamed::ByHeader => "header",
+        ParentNamed::ByPrefixOnly => "prefix",
+    };
+    assert_eq!(
+        series(
+            &m,
+            &format!("agentgate_pd_sub_agent_calls_total{{pool=\"pd\",source=\"{source}\"}}")
+        ),
+        CHILDREN as f64,
+        "{m}"
+    );
+    assert_eq!(
+        metric_sum(&m, "agentgate_pd_sub_agent_calls_total"),
+        CHILDREN as f64,
+        "the parent is no sub-agent: {m}"
+    );
+    if named == ParentNamed::ByPrefixOnly {
+        // The parent's next turn (pinned), and a client resending the parent's context
+        // without naming any session (its only key is its own response id): neither is a
+        // sub-agent.
+        create(
+            &base,
+            json!({"model": "sim-model", "max_output_tokens": 16,
+                "previous_response_id": parent["id"], "input": "and the summary?"}),
+            &[("x-session-id", "parent-1")],
+        )
+        .await;
+        create(
+            &base,
+            json!({"model": "sim-model", "max_output_tokens": 16, "input": [
+                {"role": "user", "content": context},
+                {"role": "user", "content": "a turn of a client that names no session"}
+            ]}),
+            &[],
+        )
+        .await;
+        let m = metrics_of(&base).await;
+        assert_eq!(
+            metric_sum(&m, "agentgate_pd_sub_agent_calls_total"),
+            CHILDREN as f64,
+            "{m}"
+        );
+    }
     gw.shutdown().await;
     for s in prefills.into_iter().chain(decodes) {
         s.shutdown().await;
@@ -631,12 +694,17 @@ async fn sub_agents_share_their_parents_prefill(flavor: Flavor) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_sub_agents_share_their_parents_prefill() {
-    sub_agents_share_their_parents_prefill(Flavor::Vllm).await;
+    sub_agents_share_their_parents_prefill(Flavor::Vllm, ParentNamed::ByHeader).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_sub_agents_share_their_parents_prefill() {
-    sub_agents_share_their_parents_prefill(Flavor::Sglang).await;
+    sub_agents_share_their_parents_prefill(Flavor::Sglang, ParentNamed::ByHeader).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_sub_agents_naming_no_parent_are_found_by_their_shared_prefix() {
+    sub_agents_share_their_parents_prefill(Flavor::Vllm, ParentNamed::ByPrefixOnly).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -652,7 +720,14 @@ async fn a_sub_agent_follows_its_parents_prefill_pin_when_the_prefix_index_has_f
         entry(&prefills[1], "prefill"),
         entry(&decode, "decode"),
     ];
-    let gw = start_gateway(&pd_config(Flavor::Vllm, &entries, "")).await;
+    // The stranger below shares the sub-agent's whole prompt with an active session: by
+    // prefix it would be a sub-agent too. Only headers name parents here.
+    let gw = start_gateway(&pd_config(
+        Flavor::Vllm,
+        &entries,
+        "[pools.disaggregation]\nparent_by_prefix = false\n",
+    ))
+    .await;
     let base = gw.base_url();
     let context = long_text("p", PARENT_WORDS);
     create(
