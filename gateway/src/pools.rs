@@ -66,22 +66,6 @@ pub struct Pool {
     pub engine_priority: bool,
 }
 
-impl Pool {
-    /// The `priority` field to send an engine of this pool for a request of a band with
-    /// `band_priority`, when the pool forwards priorities (see `engine_priority` in the
-    /// config): vLLM runs lower values first, SGLang higher ones.
-    pub fn engine_priority_of(&self, band_priority: i32) -> Option<i64> {
-        if !self.engine_priority {
-            return None;
-        }
-        match self.flavor {
-            Flavor::Vllm => Some(-i64::from(band_priority)),
-            Flavor::Sglang => Some(i64::from(band_priority)),
-            Flavor::Openai => None,
-        }
-    }
-}
-
 /// A pool's prefill/decode settings (`[pools.disaggregation]`).
 #[derive(Debug, Clone)]
 pub struct Disaggregation {
@@ -126,6 +110,7 @@ pub fn host_port(base_url: &str) -> Option<(String, u16)> {
     };
     Some((host.to_string(), port))
 }
+
 impl Pool {
     /// The current endpoint list.
     pub fn endpoints(&self) -> Arc<Vec<Arc<Endpoint>>> {
@@ -146,6 +131,20 @@ impl Pool {
     /// Whether the pool currently has prefill endpoints (its requests may then be split).
     pub fn disaggregates(&self) -> bool {
         self.endpoints().iter().any(|e| e.role == Role::Prefill)
+    }
+
+    /// The `priority` field to send an engine of this pool for a request of a band with
+    /// `band_priority`, when the pool forwards priorities (see `engine_priority` in the
+    /// config): vLLM runs lower values first, SGLang higher ones.
+    pub fn engine_priority_of(&self, band_priority: i32) -> Option<i64> {
+        if !self.engine_priority {
+            return None;
+        }
+        match self.flavor {
+            Flavor::Vllm => Some(-i64::from(band_priority)),
+            Flavor::Sglang => Some(i64::from(band_priority)),
+            Flavor::Openai => None,
+        }
     }
 
     /// Where an SGLang prefill endpoint's bootstrap server listens: the endpoint's host, and

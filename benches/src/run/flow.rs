@@ -11,7 +11,7 @@
 //!
 //! | band | priority | sheddable | reserve | queue TTL (simulated) | teams |
 //! |---|---:|---|---:|---:|---|
-//! | `interactive` | 100 | no | `--interactive-reserve` (default 0.25) | [`INTERACTIVE_TTL_S`] | `interactive` |
+//! | `interactive` | 100 | no | `--interactive-reserve` (default 0.25) when a team runs in it, else 0 | [`INTERACTIVE_TTL_S`] | `interactive` |
 //! | `batch` | 10 | `--batch-sheddable` (default no) | 0 | [`BATCH_TTL_S`] | every other team (`agents`, `light`, `heavy`) |
 //!
 //! With flow control on, the pool also sends each request's band priority to the engines

@@ -530,7 +530,17 @@ pub fn gateway_config(
             // the engines order their own queues by band too
             text.push_str("engine_priority = true\n");
         }
-        text.push_str(&flow.bands_toml());
+        // a reserve only where a team runs in the interactive band: unused, it would only hold
+        // slots back from the others
+        let interactive = teams
+            .iter()
+            .any(|t| flow::band_of(t) == flow::INTERACTIVE_BAND);
+        let reserve = if interactive {
+            flow.interactive_reserve
+        } else {
+            0.0
+        };
+        text.push_str(&flow.clone().with_interactive_reserve(reserve).bands_toml());
         for team in teams {
             text.push_str(&format!(
                 "\n[[teams]]\nname = \"{team}\"\napi_key_sha256 = [\"{}\"]\ndefault_band = \"{}\"\n",
@@ -833,7 +843,7 @@ mod tests {
     use super::*;
 
     fn on() -> FlowSetup {
-        FlowSetup::new(FlowMode::On, 8, 1, 0.5, false)
+        FlowSetup::new(FlowMode::On, 8, 1, 0.5, false).with_interactive_reserve(0.25)
     }
 
     #[test]
@@ -869,6 +879,16 @@ mod tests {
             [("interactive", 100, 30_000), ("batch", 10, 300_000)]
         );
         assert!(config.bands.iter().all(|b| !b.sheddable));
+        let reserves: Vec<f64> = config.bands.iter().map(|b| b.reserve).collect();
+        assert_eq!(reserves, [0.25, 0.0]);
+        assert!(
+            config.pools[0].engine_priority,
+            "flow on: band priorities go to the engines"
+        );
+        // no team in the interactive band: it reserves nothing
+        let batch_only = ["light".to_string(), "heavy".to_string()];
+        let fair = gateway_config("session", &urls, &batch_only, &memory, &on()).unwrap();
+        assert!(fair.bands.iter().all(|b| b.reserve == 0.0));
         let flow = config.flow_config();
         let band_of = |team: &str| {
             flow.teams
