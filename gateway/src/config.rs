@@ -676,9 +676,13 @@ pub struct FlowToml {
     /// A session with a request in flight within this many seconds is active: its next turn
     /// goes ahead of new sessions of the same team.
     pub turn_window_s: f64,
-    /// A new session that has waited this many seconds is ordered by arrival with continuing
-    /// turns, so it cannot starve; 0 turns turn-first ordering off.
+    /// Head start of continuing turns over new sessions, seconds: a continuing turn is ordered
+    /// as if it had arrived this much earlier, so no new session waits more than this behind
+    /// arrival order; 0 turns turn-first ordering off.
     pub aging_s: f64,
+    /// Grow the head start to the band's typical queue wait when that is longer than
+    /// `aging_s` (a moving average over about the last 16 dispatches).
+    pub aging_follows_wait: bool,
     /// Responses `service_tier` values mapped to bands, e.g. `{ flex = "batch" }`. Unmapped
     /// values (`auto`, `default`, ...) run in the team's default band.
     pub service_tier: BTreeMap<String, String>,
@@ -701,6 +705,7 @@ impl Default for FlowToml {
             max_in_flight_per_endpoint: 64,
             turn_window_s: 60.0,
             aging_s: 10.0,
+            aging_follows_wait: true,
             service_tier: BTreeMap::new(),
             shed_start: None,
             shed_full: None,
@@ -1089,6 +1094,7 @@ impl Config {
             teams,
             turn_window: seconds(f.turn_window_s),
             aging: seconds(f.aging_s),
+            aging_follows_wait: f.aging_follows_wait,
             shed_curve,
             retry_after: seconds(f.retry_after_s),
         }

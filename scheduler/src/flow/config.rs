@@ -156,10 +156,14 @@ pub struct FlowConfig {
     /// A session that had a request in flight within this window is active: its next turn
     /// (the cache is likely still warm) goes ahead of new sessions.
     pub turn_window: Duration,
-    /// A new-session request that has waited this long is ordered like a continuing turn, by
-    /// arrival, so continuing turns cannot starve it. `Duration::ZERO` turns turn-first
-    /// ordering off.
+    /// Head start of continuing turns over new sessions: a continuing turn is ordered as if it
+    /// had arrived this much earlier, so a new session never waits more than this behind
+    /// arrival order. `Duration::ZERO` turns turn-first ordering off.
     pub aging: Duration,
+    /// Grow the head start with the band's queue: `max(aging, typical wait)`, the typical wait
+    /// being a moving average of the band's recent queue waits (see the module doc). With a
+    /// fixed head start, continuing turns lose their lead once waits grow well past it.
+    pub aging_follows_wait: bool,
     /// Shedding curve for sheddable bands while saturated.
     pub shed_curve: ShedCurve,
     /// `Retry-After` suggested with shed, queue-full and timed-out rejections.
@@ -175,6 +179,7 @@ impl FlowConfig {
             teams,
             turn_window: Duration::from_secs(60),
             aging: Duration::from_secs(10),
+            aging_follows_wait: false,
             shed_curve: ShedCurve::Always,
             retry_after: Duration::from_secs(1),
         }

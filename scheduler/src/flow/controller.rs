@@ -841,7 +841,8 @@ impl State {
             if band.queued == 0 {
                 return None;
             }
-            band.pick(enqueued_at, eligible, self.config.aging)
+            let head_start = band.head_start(self.config.aging, self.config.aging_follows_wait);
+            band.pick(enqueued_at, eligible, head_start)
                 .map(|pick| (b, pick))
         })
     }
@@ -868,6 +869,7 @@ impl State {
         let band = &mut self.bands[b];
         band.counters.dispatched += 1;
         band.counters.wait.observe(waited);
+        band.observe_wait(waited);
         if let Some(team) = self.teams.get_mut(&entry.team) {
             team.in_flight += 1;
             team.queued = team.queued.saturating_sub(1);

@@ -67,6 +67,14 @@
 //!   and no new session waits more than `aging` behind arrival order, however long the queue
 //!   (a rule on time waited alone would stop favouring continuing turns as soon as queue waits
 //!   exceed `aging`). `aging = 0` gives plain arrival order.
+//!
+//!   With [`FlowConfig::aging_follows_wait`] the head start is `H = max(aging, W)`, `W` the
+//!   band's typical queue wait (a moving average of dispatched requests' waits, weight 1/16).
+//!   A fixed head start stops mattering once waits are many times longer than it; with `H`
+//!   near the wait, a new session waits about `W_c + H` where continuing turns wait `W_c`,
+//!   and with a share `p` of continuing turns `W ≈ p·W_c + (1-p)·W_n` gives
+//!   `W_c / W_n ≈ p / (1 + p)`, at most 1/2. Nothing starves: `H` is an average of waits that
+//!   were served, and a new session still waits at most `H` behind arrival order.
 //!   The team's fair-queuing tag does not depend on which of its requests goes, so this order
 //!   never changes the team's share.
 //!

@@ -93,7 +93,12 @@ pub(super) struct BandQueue {
     pub queued: usize,
     pub queued_bytes: u64,
     pub counters: BandCounters,
+    /// Moving average of the band's queue waits, seconds (weight [`WAIT_AVERAGE_WEIGHT`]).
+    pub typical_wait_s: f64,
 }
+
+/// Weight of the newest wait in [`BandQueue::typical_wait_s`]: about the last 16 dispatches.
+pub(super) const WAIT_AVERAGE_WEIGHT: f64 = 1.0 / 16.0;
 
 impl BandQueue {
     pub fn new(spec: BandSpec) -> Self {
@@ -104,7 +109,24 @@ impl BandQueue {
             queued: 0,
             queued_bytes: 0,
             counters: BandCounters::default(),
+            typical_wait_s: 0.0,
         }
+    }
+
+    /// Fold a dispatched request's queue wait into the typical wait.
+    pub fn observe_wait(&mut self, waited: Duration) {
+        let w = waited.as_secs_f64();
+        self.typical_wait_s += WAIT_AVERAGE_WEIGHT * (w - self.typical_wait_s);
+    }
+
+    /// The head start of continuing turns in this band: `aging`, or with `follows_wait` the
+    /// larger of it and the typical wait; none when `aging` is zero (turn-first off).
+    pub fn head_start(&self, aging: Duration, follows_wait: bool) -> Duration {
+        if aging.is_zero() || !follows_wait {
+            return aging;
+        }
+        let typical = Duration::try_from_secs_f64(self.typical_wait_s).unwrap_or(Duration::ZERO);
+        aging.max(typical)
     }
 
     /// Queue entry `id` of `team` at the back of its turn kind. A team whose flow was idle

@@ -830,3 +830,42 @@ fn reserves_outside_zero_to_one_are_refused() {
     config.bands[0].reserve = -0.1;
     assert!(config.validate().is_err());
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_head_start_grows_with_the_bands_typical_wait() {
+    // aging 1 s, but the batch band's requests have been waiting ~20 s: a continuing turn 5 s
+    // younger than a new session still goes first when the head start follows the wait
+    let order = |follows: bool| async move {
+        let mut config = config();
+        config.aging = SEC;
+        config.aging_follows_wait = follows;
+        let (flow, capacity) = controller(config, 0);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        // history: sixteen requests that each waited 20 s
+        for i in 0..16 {
+            spawn_admit(&flow, Ticket::new("bulk", 1), format!("old{i}"), &tx);
+        }
+        wait_queued(&flow, 16).await;
+        tokio::time::advance(20 * SEC).await;
+        capacity.set_limit(1);
+        flow.notify();
+        drain_in_order(&mut rx, 16, |_, permit| drop(permit)).await;
+        capacity.set_limit(0);
+        flow.notify();
+        spawn_admit(&flow, Ticket::new("bulk", 1).session("fresh"), "new", &tx);
+        wait_queued(&flow, 1).await;
+        tokio::time::advance(5 * SEC).await;
+        let turn = Ticket::new("bulk", 1).session("warm").continuing(true);
+        spawn_admit(&flow, turn, "continuing", &tx);
+        wait_queued(&flow, 2).await;
+        capacity.set_limit(1);
+        flow.notify();
+        drain_in_order(&mut rx, 2, |_, permit| drop(permit)).await
+    };
+    assert_eq!(order(true).await, ["continuing", "new"]);
+    assert_eq!(
+        order(false).await,
+        ["new", "continuing"],
+        "a fixed 1 s head start"
+    );
+}
