@@ -536,6 +536,17 @@ const DELTA_EVENTS: &[&str] = &[
     "response.reasoning_text.delta",
 ];
 
+/// Whether a stream event carries the model's first output: a text, reasoning or argument
+/// delta, or a function call appearing. A tool call's name reaches the client with the first
+/// token the engine generates for it (the call item is added then), while its first argument
+/// delta waits for the markup tokens before the arguments (`<tool_call>{"name": ...,
+/// "arguments": `), which would count several decode steps as time to first token.
+fn is_first_output(kind: &str, data: &Value) -> bool {
+    DELTA_EVENTS.contains(&kind)
+        || (kind == "response.output_item.added"
+            && data.pointer("/item/type").and_then(Value::as_str) == Some("function_call"))
+}
+
 /// POST the body to `url` and read the event stream to its terminal event; `admission` is set
 /// from the response headers as soon as they arrive (so it is known even if the stream is cut).
 async fn stream_response(
@@ -582,7 +593,7 @@ async fn stream_response(
         };
         for event in parser.push(&chunk) {
             let kind = event.kind.as_str();
-            if first_token.is_none() && DELTA_EVENTS.contains(&kind) {
+            if first_token.is_none() && is_first_output(kind, &event.data) {
                 first_token = Some(sent.elapsed());
             }
             match kind {
@@ -623,6 +634,20 @@ async fn stream_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn first_output_is_a_delta_or_a_function_call_appearing() {
+        let call = json!({"item": {"type": "function_call", "name": "shell"}});
+        let message = json!({"item": {"type": "message"}});
+        assert!(is_first_output("response.output_item.added", &call));
+        assert!(!is_first_output("response.output_item.added", &message));
+        assert!(is_first_output("response.output_text.delta", &Value::Null));
+        assert!(is_first_output(
+            "response.reasoning_text.delta",
+            &Value::Null
+        ));
+        assert!(!is_first_output("response.created", &Value::Null));
+    }
 
     #[test]
     fn turns_alternate_between_gateways_and_neighbouring_sessions_start_apart() {
