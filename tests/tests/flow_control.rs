@@ -783,19 +783,27 @@ async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
     for sim in &sims {
         stall(sim).await;
     }
-    let batch: Vec<_> = (0..4)
-        .map(|i| {
-            let body =
-                json!({"model": "sim-model", "input": format!("job {i}"), "max_output_tokens": 16});
-            spawn_call(&base, Some("bulk"), body, &[])
-        })
-        .collect();
+    // the first batch job's prompt is the one the interactive request will send: the prefix
+    // index then pulls the interactive request towards that job's (busy) replica
+    let shared: String = (0..3000).map(|i| format!("w{} ", i % 97)).collect();
+    let body = |input: &str| json!({"model": "sim-model", "input": input, "max_output_tokens": 16});
+    let mut batch = vec![spawn_call(&base, Some("bulk"), body(&shared), &[])];
+    eventually("the first batch job runs", || snapshot(&gw).in_flight == 1).await;
+    for i in 1..4 {
+        batch.push(spawn_call(
+            &base,
+            Some("bulk"),
+            body(&format!("job {i}")),
+            &[],
+        ));
+    }
     eventually("three batch requests run and one waits", || {
         snapshot(&gw).in_flight == 3 && queued(&gw, "batch") == 1
     })
     .await;
-    // the interactive request finds the one free slot at once, on the replica without a batch job
-    let chat = spawn_call(&base, Some("chat"), hello(), &[]);
+    // the interactive request finds the one free slot at once, on the replica without a batch
+    // job, although its prompt is cached where the first job runs
+    let chat = spawn_call(&base, Some("chat"), body(&shared), &[]);
     eventually("the interactive request runs", || {
         snapshot(&gw).band("interactive").unwrap().dispatched == 1
     })

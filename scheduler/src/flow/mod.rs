@@ -16,7 +16,8 @@
 //! 2. **Shedding.** If the band is `sheddable` and the [`CapacitySignal`] says the pool cannot
 //!    take work, the request is refused at once ([`Rejection::Shed`]) with probability
 //!    `p(saturation)` from the [`ShedCurve`] (default: always). While the pool can take work,
-//!    nothing is shed. Shedding comes before rate limiting so a retry storm during saturation
+//!    nothing is shed, also when the band waits only because of a higher band's reserve (the
+//!    pool has room; the request queues). Shedding comes before rate limiting so a retry storm during saturation
 //!    neither spends the team's budget nor loads a shared store.
 //! 3. **Rate limits.** The team's requests- and tokens-per-minute buckets are charged through
 //!    the [`RateLimiter`] ([`Rejection::RateLimited`]); see [`rate_limit`] for the GCRA.
