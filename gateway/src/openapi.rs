@@ -123,7 +123,7 @@ pub const ROUTES: &[RouteDoc] = &[
     RouteDoc {
         method: "get",
         path: "/metrics",
-        summary: "The gateway's Prometheus metrics: live endpoint state, routing decisions, pin moves, discovery reloads, probes.",
+        summary: "The gateway's Prometheus metrics: live endpoint state, routing decisions, pin moves, discovery reloads, probes, flow control (bands, teams, turns), prefill/decode decisions and sub-agent calls.",
         request: None,
         response: "PrometheusText",
         errors: &[],
@@ -208,6 +208,72 @@ fn components() -> Value {
     })
 }
 
+fn header(description: &str, kind: &str) -> Value {
+    json!({"description": description, "schema": {"type": kind}})
+}
+
+/// OpenAI's rate-limit headers, sent when the team has limits.
+fn rate_limit_headers(headers: &mut Map<String, Value>) {
+    for kind in ["requests", "tokens"] {
+        let what = format!("the team's {kind} per minute");
+        headers.insert(
+            format!("x-ratelimit-limit-{kind}"),
+            header(&format!("Limit on {what}."), "integer"),
+        );
+        headers.insert(
+            format!("x-ratelimit-remaining-{kind}"),
+            header(&format!("What is left of {what}."), "integer"),
+        );
+        headers.insert(
+            format!("x-ratelimit-reset-{kind}"),
+            header(
+                &format!("Until {what} are back to the limit, e.g. `6s`."),
+                "string",
+            ),
+        );
+    }
+}
+
+/// Headers of an admitted create request.
+fn create_headers() -> Value {
+    let mut headers = Map::new();
+    headers.insert(
+        crate::responses::ENDPOINT_HEADER.into(),
+        header("The endpoint that served the request.", "string"),
+    );
+    headers.insert(
+        crate::responses::ROUTE_REASON_HEADER.into(),
+        header(
+            "Why that endpoint: `pin`, `prefix`, `load` or `round_robin`.",
+            "string",
+        ),
+    );
+    headers.insert(
+        crate::flow::BAND_HEADER.into(),
+        header("The flow-control band the request ran in.", "string"),
+    );
+    headers.insert(
+        crate::flow::QUEUE_WAIT_HEADER.into(),
+        header(
+            "Milliseconds the request waited in the gateway's queue.",
+            "integer",
+        ),
+    );
+    rate_limit_headers(&mut headers);
+    Value::Object(headers)
+}
+
+/// Headers of a create request refused by flow control (shed, queue full, rate limited, queue timeout).
+fn refusal_headers() -> Value {
+    let mut headers = Map::new();
+    headers.insert(
+        "retry-after".into(),
+        header("Seconds to wait before retrying.", "integer"),
+    );
+    rate_limit_headers(&mut headers);
+    Value::Object(headers)
+}
+
 /// The OpenAPI document as JSON.
 pub fn document() -> Value {
     let mut paths: Map<String, Value> = Map::new();
@@ -235,21 +301,27 @@ pub fn document() -> Value {
         if let Some(req) = r.request {
             op.insert("requestBody".into(), json!({"required": true, "content": {"application/json": {"schema": schema_ref(req)}}}));
         }
+        let create = r.path == "/v1/responses" && r.method == "post";
         let mut content = if r.response == "PrometheusText" {
             json!({"text/plain": {"schema": {"type": "string", "description": "Prometheus text exposition format, version 0.0.4"}}})
         } else {
             json!({"application/json": {"schema": schema_ref(r.response)}})
         };
-        if r.path == "/v1/responses" && r.method == "post" {
+        if create {
             content["text/event-stream"] = json!({"schema": {"type": "string", "description": "Server-sent Responses events (event: TYPE, data: JSON) with gapless sequence_number"}});
         }
+        let mut ok = json!({"description": "OK", "content": content});
+        if create {
+            ok["headers"] = create_headers();
+        }
         let mut responses = Map::new();
-        responses.insert(
-            "200".into(),
-            json!({"description": "OK", "content": content}),
-        );
+        responses.insert("200".into(), ok);
         for status in r.errors {
-            responses.insert(status.to_string(), json!({"description": "Error", "content": {"application/json": {"schema": schema_ref("Error")}}}));
+            let mut error = json!({"description": "Error", "content": {"application/json": {"schema": schema_ref("Error")}}});
+            if create && matches!(status, 429 | 503) {
+                error["headers"] = refusal_headers();
+            }
+            responses.insert(status.to_string(), error);
         }
         op.insert("responses".into(), Value::Object(responses));
         let entry = paths.entry(r.path.to_string()).or_insert_with(|| json!({}));
