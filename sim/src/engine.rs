@@ -19,7 +19,8 @@
 //! (1 + (decoding - 1) / max_num_seqs)` simulated seconds (decode slows down as the batch
 //! grows, up to 2x at a full batch); the loop sleeps `duration * time_scale` before delivering
 //! the step's tokens. A sequence whose prompt is done in a step samples its first token at the
-//! step's end; a fully cached prompt still computes its last token, as vLLM does.
+//! step's end; a fully cached prompt still takes one token of the budget (vLLM recomputes its
+//! last token) but adds no prefill time.
 //!
 //! With `time_scale == 0` nothing sleeps and each admitted sequence runs to completion inside its
 //! step, delivering all its tokens in one event (no budget); timings for the metrics are computed
@@ -515,7 +516,8 @@ impl Core {
         };
         let chunk = |seq: &Seq, budget: usize| {
             let context = seq.request.prompt_len + seq.generated;
-            // a fully cached prompt still computes its last token, as vLLM does
+            // a fully cached prompt still takes one token of the budget, as vLLM recomputes its
+            // last token (the step's prefill time counts only uncomputed tokens)
             let remaining = context.saturating_sub(seq.computed).max(1);
             remaining.min(cap).min(budget)
         };
@@ -841,29 +843,25 @@ mod tests {
 
     #[test]
     fn the_long_prefill_threshold_leaves_budget_for_short_prompts() {
-        let mut p = params(4, 1.0);
-        p.max_num_batched_tokens = 8;
-        p.long_prefill_token_threshold = 4;
-        let mut core = Core::new(KvCache::new(4, 100, None), p);
-        let (long, _long_rx) = request(1, 40, 2);
-        core.apply(Command::Submit(long));
-        deliver(core.step(1.0));
-        let (short, mut short_rx) = request(2, 4, 2);
-        core.apply(Command::Submit(short));
-        deliver(core.step(1.0));
-        assert!(first_token_step(&mut short_rx), "4 of the budget were left");
-
-        // without the threshold the long prompt takes the whole budget
-        let mut p = params(4, 1.0);
-        p.max_num_batched_tokens = 8;
-        let mut core = Core::new(KvCache::new(4, 100, None), p);
-        let (long, _long_rx) = request(1, 40, 2);
-        core.apply(Command::Submit(long));
-        deliver(core.step(1.0));
-        let (short, mut short_rx) = request(2, 4, 2);
-        core.apply(Command::Submit(short));
-        deliver(core.step(1.0));
-        assert!(!first_token_step(&mut short_rx));
+        // a long prompt is prefilling with a budget of 8; does a short one start at once?
+        let short_starts_at_once = |threshold: usize| {
+            let mut p = params(4, 1.0);
+            p.max_num_batched_tokens = 8;
+            p.long_prefill_token_threshold = threshold;
+            let mut core = Core::new(KvCache::new(4, 100, None), p);
+            let (long, _long_rx) = request(1, 40, 2);
+            core.apply(Command::Submit(long));
+            deliver(core.step(1.0));
+            let (short, mut short_rx) = request(2, 4, 2);
+            core.apply(Command::Submit(short));
+            deliver(core.step(1.0));
+            first_token_step(&mut short_rx)
+        };
+        assert!(short_starts_at_once(4), "4 of the budget were left");
+        assert!(
+            !short_starts_at_once(0),
+            "without the threshold the long prompt takes the whole budget"
+        );
     }
 
     #[test]

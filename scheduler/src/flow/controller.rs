@@ -791,13 +791,14 @@ impl State {
             let Some((b, pick)) = self.pick() else {
                 break;
             };
-            let held = self.reserved_above(b, inner.capacity.capacity());
-            if held > 0 {
-                let mut load = self.load();
-                load.in_flight = load.in_flight.saturating_add(held);
-                if !inner.capacity.can_dispatch(&load) {
-                    // every band below `b` holds back at least as much
-                    break;
+            let share = self.reserve_above(b);
+            if share > 0.0 {
+                if let Some(capacity) = inner.capacity.capacity() {
+                    let held = (share * capacity as f64).ceil() as u64;
+                    if self.in_flight.saturating_add(held) >= capacity {
+                        // every band below `b` holds back at least as much
+                        break;
+                    }
                 }
             }
             if let Some(delivery) = self.dispatch(inner, b, &pick, now) {
@@ -806,24 +807,15 @@ impl State {
         }
     }
 
-    /// Requests held free for the bands ranked above band `b`: the largest of their reserves
-    /// (each a share of `capacity`, rounded up), since a band's reserve serves it and every
-    /// band above it.
-    fn reserved_above(&self, b: usize, capacity: Option<u64>) -> u64 {
-        let Some(capacity) = capacity else {
-            return 0;
-        };
-        let priority = self
-            .bands
-            .get(b)
-            .map_or(i32::MIN, |band| band.spec.priority);
-        let share = self
-            .bands
+    /// The share of capacity held free for the bands ranked above band `b` (bands are kept in
+    /// priority order): the largest of their reserves, since a band's reserve serves it and
+    /// every band above it.
+    fn reserve_above(&self, b: usize) -> f64 {
+        self.bands
             .iter()
-            .filter(|band| band.spec.priority > priority)
+            .take(b)
             .map(|band| band.spec.reserve)
-            .fold(0.0f64, f64::max);
-        (share * capacity as f64).ceil() as u64
+            .fold(0.0, f64::max)
     }
 
     fn pick(&self) -> Option<(usize, Pick)> {
