@@ -17,7 +17,8 @@
 //!
 //! The step lasts `prefill_tokens / prefill_tokens_per_s + decode_ms_per_token *
 //! (1 + (decoding - 1) / max_num_seqs)` simulated seconds (decode slows down as the batch
-//! grows, up to 2x at a full batch); the loop sleeps `duration * time_scale` before delivering
+//! grows, up to 2x at a full batch); the loop sleeps until the step's simulated end, in wall time
+//! (`clock * time_scale` after the start, so a late timer shortens the next sleep), before delivering
 //! the step's tokens. A sequence whose prompt is done in a step samples its first token at the
 //! step's end; a fully cached prompt still takes one token of the budget (vLLM recomputes its
 //! last token) but adds no prefill time.
@@ -222,6 +223,13 @@ impl Core {
     /// Sequences running now.
     pub fn num_running(&self) -> usize {
         self.running.len()
+    }
+
+    /// The wall instant the simulated clock stands for (`time_scale > 0`): when the step that
+    /// was just computed ends.
+    pub fn wall_deadline(&self) -> Instant {
+        self.started
+            + Duration::from_secs_f64(self.clock.max(0.0) * self.params.time_scale.max(0.0))
     }
 
     /// Sequences waiting for admission.
@@ -688,10 +696,14 @@ pub async fn run(
             }
             let outcome = core.step(faults.global_slow_factor());
             idle = !core.has_work() || !outcome.progressed;
-            outcome
+            (outcome, core.wall_deadline())
         };
+        let (outcome, deadline) = outcome;
         if time_scale > 0.0 && outcome.duration > 0.0 {
-            tokio::time::sleep(Duration::from_secs_f64(outcome.duration * time_scale)).await;
+            // Sleep until the wall instant of the step's simulated end, not for its length: a
+            // timer that fires late (they round up to the millisecond) or a busy CPU then
+            // shortens the next sleep instead of slowing the simulated clock for good.
+            tokio::time::sleep_until(deadline.into()).await;
         } else if !idle {
             tokio::task::yield_now().await;
         }

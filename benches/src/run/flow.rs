@@ -696,6 +696,7 @@ mod tests {
             continuing: turn > 0,
             gateway: 0,
             endpoint: None,
+            route_reason: None,
             team: team.into(),
             band: None,
             queue_wait_ms: None,

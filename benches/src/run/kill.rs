@@ -309,6 +309,7 @@ mod tests {
             continuing: false,
             gateway: 0,
             endpoint: Some(endpoint.to_string()).filter(|e| !e.is_empty()),
+            route_reason: None,
             team: "default".into(),
             band: None,
             queue_wait_ms: None,

@@ -810,6 +810,7 @@ async fn run_row(
         summary,
         records,
         samples,
+        oracle: oracle.per_request,
     })
 }
 
@@ -835,7 +836,55 @@ fn write_outputs(
     write("ttft_cdf.svg", svg::ttft_cdf(runs))?;
     write("cache_hit_ratio.svg", svg::cache_hit_over_time(runs))?;
     write("replica_load.svg", svg::replica_load(runs))?;
+    write("requests.jsonl", request_lines(runs))?;
     Ok(())
+}
+
+/// `requests.jsonl`: one line per request of every row, in send order, with what the client saw
+/// (endpoint, route reason, tokens, latencies) beside what the fleet-capacity oracle found
+/// cached, for tracing a summary figure back to the requests behind it.
+fn request_lines(runs: &[PolicyRun]) -> String {
+    let mut text = String::new();
+    for run in runs {
+        let oracle: std::collections::HashMap<u64, u64> = run
+            .oracle
+            .iter()
+            .map(|hit| (hit.seq, hit.hit_tokens))
+            .collect();
+        for record in &run.records {
+            let (outcome, detail) = match &record.outcome {
+                replay::Outcome::Success => ("success", None),
+                replay::Outcome::Shed(code) => ("shed", Some(code.as_str())),
+                replay::Outcome::RateLimited(code) => ("rate_limited", Some(code.as_str())),
+                replay::Outcome::Error(message) => ("error", Some(message.as_str())),
+            };
+            let line = serde_json::json!({
+                "row": run.summary.row,
+                "seq": record.seq,
+                "session": record.session,
+                "turn": record.turn,
+                "continuing": record.continuing,
+                "gateway": record.gateway,
+                "team": record.team,
+                "band": record.band,
+                "endpoint": record.endpoint,
+                "route_reason": record.route_reason,
+                "outcome": outcome,
+                "detail": detail,
+                "sent_s": record.sent_s,
+                "queue_wait_ms": record.queue_wait_ms,
+                "ttft_ms": record.ttft_ms,
+                "e2e_ms": record.e2e_ms,
+                "input_tokens": record.input_tokens,
+                "cached_tokens": record.cached_tokens,
+                "oracle_cached_tokens": oracle.get(&record.seq),
+                "output_tokens": record.output_tokens,
+            });
+            text.push_str(&line.to_string());
+            text.push('\n');
+        }
+    }
+    text
 }
 
 #[cfg(test)]

@@ -115,6 +115,8 @@ pub struct RequestRecord {
     /// The endpoint the gateway streamed it from (`x-agentgate-endpoint`, e.g. `bench/0`); None
     /// when the gateway answered without one (an error before any engine was reached).
     pub endpoint: Option<String>,
+    /// Why the gateway chose that endpoint (`x-agentgate-route-reason`: pin, prefix, load, ...).
+    pub route_reason: Option<String>,
     /// The session's team.
     pub team: String,
     /// The band the gateway ran it in (`x-agentgate-band`); None without flow control or when
@@ -411,6 +413,7 @@ async fn send_turn(
         continuing: turn_index > 0 || plan.parent.is_some(),
         gateway,
         endpoint: admission.endpoint,
+        route_reason: admission.route_reason,
         team: plan.team.clone(),
         band: admission.band,
         queue_wait_ms: admission
@@ -498,6 +501,8 @@ impl Exchange {
 
 /// Response header naming the endpoint that served a request.
 pub const ENDPOINT_HEADER: &str = "x-agentgate-endpoint";
+/// Response header saying why the gateway chose the endpoint.
+pub const ROUTE_REASON_HEADER: &str = "x-agentgate-route-reason";
 /// Response header naming the flow-control band an admitted request ran in.
 pub const BAND_HEADER: &str = "x-agentgate-band";
 /// Response header: wall milliseconds an admitted request waited in the flow-control queue.
@@ -507,6 +512,7 @@ pub const QUEUE_WAIT_HEADER: &str = "x-agentgate-queue-wait-ms";
 #[derive(Debug, Default)]
 struct Admission {
     endpoint: Option<String>,
+    route_reason: Option<String>,
     band: Option<String>,
     queue_wait: Option<std::time::Duration>,
 }
@@ -521,6 +527,7 @@ impl Admission {
         };
         Admission {
             endpoint: text(ENDPOINT_HEADER),
+            route_reason: text(ROUTE_REASON_HEADER),
             band: text(BAND_HEADER),
             queue_wait: text(QUEUE_WAIT_HEADER)
                 .and_then(|ms| ms.trim().parse::<u64>().ok())

@@ -295,6 +295,8 @@ pub struct PolicyRun {
     pub records: Vec<RequestRecord>,
     /// Periodic metric samples of the replicas.
     pub samples: Vec<Sample>,
+    /// What the fleet-capacity oracle found cached, per served request in send order.
+    pub oracle: Vec<crate::run::reuse::OracleHit>,
 }
 
 /// What [`PolicySummary::build`] needs.
@@ -598,6 +600,7 @@ mod tests {
             continuing: seq > 0,
             gateway: (seq % 2) as usize,
             endpoint: Some("bench/0".into()),
+            route_reason: None,
             team: team.into(),
             band: None,
             queue_wait_ms: None,
