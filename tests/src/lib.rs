@@ -1,20 +1,30 @@
 //! Shared helpers for agentgate's end-to-end tests: start simulated engines, gateways on a real
 //! Redis, and read Responses SSE streams.
+//!
+//! Most tests run the same shape: N simulated replicas of `sim-model`, one pool `sim` over them
+//! (a routing policy, a Redis store and extra TOML as the test needs), one or more gateways on
+//! that config, requests, then every gateway and replica shut down. [`Fleet`] is that shape;
+//! tests whose replicas or configs are unusual start them with the functions below instead.
 
 use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
 
+use agentgate::pools::Pool;
+use agentgate::Gateway;
+use agentgate_sim::SimHandle;
 use futures_util::StreamExt;
 use serde_json::Value;
 
 pub use agentgate_sessions::testing::{unique_prefix, TestRedis};
 
 /// Start one simulated vLLM replica with no simulated delays.
-pub async fn start_sim(model: &str) -> agentgate_sim::SimHandle {
+pub async fn start_sim(model: &str) -> SimHandle {
     start_sim_with(model, 0.0).await
 }
 
 /// Start one simulated vLLM replica with the given time scale.
-pub async fn start_sim_with(model: &str, time_scale: f64) -> agentgate_sim::SimHandle {
+pub async fn start_sim_with(model: &str, time_scale: f64) -> SimHandle {
     agentgate_sim::spawn(agentgate_sim::SimConfig {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         model: model.to_string(),
@@ -40,11 +50,288 @@ pub fn config_toml(endpoints: &[String], store: Option<(&str, &str)>, extra: &st
 }
 
 /// Start a gateway on a free loopback port.
-pub async fn start_gateway(toml: &str) -> agentgate::Gateway {
+pub async fn start_gateway(toml: &str) -> Gateway {
     let config = agentgate::Config::parse(toml).expect("valid test config");
-    agentgate::Gateway::start(config, SocketAddr::from(([127, 0, 0, 1], 0)))
+    Gateway::start(config, SocketAddr::from(([127, 0, 0, 1], 0)))
         .await
         .expect("gateway starts")
+}
+
+/// Simulated replicas of `sim-model` behind gateways that share one config (see
+/// [`FleetBuilder`]). [`Fleet::shutdown`] stops the gateways, then the replicas, each in the
+/// order they started.
+pub struct Fleet {
+    sims: Vec<SimHandle>,
+    gateways: Vec<Gateway>,
+    toml: String,
+}
+
+/// How to start a [`Fleet`]: which replicas, and the pool config the gateways get:
+/// [`config_toml`] over the replicas' URLs with the store and extra TOML given, and `policy =
+/// "…"` put in the pool when a policy is given.
+pub struct FleetBuilder {
+    sims: Vec<SimHandle>,
+    replicas: usize,
+    time_scale: f64,
+    policy: Option<String>,
+    store: Option<(String, String)>,
+    extra: String,
+    gateways: usize,
+}
+
+impl Fleet {
+    /// `replicas` new simulated replicas (no simulated delays unless
+    /// [`FleetBuilder::time_scale`] says otherwise), one gateway, no store, no extra TOML.
+    pub fn of(replicas: usize) -> FleetBuilder {
+        FleetBuilder {
+            sims: Vec::new(),
+            replicas,
+            time_scale: 0.0,
+            policy: None,
+            store: None,
+            extra: String::new(),
+            gateways: 1,
+        }
+    }
+
+    /// The replicas given, already running (started with a config of their own, or with faults
+    /// set before any gateway probes them), in pool order.
+    pub fn over(sims: Vec<SimHandle>) -> FleetBuilder {
+        FleetBuilder {
+            sims,
+            ..Fleet::of(0)
+        }
+    }
+
+    /// The first gateway.
+    pub fn gateway(&self) -> &Gateway {
+        self.gateways.first().expect("a fleet has a gateway")
+    }
+
+    /// Every gateway, in the order they started.
+    pub fn gateways(&self) -> &[Gateway] {
+        &self.gateways
+    }
+
+    /// `http://ADDR` of the first gateway.
+    pub fn base_url(&self) -> String {
+        self.gateway().base_url()
+    }
+
+    /// The first gateway's pool `sim` (model `sim-model`).
+    pub fn pool(&self) -> Arc<Pool> {
+        self.gateway()
+            .state()
+            .pools
+            .for_model("sim-model")
+            .expect("the pool serves sim-model")
+    }
+
+    /// The first replica (`sim/0` in the pool).
+    pub fn sim(&self) -> &SimHandle {
+        self.sims.first().expect("the fleet has a replica")
+    }
+
+    /// Every replica, in pool order (`sim/0`, `sim/1`, …).
+    pub fn sims(&self) -> &[SimHandle] {
+        &self.sims
+    }
+
+    /// The replicas' base URLs, in pool order.
+    pub fn urls(&self) -> Vec<String> {
+        self.sims.iter().map(|s| s.base_url()).collect()
+    }
+
+    /// The config TOML the fleet's gateways were started with.
+    pub fn toml(&self) -> &str {
+        &self.toml
+    }
+
+    /// Start one more gateway on `toml` (over these replicas or not); it is shut down with the
+    /// others, after them.
+    pub async fn add_gateway(&mut self, toml: &str) -> &Gateway {
+        self.gateways.push(start_gateway(toml).await);
+        self.gateways.last().expect("just pushed")
+    }
+
+    /// Shut down every gateway, then every replica.
+    pub async fn shutdown(self) {
+        for gw in self.gateways {
+            gw.shutdown().await;
+        }
+        for sim in self.sims {
+            sim.shutdown().await;
+        }
+    }
+
+    /// Shut down every gateway and leave the replicas running until the test's runtime ends:
+    /// for replicas holding stalled requests, which a replica's shutdown would wait on.
+    pub async fn shutdown_gateways(self) {
+        for gw in self.gateways {
+            gw.shutdown().await;
+        }
+    }
+}
+
+impl FleetBuilder {
+    /// Simulated time scale of the replicas this builder starts (0 = instant; 1 = real time).
+    pub fn time_scale(mut self, time_scale: f64) -> Self {
+        self.time_scale = time_scale;
+        self
+    }
+
+    /// The pool's routing policy (`policy = "…"` ahead of its `endpoints`).
+    pub fn policy(mut self, policy: &str) -> Self {
+        self.policy = Some(policy.to_string());
+        self
+    }
+
+    /// A Redis session store at `url` under `key_prefix`.
+    pub fn store(mut self, url: &str, key_prefix: &str) -> Self {
+        self.store = Some((url.to_string(), key_prefix.to_string()));
+        self
+    }
+
+    /// TOML appended to the config verbatim (after the pool's `endpoints`).
+    pub fn extra(mut self, extra: &str) -> Self {
+        self.extra = extra.to_string();
+        self
+    }
+
+    /// How many gateways to start on the same config (at least one).
+    pub fn gateways(mut self, gateways: usize) -> Self {
+        self.gateways = gateways.max(1);
+        self
+    }
+
+    /// Start the replicas, then the gateways one after another.
+    pub async fn start(self) -> Fleet {
+        let mut sims = self.sims;
+        for _ in 0..self.replicas {
+            sims.push(start_sim_with("sim-model", self.time_scale).await);
+        }
+        let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
+        let store = self.store.as_ref().map(|(u, p)| (u.as_str(), p.as_str()));
+        let mut toml = config_toml(&urls, store, &self.extra);
+        if let Some(policy) = &self.policy {
+            toml = toml.replace(
+                "endpoints = [",
+                &format!("policy = \"{policy}\"\nendpoints = ["),
+            );
+        }
+        let mut gateways = Vec::with_capacity(self.gateways);
+        for _ in 0..self.gateways {
+            gateways.push(start_gateway(&toml).await);
+        }
+        Fleet {
+            sims,
+            gateways,
+            toml,
+        }
+    }
+}
+
+/// Set the simulator's faults (`POST /sim/faults` with `spec`, e.g. `{"status": 503}`,
+/// `{"cut_after": 3}`, `{"stall_ms": 60000}`); fails the test unless the simulator accepts them.
+pub async fn set_sim_fault(sim: &SimHandle, spec: Value) {
+    let request = reqwest::Client::new()
+        .post(format!("{}/sim/faults", sim.base_url()))
+        .json(&spec);
+    send_faults(request, &format!("setting fault {spec}")).await;
+}
+
+/// Clear every simulator fault (`DELETE /sim/faults`).
+pub async fn clear_sim_faults(sim: &SimHandle) {
+    let request = reqwest::Client::new().delete(format!("{}/sim/faults", sim.base_url()));
+    send_faults(request, "clearing faults").await;
+}
+
+async fn send_faults(request: reqwest::RequestBuilder, what: &str) {
+    let resp = request.send().await.expect("sim faults");
+    assert!(resp.status().is_success(), "{what}: {}", resp.status());
+}
+
+/// `POST {base}/v1/responses` with JSON `body`, no key, no extra headers.
+pub async fn post_response(base: &str, body: &Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{base}/v1/responses"))
+        .json(body)
+        .send()
+        .await
+        .expect("request")
+}
+
+/// Send `request`: the JSON body of its answer, whatever the status.
+pub async fn json_body(request: reqwest::RequestBuilder) -> Value {
+    request
+        .send()
+        .await
+        .expect("request")
+        .json()
+        .await
+        .expect("json body")
+}
+
+/// `GET url`: the JSON body, whatever the status.
+pub async fn get_json(url: &str) -> Value {
+    json_body(reqwest::Client::new().get(url)).await
+}
+
+/// `GET {base}/v1/responses/{id}`: the JSON body, whatever the status.
+pub async fn retrieve(base: &str, id: &str) -> Value {
+    get_json(&format!("{base}/v1/responses/{id}")).await
+}
+
+/// `POST {base}/v1/responses/{id}/cancel`: the JSON body, whatever the status.
+pub async fn cancel(base: &str, id: &str) -> Value {
+    json_body(reqwest::Client::new().post(format!("{base}/v1/responses/{id}/cancel"))).await
+}
+
+/// The value of header `name`; fails the test when it is absent or not visible ASCII.
+pub fn header(resp: &reqwest::Response, name: &str) -> String {
+    resp.headers()
+        .get(name)
+        .unwrap_or_else(|| panic!("no {name} header"))
+        .to_str()
+        .expect("visible ASCII header")
+        .to_string()
+}
+
+/// The endpoint that served a request (its `x-agentgate-endpoint` header), empty when absent.
+pub fn served_endpoint(resp: &reqwest::Response) -> String {
+    resp.headers()
+        .get(agentgate::responses::ENDPOINT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The text of `GET {base}/metrics`.
+pub async fn metrics_text(base: &str) -> String {
+    reqwest::get(format!("{base}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text")
+}
+
+/// Poll `done` every 10 ms, for at most 15 s; fails the test with `what` if it never holds.
+pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..1500 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+/// Write `text` to `path` atomically (write, then rename), as operators are told to.
+pub fn write_atomically(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).expect("write the temporary file");
+    std::fs::rename(&tmp, path).expect("rename it into place");
 }
 
 /// One parsed SSE event.
@@ -88,6 +375,17 @@ pub fn parse_sse(text: &str) -> Vec<Event> {
         out.push(Event { event, data });
     }
     out
+}
+
+/// Every event's `sequence_number` is its index: the stream starts at 0 and has no gaps.
+pub fn assert_sequence_numbers(events: &[Event]) {
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(
+            e.data["sequence_number"],
+            serde_json::json!(i),
+            "gap at {i}"
+        );
+    }
 }
 
 /// The text of a Response object's message output.

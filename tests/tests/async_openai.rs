@@ -5,9 +5,9 @@
 use std::error::Error;
 
 use async_openai::config::OpenAIConfig;
-use async_openai::error::OpenAIError;
+use async_openai::error::{ApiErrorResponse, OpenAIError};
 use async_openai::types::responses::{
-    CreateResponseArgs, OutputItem, Response, ResponseStreamEvent, Status,
+    CreateResponse, CreateResponseArgs, OutputItem, Response, ResponseStreamEvent, Status,
 };
 use async_openai::Client;
 use futures_util::StreamExt;
@@ -35,6 +35,45 @@ async fn start() -> Result<(Gateway, Client<OpenAIConfig>), Box<dyn Error>> {
     Ok((gateway, Client::with_config(config)))
 }
 
+/// A `sim-model` request for `input`, chained on `previous` when given.
+fn request(input: &str, previous: Option<&str>) -> Result<CreateResponse, OpenAIError> {
+    let mut args = CreateResponseArgs::default();
+    args.model("sim-model").input(input);
+    if let Some(id) = previous {
+        args.previous_response_id(id);
+    }
+    args.build()
+}
+
+/// The API error `result` holds; anything else fails the test, naming what was `expected`.
+fn api_error<T: std::fmt::Debug>(
+    result: Result<T, OpenAIError>,
+    expected: &str,
+) -> Result<ApiErrorResponse, Box<dyn Error>> {
+    match result {
+        Err(OpenAIError::ApiError(e)) => Ok(e),
+        other => Err(format!("expected {expected}, got {other:?}").into()),
+    }
+}
+
+/// `input` chained on `previous`: it completes and names `previous` as its predecessor.
+async fn chain(
+    client: &Client<OpenAIConfig>,
+    input: &str,
+    previous: &Response,
+) -> Result<Response, Box<dyn Error>> {
+    let next = client
+        .responses()
+        .create(request(input, Some(&previous.id))?)
+        .await?;
+    assert_eq!(next.status, Status::Completed);
+    assert_eq!(
+        next.previous_response_id.as_deref(),
+        Some(previous.id.as_str())
+    );
+    Ok(next)
+}
+
 fn message_count(response: &Response) -> usize {
     response
         .output
@@ -49,12 +88,7 @@ async fn create_chain_retrieve_delete() -> TestResult {
 
     let first = client
         .responses()
-        .create(
-            CreateResponseArgs::default()
-                .model("sim-model")
-                .input("Name three prime numbers.")
-                .build()?,
-        )
+        .create(request("Name three prime numbers.", None)?)
         .await?;
     assert_eq!(first.status, Status::Completed);
     assert!(first.id.starts_with("resp_"));
@@ -69,21 +103,7 @@ async fn create_chain_retrieve_delete() -> TestResult {
     assert_eq!(usage.total_tokens, usage.input_tokens + usage.output_tokens);
     assert!(usage.input_tokens_details.cached_tokens <= usage.input_tokens);
 
-    let second = client
-        .responses()
-        .create(
-            CreateResponseArgs::default()
-                .model("sim-model")
-                .input("And their sum?")
-                .previous_response_id(first.id.clone())
-                .build()?,
-        )
-        .await?;
-    assert_eq!(second.status, Status::Completed);
-    assert_eq!(
-        second.previous_response_id.as_deref(),
-        Some(first.id.as_str())
-    );
+    let second = chain(&client, "And their sum?", &first).await?;
     let second_usage = second
         .usage
         .clone()
@@ -102,16 +122,15 @@ async fn create_chain_retrieve_delete() -> TestResult {
     let deleted = client.responses().delete(&first.id).await?;
     assert!(deleted.deleted);
     assert_eq!(deleted.id, first.id);
-    match client.responses().retrieve(&first.id).await {
-        Err(OpenAIError::ApiError(e)) => {
-            assert_eq!(e.status_code.as_u16(), 404);
-            assert!(
-                e.api_error.message.contains(&first.id),
-                "the 404 names the id: {e}"
-            );
-        }
-        other => return Err(format!("expected a 404 API error, got {other:?}").into()),
-    }
+    let e = api_error(
+        client.responses().retrieve(&first.id).await,
+        "a 404 API error",
+    )?;
+    assert_eq!(e.status_code.as_u16(), 404);
+    assert!(
+        e.api_error.message.contains(&first.id),
+        "the 404 names the id: {e}"
+    );
 
     gateway.shutdown().await;
     Ok(())
@@ -122,25 +141,15 @@ async fn unknown_previous_response_is_an_api_error() -> TestResult {
     let (gateway, client) = start().await?;
     let result = client
         .responses()
-        .create(
-            CreateResponseArgs::default()
-                .model("sim-model")
-                .input("hi")
-                .previous_response_id("resp_unknown")
-                .build()?,
-        )
+        .create(request("hi", Some("resp_unknown"))?)
         .await;
-    match result {
-        Err(OpenAIError::ApiError(e)) => {
-            assert_eq!(e.status_code.as_u16(), 400);
-            assert_eq!(
-                e.api_error.code.as_deref(),
-                Some("previous_response_not_found")
-            );
-            assert_eq!(e.api_error.param.as_deref(), Some("previous_response_id"));
-        }
-        other => return Err(format!("expected previous_response_not_found, got {other:?}").into()),
-    }
+    let e = api_error(result, "previous_response_not_found")?;
+    assert_eq!(e.status_code.as_u16(), 400);
+    assert_eq!(
+        e.api_error.code.as_deref(),
+        Some("previous_response_not_found")
+    );
+    assert_eq!(e.api_error.param.as_deref(), Some("previous_response_id"));
     gateway.shutdown().await;
     Ok(())
 }
@@ -151,12 +160,7 @@ async fn stream_then_chain() -> TestResult {
 
     let mut stream = client
         .responses()
-        .create_stream(
-            CreateResponseArgs::default()
-                .model("sim-model")
-                .input("Stream a haiku.")
-                .build()?,
-        )
+        .create_stream(request("Stream a haiku.", None)?)
         .await?;
     let mut sequence = Vec::new();
     let mut names = Vec::new();
@@ -219,21 +223,7 @@ async fn stream_then_chain() -> TestResult {
     assert_eq!(completed.output_text().as_deref(), Some(deltas.as_str()));
 
     // The terminal event is sent after the response is stored: chain on it at once.
-    let next = client
-        .responses()
-        .create(
-            CreateResponseArgs::default()
-                .model("sim-model")
-                .input("Another one.")
-                .previous_response_id(completed.id.clone())
-                .build()?,
-        )
-        .await?;
-    assert_eq!(next.status, Status::Completed);
-    assert_eq!(
-        next.previous_response_id.as_deref(),
-        Some(completed.id.as_str())
-    );
+    let next = chain(&client, "Another one.", &completed).await?;
     let (first_in, next_in) = (
         completed.usage.map(|u| u.input_tokens).unwrap_or_default(),
         next.usage.map(|u| u.input_tokens).unwrap_or_default(),

@@ -36,17 +36,6 @@ fn team(name: &str, extra: &str) -> String {
     )
 }
 
-/// Poll `done` every 10 ms, for at most 15 s; fails the test with `what` if it never holds.
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    for _ in 0..1500 {
-        if done() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting until {what}");
-}
-
 fn snapshot(gw: &Gateway) -> FlowSnapshot {
     gw.state()
         .flow
@@ -76,13 +65,7 @@ fn saturate(gw: &Gateway, saturated: bool) {
 
 /// Hold every request's first token on `sim` for a minute: dispatched requests stay in flight.
 async fn stall(sim: &agentgate_sim::SimHandle) {
-    let resp = reqwest::Client::new()
-        .post(format!("{}/sim/faults", sim.base_url()))
-        .json(&json!({"stall_ms": 60_000}))
-        .send()
-        .await
-        .expect("sim faults");
-    assert!(resp.status().is_success());
+    set_sim_fault(sim, json!({"stall_ms": 60_000})).await;
 }
 
 /// A finished call: status, headers, JSON body.
@@ -150,68 +133,58 @@ fn hello() -> Value {
     json!({"model": "sim-model", "input": "hello there", "max_output_tokens": 16})
 }
 
-async fn metrics_text(base: &str) -> String {
-    reqwest::get(format!("{base}/metrics"))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .unwrap()
-}
-
 fn has_line(text: &str, line: &str) -> bool {
     text.lines().any(|l| l == line)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_while_queued_takes_its_request_out() {
-    let sim = start_sim("sim-model").await;
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, STILL)).await;
-    let base = gw.base_url();
-    saturate(&gw, true);
+    let fleet = Fleet::of(1).extra(STILL).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
+    saturate(gw, true);
     let plain = spawn_call(&base, None, hello(), &[]);
     let mut streaming_body = hello();
     streaming_body["stream"] = json!(true);
     let streaming = spawn_call(&base, None, streaming_body, &[]);
-    eventually("both requests wait", || queued(&gw, "default") == 2).await;
+    eventually("both requests wait", || queued(gw, "default") == 2).await;
     plain.abort();
     streaming.abort();
-    eventually("the queue is empty", || queued(&gw, "default") == 0).await;
-    let s = snapshot(&gw);
+    eventually("the queue is empty", || queued(gw, "default") == 0).await;
+    let s = snapshot(gw);
     let band = s.band("default").unwrap();
     assert_eq!((band.cancelled, band.dispatched), (2, 0));
     assert_eq!(band.queued_bytes, 0);
     let team = s.team("default").unwrap();
     assert_eq!((team.queued, team.in_flight, team.cancelled), (0, 0, 2));
     // Room again: nothing left to dispatch, and a new request goes straight through.
-    saturate(&gw, false);
+    saturate(gw, false);
     let answer = call(&base, None, hello(), &[]).await;
     assert_eq!(answer.status, 200, "{}", answer.body);
     assert_eq!(answer.header("x-agentgate-band"), Some("default"));
-    let s = snapshot(&gw);
+    let s = snapshot(gw);
     assert_eq!(s.band("default").unwrap().dispatched, 1);
-    eventually("the permit is released", || snapshot(&gw).in_flight == 0).await;
-    gw.shutdown().await;
-    sim.shutdown().await;
+    eventually("the permit is released", || snapshot(gw).in_flight == 0).await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_higher_band_goes_first_when_room_opens() {
-    let sim = start_sim("sim-model").await;
     let extra = format!(
         "{STILL}[flow]\nmax_in_flight_per_endpoint = 1\n{BANDS}{}{}",
         team("chat", "default_band = \"interactive\""),
         team("bulk", "default_band = \"batch\""),
     );
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
-    let base = gw.base_url();
-    saturate(&gw, true);
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
+    saturate(gw, true);
     // The batch request arrives first, the interactive one after it.
     let low = spawn_call(&base, Some("bulk"), hello(), &[]);
-    eventually("the batch request waits", || queued(&gw, "batch") == 1).await;
+    eventually("the batch request waits", || queued(gw, "batch") == 1).await;
     let high = spawn_call(&base, Some("chat"), hello(), &[]);
     eventually("the interactive request waits", || {
-        queued(&gw, "interactive") == 1
+        queued(gw, "interactive") == 1
     })
     .await;
     let m = metrics_text(&base).await;
@@ -224,30 +197,30 @@ async fn a_higher_band_goes_first_when_room_opens() {
         assert!(has_line(&m, line), "{line} missing in\n{m}");
     }
     // Room for one request, which then stays in flight: it must be the interactive one.
-    stall(&sim).await;
-    saturate(&gw, false);
-    eventually("one request is dispatched", || snapshot(&gw).in_flight == 1).await;
-    let s = snapshot(&gw);
+    stall(fleet.sim()).await;
+    saturate(gw, false);
+    eventually("one request is dispatched", || snapshot(gw).in_flight == 1).await;
+    let s = snapshot(gw);
     assert_eq!(s.band("interactive").unwrap().dispatched, 1);
     assert_eq!(s.band("batch").unwrap().dispatched, 0);
     assert_eq!(s.band("batch").unwrap().queued, 1, "batch waits behind");
     assert_eq!(s.team("chat").unwrap().in_flight, 1);
     high.abort();
     low.abort();
-    gw.shutdown().await;
+    fleet.shutdown_gateways().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sheddable_band_is_shed_only_while_saturated() {
-    let sim = start_sim("sim-model").await;
     let extra = format!(
         "{STILL}{}{}{}",
         BANDS.replace("priority = 0\n", "priority = 0\nsheddable = true\n"),
         team("chat", "default_band = \"interactive\""),
         team("bulk", "default_band = \"batch\""),
     );
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
     // Not saturated: a burst of sheddable requests is served, none shed.
     let burst: Vec<_> = (0..12)
         .map(|_| spawn_call(&base, Some("bulk"), hello(), &[]))
@@ -257,10 +230,10 @@ async fn a_sheddable_band_is_shed_only_while_saturated() {
         assert_eq!(answer.status, 200, "{}", answer.body);
         assert_eq!(answer.header("x-agentgate-band"), Some("batch"));
     }
-    assert_eq!(snapshot(&gw).band("batch").unwrap().shed, 0);
+    assert_eq!(snapshot(gw).band("batch").unwrap().shed, 0);
 
     // Saturated: refused at once with 429 and Retry-After; a non-sheddable band queues.
-    saturate(&gw, true);
+    saturate(gw, true);
     let shed = call(&base, Some("bulk"), hello(), &[]).await;
     assert_eq!(shed.status, 429, "{}", shed.body);
     assert_eq!(shed.code(), "overloaded_shed");
@@ -271,19 +244,19 @@ async fn a_sheddable_band_is_shed_only_while_saturated() {
         .contains("band `batch` is sheddable"));
     let waiting = spawn_call(&base, Some("chat"), hello(), &[]);
     eventually("the interactive request waits", || {
-        queued(&gw, "interactive") == 1
+        queued(gw, "interactive") == 1
     })
     .await;
-    let s = snapshot(&gw);
+    let s = snapshot(gw);
     assert_eq!(s.band("batch").unwrap().shed, 1);
     assert_eq!(s.team("bulk").unwrap().shed, 1);
     assert_eq!(s.band("interactive").unwrap().shed, 0);
 
     // Room again: the queued request runs, and sheddable requests are served again.
-    saturate(&gw, false);
+    saturate(gw, false);
     assert_eq!(waiting.await.unwrap().status, 200);
     assert_eq!(call(&base, Some("bulk"), hello(), &[]).await.status, 200);
-    assert_eq!(snapshot(&gw).band("batch").unwrap().shed, 1);
+    assert_eq!(snapshot(gw).band("batch").unwrap().shed, 1);
     let m = metrics_text(&base).await;
     assert!(
         has_line(
@@ -292,14 +265,12 @@ async fn a_sheddable_band_is_shed_only_while_saturated() {
         ),
         "{m}"
     );
-    eventually("every permit is released", || snapshot(&gw).in_flight == 0).await;
-    gw.shutdown().await;
-    sim.shutdown().await;
+    eventually("every permit is released", || snapshot(gw).in_flight == 0).await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_is_429_and_a_queue_ttl_is_503_with_retry_after() {
-    let sim = start_sim("sim-model").await;
     let extra = format!(
         "{STILL}[flow]\nretry_after_s = 2\n\
          [[bands]]\nname = \"one\"\npriority = 1\nmax_queued = 1\n\
@@ -307,11 +278,12 @@ async fn a_full_queue_is_429_and_a_queue_ttl_is_503_with_retry_after() {
         team("few", "default_band = \"one\""),
         team("hasty", "default_band = \"short\""),
     );
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
-    let base = gw.base_url();
-    saturate(&gw, true);
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
+    saturate(gw, true);
     let first = spawn_call(&base, Some("few"), hello(), &[]);
-    eventually("the first request waits", || queued(&gw, "one") == 1).await;
+    eventually("the first request waits", || queued(gw, "one") == 1).await;
     let full = call(&base, Some("few"), hello(), &[]).await;
     assert_eq!(full.status, 429, "{}", full.body);
     assert_eq!(full.code(), "queue_full");
@@ -323,23 +295,21 @@ async fn a_full_queue_is_429_and_a_queue_ttl_is_503_with_retry_after() {
     assert_eq!(timed_out.code(), "queue_timeout");
     assert_eq!(timed_out.header("retry-after"), Some("2"));
     assert_eq!(timed_out.body["error"]["type"], "server_error");
-    let s = snapshot(&gw);
+    let s = snapshot(gw);
     let one = s.band("one").unwrap();
     assert_eq!((one.queued, one.queue_full, one.dispatched), (1, 1, 0));
     let short = s.band("short").unwrap();
     assert_eq!((short.queued, short.timed_out, short.dispatched), (0, 1, 0));
     assert_eq!(s.team("hasty").unwrap().timed_out, 1);
     // The first one is still served once there is room.
-    saturate(&gw, false);
+    saturate(gw, false);
     assert_eq!(first.await.unwrap().status, 200);
-    eventually("every permit is released", || snapshot(&gw).in_flight == 0).await;
-    gw.shutdown().await;
-    sim.shutdown().await;
+    eventually("every permit is released", || snapshot(gw).in_flight == 0).await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_may_ask_for_a_lower_band_never_a_higher_one() {
-    let sim = start_sim("sim-model").await;
     let extra = format!(
         "{STILL}[flow]\nservice_tier = {{ flex = \"batch\", priority = \"interactive\" }}\n\
          {BANDS}{}{}",
@@ -349,8 +319,9 @@ async fn a_client_may_ask_for_a_lower_band_never_a_higher_one() {
         ),
         team("bulk", "default_band = \"batch\""),
     );
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
     let plain = call(&base, Some("chat"), hello(), &[]).await;
     assert_eq!(plain.status, 200, "{}", plain.body);
     assert_eq!(plain.header("x-agentgate-band"), Some("interactive"));
@@ -402,17 +373,15 @@ async fn a_client_may_ask_for_a_lower_band_never_a_higher_one() {
     .await;
     assert_eq!((unknown.status, unknown.code()), (400, "unknown_band"));
 
-    let s = snapshot(&gw);
+    let s = snapshot(gw);
     assert_eq!(s.band("interactive").unwrap().dispatched, 2);
     assert_eq!(s.band("batch").unwrap().dispatched, 2);
-    eventually("every permit is released", || snapshot(&gw).in_flight == 0).await;
-    gw.shutdown().await;
-    sim.shutdown().await;
+    eventually("every permit is released", || snapshot(gw).in_flight == 0).await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limits_answer_429_with_openai_headers() {
-    let sim = start_sim("sim-model").await;
     let extra = format!(
         "{STILL}{}{}",
         team(
@@ -421,8 +390,9 @@ async fn rate_limits_answer_429_with_openai_headers() {
         ),
         team("tiny", "tokens_per_minute = 20"),
     );
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
     for remaining in ["1", "0"] {
         let ok = call(&base, Some("small"), hello(), &[]).await;
         assert_eq!(ok.status, 200, "{}", ok.body);
@@ -448,25 +418,27 @@ async fn rate_limits_answer_429_with_openai_headers() {
     assert_eq!(too_large.code(), "request_too_large");
     assert_eq!(too_large.header("retry-after"), None);
     assert_eq!(too_large.header("x-ratelimit-limit-tokens"), Some("20"));
-    let s = snapshot(&gw);
+    let s = snapshot(gw);
     assert_eq!(s.team("small").unwrap().rate_limited, 1);
     assert_eq!(s.team("tiny").unwrap().rate_limited, 1);
     assert_eq!(s.team("small").unwrap().dispatched_requests, 2);
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_on_one_redis_share_a_team_budget() {
     let redis = TestRedis::start();
-    let sim = start_sim("sim-model").await;
     let prefix = unique_prefix("flow_shared_budget");
     let extra = format!("{STILL}{}", team("shared", "requests_per_minute = 3"));
-    let toml = config_toml(&[sim.base_url()], Some((redis.url(), &prefix)), &extra);
-    let a = start_gateway(&toml).await;
-    let b = start_gateway(&toml).await;
+    let mut fleet = Fleet::of(1)
+        .store(redis.url(), &prefix)
+        .extra(&extra)
+        .gateways(2)
+        .start()
+        .await;
+    let (a, b) = (&fleet.gateways()[0], &fleet.gateways()[1]);
     let mut remaining = Vec::new();
-    for gw in [&a, &b, &a] {
+    for gw in [a, b, a] {
         let ok = call(&gw.base_url(), Some("shared"), hello(), &[]).await;
         assert_eq!(ok.status, 200, "{}", ok.body);
         remaining.push(
@@ -480,7 +452,7 @@ async fn two_gateways_on_one_redis_share_a_team_budget() {
         ["2", "1", "0"],
         "one budget across both gateways"
     );
-    for gw in [&b, &a] {
+    for gw in [b, a] {
         let limited = call(&gw.base_url(), Some("shared"), hello(), &[]).await;
         assert_eq!(limited.status, 429, "{}", limited.body);
         assert_eq!(limited.code(), "rate_limit_exceeded_requests");
@@ -488,43 +460,36 @@ async fn two_gateways_on_one_redis_share_a_team_budget() {
     }
     // Another deployment (key prefix) on the same Redis has its own budget.
     let other_prefix = unique_prefix("flow_other_budget");
-    let other = start_gateway(&config_toml(
-        &[sim.base_url()],
-        Some((redis.url(), &other_prefix)),
-        &extra,
-    ))
-    .await;
+    let other_toml = config_toml(&fleet.urls(), Some((redis.url(), &other_prefix)), &extra);
+    let other = fleet.add_gateway(&other_toml).await;
     let ok = call(&other.base_url(), Some("shared"), hello(), &[]).await;
     assert_eq!(ok.header("x-ratelimit-remaining-requests"), Some("2"));
-    for gw in [a, b, other] {
-        gw.shutdown().await;
-    }
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_continuing_turn_goes_before_a_new_session() {
-    let sim = start_sim("sim-model").await;
     let extra = format!("{STILL}[flow]\nmax_in_flight_per_endpoint = 1\naging_s = 600\n");
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
     let first = call(&base, None, hello(), &[]).await;
     assert_eq!(first.status, 200, "{}", first.body);
     let first_id = first.body["id"].as_str().unwrap().to_string();
-    saturate(&gw, true);
+    saturate(gw, true);
     // A new session arrives first, then the next turn of the session that just ran.
     let new = spawn_call(&base, None, hello(), &[]);
-    eventually("the new session waits", || queued(&gw, "default") == 1).await;
+    eventually("the new session waits", || queued(gw, "default") == 1).await;
     let mut next = hello();
     next["previous_response_id"] = json!(first_id);
     let continuing = spawn_call(&base, None, next, &[]);
-    eventually("the continuing turn waits", || queued(&gw, "default") == 2).await;
-    let before = snapshot(&gw).turns;
+    eventually("the continuing turn waits", || queued(gw, "default") == 2).await;
+    let before = snapshot(gw).turns;
     assert_eq!((before.continuing.count(), before.new.count()), (0, 1));
-    stall(&sim).await;
-    saturate(&gw, false);
-    eventually("one request is dispatched", || snapshot(&gw).in_flight == 1).await;
-    let s = snapshot(&gw);
+    stall(fleet.sim()).await;
+    saturate(gw, false);
+    eventually("one request is dispatched", || snapshot(gw).in_flight == 1).await;
+    let s = snapshot(gw);
     assert_eq!(
         s.turns.continuing.count(),
         1,
@@ -535,39 +500,39 @@ async fn a_continuing_turn_goes_before_a_new_session() {
     assert_eq!(s.band("default").unwrap().queued, 1);
     new.abort();
     continuing.abort();
-    gw.shutdown().await;
+    fleet.shutdown_gateways().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn equal_weight_teams_split_dispatched_tokens_while_both_backlogged() {
-    let sim = start_sim("sim-model").await;
     let extra = format!(
         "{STILL}[flow]\nmax_in_flight_per_endpoint = 1\n{}{}",
         team("heavy", "weight = 1"),
         team("light", "weight = 1"),
     );
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
-    let base = gw.base_url();
-    saturate(&gw, true);
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
+    saturate(gw, true);
     // The heavy team offers ten times the light team's load, interleaved.
     let mut tasks = Vec::new();
     for i in 0..66 {
         let team = if i % 11 == 5 { "light" } else { "heavy" };
         tasks.push(spawn_call(&base, Some(team), hello(), &[]));
     }
-    eventually("every request waits", || queued(&gw, "default") == 66).await;
-    let s = snapshot(&gw);
+    eventually("every request waits", || queued(gw, "default") == 66).await;
+    let s = snapshot(gw);
     assert_eq!(s.team("heavy").unwrap().queued, 60);
     assert_eq!(s.team("light").unwrap().queued, 6);
     // Room for ten requests, which then stay in flight.
-    stall(&sim).await;
+    stall(fleet.sim()).await;
     gw.state().flow.set_max_in_flight_per_endpoint(10);
-    saturate(&gw, false);
+    saturate(gw, false);
     eventually("ten requests are dispatched", || {
-        snapshot(&gw).in_flight == 10
+        snapshot(gw).in_flight == 10
     })
     .await;
-    let s = snapshot(&gw);
+    let s = snapshot(gw);
     let (heavy, light) = (s.team("heavy").unwrap(), s.team("light").unwrap());
     assert!(
         heavy.queued > 0 && light.queued > 0,
@@ -591,12 +556,11 @@ async fn equal_weight_teams_split_dispatched_tokens_while_both_backlogged() {
     for task in tasks {
         task.abort();
     }
-    gw.shutdown().await;
+    fleet.shutdown_gateways().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn background_responses_run_in_the_lowest_band() {
-    let sim = start_sim("sim-model").await;
     let extra = format!(
         "{STILL}{BANDS}{}",
         team(
@@ -604,8 +568,9 @@ async fn background_responses_run_in_the_lowest_band() {
             "default_band = \"interactive\"\nbands = [\"batch\"]"
         ),
     );
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &extra)).await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
     let mut body = hello();
     body["background"] = json!(true);
     let queued = call(&base, Some("chat"), body, &[]).await;
@@ -614,15 +579,12 @@ async fn background_responses_run_in_the_lowest_band() {
     let client = reqwest::Client::new();
     let mut status = String::new();
     for _ in 0..1500 {
-        let r: Value = client
-            .get(format!("{base}/v1/responses/{id}"))
-            .bearer_auth(key("chat"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let r = json_body(
+            client
+                .get(format!("{base}/v1/responses/{id}"))
+                .bearer_auth(key("chat")),
+        )
+        .await;
         status = r["status"].as_str().unwrap_or_default().to_string();
         if status != "queued" && status != "in_progress" {
             break;
@@ -630,19 +592,11 @@ async fn background_responses_run_in_the_lowest_band() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(status == "completed" || status == "incomplete", "{status}");
-    let s = snapshot(&gw);
+    let s = snapshot(gw);
     assert_eq!(s.band("batch").unwrap().dispatched, 1);
     assert_eq!(s.band("interactive").unwrap().dispatched, 0);
-    eventually("the permit is released", || snapshot(&gw).in_flight == 0).await;
-    gw.shutdown().await;
-    sim.shutdown().await;
-}
-
-/// Write `text` to `path` atomically (write, then rename), as operators are told to.
-fn write_atomically(path: &std::path::Path, text: &str) {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
+    eventually("the permit is released", || snapshot(gw).in_flight == 0).await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -720,16 +674,15 @@ async fn hot_reload_keeps_queued_requests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limits_fail_open_when_the_store_is_down() {
     let mut redis = TestRedis::start_private();
-    let sim = start_sim("sim-model").await;
     let prefix = unique_prefix("flow_fail_open");
     let extra = format!("{STILL}{}", team("limited", "requests_per_minute = 1"));
-    let gw = start_gateway(&config_toml(
-        &[sim.base_url()],
-        Some((redis.url(), &prefix)),
-        &extra,
-    ))
-    .await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1)
+        .store(redis.url(), &prefix)
+        .extra(&extra)
+        .start()
+        .await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
     let first = call(&base, Some("limited"), hello(), &[]).await;
     assert_eq!(first.header("x-ratelimit-remaining-requests"), Some("0"));
     assert_eq!(call(&base, Some("limited"), hello(), &[]).await.status, 429);
@@ -741,8 +694,7 @@ async fn rate_limits_fail_open_when_the_store_is_down() {
     assert_eq!(admitted.status, 200, "{}", admitted.body);
     assert_eq!(admitted.header("x-ratelimit-limit-requests"), None);
     assert!(gw.state().metrics.rate_limit_store_errors.get([]) >= 1);
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 /// Start `n` simulated vLLM replicas with the given scheduling policy, no simulated delays.
@@ -770,7 +722,6 @@ async fn start_sims(
 async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
     use agentgate_sim::config::SchedulingPolicyArg;
     let sims = start_sims(4, SchedulingPolicyArg::Priority).await;
-    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
     // 4 replicas x 1 slot; a quarter held for interactive: batch may run 3
     let bands = BANDS.replace("priority = 10\n", "priority = 10\nreserve = 0.25\n");
     let extra = format!(
@@ -778,9 +729,10 @@ async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
         team("chat", "default_band = \"interactive\""),
         team("bulk", "default_band = \"batch\""),
     );
-    let gw = start_gateway(&config_toml(&urls, None, &extra)).await;
-    let base = gw.base_url();
-    for sim in &sims {
+    let fleet = Fleet::over(sims).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
+    for sim in fleet.sims() {
         stall(sim).await;
     }
     // the first batch job's prompt is the one the interactive request will send: the prefix
@@ -788,7 +740,7 @@ async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
     let shared: String = (0..3000).map(|i| format!("w{} ", i % 97)).collect();
     let body = |input: &str| json!({"model": "sim-model", "input": input, "max_output_tokens": 16});
     let mut batch = vec![spawn_call(&base, Some("bulk"), body(&shared), &[])];
-    eventually("the first batch job runs", || snapshot(&gw).in_flight == 1).await;
+    eventually("the first batch job runs", || snapshot(gw).in_flight == 1).await;
     for i in 1..4 {
         batch.push(spawn_call(
             &base,
@@ -798,23 +750,23 @@ async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
         ));
     }
     eventually("three batch requests run and one waits", || {
-        snapshot(&gw).in_flight == 3 && queued(&gw, "batch") == 1
+        snapshot(gw).in_flight == 3 && queued(gw, "batch") == 1
     })
     .await;
     // the interactive request finds the one free slot at once, on the replica without a batch
     // job, although its prompt is cached where the first job runs
     let chat = spawn_call(&base, Some("chat"), body(&shared), &[]);
     eventually("the interactive request runs", || {
-        snapshot(&gw).band("interactive").unwrap().dispatched == 1
+        snapshot(gw).band("interactive").unwrap().dispatched == 1
     })
     .await;
-    let pool = gw.state().pools.for_model("sim-model").unwrap();
+    let pool = fleet.pool();
     eventually("every replica runs exactly one request", || {
         pool.endpoints().iter().all(|e| e.in_flight_requests() == 1)
     })
     .await;
     assert_eq!(
-        queued(&gw, "batch"),
+        queued(gw, "batch"),
         1,
         "batch still leaves the reserve free"
     );
@@ -822,7 +774,7 @@ async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
     for call in batch {
         call.abort();
     }
-    gw.shutdown().await;
+    fleet.shutdown_gateways().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,12 +10,7 @@ fn client() -> reqwest::Client {
 }
 
 async fn create(base: &str, body: Value) -> (u16, Value) {
-    let resp = client()
-        .post(format!("{base}/v1/responses"))
-        .json(&body)
-        .send()
-        .await
-        .expect("request");
+    let resp = post_response(base, &body).await;
     let status = resp.status().as_u16();
     (status, resp.json().await.expect("json body"))
 }
@@ -23,16 +18,10 @@ async fn create(base: &str, body: Value) -> (u16, Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_turn_conversation_on_redis_costs_constant_store_round_trips() {
     let redis = TestRedis::start();
-    let sim = start_sim("sim-model").await;
     let prefix = unique_prefix("hundred_turns");
-    let gw = start_gateway(&config_toml(
-        &[sim.base_url()],
-        Some((redis.url(), &prefix)),
-        "",
-    ))
-    .await;
-    let base = gw.base_url();
-    let store = &gw.state().store;
+    let fleet = Fleet::of(1).store(redis.url(), &prefix).start().await;
+    let base = fleet.base_url();
+    let store = &fleet.gateway().state().store;
 
     let mut prev: Option<String> = None;
     let mut trips = Vec::new();
@@ -75,40 +64,29 @@ async fn hundred_turn_conversation_on_redis_costs_constant_store_round_trips() {
         .unwrap()
         .items;
     assert_eq!(items.len(), 200);
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_on_one_redis_serve_alternate_turns_identically() {
     let redis = TestRedis::start();
-    let sim = start_sim("sim-model").await;
     let shared = unique_prefix("two_gateways");
-    let a = start_gateway(&config_toml(
-        &[sim.base_url()],
-        Some((redis.url(), &shared)),
-        "",
-    ))
-    .await;
-    let b = start_gateway(&config_toml(
-        &[sim.base_url()],
-        Some((redis.url(), &shared)),
-        "",
-    ))
-    .await;
+    let mut fleet = Fleet::of(1)
+        .store(redis.url(), &shared)
+        .gateways(2)
+        .start()
+        .await;
     let solo_prefix = unique_prefix("two_gateways_solo");
-    let solo = start_gateway(&config_toml(
-        &[sim.base_url()],
-        Some((redis.url(), &solo_prefix)),
-        "",
-    ))
-    .await;
+    let solo_toml = config_toml(&fleet.urls(), Some((redis.url(), &solo_prefix)), "");
+    fleet.add_gateway(&solo_toml).await;
+    let gateways = fleet.gateways();
+    let (a, b, solo) = (&gateways[0], &gateways[1], &gateways[2]);
 
     let mut alt_prev: Option<String> = None;
     let mut solo_prev: Option<String> = None;
     for turn in 0..6 {
         let text = format!("question {turn} about the build");
-        let gw = if turn % 2 == 0 { &a } else { &b };
+        let gw = if turn % 2 == 0 { a } else { b };
         let mut body = json!({"model": "sim-model", "input": text, "max_output_tokens": 32});
         if let Some(p) = &alt_prev {
             body["previous_response_id"] = json!(p);
@@ -128,7 +106,7 @@ async fn two_gateways_on_one_redis_serve_alternate_turns_identically() {
     }
     // Either gateway can read what the other stored.
     let id = alt_prev.unwrap();
-    for gw in [&a, &b] {
+    for gw in [a, b] {
         let r = client()
             .get(format!("{}/v1/responses/{id}", gw.base_url()))
             .send()
@@ -136,24 +114,15 @@ async fn two_gateways_on_one_redis_serve_alternate_turns_identically() {
             .unwrap();
         assert_eq!(r.status(), 200);
     }
-    for gw in [a, b, solo] {
-        gw.shutdown().await;
-    }
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forks_see_their_own_history() {
     let redis = TestRedis::start();
-    let sim = start_sim("sim-model").await;
     let prefix = unique_prefix("forks");
-    let gw = start_gateway(&config_toml(
-        &[sim.base_url()],
-        Some((redis.url(), &prefix)),
-        "",
-    ))
-    .await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1).store(redis.url(), &prefix).start().await;
+    let base = fleet.base_url();
     let (_, root) = create(
         &base,
         json!({"model": "sim-model", "input": "root question"}),
@@ -166,7 +135,7 @@ async fn forks_see_their_own_history() {
     )
     .await;
     let (_, right) = create(&base, json!({"model": "sim-model", "input": "right branch with more words in it", "previous_response_id": root_id})).await;
-    let store = &gw.state().store;
+    let store = &fleet.gateway().state().store;
     let texts = |items: Vec<Value>| -> Vec<String> {
         items
             .iter()
@@ -195,38 +164,31 @@ async fn forks_see_their_own_history() {
         r,
         vec!["root question", "right branch with more words in it"]
     );
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn teams_cannot_see_each_others_responses() {
     let redis = TestRedis::start();
-    let sim = start_sim("sim-model").await;
     let prefix = unique_prefix("tenants");
     let teams = format!(
         "[[teams]]\nname = \"a\"\napi_key_sha256 = [\"{}\"]\n[[teams]]\nname = \"b\"\napi_key_sha256 = [\"{}\"]\n",
         agentgate::auth::hash_key("key-a"),
         agentgate::auth::hash_key("key-b")
     );
-    let gw = start_gateway(&config_toml(
-        &[sim.base_url()],
-        Some((redis.url(), &prefix)),
-        &teams,
-    ))
-    .await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1)
+        .store(redis.url(), &prefix)
+        .extra(&teams)
+        .start()
+        .await;
+    let base = fleet.base_url();
     let c = client();
-    let r: Value = c
-        .post(format!("{base}/v1/responses"))
-        .bearer_auth("key-a")
-        .json(&json!({"model": "sim-model", "input": "secret plans"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r = json_body(
+        c.post(format!("{base}/v1/responses"))
+            .bearer_auth("key-a")
+            .json(&json!({"model": "sim-model", "input": "secret plans"})),
+    )
+    .await;
     let id = r["id"].as_str().unwrap();
     let get_as = |key: &'static str| {
         c.get(format!("{base}/v1/responses/{id}"))
@@ -261,20 +223,18 @@ async fn teams_cannot_see_each_others_responses() {
     assert_eq!(wrong.status(), 401);
     let body: Value = wrong.json().await.unwrap();
     assert_eq!(body["error"]["code"], "invalid_api_key");
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_events_are_ordered_and_gapless() {
-    let sim = start_sim("sim-model").await;
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
-    let resp = client()
-        .post(format!("{}/v1/responses", gw.base_url()))
-        .json(&json!({"model": "sim-model", "input": "stream please", "stream": true}))
-        .send()
-        .await
-        .unwrap();
+    let fleet = Fleet::of(1).start().await;
+    let base = fleet.base_url();
+    let resp = post_response(
+        &base,
+        &json!({"model": "sim-model", "input": "stream please", "stream": true}),
+    )
+    .await;
     assert_eq!(resp.status(), 200);
     assert!(resp.headers()["content-type"]
         .to_str()
@@ -292,8 +252,8 @@ async fn stream_events_are_ordered_and_gapless() {
         ]
     );
     assert_eq!(names.last(), Some(&"response.completed"));
-    for (i, e) in events.iter().enumerate() {
-        assert_eq!(e.data["sequence_number"], json!(i), "gap at {i}");
+    assert_sequence_numbers(&events);
+    for e in &events {
         assert_eq!(e.data["type"], json!(e.event));
     }
     let deltas: String = events
@@ -310,29 +270,18 @@ async fn stream_events_are_ordered_and_gapless() {
     assert_eq!(output_text(final_resp), deltas);
     // The streamed response was stored and can be retrieved.
     let id = final_resp["id"].as_str().unwrap();
-    let got: Value = client()
-        .get(format!("{}/v1/responses/{id}", gw.base_url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let got = retrieve(&base, id).await;
     assert_eq!(output_text(&got), deltas);
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_errors() {
-    let sim = start_sim("sim-model").await;
-    let gw = start_gateway(&config_toml(
-        &[sim.base_url()],
-        None,
-        "[server]\nmax_body_bytes = 4096\n",
-    ))
-    .await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1)
+        .extra("[server]\nmax_body_bytes = 4096\n")
+        .start()
+        .await;
+    let base = fleet.base_url();
     let c = client();
     let raw = |body: &'static str| {
         c.post(format!("{base}/v1/responses"))
@@ -343,12 +292,7 @@ async fn bad_requests_get_openai_errors() {
     let r = raw("{not json").await.unwrap();
     assert_eq!(r.status(), 400);
     let big = "x".repeat(10_000);
-    let r = c
-        .post(format!("{base}/v1/responses"))
-        .json(&json!({"model": "sim-model", "input": big}))
-        .send()
-        .await
-        .unwrap();
+    let r = post_response(&base, &json!({"model": "sim-model", "input": big})).await;
     assert_eq!(r.status(), 413);
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["error"]["code"], "request_too_large");
@@ -381,15 +325,13 @@ async fn bad_requests_get_openai_errors() {
     assert_eq!(r.status(), 404);
     let r = c.get(format!("{base}/v1/nothing")).send().await.unwrap();
     assert_eq!(r.status(), 404);
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_false_is_not_retrievable_or_chainable() {
-    let sim = start_sim("sim-model").await;
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1).start().await;
+    let base = fleet.base_url();
     let (s, r) = create(
         &base,
         json!({"model": "sim-model", "input": "ephemeral", "store": false}),
@@ -416,8 +358,7 @@ async fn store_false_is_not_retrievable_or_chainable() {
         (s, e["error"]["code"].as_str()),
         (400, Some("previous_response_not_found"))
     );
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -434,12 +375,11 @@ async fn unreachable_engine_is_503_with_retry_after() {
         "",
     ))
     .await;
-    let resp = client()
-        .post(format!("{}/v1/responses", gw.base_url()))
-        .json(&json!({"model": "sim-model", "input": "anyone?"}))
-        .send()
-        .await
-        .unwrap();
+    let resp = post_response(
+        &gw.base_url(),
+        &json!({"model": "sim-model", "input": "anyone?"}),
+    )
+    .await;
     assert_eq!(resp.status(), 503);
     assert!(resp.headers().contains_key("retry-after"));
     let body: Value = resp.json().await.unwrap();
@@ -449,9 +389,8 @@ async fn unreachable_engine_is_503_with_retry_after() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn input_items_paginate_over_the_whole_conversation() {
-    let sim = start_sim("sim-model").await;
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1).start().await;
+    let base = fleet.base_url();
     let mut prev: Option<String> = None;
     for turn in 0..4 {
         let mut body = json!({"model": "sim-model", "input": format!("turn {turn}")});
@@ -470,14 +409,7 @@ async fn input_items_paginate_over_the_whole_conversation() {
         if let Some(a) = &after {
             url.push_str(&format!("&after={a}"));
         }
-        let page: Value = client()
-            .get(url)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let page = get_json(&url).await;
         for item in page["data"].as_array().unwrap() {
             seen.push(item["id"].as_str().unwrap().to_string());
         }
@@ -489,14 +421,7 @@ async fn input_items_paginate_over_the_whole_conversation() {
     assert_eq!(seen.len(), 7);
     let unique: std::collections::HashSet<_> = seen.iter().collect();
     assert_eq!(unique.len(), 7);
-    let desc: Value = client()
-        .get(format!("{base}/v1/responses/{id}/input_items"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let desc = get_json(&format!("{base}/v1/responses/{id}/input_items")).await;
     assert_eq!(desc["first_id"].as_str().unwrap(), seen[6]);
     let bad = client()
         .get(format!("{base}/v1/responses/{id}/input_items?limit=101"))
@@ -504,32 +429,16 @@ async fn input_items_paginate_over_the_whole_conversation() {
         .await
         .unwrap();
     assert_eq!(bad.status(), 400);
-    gw.shutdown().await;
-    sim.shutdown().await;
-}
-
-async fn set_sim_fault(sim: &agentgate_sim::SimHandle, spec: Value) {
-    let r = client()
-        .post(format!("{}/sim/faults", sim.base_url()))
-        .json(&spec)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "setting fault: {}", r.status());
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_failing_mid_stream_ends_with_response_failed() {
     let sim = start_sim("sim-model").await;
     set_sim_fault(&sim, json!({"cut_after": 3})).await;
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
-    let base = gw.base_url();
-    let resp = client()
-        .post(format!("{base}/v1/responses"))
-        .json(&json!({"model": "sim-model", "input": "this will break", "stream": true, "max_output_tokens": 64}))
-        .send()
-        .await
-        .unwrap();
+    let fleet = Fleet::over(vec![sim]).start().await;
+    let base = fleet.base_url();
+    let resp = post_response(&base, &json!({"model": "sim-model", "input": "this will break", "stream": true, "max_output_tokens": 64})).await;
     assert_eq!(resp.status(), 200);
     let events = read_sse(resp).await;
     let last = events.last().expect("events");
@@ -541,19 +450,10 @@ async fn engine_failing_mid_stream_ends_with_response_failed() {
     );
     assert_eq!(last.data["response"]["status"], "failed");
     assert!(last.data["response"]["error"]["message"].as_str().is_some());
-    for (i, e) in events.iter().enumerate() {
-        assert_eq!(e.data["sequence_number"], json!(i));
-    }
+    assert_sequence_numbers(&events);
     // The failed response is stored as failed, not lost.
     let id = last.data["response"]["id"].as_str().unwrap();
-    let got: Value = client()
-        .get(format!("{base}/v1/responses/{id}"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let got = retrieve(&base, id).await;
     assert_eq!(got["status"], "failed");
     // Non-streaming: a clear 502 in OpenAI's shape.
     let (s, e) = create(
@@ -563,8 +463,7 @@ async fn engine_failing_mid_stream_ends_with_response_failed() {
     .await;
     assert_eq!(s, 502, "{e}");
     assert_eq!(e["error"]["code"], "upstream_error");
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -572,23 +471,20 @@ async fn a_failing_replica_is_skipped_before_the_stream_starts() {
     let bad = start_sim("sim-model").await;
     let good = start_sim("sim-model").await;
     set_sim_fault(&bad, json!({"status": 503})).await;
-    let gw = start_gateway(&config_toml(&[bad.base_url(), good.base_url()], None, "")).await;
+    let fleet = Fleet::over(vec![bad, good]).start().await;
     for _ in 0..4 {
-        let resp = client()
-            .post(format!("{}/v1/responses", gw.base_url()))
-            .json(&json!({"model": "sim-model", "input": "hello"}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_response(
+            &fleet.base_url(),
+            &json!({"model": "sim-model", "input": "hello"}),
+        )
+        .await;
         assert_eq!(resp.status(), 200);
         assert_eq!(
             resp.headers()[agentgate::responses::ENDPOINT_HEADER],
             "sim/1"
         );
     }
-    gw.shutdown().await;
-    bad.shutdown().await;
-    good.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -596,36 +492,20 @@ async fn background_response_runs_detached_and_can_be_cancelled() {
     let redis = TestRedis::start();
     let prefix = unique_prefix("background");
     // Slow enough (simulated 20 ms per token at time scale 1) that a cancel lands mid-run.
-    let sim = start_sim_with("sim-model", 1.0).await;
-    let gw = start_gateway(&config_toml(
-        &[sim.base_url()],
-        Some((redis.url(), &prefix)),
-        "",
-    ))
-    .await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(1)
+        .time_scale(1.0)
+        .store(redis.url(), &prefix)
+        .start()
+        .await;
+    let base = fleet.base_url();
     let (s, r) = create(&base, json!({"model": "sim-model", "input": "long job", "background": true, "max_output_tokens": 2000})).await;
     assert_eq!(s, 200);
     assert_eq!(r["status"], "queued");
     assert_eq!(r["background"], true);
     let id = r["id"].as_str().unwrap();
-    let c: Value = client()
-        .post(format!("{base}/v1/responses/{id}/cancel"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let c = cancel(&base, id).await;
     assert_eq!(c["status"], "cancelled");
-    let got: Value = client()
-        .get(format!("{base}/v1/responses/{id}"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let got = retrieve(&base, id).await;
     assert_eq!(got["status"], "cancelled");
 
     // A short background job completes and is pollable.
@@ -633,14 +513,7 @@ async fn background_response_runs_detached_and_can_be_cancelled() {
     let id = r["id"].as_str().unwrap().to_string();
     let mut status = String::new();
     for _ in 0..600 {
-        let got: Value = client()
-            .get(format!("{base}/v1/responses/{id}"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let got = retrieve(&base, &id).await;
         status = got["status"].as_str().unwrap().to_string();
         if status != "queued" && status != "in_progress" {
             assert!(!output_text(&got).is_empty());
@@ -656,32 +529,20 @@ async fn background_response_runs_detached_and_can_be_cancelled() {
         .await
         .unwrap();
     assert_eq!(again.status(), 400);
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
-    let a = start_sim("sim-model").await;
-    let b = start_sim("sim-model").await;
-    let gw = start_gateway(
-        &config_toml(&[a.base_url(), b.base_url()], None, "")
-            .replace("endpoints = [", "policy = \"least_loaded\"\nendpoints = ["),
-    )
-    .await;
-    let pool = gw.state().pools.for_model("sim-model").unwrap();
+    let fleet = Fleet::of(2).policy("least_loaded").start().await;
+    let pool = fleet.pool();
     assert_eq!(pool.policy, agentgate::pools::Policy::LeastLoaded);
-    let base = gw.base_url();
+    let base = fleet.base_url();
     let mut tasks = Vec::new();
     for i in 0..16 {
         let base = base.clone();
         tasks.push(tokio::spawn(async move {
-            let resp = client()
-                .post(format!("{base}/v1/responses"))
-                .json(&json!({"model": "sim-model", "input": format!("parallel {i}"), "stream": i % 2 == 0}))
-                .send()
-                .await
-                .unwrap();
+            let resp = post_response(&base, &json!({"model": "sim-model", "input": format!("parallel {i}"), "stream": i % 2 == 0})).await;
             let status = resp.status().as_u16();
             resp.bytes().await.unwrap();
             status
@@ -691,12 +552,11 @@ async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
         assert_eq!(t.await.unwrap(), 200);
     }
     // A stream the client abandons still finishes on the engine and releases its slot.
-    let resp = client()
-        .post(format!("{base}/v1/responses"))
-        .json(&json!({"model": "sim-model", "input": "abandoned", "stream": true}))
-        .send()
-        .await
-        .unwrap();
+    let resp = post_response(
+        &base,
+        &json!({"model": "sim-model", "input": "abandoned", "stream": true}),
+    )
+    .await;
     drop(resp);
     for _ in 0..200 {
         if pool.endpoints().iter().all(|e| e.in_flight_requests() == 0) {
@@ -712,22 +572,14 @@ async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
             ep.name
         );
     }
-    gw.shutdown().await;
-    a.shutdown().await;
-    b.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
-    let sim = start_sim_with("sim-model", 1.0).await;
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
-    let base = gw.base_url();
-    let mut resp = client()
-        .post(format!("{base}/v1/responses"))
-        .json(&json!({"model": "sim-model", "input": "a long streamed job", "background": true, "stream": true, "max_output_tokens": 4000}))
-        .send()
-        .await
-        .unwrap();
+    let fleet = Fleet::of(1).time_scale(1.0).start().await;
+    let base = fleet.base_url();
+    let mut resp = post_response(&base, &json!({"model": "sim-model", "input": "a long streamed job", "background": true, "stream": true, "max_output_tokens": 4000})).await;
     assert_eq!(resp.status(), 200);
     // Read until the first text delta, so the run is mid-generation.
     let mut text = String::new();
@@ -739,14 +591,7 @@ async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
         .as_str()
         .unwrap()
         .to_string();
-    let cancelled: Value = client()
-        .post(format!("{base}/v1/responses/{id}/cancel"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let cancelled = cancel(&base, &id).await;
     assert_eq!(cancelled["status"], "cancelled");
     while let Some(chunk) = resp.chunk().await.unwrap() {
         text.push_str(std::str::from_utf8(&chunk).unwrap());
@@ -755,20 +600,10 @@ async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
     let last = events.last().unwrap();
     assert_eq!(last.event, "response.failed");
     assert_eq!(last.data["response"]["error"]["code"], "response_cancelled");
-    for (i, e) in events.iter().enumerate() {
-        assert_eq!(e.data["sequence_number"], json!(i));
-    }
-    let got: Value = client()
-        .get(format!("{base}/v1/responses/{id}"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    assert_sequence_numbers(&events);
+    let got = retrieve(&base, &id).await;
     assert_eq!(got["status"], "cancelled");
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -782,8 +617,8 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
     })
     .await
     .unwrap();
-    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
-    let base = gw.base_url();
+    let fleet = Fleet::over(vec![sim]).start().await;
+    let base = fleet.base_url();
     let words = "alpha beta gamma delta epsilon zeta eta theta iota kappa ".repeat(4);
     let mut prev: Option<String> = None;
     let mut overflowed = false;
@@ -808,24 +643,13 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
         prev = Some(r["id"].as_str().unwrap().into());
     }
     assert!(overflowed, "the conversation never outgrew the context");
-    gw.shutdown().await;
-    sim.shutdown().await;
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_policy_keeps_a_conversation_where_its_cache_is() {
-    let sims = [
-        start_sim("sim-model").await,
-        start_sim("sim-model").await,
-        start_sim("sim-model").await,
-    ];
-    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
-    let gw = start_gateway(
-        &config_toml(&urls, None, "")
-            .replace("endpoints = [", "policy = \"prefix\"\nendpoints = ["),
-    )
-    .await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(3).policy("prefix").start().await;
+    let base = fleet.base_url();
     let system = "You are a careful coding agent working in a large repository. ".repeat(40);
     // Stateless turns (full history each time, no session key): only the prefix index can
     // keep them together.
@@ -835,19 +659,9 @@ async fn prefix_policy_keeps_a_conversation_where_its_cache_is() {
     for turn in 0..5 {
         history
             .push(json!({"role": "user", "content": format!("step {turn}: read the next file")}));
-        let resp = client()
-            .post(format!("{base}/v1/responses"))
-            .json(&json!({"model": "sim-model", "instructions": system, "input": history, "store": false, "max_output_tokens": 32}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_response(&base, &json!({"model": "sim-model", "instructions": system, "input": history, "store": false, "max_output_tokens": 32})).await;
         assert_eq!(resp.status(), 200);
-        endpoints.push(
-            resp.headers()[agentgate::responses::ENDPOINT_HEADER]
-                .to_str()
-                .unwrap()
-                .to_string(),
-        );
+        endpoints.push(header(&resp, agentgate::responses::ENDPOINT_HEADER));
         let r: Value = resp.json().await.unwrap();
         cached.push(
             r["usage"]["input_tokens_details"]["cached_tokens"]
@@ -868,29 +682,23 @@ async fn prefix_policy_keeps_a_conversation_where_its_cache_is() {
     );
     // A different conversation that shares nothing goes to the least-loaded (idle) endpoints,
     // and round robin over the same turns would have scattered them.
-    gw.shutdown().await;
-    for s in sims {
-        s.shutdown().await;
-    }
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
     let redis = TestRedis::start();
-    let sims = [
-        start_sim("sim-model").await,
-        start_sim("sim-model").await,
-        start_sim("sim-model").await,
-    ];
-    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
     let prefix = unique_prefix("session_pins");
-    let toml = config_toml(&urls, Some((redis.url(), &prefix)), "")
-        .replace("endpoints = [", "policy = \"session\"\nendpoints = [");
-    let a = start_gateway(&toml).await;
-    let b = start_gateway(&toml).await;
+    let fleet = Fleet::of(3)
+        .policy("session")
+        .store(redis.url(), &prefix)
+        .gateways(2)
+        .start()
+        .await;
+    let (a, b) = (&fleet.gateways()[0], &fleet.gateways()[1]);
     let mut seen = Vec::new();
     for turn in 0..6 {
-        let gw = if turn % 2 == 0 { &a } else { &b };
+        let gw = if turn % 2 == 0 { a } else { b };
         let resp = client()
             .post(format!("{}/v1/responses", gw.base_url()))
             .header("session-id", "thread-42")
@@ -899,15 +707,10 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
-        let endpoint = resp.headers()[agentgate::responses::ENDPOINT_HEADER]
-            .to_str()
-            .unwrap()
-            .to_string();
-        let reason = resp.headers()[agentgate::responses::ROUTE_REASON_HEADER]
-            .to_str()
-            .unwrap()
-            .to_string();
-        seen.push((endpoint, reason));
+        seen.push((
+            header(&resp, agentgate::responses::ENDPOINT_HEADER),
+            header(&resp, agentgate::responses::ROUTE_REASON_HEADER),
+        ));
     }
     assert_ne!(seen[0].1, "pin", "the first turn has no pin yet: {seen:?}");
     assert!(seen.iter().all(|(e, _)| e == &seen[0].0), "{seen:?}");
@@ -919,9 +722,9 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
         .trim_start_matches("sim/")
         .parse::<usize>()
         .unwrap();
-    set_sim_fault(&sims[pinned], json!({"status": 503})).await;
+    set_sim_fault(&fleet.sims()[pinned], json!({"status": 503})).await;
     let mut moved = Vec::new();
-    for gw in [&a, &b, &a] {
+    for gw in [a, b, a] {
         let resp = client()
             .post(format!("{}/v1/responses", gw.base_url()))
             .header("session-id", "thread-42")
@@ -931,14 +734,8 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
             .unwrap();
         assert_eq!(resp.status(), 200);
         moved.push((
-            resp.headers()[agentgate::responses::ENDPOINT_HEADER]
-                .to_str()
-                .unwrap()
-                .to_string(),
-            resp.headers()[agentgate::responses::ROUTE_REASON_HEADER]
-                .to_str()
-                .unwrap()
-                .to_string(),
+            header(&resp, agentgate::responses::ENDPOINT_HEADER),
+            header(&resp, agentgate::responses::ROUTE_REASON_HEADER),
         ));
     }
     assert_ne!(moved[0].0, seen[0].0);
@@ -953,28 +750,13 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
         .unwrap()
         .unwrap();
     assert_eq!((pin.endpoint.as_str(), pin.moves), (moved[0].0.as_str(), 1));
-    for gw in [a, b] {
-        gw.shutdown().await;
-    }
-    for s in sims {
-        s.shutdown().await;
-    }
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chained_conversation_without_session_headers_is_pinned_by_its_root() {
-    let sims = [
-        start_sim("sim-model").await,
-        start_sim("sim-model").await,
-        start_sim("sim-model").await,
-    ];
-    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
-    let gw = start_gateway(
-        &config_toml(&urls, None, "")
-            .replace("endpoints = [", "policy = \"session\"\nendpoints = ["),
-    )
-    .await;
-    let base = gw.base_url();
+    let fleet = Fleet::of(3).policy("session").start().await;
+    let base = fleet.base_url();
     let mut previous: Option<String> = None;
     let mut first_id = String::new();
     let mut seen = Vec::new();
@@ -984,17 +766,11 @@ async fn a_chained_conversation_without_session_headers_is_pinned_by_its_root() 
         if let Some(prev) = &previous {
             body["previous_response_id"] = json!(prev);
         }
-        let resp = client()
-            .post(format!("{base}/v1/responses"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let resp = post_response(&base, &body).await;
         assert_eq!(resp.status(), 200);
-        let header = |name: &str| resp.headers()[name].to_str().unwrap().to_string();
         seen.push((
-            header(agentgate::responses::ENDPOINT_HEADER),
-            header(agentgate::responses::ROUTE_REASON_HEADER),
+            header(&resp, agentgate::responses::ENDPOINT_HEADER),
+            header(&resp, agentgate::responses::ROUTE_REASON_HEADER),
         ));
         let r: Value = resp.json().await.unwrap();
         let id = r["id"].as_str().unwrap().to_string();
@@ -1005,7 +781,8 @@ async fn a_chained_conversation_without_session_headers_is_pinned_by_its_root() 
     }
     assert!(seen.iter().all(|(e, _)| e == &seen[0].0), "{seen:?}");
     assert!(seen[1..].iter().all(|(_, r)| r == "pin"), "{seen:?}");
-    let pin = gw
+    let pin = fleet
+        .gateway()
         .state()
         .store
         .get_pin("sim", &format!("root:{first_id}"))
@@ -1014,19 +791,15 @@ async fn a_chained_conversation_without_session_headers_is_pinned_by_its_root() 
         .expect("the chain is pinned under its root");
     assert_eq!(pin.endpoint, seen[0].0);
     // A fork from the first turn belongs to the same conversation.
-    let resp = client()
-        .post(format!("{base}/v1/responses"))
-        .json(&json!({"model": "sim-model", "input": "a fork", "previous_response_id": first_id}))
-        .send()
-        .await
-        .unwrap();
+    let resp = post_response(
+        &base,
+        &json!({"model": "sim-model", "input": "a fork", "previous_response_id": first_id}),
+    )
+    .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(
         resp.headers()[agentgate::responses::ENDPOINT_HEADER],
         seen[0].0.as_str()
     );
-    gw.shutdown().await;
-    for s in sims {
-        s.shutdown().await;
-    }
+    fleet.shutdown().await;
 }

@@ -3,23 +3,11 @@
 //! replicas at run time without cutting a request in flight; `/metrics` shows both.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use serde_json::{json, Value};
 
 use agentgate::pools::{Endpoint, Pool};
 use agentgate_tests::*;
-
-/// Poll `done` every 20 ms, for at most 15 s; fails the test with `what` if it never holds.
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    for _ in 0..750 {
-        if done() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("timed out waiting until {what}");
-}
 
 fn endpoint(pool: &Pool, name: &str) -> Option<Arc<Endpoint>> {
     pool.endpoints().iter().find(|e| e.name == name).cloned()
@@ -27,24 +15,19 @@ fn endpoint(pool: &Pool, name: &str) -> Option<Arc<Endpoint>> {
 
 /// One short non-streaming turn: (status, the endpoint that served it).
 async fn turn(base: &str) -> (u16, String) {
-    let resp = reqwest::Client::new()
-        .post(format!("{base}/v1/responses"))
-        .json(&json!({"model": "sim-model", "input": "hello", "max_output_tokens": 16}))
-        .send()
-        .await
-        .expect("request");
+    let resp = post_response(
+        base,
+        &json!({"model": "sim-model", "input": "hello", "max_output_tokens": 16}),
+    )
+    .await;
     let status = resp.status().as_u16();
-    let served = resp
-        .headers()
-        .get("x-agentgate-endpoint")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
+    let served = served_endpoint(&resp);
     let _: Value = resp.json().await.expect("json body");
     (status, served)
 }
 
-async fn metrics_text(base: &str) -> String {
+/// `GET /metrics`, checking its status and the Prometheus text content type.
+async fn scrape_metrics(base: &str) -> String {
     let resp = reqwest::get(format!("{base}/metrics"))
         .await
         .expect("metrics");
@@ -54,43 +37,25 @@ async fn metrics_text(base: &str) -> String {
     resp.text().await.unwrap()
 }
 
-async fn sim_faults(sim: &agentgate_sim::SimHandle, spec: Option<Value>) {
-    let client = reqwest::Client::new();
-    let url = format!("{}/sim/faults", sim.base_url());
-    let resp = match spec {
-        Some(spec) => client.post(url).json(&spec).send().await,
-        None => client.delete(url).send().await,
-    }
-    .expect("sim faults");
-    assert!(resp.status().is_success(), "{}", resp.status());
-}
-
 const FAST_PROBES: &str = "[routing]\nhealth_interval_ms = 50\nscrape_interval_ms = 50\n\
     unhealthy_after = 2\nhealthy_after = 1\ndiscovery_interval_ms = 50\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_replica_is_taken_out_and_returns_when_it_recovers() {
-    let sims = [
-        start_sim("sim-model").await,
-        start_sim("sim-model").await,
-        start_sim("sim-model").await,
-    ];
-    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
-    let gw = start_gateway(&config_toml(
-        &urls,
-        None,
-        &format!("policy = \"round_robin\"\n{FAST_PROBES}"),
-    ))
-    .await;
-    let base = gw.base_url();
-    let pool = gw.state().pools.for_model("sim-model").unwrap();
+    let fleet = Fleet::of(3)
+        .extra(&format!("policy = \"round_robin\"\n{FAST_PROBES}"))
+        .start()
+        .await;
+    let sims = fleet.sims();
+    let base = fleet.base_url();
+    let pool = fleet.pool();
     let sick = endpoint(&pool, "sim/1").unwrap();
     eventually("every endpoint has a load report", || {
         pool.endpoints().iter().all(|e| e.load_report().is_some())
     })
     .await;
 
-    sim_faults(&sims[1], Some(json!({"unhealthy": true}))).await;
+    set_sim_fault(&sims[1], json!({"unhealthy": true})).await;
     eventually("sim/1 is taken out", || !sick.is_available()).await;
     assert!(!sick.is_healthy() && !sick.is_retired());
     for _ in 0..9 {
@@ -101,7 +66,7 @@ async fn failing_replica_is_taken_out_and_returns_when_it_recovers() {
             "served by {served:?} while sim/1 is unhealthy"
         );
     }
-    let m = metrics_text(&base).await;
+    let m = scrape_metrics(&base).await;
     for line in [
         "agentgate_endpoint_healthy{pool=\"sim\",endpoint=\"sim/1\"} 0",
         "agentgate_endpoint_healthy{pool=\"sim\",endpoint=\"sim/0\"} 1",
@@ -113,7 +78,7 @@ async fn failing_replica_is_taken_out_and_returns_when_it_recovers() {
     let ready = reqwest::get(format!("{base}/health/ready")).await.unwrap();
     assert_eq!(ready.status().as_u16(), 200, "two replicas still serve");
 
-    sim_faults(&sims[1], None).await;
+    clear_sim_faults(&sims[1]).await;
     eventually("sim/1 returns", || sick.is_available()).await;
     let mut served_by_sick = false;
     for _ in 0..6 {
@@ -124,8 +89,8 @@ async fn failing_replica_is_taken_out_and_returns_when_it_recovers() {
     assert!(served_by_sick, "round robin reaches the recovered replica");
 
     // Every replica down: not ready, and requests are refused rather than sent to them.
-    for sim in &sims {
-        sim_faults(sim, Some(json!({"unhealthy": true}))).await;
+    for sim in sims {
+        set_sim_fault(sim, json!({"unhealthy": true})).await;
     }
     eventually("every endpoint is taken out", || {
         pool.endpoints().iter().all(|e| !e.is_available())
@@ -135,16 +100,7 @@ async fn failing_replica_is_taken_out_and_returns_when_it_recovers() {
     assert_eq!(ready.status().as_u16(), 503);
     assert_eq!(turn(&base).await.0, 503);
 
-    gw.shutdown().await;
-    for sim in sims {
-        sim.shutdown().await;
-    }
-}
-
-fn write_atomically(path: &std::path::Path, text: &str) {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -195,7 +151,7 @@ async fn endpoints_file_adds_and_retires_replicas_without_cutting_requests() {
     );
 
     // Hold requests on file-b before their first token, and start one there.
-    sim_faults(&extra, Some(json!({"stall_ms": 5000}))).await;
+    set_sim_fault(&extra, json!({"stall_ms": 5000})).await;
     let mut held = None;
     for _ in 0..8 {
         let task = tokio::spawn(turn_owned(base.clone()));
@@ -224,7 +180,7 @@ async fn endpoints_file_adds_and_retires_replicas_without_cutting_requests() {
     assert_eq!((status, served.as_str()), (200, "file-b"));
     assert_eq!(b.in_flight_requests(), 0);
 
-    let m = metrics_text(&base).await;
+    let m = scrape_metrics(&base).await;
     assert!(
         m.contains("agentgate_pool_endpoints{pool=\"sim\"} 1\n"),
         "{m}"

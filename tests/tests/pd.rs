@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+use agentgate::Gateway;
 use agentgate_sim::{Flavor, Role, SimConfig, SimHandle};
 use agentgate_tests::*;
 
@@ -70,6 +71,20 @@ fn entry(sim: &SimHandle, role: &'static str) -> Entry {
     (sim.base_url(), role, String::new())
 }
 
+/// A prefill and a decode replica of `flavor` (no simulated delays) behind a gateway on
+/// [`pd_config`] over them, in that order (`pd/0`, `pd/1`).
+async fn prefill_decode_pair(flavor: Flavor) -> (SimHandle, SimHandle, Gateway) {
+    let prefill = sim(flavor, Role::Prefill, 0.0).await;
+    let decode = sim(flavor, Role::Decode, 0.0).await;
+    let gw = start_gateway(&pd_config(
+        flavor,
+        &[entry(&prefill, "prefill"), entry(&decode, "decode")],
+        "",
+    ))
+    .await;
+    (prefill, decode, gw)
+}
+
 /// Sum of a Prometheus metric's samples (every label set) in `text`.
 fn metric_sum(text: &str, name: &str) -> f64 {
     text.lines()
@@ -90,31 +105,17 @@ fn series(text: &str, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-async fn metrics_of(base_url: &str) -> String {
-    reqwest::get(format!("{base_url}/metrics"))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text")
+/// `series` in `m` is `expected`; a failure shows the whole of `m`.
+fn assert_series(m: &str, series_name: &str, expected: f64) {
+    assert_eq!(series(m, series_name), expected, "{series_name} in\n{m}");
 }
 
 /// Prompt tokens a replica actually prefilled (not served from its cache or a transfer).
 async fn computed(sim: &SimHandle) -> f64 {
     metric_sum(
-        &metrics_of(&sim.base_url()).await,
+        &metrics_text(&sim.base_url()).await,
         "agentgate_sim_prefill_tokens_computed_total",
     )
-}
-
-async fn set_fault(sim: &SimHandle, spec: Value) {
-    let resp = reqwest::Client::new()
-        .post(format!("{}/sim/faults", sim.base_url()))
-        .json(&spec)
-        .send()
-        .await
-        .expect("sim faults");
-    assert!(resp.status().is_success());
 }
 
 /// A prompt of `words` distinct words (the simulator counts one token per word).
@@ -138,12 +139,7 @@ async fn create(gw: &str, body: Value, headers: &[(&str, &str)]) -> (Value, Stri
     }
     let resp = request.send().await.expect("request");
     let status = resp.status().as_u16();
-    let served = resp
-        .headers()
-        .get("x-agentgate-endpoint")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
+    let served = served_endpoint(&resp);
     let value: Value = resp.json().await.expect("json body");
     assert_eq!(status, 200, "{value}");
     // Cut at max_output_tokens or not, the answer is whole and stored.
@@ -184,14 +180,7 @@ async fn conversation_roles(gw: &str, id: &str) -> Vec<String> {
 }
 
 async fn long_prompt_is_split_and_a_cached_turn_stays_local(flavor: Flavor) {
-    let prefill = sim(flavor, Role::Prefill, 0.0).await;
-    let decode = sim(flavor, Role::Decode, 0.0).await;
-    let gw = start_gateway(&pd_config(
-        flavor,
-        &[entry(&prefill, "prefill"), entry(&decode, "decode")],
-        "",
-    ))
-    .await;
+    let (prefill, decode, gw) = prefill_decode_pair(flavor).await;
     let base = gw.base_url();
     let session = [("x-session-id", "long-1")];
 
@@ -213,21 +202,16 @@ async fn long_prompt_is_split_and_a_cached_turn_stays_local(flavor: Flavor) {
     let on_decode = computed(&decode).await;
     assert!(on_prefill >= 6000.0, "{on_prefill}");
     assert!(on_decode < 16.0, "only the last partial block: {on_decode}");
-    let m = metrics_of(&base).await;
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_decisions_total{pool=\"pd\",decision=\"disaggregated\",reason=\"uncached\"}"
-        ),
+    let m = metrics_text(&base).await;
+    assert_series(
+        &m,
+        "agentgate_pd_decisions_total{pool=\"pd\",decision=\"disaggregated\",reason=\"uncached\"}",
         1.0,
-        "{m}"
     );
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_leg_duration_seconds_count{pool=\"pd\",leg=\"prefill\"}"
-        ),
-        1.0
+    assert_series(
+        &m,
+        "agentgate_pd_leg_duration_seconds_count{pool=\"pd\",leg=\"prefill\"}",
+        1.0,
     );
     assert!(
         series(
@@ -236,12 +220,10 @@ async fn long_prompt_is_split_and_a_cached_turn_stays_local(flavor: Flavor) {
         ) > 0.0,
         "the prefill leg was timed into the replica's throughput: {m}"
     );
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_leg_duration_seconds_count{pool=\"pd\",leg=\"decode\"}"
-        ),
-        1.0
+    assert_series(
+        &m,
+        "agentgate_pd_leg_duration_seconds_count{pool=\"pd\",leg=\"decode\"}",
+        1.0,
     );
 
     // The next turn appends a few words to what the decode replica now holds: local.
@@ -273,14 +255,11 @@ async fn long_prompt_is_split_and_a_cached_turn_stays_local(flavor: Flavor) {
     )
     .await;
     assert_eq!(computed(&prefill).await, on_prefill);
-    let m = metrics_of(&base).await;
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_decisions_total{pool=\"pd\",decision=\"local\",reason=\"cached\"}"
-        ),
+    let m = metrics_text(&base).await;
+    assert_series(
+        &m,
+        "agentgate_pd_decisions_total{pool=\"pd\",decision=\"local\",reason=\"cached\"}",
         2.0,
-        "{m}"
     );
     assert_eq!(
         conversation_roles(&base, second["id"].as_str().unwrap()).await,
@@ -328,28 +307,18 @@ async fn two_turns_survive(base: &str, decode: &SimHandle) -> String {
         ["user", "assistant", "user"],
         "one stored response per turn, nothing lost or repeated"
     );
-    metrics_of(base).await
+    metrics_text(base).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_prefill_replica_gone_falls_back_to_a_local_prefill() {
-    let prefill = sim(Flavor::Vllm, Role::Prefill, 0.0).await;
-    let decode = sim(Flavor::Vllm, Role::Decode, 0.0).await;
-    let gw = start_gateway(&pd_config(
-        Flavor::Vllm,
-        &[entry(&prefill, "prefill"), entry(&decode, "decode")],
-        "",
-    ))
-    .await;
+    let (prefill, decode, gw) = prefill_decode_pair(Flavor::Vllm).await;
     prefill.shutdown().await;
     let m = two_turns_survive(&gw.base_url(), &decode).await;
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"prefill_failed\"}"
-        ),
+    assert_series(
+        &m,
+        "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"prefill_failed\"}",
         2.0,
-        "{m}"
     );
     assert_eq!(metric_sum(&m, "agentgate_pd_transfer_failures_total"), 0.0);
     assert!(
@@ -365,25 +334,15 @@ async fn vllm_prefill_replica_gone_falls_back_to_a_local_prefill() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_failing_prefill_replica_falls_back_to_a_local_prefill() {
-    let prefill = sim(Flavor::Sglang, Role::Prefill, 0.0).await;
-    let decode = sim(Flavor::Sglang, Role::Decode, 0.0).await;
-    let gw = start_gateway(&pd_config(
-        Flavor::Sglang,
-        &[entry(&prefill, "prefill"), entry(&decode, "decode")],
-        "",
-    ))
-    .await;
+    let (prefill, decode, gw) = prefill_decode_pair(Flavor::Sglang).await;
     // The prefill engine refuses every leg; the decode engine, waiting in the bootstrap room,
     // is abandoned rather than left to time out.
-    set_fault(&prefill, json!({"status": 503})).await;
+    set_sim_fault(&prefill, json!({"status": 503})).await;
     let m = two_turns_survive(&gw.base_url(), &decode).await;
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"prefill_failed\"}"
-        ),
+    assert_series(
+        &m,
+        "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"prefill_failed\"}",
         2.0,
-        "{m}"
     );
     assert_eq!(computed(&prefill).await, 0.0);
     gw.shutdown().await;
@@ -459,6 +418,21 @@ async fn lost_transfer_prefill_engine(dead_port: u16) -> String {
     format!("http://{addr}")
 }
 
+/// Both turns of [`two_turns_survive`] lost their KV transfer from `pd/0` to `pd/1` and were
+/// retried once without disaggregation.
+fn assert_transfer_retried(m: &str) {
+    assert_series(
+        m,
+        "agentgate_pd_transfer_failures_total{pool=\"pd\",prefill=\"pd/0\",decode=\"pd/1\"}",
+        2.0,
+    );
+    assert_series(
+        m,
+        "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"transfer_failed\"}",
+        2.0,
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_lost_kv_transfer_is_retried_once_without_disaggregation() {
     let prefill = lost_transfer_prefill_engine(dead_port().await).await;
@@ -473,21 +447,7 @@ async fn vllm_lost_kv_transfer_is_retried_once_without_disaggregation() {
     ))
     .await;
     let m = two_turns_survive(&gw.base_url(), &decode).await;
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_transfer_failures_total{pool=\"pd\",prefill=\"pd/0\",decode=\"pd/1\"}"
-        ),
-        2.0,
-        "{m}"
-    );
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"transfer_failed\"}"
-        ),
-        2.0
-    );
+    assert_transfer_retried(&m);
     gw.shutdown().await;
     decode.shutdown().await;
 }
@@ -509,21 +469,7 @@ async fn sglang_lost_kv_transfer_is_retried_once_without_disaggregation() {
     ))
     .await;
     let m = two_turns_survive(&gw.base_url(), &decode).await;
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_transfer_failures_total{pool=\"pd\",prefill=\"pd/0\",decode=\"pd/1\"}"
-        ),
-        2.0,
-        "{m}"
-    );
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"transfer_failed\"}"
-        ),
-        2.0
-    );
+    assert_transfer_retried(&m);
     assert!(
         computed(&prefill).await >= 4000.0,
         "the prefill leg itself ran"
@@ -597,7 +543,7 @@ async fn sub_agents_share_their_parents_prefill(flavor: Flavor, named: ParentNam
         before += computed(s).await;
     }
     assert!(before >= PARENT_WORDS as f64, "{before}");
-    let decoded_before = served_by(&metrics_of(&base).await, &["pd/2", "pd/3"]);
+    let decoded_before = served_by(&metrics_text(&base).await, &["pd/2", "pd/3"]);
 
     // Ten sub-agents at once, each with the parent's context and a task of its own.
     let calls = (0..CHILDREN).map(|i| {
@@ -634,7 +580,7 @@ async fn sub_agents_share_their_parents_prefill(flavor: Flavor, named: ParentNam
         "the shared prefix was computed about once, not {CHILDREN} times: the sub-agents \
          prefilled {children} tokens on top of the parent's {before}"
     );
-    let m = metrics_of(&base).await;
+    let m = metrics_text(&base).await;
     let decoded = served_by(&m, &["pd/2", "pd/3"]);
     let per_endpoint: Vec<f64> = decoded.iter().map(|(e, n)| n - decoded_before[e]).collect();
     assert_eq!(per_endpoint.iter().sum::<f64>(), CHILDREN as f64, "{m}");
@@ -646,13 +592,10 @@ async fn sub_agents_share_their_parents_prefill(flavor: Flavor, named: ParentNam
         ParentNamed::ByHeader => "header",
         ParentNamed::ByPrefixOnly => "prefix",
     };
-    assert_eq!(
-        series(
-            &m,
-            &format!("agentgate_pd_sub_agent_calls_total{{pool=\"pd\",source=\"{source}\"}}")
-        ),
+    assert_series(
+        &m,
+        &format!("agentgate_pd_sub_agent_calls_total{{pool=\"pd\",source=\"{source}\"}}"),
         CHILDREN as f64,
-        "{m}"
     );
     assert_eq!(
         metric_sum(&m, "agentgate_pd_sub_agent_calls_total"),
@@ -679,7 +622,7 @@ async fn sub_agents_share_their_parents_prefill(flavor: Flavor, named: ParentNam
             &[],
         )
         .await;
-        let m = metrics_of(&base).await;
+        let m = metrics_text(&base).await;
         assert_eq!(
             metric_sum(&m, "agentgate_pd_sub_agent_calls_total"),
             CHILDREN as f64,
@@ -781,14 +724,11 @@ async fn a_sub_agent_follows_its_parents_prefill_pin_when_the_prefix_index_has_f
     forget();
     child("stranger", None).await;
     assert!(computed(&prefills[other]).await >= PARENT_WORDS as f64);
-    let m = metrics_of(&base).await;
-    assert_eq!(
-        series(
-            &m,
-            "agentgate_pd_decisions_total{pool=\"pd\",decision=\"disaggregated\",reason=\"sub_agent\"}"
-        ),
+    let m = metrics_text(&base).await;
+    assert_series(
+        &m,
+        "agentgate_pd_decisions_total{pool=\"pd\",decision=\"disaggregated\",reason=\"sub_agent\"}",
         1.0,
-        "{m}"
     );
     gw.shutdown().await;
     for s in prefills.into_iter().chain([decode]) {
