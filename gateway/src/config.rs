@@ -680,7 +680,7 @@ pub struct FlowToml {
     /// as if it had arrived this much earlier, so no new session waits more than this behind
     /// arrival order; 0 turns turn-first ordering off.
     pub aging_s: f64,
-    /// Grow the head start to the band's typical queue wait when that is longer than
+    /// Grow the head start to twice the band's typical queue wait when that is longer than
     /// `aging_s` (a moving average over about the last 16 dispatches).
     pub aging_follows_wait: bool,
     /// Responses `service_tier` values mapped to bands, e.g. `{ flex = "batch" }`. Unmapped

@@ -160,7 +160,7 @@ pub struct FlowConfig {
     /// had arrived this much earlier, so a new session never waits more than this behind
     /// arrival order. `Duration::ZERO` turns turn-first ordering off.
     pub aging: Duration,
-    /// Grow the head start with the band's queue: `max(aging, typical wait)`, the typical wait
+    /// Grow the head start with the band's queue: `max(aging, 2 x typical wait)`, the typical wait
     /// being a moving average of the band's recent queue waits (see the module doc). With a
     /// fixed head start, continuing turns lose their lead once waits grow well past it.
     pub aging_follows_wait: bool,

@@ -69,13 +69,23 @@
 //!   (a rule on time waited alone would stop favouring continuing turns as soon as queue waits
 //!   exceed `aging`). `aging = 0` gives plain arrival order.
 //!
-//!   With [`FlowConfig::aging_follows_wait`] the head start is `H = max(aging, W)`, `W` the
-//!   band's typical queue wait (a moving average of dispatched requests' waits, weight 1/16).
-//!   A fixed head start stops mattering once waits are many times longer than it; with `H`
-//!   near the wait, a new session waits about `W_c + H` where continuing turns wait `W_c`,
-//!   and with a share `p` of continuing turns `W ≈ p·W_c + (1-p)·W_n` gives
-//!   `W_c / W_n ≈ p / (1 + p)`, at most 1/2. Nothing starves: `H` is an average of waits that
-//!   were served, and a new session still waits at most `H` behind arrival order.
+//!   With [`FlowConfig::aging_follows_wait`] the head start is `H = max(aging, k·W)`, `W` the
+//!   band's typical queue wait (a moving average of dispatched requests' waits, weight 1/16)
+//!   and `k` = 2 (`HEAD_START_WAITS`). A fixed head start stops mattering once waits
+//!   are many times longer than it. With `H` tied to the wait, a new session waits about
+//!   `W_n = W_c + k·W` where continuing turns wait `W_c`. The queue is work-conserving, so the
+//!   order moves waits between the two kinds but not their mean: with a share `p` of continuing
+//!   turns, `W = p·W_c + (1-p)·W_n`, hence
+//!
+//!   ```text
+//!   W_c = W · (1 - k·(1-p))        W_c / W_n = (1 - k(1-p)) / (1 + k·p)     (k(1-p) < 1)
+//!   ```
+//!
+//!   and `W_c` near 0 (continuing turns simply go first) when `k(1-p) >= 1`. With `k = 1` the
+//!   ratio is `p / (1 + p)`, which reaches the 1/2 a "half as long" goal allows as `p -> 1`
+//!   (agent traffic is nearly all continuing turns); `k = 2` gives `(2p - 1) / (2p + 1)`, at
+//!   most 1/3. Nothing starves: `W` is bounded by the load (the order does not change it), and
+//!   a new session waits at most `H = k·W` behind arrival order.
 //!   The team's fair-queuing tag does not depend on which of its requests goes, so this order
 //!   never changes the team's share.
 //!

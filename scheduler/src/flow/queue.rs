@@ -100,6 +100,11 @@ pub(super) struct BandQueue {
 /// Weight of the newest wait in [`BandQueue::typical_wait_s`]: about the last 16 dispatches.
 pub(super) const WAIT_AVERAGE_WEIGHT: f64 = 1.0 / 16.0;
 
+/// Typical waits in the head start of continuing turns when it follows the wait (derivation
+/// in the module doc of [`crate::flow`]): continuing turns then wait at most about a third as
+/// long as new sessions.
+pub const HEAD_START_WAITS: f64 = 2.0;
+
 impl BandQueue {
     pub fn new(spec: BandSpec) -> Self {
         BandQueue {
@@ -120,12 +125,14 @@ impl BandQueue {
     }
 
     /// The head start of continuing turns in this band: `aging`, or with `follows_wait` the
-    /// larger of it and the typical wait; none when `aging` is zero (turn-first off).
+    /// larger of it and [`HEAD_START_WAITS`] typical waits; none when `aging` is zero
+    /// (turn-first off).
     pub fn head_start(&self, aging: Duration, follows_wait: bool) -> Duration {
         if aging.is_zero() || !follows_wait {
             return aging;
         }
-        let typical = Duration::try_from_secs_f64(self.typical_wait_s).unwrap_or(Duration::ZERO);
+        let typical = Duration::try_from_secs_f64(HEAD_START_WAITS * self.typical_wait_s)
+            .unwrap_or(Duration::ZERO);
         aging.max(typical)
     }
 

@@ -833,8 +833,9 @@ fn reserves_outside_zero_to_one_are_refused() {
 
 #[tokio::test(start_paused = true)]
 async fn the_head_start_grows_with_the_bands_typical_wait() {
-    // aging 1 s, but the batch band's requests have been waiting ~20 s: a continuing turn 5 s
-    // younger than a new session still goes first when the head start follows the wait
+    // aging 1 s, but the batch band's requests have been waiting 20 s (typical wait 12.9 s
+    // after sixteen of them, head start twice that): a continuing turn 20 s younger than a new
+    // session still goes first when the head start follows the wait
     let order = |follows: bool| async move {
         let mut config = config();
         config.aging = SEC;
@@ -854,7 +855,7 @@ async fn the_head_start_grows_with_the_bands_typical_wait() {
         flow.notify();
         spawn_admit(&flow, Ticket::new("bulk", 1).session("fresh"), "new", &tx);
         wait_queued(&flow, 1).await;
-        tokio::time::advance(5 * SEC).await;
+        tokio::time::advance(20 * SEC).await;
         let turn = Ticket::new("bulk", 1).session("warm").continuing(true);
         spawn_admit(&flow, turn, "continuing", &tx);
         wait_queued(&flow, 2).await;
