@@ -180,6 +180,36 @@ async fn tiny_agentic_run_writes_a_complete_consistent_summary() {
             "{chart} legend"
         );
     }
+    // requests.jsonl adds up to the summary, row by row.
+    let lines = std::fs::read_to_string(out.join("requests.jsonl")).expect("requests.jsonl");
+    let records: Vec<Value> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    for policy in policies {
+        let row = policy["row"].as_str().expect("row label");
+        let mine: Vec<&Value> = records.iter().filter(|r| r["row"] == row).collect();
+        assert_eq!(
+            mine.len() as u64,
+            u(policy, "requests"),
+            "{row}: one line a request"
+        );
+        let served: Vec<&&Value> = mine.iter().filter(|r| r["outcome"] == "success").collect();
+        assert_eq!(served.len() as u64, u(policy, "successes"));
+        let sum = |key: &str| served.iter().map(|r| u(r, key)).sum::<u64>();
+        assert_eq!(sum("input_tokens"), u(policy, "prompt_tokens"));
+        assert_eq!(sum("cached_tokens"), u(policy, "cached_tokens"));
+        let oracle_hits = sum("oracle_cached_tokens") as f64;
+        let oracle_ratio = oracle_hits / u(policy, "prompt_tokens") as f64;
+        assert!(
+            (oracle_ratio - f(policy, "available_reuse_ratio")).abs() < 1e-9,
+            "{row}: per-request oracle hits add up to the available reuse"
+        );
+        assert!(served.iter().all(|r| r["endpoint"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("bench/"))
+            && r["route_reason"].is_string()));
+    }
     let _ = std::fs::remove_dir_all(&out);
 }
 
