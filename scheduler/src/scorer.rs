@@ -20,7 +20,7 @@
 //!   room(e)         1 - fraction(e) / 2                         if e's modelled cache has room
 //!                   idle(e) / (2 * max_{full C} idle)           if it is full
 //!
-//! in_flight_tokens  1 - w(e) / (max_C w + 1)
+//! in_flight_tokens  1 - w(e) / (max_C w + S)      S = 8192 tokens (IN_FLIGHT_TOKENS_SCALE)
 //!   w(e)            p(e) * r_max / r(e)     when every candidate has a measured rate r
 //!                   p(e)                    otherwise
 //!   p(e)            pending prefill tokens on e
@@ -49,9 +49,14 @@
 //!   roughly in global LRU order, as one cache of its total size would, instead of one replica
 //!   thrashing while another holds stale prefixes.
 //! - **in_flight_tokens**: the prefill work queued ahead of a new request on each endpoint, as
-//!   the time it takes there. `p(e) / r(e)` is the seconds `e` needs to clear its queue;
+//!   the time it takes there. `S`, about one engine step of prefill, keeps the score from
+//!   magnifying small differences: with `+ 1`, an endpoint with a few hundred pending tokens
+//!   scored near 0 beside an idle one, a full point of weight for a few milliseconds of work,
+//!   enough to outvote a third of the prompt cached (prefix weight 3) on a lightly loaded
+//!   fleet. With `S`, two endpoints differ by a whole point only when one has many steps of
+//!   work queued and the other none. `p(e) / r(e)` is the seconds `e` needs to clear its queue;
 //!   multiplying by `r_max` states it in tokens of the fastest candidate's time, so the scale
-//!   (and the `+ 1` smoothing) is the token form's, and on a pool of equal rates the score is
+//!   (and the `+ S` smoothing) is the token form's, and on a pool of equal rates the score is
 //!   exactly the token form. On a pool of mixed hardware a token queued on a slow endpoint
 //!   then weighs more than one queued on a fast endpoint, by the throughput the gateway
 //!   measured rather than by what the hardware labels suggest. Until every candidate has a
@@ -103,13 +108,18 @@ pub trait Scorer: Send + Sync + std::fmt::Debug {
     fn score(&self, ctx: &ScoreContext<'_>, candidates: &[usize], out: &mut [f64]);
 }
 
-/// `1 - x / (max + 1)` for each candidate's `x >= 0`.
-fn relative_load(out: &mut [f64], load: impl Fn(usize) -> f64, candidates: &[usize]) {
+/// `1 - x / (max + scale)` for each candidate's `x >= 0`.
+fn relative_load(out: &mut [f64], load: impl Fn(usize) -> f64, candidates: &[usize], scale: f64) {
     let max = candidates.iter().map(|&i| load(i)).fold(0.0, f64::max);
     for (o, &i) in out.iter_mut().zip(candidates) {
-        *o = 1.0 - load(i) / (max + 1.0);
+        *o = 1.0 - load(i) / (max + scale);
     }
 }
+
+/// Smoothing of the `in_flight_tokens` score, in prefill tokens: about one engine step's
+/// budget (vLLM's default `max_num_batched_tokens` on large GPUs), so differences smaller than
+/// a step of work barely move the score.
+pub const IN_FLIGHT_TOKENS_SCALE: f64 = 8192.0;
 
 /// `session_pin`: 1 for the pinned endpoint while the pin holds.
 #[derive(Debug, Default, Clone, Copy)]
@@ -213,7 +223,7 @@ impl Scorer for QueueScorer {
     fn score(&self, ctx: &ScoreContext<'_>, candidates: &[usize], out: &mut [f64]) {
         let view = ctx.view;
         let load = |i: usize| view.engine_waiting(i) + view.in_flight_requests(i) as f64;
-        relative_load(out, load, candidates);
+        relative_load(out, load, candidates, 1.0);
     }
 }
 
@@ -298,10 +308,10 @@ impl Scorer for InFlightTokensScorer {
                     .collect();
                 let max = weighted.iter().copied().fold(0.0, f64::max);
                 for (o, w) in out.iter_mut().zip(&weighted) {
-                    *o = 1.0 - w / (max + 1.0);
+                    *o = 1.0 - w / (max + IN_FLIGHT_TOKENS_SCALE);
                 }
             }
-            _ => relative_load(out, pending, candidates),
+            _ => relative_load(out, pending, candidates, IN_FLIGHT_TOKENS_SCALE),
         }
     }
 }
@@ -437,11 +447,17 @@ mod tests {
         let e = eps(3);
         let mut first_token = e[0].begin(5000, 999);
         let _b = e[1].begin(5000, 4999);
+        // w = 999, 4999, 0: scaled by the busiest plus one step of work (8192 tokens).
+        let scale = 4999.0 + IN_FLIGHT_TOKENS_SCALE;
         let s = run(&InFlightTokensScorer, &e, None, &[], None);
-        assert_eq!(s, [1.0 - 999.0 / 5000.0, 1.0 - 4999.0 / 5000.0, 1.0]);
+        assert_eq!(s, [1.0 - 999.0 / scale, 1.0 - 4999.0 / scale, 1.0]);
+        assert!(
+            s[0] > 0.9,
+            "a thousand tokens queued is a fraction of a step: barely below idle"
+        );
         first_token.prefill_done();
         let s = run(&InFlightTokensScorer, &e, None, &[], None);
-        assert_eq!(s, [1.0, 1.0 - 4999.0 / 5000.0, 1.0]);
+        assert_eq!(s, [1.0, 1.0 - 4999.0 / scale, 1.0]);
     }
 
     #[test]
@@ -459,7 +475,8 @@ mod tests {
         e[0].observe_prefill(10_000, Duration::from_secs(1));
         // w = 8000 * 40k / 10k = 32000 and 8000 * 40k / 40k = 8000.
         let s = run(&InFlightTokensScorer, &e, None, &[], None);
-        let want = [1.0 - 32_000.0 / 32_001.0, 1.0 - 8_000.0 / 32_001.0];
+        let scale = 32_000.0 + IN_FLIGHT_TOKENS_SCALE;
+        let want = [1.0 - 32_000.0 / scale, 1.0 - 8_000.0 / scale];
         for (got, want) in s.iter().zip(want) {
             assert!((got - want).abs() < 1e-12, "{s:?}");
         }
