@@ -689,7 +689,7 @@ pub async fn run(
         while let Ok(command) = commands.try_recv() {
             pending.push(command);
         }
-        let outcome = {
+        let (outcome, deadline) = {
             let Ok(mut core) = core.lock() else { break };
             for command in pending.drain(..) {
                 core.apply(command);
@@ -698,7 +698,6 @@ pub async fn run(
             idle = !core.has_work() || !outcome.progressed;
             (outcome, core.wall_deadline())
         };
-        let (outcome, deadline) = outcome;
         if time_scale > 0.0 && outcome.duration > 0.0 {
             // Sleep until the wall instant of the step's simulated end, not for its length: a
             // timer that fires late (they round up to the millisecond) or a busy CPU then

@@ -499,14 +499,10 @@ impl Exchange {
     }
 }
 
-/// Response header naming the endpoint that served a request.
-pub const ENDPOINT_HEADER: &str = "x-agentgate-endpoint";
-/// Response header saying why the gateway chose the endpoint.
-pub const ROUTE_REASON_HEADER: &str = "x-agentgate-route-reason";
-/// Response header naming the flow-control band an admitted request ran in.
-pub const BAND_HEADER: &str = "x-agentgate-band";
-/// Response header: wall milliseconds an admitted request waited in the flow-control queue.
-pub const QUEUE_WAIT_HEADER: &str = "x-agentgate-queue-wait-ms";
+// The gateway's response headers: the endpoint that served a request and why it was chosen,
+// and the flow-control band it ran in with its queue wait (wall milliseconds).
+pub use agentgate::flow::{BAND_HEADER, QUEUE_WAIT_HEADER};
+pub use agentgate::responses::{ENDPOINT_HEADER, ROUTE_REASON_HEADER};
 
 /// What the response headers said about routing and admission.
 #[derive(Debug, Default)]
