@@ -127,6 +127,7 @@ fn routing(c: &mut Criterion) {
             waiting: 1.0,
             running: 8.0,
             kv_usage: Some(0.6),
+            gateway_in_flight: 0,
         });
     }
     let prefix = filled(Policy::Prefix, &prompt, &mut rng);

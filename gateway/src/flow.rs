@@ -711,6 +711,7 @@ mod tests {
             waiting: 1000.0,
             running: 2.0,
             kv_usage: None,
+            gateway_in_flight: 0,
         });
         assert_eq!(cap.capacity(now), Some(3 + 2));
         let load = |in_flight, queued| FlowLoad {
@@ -754,6 +755,7 @@ mod tests {
             waiting: 0.0,
             running: 0.0,
             kv_usage: Some(0.1),
+            gateway_in_flight: 0,
         });
         // One fresh, one never scraped: the stale one takes nothing more.
         assert_eq!(cap.capacity(now), Some(4));

@@ -864,6 +864,7 @@ mod tests {
             waiting: 3.0,
             running: 5.0,
             kv_usage: Some(0.5),
+            gateway_in_flight: 0,
         });
         let m = Metrics::new();
         m.routing_decision("main", "main/0", "load");

@@ -48,6 +48,7 @@ pub async fn scrape(
     timeout: Duration,
     record_load: bool,
 ) -> Result<(), String> {
+    let in_flight_before = endpoint.in_flight_requests();
     let metrics = match tokio::time::timeout(
         timeout,
         engines.scrape_metrics(pool.flavor, &endpoint.base_url),
@@ -64,6 +65,7 @@ pub async fn scrape(
             waiting: metrics.waiting.unwrap_or(0.0),
             running: metrics.running.unwrap_or(0.0),
             kv_usage: metrics.kv_usage,
+            gateway_in_flight: in_flight_before.max(endpoint.in_flight_requests()),
         });
     }
     if let (Some(index), Some(tokens)) = (pool.picker.prefix_index(), metrics.kv_capacity_tokens())

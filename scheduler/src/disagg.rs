@@ -322,6 +322,7 @@ mod tests {
             waiting,
             running: 1.0,
             kv_usage: Some(0.2),
+            gateway_in_flight: 0,
         }
     }
 

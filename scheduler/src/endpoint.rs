@@ -79,6 +79,21 @@ pub struct LoadReport {
     /// Fraction of KV cache in use, 0..=1 (`vllm:kv_cache_usage_perc`, `sglang:token_usage`),
     /// when the engine reports it.
     pub kv_usage: Option<f64>,
+    /// Requests this gateway had in flight on the endpoint while the scrape ran (the larger of
+    /// the counts before and after it): the engine's `running + waiting` beyond this are other
+    /// gateways' requests ([`LoadReport::others_in_flight`]).
+    pub gateway_in_flight: u64,
+}
+
+impl LoadReport {
+    /// Requests other gateways had on the engine at the scrape, estimated as the engine's
+    /// `running + waiting` less this gateway's own count then (0 when the engine counts no more
+    /// than this gateway sent: requests in transit or still streaming their last bytes are
+    /// counted here but not there, so the estimate errs low, toward a lone gateway's view).
+    pub fn others_in_flight(&self) -> u64 {
+        let engine = (self.running.max(0.0) + self.waiting.max(0.0)).round() as u64;
+        engine.saturating_sub(self.gateway_in_flight)
+    }
 }
 
 /// When an endpoint counts as saturated (see [`Endpoint::saturated`]).
@@ -343,6 +358,7 @@ mod tests {
             waiting,
             running: 4.0,
             kv_usage: Some(kv),
+            gateway_in_flight: 0,
         };
         ep.set_load_report(fresh(0.0, 0.99));
         assert!(!ep.saturated(&scraped, now), "full KV but nobody waiting");

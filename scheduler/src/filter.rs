@@ -49,6 +49,16 @@ impl PoolView<'_> {
             .map_or(0, |e| e.in_flight_requests())
     }
 
+    /// Requests in flight on the endpoint at `position` from every gateway, as far as this one
+    /// can tell: its own count now plus the other gateways' at the last scrape
+    /// ([`LoadReport::others_in_flight`]). With one gateway this is its own count.
+    pub fn fleet_in_flight(&self, position: usize) -> u64 {
+        let others = self
+            .report(position)
+            .map_or(0, LoadReport::others_in_flight);
+        self.in_flight_requests(position).saturating_add(others)
+    }
+
     /// Pending prefill tokens on the endpoint at `position` (0 if out of range).
     pub fn pending_prefill_tokens(&self, position: usize) -> u64 {
         self.endpoints
@@ -217,6 +227,7 @@ mod tests {
             waiting,
             running: 1.0,
             kv_usage: Some(0.5),
+            gateway_in_flight: 0,
         };
         let filter = PreferUnsaturated {
             limits: Saturation {

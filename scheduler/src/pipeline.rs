@@ -463,6 +463,7 @@ mod tests {
             waiting,
             running: 1.0,
             kv_usage: Some(0.3),
+            gateway_in_flight: 0,
         }
     }
 

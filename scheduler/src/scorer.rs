@@ -10,7 +10,9 @@
 //!
 //! prefix            m(e) * gate(e)
 //!   m(e)            prefix-match fraction of the prompt held by e (crate::prefix_index)
-//!   gate(e)         1 if in_flight(e) <= herd_factor * mean_C(in_flight) + herd_slack, else 0
+//!   gate(e)         1 if f(e) <= herd_factor * mean_C(f) + herd_slack, else 0
+//!   f(e)            in_flight(e) + others(e)
+//!   others(e)       max(0, engine_running(e) + engine_waiting(e) - in_flight_at_scrape(e))
 //!
 //! queue             1 - q(e) / (max_C q + 1)
 //!   q(e)            engine_waiting(e) + in_flight(e)
@@ -38,8 +40,12 @@
 //!   fan-out, a team's system prompt) then spills to the endpoints the load scorers prefer,
 //!   which learn the prefix in turn, instead of queueing on the one that held it. The gate uses
 //!   the gateway's own in-flight counts, which move with every request, rather than scraped
-//!   metrics, which lag a burst. `herd_slack` keeps small fleets from spreading at the first
-//!   queued request.
+//!   metrics, which lag a burst; to them it adds `others(e)`, the requests other gateways had
+//!   on the engine at its last scrape (the engine's count beyond this gateway's own then, see
+//!   [`LoadReport::others_in_flight`](crate::LoadReport::others_in_flight)). With one gateway
+//!   `others` is 0; with several, each would otherwise see only its share of a team's sessions
+//!   and let the shared prefix pile up on one replica. `herd_slack` keeps small fleets from
+//!   spreading at the first queued request.
 //! - **queue**: the engine's queue (which also counts other gateways' requests) plus this
 //!   gateway's in-flight requests (which the next scrape has not seen yet).
 //! - **kv_usage**: `engine` steers away from replicas whose KV cache is filling with running
@@ -168,7 +174,7 @@ impl PrefixScorer {
     pub fn crowded_above(&self, ctx: &ScoreContext<'_>, candidates: &[usize]) -> f64 {
         let total: u64 = candidates
             .iter()
-            .map(|&i| ctx.view.in_flight_requests(i))
+            .map(|&i| ctx.view.fleet_in_flight(i))
             .sum();
         let mean = total as f64 / candidates.len().max(1) as f64;
         self.herd_factor * mean + self.herd_slack
@@ -200,7 +206,7 @@ impl Scorer for PrefixScorer {
         }
         let limit = self.crowded_above(ctx, candidates);
         for ((o, &i), &m) in out.iter_mut().zip(candidates).zip(ctx.matches) {
-            let in_flight = ctx.view.in_flight_requests(i) as f64;
+            let in_flight = ctx.view.fleet_in_flight(i) as f64;
             *o = if in_flight <= limit { m } else { 0.0 };
         }
     }
@@ -366,6 +372,7 @@ mod tests {
             waiting,
             running: 0.0,
             kv_usage,
+            gateway_in_flight: 0,
         }
     }
 
@@ -429,6 +436,31 @@ mod tests {
         );
         // No prompt, or no match anywhere: all 0.
         assert_eq!(run(&scorer, &e, None, &[0.0; 3], None), [0.0; 3]);
+    }
+
+    #[test]
+    fn the_herding_gate_counts_other_gateways_requests_from_the_last_scrape() {
+        let e = eps(3);
+        let scorer = PrefixScorer::default();
+        let matches = [1.0, 0.0, 0.0];
+        // This gateway has 2 on endpoint 0 and nothing elsewhere: limit 1.5 * 2/3 + 2 = 3.
+        let _own: Vec<_> = (0..2).map(|_| e[0].begin(1, 1)).collect();
+        assert_eq!(run(&scorer, &e, None, &matches, None), matches);
+        // The engine reported 6 running and 2 waiting while this gateway had 2 there: 6 are
+        // another gateway's. Fleet in flight 8, 0, 0: limit 1.5 * 8/3 + 2 = 6, so it is crowded.
+        e[0].set_load_report(LoadReport {
+            running: 6.0,
+            gateway_in_flight: 2,
+            ..report(2.0, None)
+        });
+        assert_eq!(run(&scorer, &e, None, &matches, None), [0.0; 3]);
+        // An engine that counts fewer than this gateway sent adds nothing (requests in transit).
+        e[0].set_load_report(LoadReport {
+            running: 1.0,
+            gateway_in_flight: 2,
+            ..report(0.0, None)
+        });
+        assert_eq!(run(&scorer, &e, None, &matches, None), matches);
     }
 
     #[test]

@@ -58,6 +58,7 @@ fn saturate(gw: &Gateway, saturated: bool) {
             waiting: if saturated { 1000.0 } else { 0.0 },
             running: 0.0,
             kv_usage: None,
+            gateway_in_flight: 0,
         });
     }
     gw.state().flow.notify();
