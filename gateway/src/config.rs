@@ -683,6 +683,11 @@ pub struct FlowToml {
     /// Grow the head start to twice the band's typical queue wait when that is longer than
     /// `aging_s` (a moving average over about the last 16 dispatches).
     pub aging_follows_wait: bool,
+    /// Longest a queued request waits, once passed over, for a free slot on the endpoint its
+    /// session is pinned to while requests for other endpoints go ahead, seconds; then it is
+    /// dispatched to an endpoint with room for its band, if there is one. Applies in bands
+    /// without a `reserve`; 0 dispatches in queue order whatever the endpoint.
+    pub pin_wait_s: f64,
     /// Responses `service_tier` values mapped to bands, e.g. `{ flex = "batch" }`. Unmapped
     /// values (`auto`, `default`, ...) run in the team's default band.
     pub service_tier: BTreeMap<String, String>,
@@ -706,6 +711,7 @@ impl Default for FlowToml {
             turn_window_s: 60.0,
             aging_s: 10.0,
             aging_follows_wait: true,
+            pin_wait_s: 10.0,
             service_tier: BTreeMap::new(),
             shed_start: None,
             shed_full: None,
@@ -1095,6 +1101,7 @@ impl Config {
             turn_window: seconds(f.turn_window_s),
             aging: seconds(f.aging_s),
             aging_follows_wait: f.aging_follows_wait,
+            pin_wait: seconds(f.pin_wait_s),
             shed_curve,
             retry_after: seconds(f.retry_after_s),
         }
@@ -1107,6 +1114,7 @@ impl Config {
         for (key, value) in [
             ("flow.turn_window_s", f.turn_window_s),
             ("flow.aging_s", f.aging_s),
+            ("flow.pin_wait_s", f.pin_wait_s),
             ("flow.retry_after_s", f.retry_after_s),
         ] {
             if !seconds_ok(value) {

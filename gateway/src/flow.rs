@@ -73,6 +73,17 @@
 //! waiting in an engine whose batch is full. With `engine_priority` on a pool, requests also
 //! carry their band's priority to the engines, whose own queues then order by band.
 //!
+//! **Turns wait for their endpoint.** A continuing turn whose session is pinned carries the
+//! pinned endpoint as its ticket's affinity (read from the store at admission). In a band
+//! without a reserve it is dispatched only while that endpoint has room for it,
+//! `in_flight(e) + promised + ceil(r * max_in_flight_per_endpoint) < max_in_flight_per_endpoint`
+//! (`r` the largest reserve above the band, `promised` what the same dispatch round already
+//! sent there), or, once it has been passed over for `[flow] pin_wait_s`, when no request of
+//! its band has room on its own endpoint; meanwhile requests for other endpoints go ahead. A turn dispatched after that wait asks routing for an
+//! endpoint below the same line (`PickRequest::free_slot_below`), so its pin breaks as for a
+//! saturated endpoint when another has room. An endpoint that is unavailable or unknown always
+//! has room (routing re-pins the session), and so does every endpoint when the cap is 0.
+//!
 //! For probabilistic shedding (`[flow] shed_start`/`shed_full`) the pool's saturation is
 //! `(in_flight + queued) / (2 * capacity)`, clamped to 0..=1: 0.5 when the pool is exactly
 //! full with nothing waiting, 1 when a whole pool's worth of requests waits.
@@ -189,6 +200,25 @@ impl CapacitySignal for PoolCapacity {
 
     fn capacity(&self) -> Option<u64> {
         PoolCapacity::capacity(self, Instant::now())
+    }
+
+    fn has_room(&self, endpoint: &str, held_share: f64, promised: u64) -> bool {
+        let per = self.per_endpoint.load(Ordering::Relaxed);
+        if per == 0 {
+            return true;
+        }
+        let endpoints = self.pool.endpoints();
+        let Some(e) = endpoints.iter().find(|e| e.name == endpoint) else {
+            return true;
+        };
+        if !e.is_available() {
+            return true;
+        }
+        let held = (held_share.clamp(0.0, 1.0) * per as f64).ceil() as u64;
+        e.in_flight_requests()
+            .saturating_add(promised)
+            .saturating_add(held)
+            < per
     }
 
     fn saturation(&self, load: &FlowLoad) -> f64 {
@@ -405,6 +435,13 @@ impl Pending {
         &self.ticket
     }
 
+    /// Expect the request to go to `endpoint` (its session's pin): it waits up to
+    /// `[flow] pin_wait_s` for a slot there while requests for other endpoints go ahead.
+    pub fn with_affinity(mut self, endpoint: Option<String>) -> Self {
+        self.ticket.affinity = endpoint;
+        self
+    }
+
     /// Wait for a slot (see [`FlowController::admit`]); a refusal comes back as the error to
     /// answer with. Dropping the future leaves the queue.
     pub async fn admit(self) -> Result<Permit, HttpError> {
@@ -560,6 +597,7 @@ impl FlowControl {
             bytes: request.bytes,
             session: request.session,
             continuing: request.continuing,
+            affinity: None,
         };
         Ok(Some(Pending {
             controller: controller.clone(),

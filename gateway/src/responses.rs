@@ -303,6 +303,15 @@ pub async fn create(
         continuing,
         background: req.background,
     })?;
+    // A pinned session's turn waits in the queue for a slot on its endpoint, where its cache
+    // is, rather than queueing in that engine or moving.
+    let admission = match admission {
+        Some(pending) if continuing => {
+            let pin = turn::session_pin(&state, &turn.pool, turn.session.as_deref()).await;
+            Some(pending.with_affinity(pin.map(|p| p.endpoint)))
+        }
+        other => other,
+    };
 
     if req.background {
         state

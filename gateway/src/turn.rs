@@ -150,13 +150,17 @@ pub async fn open_turn(
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let auto = turn.request.get("truncation").and_then(Value::as_str) == Some("auto");
     let mut rounds = 0;
-    // A band with a reserve looks for an endpoint with a free slot under the gateway's cap.
+    // A band with a reserve looks for an endpoint with a free slot under the gateway's cap; a
+    // turn that waited out `pin_wait` for its full endpoint, for one with room for its band.
     let cap = state.flow.max_in_flight_per_endpoint();
-    let free_slot_below = turn
-        .permit
-        .as_ref()
-        .filter(|p| p.band_reserves() && cap > 0)
-        .map(|_| cap);
+    let free_slot_below = turn.permit.as_ref().filter(|_| cap > 0).and_then(|p| {
+        if p.band_reserves() {
+            Some(cap)
+        } else {
+            p.outwaited_pin()
+                .map(|share| cap.saturating_sub((share.clamp(0.0, 1.0) * cap as f64).ceil() as u64))
+        }
+    });
     let engine_priority = turn
         .permit
         .as_ref()
@@ -243,7 +247,11 @@ impl Routed {
 
 /// The session's pin in the store, when the pool's policy pins sessions. A store error is
 /// logged and treated as no pin: routing goes on by prefix and load.
-async fn session_pin(state: &AppState, pool: &Pool, session: Option<&str>) -> Option<SessionPin> {
+pub async fn session_pin(
+    state: &AppState,
+    pool: &Pool,
+    session: Option<&str>,
+) -> Option<SessionPin> {
     let key = session.filter(|_| pool.policy.uses_pins())?;
     match state.store.get_pin(&pool.name, key).await {
         Ok(pin) => pin,

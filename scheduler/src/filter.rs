@@ -15,8 +15,9 @@
 //!    ([`PickRequest::free_slot_below`]), drop endpoints where this gateway already has that
 //!    many requests in flight, unless every candidate has. A request of a band with a reserve
 //!    finds the capacity held for it on an endpoint that can start it at once, instead of in
-//!    the queue of an engine whose batch is full. A pin on a dropped endpoint breaks as for a
-//!    saturated one.
+//!    the queue of an engine whose batch is full; a turn that flow control held for its full
+//!    endpoint until `pin_wait` ran out finds one with room for its band. A pin on a dropped
+//!    endpoint breaks as for a saturated one.
 //!
 //! Every filter sees the same [`PoolView`], taken once per pick, so they agree with each other
 //! and with the scorers about each endpoint's load report.

@@ -808,3 +808,73 @@ async fn band_priorities_reach_the_engines_when_the_pool_forwards_them() {
     assert_eq!(answer.status, 200, "{}", answer.body);
     gw.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_turn_waits_for_its_replica_while_other_sessions_go_ahead() {
+    // 2 replicas x 1 slot; a held turn moves after 3 s
+    let extra = format!(
+        "{STILL}[flow]\nmax_in_flight_per_endpoint = 1\npin_wait_s = 3\n{BANDS}{}",
+        team("bulk", "default_band = \"batch\""),
+    );
+    let fleet = Fleet::of(2).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
+    let session = [("x-session-id", "agent-1")];
+    let first = call(&base, Some("bulk"), hello(), &session).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let home = first
+        .header(agentgate::responses::ENDPOINT_HEADER)
+        .unwrap()
+        .to_string();
+    let id = first.body["id"].as_str().unwrap().to_string();
+    let next = |input: &str| {
+        json!({"model": "sim-model", "input": input, "previous_response_id": id,
+               "max_output_tokens": 16})
+    };
+    let pool = fleet.pool();
+    let in_flight_on = |name: &str| {
+        pool.endpoints()
+            .iter()
+            .find(|e| e.name == name)
+            .map_or(0, |e| e.in_flight_requests())
+    };
+    let home_url = pool
+        .endpoints()
+        .iter()
+        .find(|e| e.name == home)
+        .map(|e| e.base_url.clone())
+        .unwrap();
+    let home_sim = fleet.sims().iter().find(|s| s.base_url() == home_url);
+    stall(home_sim.expect("the replica behind the endpoint")).await;
+    // A sub-agent turn of the session fills its replica's one slot.
+    let busy = spawn_call(&base, Some("bulk"), next("look at a.rs"), &session);
+    eventually("the session's replica is busy", || in_flight_on(&home) == 1).await;
+    // The session's next turn waits in the gateway for its replica, not in that engine...
+    let held = spawn_call(&base, Some("bulk"), next("now b.rs"), &session);
+    eventually("the turn is held", || queued(gw, "batch") == 1).await;
+    // ...while a new session arriving after it is served at once by the other replica.
+    let other = call(&base, Some("bulk"), hello(), &[("x-session-id", "agent-2")]).await;
+    assert_eq!(other.status, 200, "{}", other.body);
+    assert_ne!(
+        other.header(agentgate::responses::ENDPOINT_HEADER),
+        Some(home.as_str())
+    );
+    assert_eq!(queued(gw, "batch"), 1, "the pinned turn still waits");
+    assert_eq!(in_flight_on(&home), 1);
+    // Its replica still full after pin_wait_s, it moves to the free one (and is served there).
+    let held = held.await.unwrap();
+    assert_eq!(held.status, 200, "{}", held.body);
+    assert_ne!(
+        held.header(agentgate::responses::ENDPOINT_HEADER),
+        Some(home.as_str())
+    );
+    assert!(
+        held.header(agentgate::flow::QUEUE_WAIT_HEADER)
+            .and_then(|ms| ms.parse::<u64>().ok())
+            .is_some_and(|ms| ms >= 3000),
+        "it waited pin_wait_s first: {:?}",
+        held.headers
+    );
+    busy.abort();
+    fleet.shutdown_gateways().await;
+}

@@ -11,7 +11,7 @@
 //!
 //! | band | priority | sheddable | reserve | queue TTL (simulated) | teams |
 //! |---|---:|---|---:|---:|---|
-//! | `interactive` | 100 | no | `--interactive-reserve` (default 0.25) when a team runs in it, else 0 | [`INTERACTIVE_TTL_S`] | `interactive` |
+//! | `interactive` | 100 | no | `--interactive-reserve` (default 0.5) when a team runs in it, else 0 | [`INTERACTIVE_TTL_S`] | `interactive` |
 //! | `batch` | 10 | `--batch-sheddable` (default no) | 0 | [`BATCH_TTL_S`] | every other team (`agents`, `light`, `heavy`) |
 //!
 //! With flow control on, the pool also sends each request's band priority to the engines
@@ -82,6 +82,8 @@ pub const BATCH_TTL_S: f64 = 600.0;
 pub const TURN_WINDOW_S: f64 = 60.0;
 /// `[flow] aging_s`, simulated seconds.
 pub const AGING_S: f64 = 10.0;
+/// `[flow] pin_wait_s`, simulated seconds (the gateway's default).
+pub const PIN_WAIT_S: f64 = 10.0;
 /// `routing.scrape_interval_ms` (engines' `/metrics`), simulated seconds.
 pub const SCRAPE_INTERVAL_S: f64 = 1.0;
 /// Wall time between two saturation samples.
@@ -165,12 +167,13 @@ impl FlowSetup {
     pub fn toml(&self) -> String {
         format!(
             "[routing]\nscrape_interval_ms = {}\n\n\
-             [flow]\nenabled = {}\nmax_in_flight_per_endpoint = {}\nturn_window_s = {:?}\naging_s = {:?}\n\n",
+             [flow]\nenabled = {}\nmax_in_flight_per_endpoint = {}\nturn_window_s = {:?}\naging_s = {:?}\npin_wait_s = {:?}\n\n",
             self.wall_ms(SCRAPE_INTERVAL_S),
             self.enabled,
             self.max_in_flight_per_endpoint,
             self.wall_ms(TURN_WINDOW_S) as f64 / 1000.0,
             self.wall_ms(AGING_S) as f64 / 1000.0,
+            self.wall_ms(PIN_WAIT_S) as f64 / 1000.0,
         )
     }
 
@@ -728,6 +731,7 @@ mod tests {
         assert!(text.contains("scrape_interval_ms = 200\n"), "{text}");
         assert!(text.contains("turn_window_s = 12.0\n"), "{text}");
         assert!(text.contains("aging_s = 2.0\n"), "{text}");
+        assert!(text.contains("pin_wait_s = 2.0\n"), "{text}");
         let bands = setup.bands_toml();
         assert!(bands.contains("queue_ttl_ms = 12000\n"), "{bands}");
         assert!(bands.contains("queue_ttl_ms = 120000\n"), "{bands}");

@@ -129,8 +129,9 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub long_prefill_token_threshold: usize,
     /// Workloads with bands: the share of the pool's request slots the batch band leaves free
-    /// for the interactive band (its `reserve`).
-    #[arg(long, default_value_t = 0.25)]
+    /// for the interactive band (its `reserve`). The default is about the interactive team's
+    /// peak concurrency when it runs alone on the `mixed` isolation setup (7 of 16 slots).
+    #[arg(long, default_value_t = 0.5)]
     pub interactive_reserve: f64,
     /// mixed only: the agents team runs FACTOR x request slots sessions (replicas serving
     /// requests x max-num-seqs, on the first --topology layout), half

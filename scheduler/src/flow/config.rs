@@ -164,6 +164,12 @@ pub struct FlowConfig {
     /// being a moving average of the band's recent queue waits (see the module doc). With a
     /// fixed head start, continuing turns lose their lead once waits grow well past it.
     pub aging_follows_wait: bool,
+    /// Longest a queued request whose session is pinned to an endpoint waits for a slot there
+    /// (while requests for other endpoints go ahead) before it is dispatched to be placed on an
+    /// endpoint with room ([`Permit::outwaited_pin`](super::Permit::outwaited_pin)); counted
+    /// from when it was first passed over. `Duration::ZERO` dispatches in
+    /// queue order whatever the endpoint.
+    pub pin_wait: Duration,
     /// Shedding curve for sheddable bands while saturated.
     pub shed_curve: ShedCurve,
     /// `Retry-After` suggested with shed, queue-full and timed-out rejections.
@@ -171,7 +177,7 @@ pub struct FlowConfig {
 }
 
 impl FlowConfig {
-    /// Defaults for everything but bands and teams: 60 s turn window, 10 s aging, shed always
+    /// Defaults for everything but bands and teams: 60 s turn window, 10 s aging, 10 s pin wait, shed always
     /// when saturated, retry after 1 s.
     pub fn new(bands: Vec<BandSpec>, teams: Vec<TeamSpec>) -> Self {
         FlowConfig {
@@ -180,6 +186,7 @@ impl FlowConfig {
             turn_window: Duration::from_secs(60),
             aging: Duration::from_secs(10),
             aging_follows_wait: false,
+            pin_wait: Duration::from_secs(10),
             shed_curve: ShedCurve::Always,
             retry_after: Duration::from_secs(1),
         }

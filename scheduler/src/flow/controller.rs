@@ -1,5 +1,6 @@
 //! The [`FlowController`]: admission, queueing, dispatch, permits and reconfiguration.
 
+use std::cell::Cell;
 use std::cmp::Reverse;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -36,6 +37,10 @@ pub struct Ticket {
     /// Whether the request continues an earlier turn (it has a `previous_response_id`, a
     /// conversation, or prior turns in its input).
     pub continuing: bool,
+    /// The endpoint the request is expected to go to (its session's pin), if known: it waits
+    /// up to [`FlowConfig::pin_wait`] for a slot there while requests for other endpoints go
+    /// ahead (see [`CapacitySignal::has_room`]).
+    pub affinity: Option<String>,
 }
 
 impl Ticket {
@@ -48,6 +53,7 @@ impl Ticket {
             bytes: 0,
             session: None,
             continuing: false,
+            affinity: None,
         }
     }
 
@@ -74,6 +80,12 @@ impl Ticket {
         self.continuing = continuing;
         self
     }
+
+    /// Expect the request to go to `endpoint`.
+    pub fn affinity(mut self, endpoint: impl Into<String>) -> Self {
+        self.affinity = Some(endpoint.into());
+        self
+    }
 }
 
 /// A dispatched request's slot. Dropping it frees the slot and dispatches the next request.
@@ -91,6 +103,7 @@ pub struct Permit {
     promoted: bool,
     rate: Option<RateStatus>,
     actual_tokens: Option<u64>,
+    outwaited_pin: Option<f64>,
 }
 
 impl Permit {
@@ -113,6 +126,15 @@ impl Permit {
     /// placed where it can start at once.
     pub fn band_reserves(&self) -> bool {
         self.band_reserves
+    }
+
+    /// `Some(share)` when the request waited [`FlowConfig::pin_wait`] for its endpoint
+    /// ([`Ticket::affinity`]) and went without room there: routing should place it on an
+    /// endpoint that can take it, with `share` of each endpoint's slots left to the bands
+    /// above (see [`CapacitySignal::has_room`]); its pin breaks as if its endpoint were
+    /// saturated. `None` for every other request.
+    pub fn outwaited_pin(&self) -> Option<f64> {
+        self.outwaited_pin
     }
 
     /// How long it waited in the queue.
@@ -346,11 +368,27 @@ impl FlowController {
             band,
             enqueued_at,
             deadline,
+            pin_wait,
         } = queued?;
         let mut guard = QueuedGuard {
             inner: Arc::clone(inner),
             id: Some(id),
         };
+        if let Some(every) = pin_wait {
+            // Held for its endpoint, the request becomes placeable `pin_wait` after it was
+            // first passed over; nothing else may pump then, so look again every `pin_wait`.
+            let mut at = enqueued_at + every;
+            while at < deadline {
+                if let Ok(result) = tokio::time::timeout_at(at, &mut answer).await {
+                    guard.id = None;
+                    return flatten(result, band, enqueued_at);
+                }
+                let mut out = VecDeque::new();
+                inner.lock().pump(inner, &mut out);
+                deliver(inner, out);
+                at += every;
+            }
+        }
         let timed_out = match tokio::time::timeout_at(deadline, &mut answer).await {
             Ok(result) => {
                 guard.id = None;
@@ -426,6 +464,8 @@ struct Queued {
     band: String,
     enqueued_at: Instant,
     deadline: Instant,
+    /// How often to look again while the request may be held for its endpoint.
+    pin_wait: Option<Duration>,
 }
 
 fn flatten(
@@ -685,6 +725,9 @@ impl State {
         // Resolved again: the config may have been reloaded while the rate limit was checked.
         let band = self.config.band_for(&ticket.team, ticket.band.as_deref())?;
         let (band_name, ttl) = (band.name.clone(), band.queue_ttl);
+        let pin_wait =
+            (ticket.affinity.is_some() && band.reserve <= 0.0 && !self.config.pin_wait.is_zero())
+                .then_some(self.config.pin_wait);
         let Some(&b) = self.band_index.get(&band_name) else {
             return Err(Rejection::UnknownBand { band: band_name });
         };
@@ -707,6 +750,8 @@ impl State {
                 session: ticket.session,
                 kind,
                 enqueued_at: now,
+                affinity: ticket.affinity,
+                held_since: Cell::new(None),
                 rate,
                 reply,
             },
@@ -732,6 +777,7 @@ impl State {
             band: band_name,
             enqueued_at: now,
             deadline,
+            pin_wait,
         })
     }
 
@@ -787,11 +833,27 @@ impl State {
     /// reserves of the bands above it stay free (see [`BandSpec::reserve`](super::BandSpec::reserve)).
     fn pump(&mut self, inner: &Arc<Inner>, out: &mut VecDeque<Delivery>) {
         let now = Instant::now();
+        // Requests this pump sent toward each endpoint: routing has not counted them there yet.
+        let mut promised: HashMap<String, u64> = HashMap::new();
         while !self.entries.is_empty() && inner.capacity.can_dispatch(&self.load()) {
-            let Some((b, pick)) = self.pick() else {
+            let Some((b, pick)) = self.pick(&*inner.capacity, &promised, now) else {
                 break;
             };
             let share = self.reserve_above(b);
+            // Held for its endpoint until pin_wait ran out, with still no room there: routing
+            // should look for an endpoint with room for the band instead.
+            let mut outwaited = None;
+            if let Some(entry) = self.entries.get(&pick.id) {
+                if let Some(endpoint) = entry.affinity.clone() {
+                    let sent = promised.get(&endpoint).copied().unwrap_or(0);
+                    if entry.held_since.get().is_some()
+                        && !inner.capacity.has_room(&endpoint, share, sent)
+                    {
+                        outwaited = Some(share);
+                    }
+                    *promised.entry(endpoint).or_default() += 1;
+                }
+            }
             if share > 0.0 {
                 if let Some(capacity) = inner.capacity.capacity() {
                     let held = (share * capacity as f64).ceil() as u64;
@@ -801,7 +863,10 @@ impl State {
                     }
                 }
             }
-            if let Some(delivery) = self.dispatch(inner, b, &pick, now) {
+            if let Some(mut delivery) = self.dispatch(inner, b, &pick, now) {
+                if let Ok(permit) = &mut delivery.1 {
+                    permit.outwaited_pin = outwaited;
+                }
                 out.push_back(delivery);
             }
         }
@@ -818,7 +883,18 @@ impl State {
             .fold(0.0, f64::max)
     }
 
-    fn pick(&self) -> Option<(usize, Pick)> {
+    /// The next request to dispatch. A request with an [`affinity`](Ticket::affinity), in a
+    /// band without a reserve of its own, is placeable only while its endpoint has room for
+    /// the band (its share is [`reserve_above`](Self::reserve_above), counting the requests
+    /// this pump already sent there), or, when no request of the band is placeable that way,
+    /// once it has been passed over for [`FlowConfig::pin_wait`].
+    fn pick(
+        &self,
+        capacity: &dyn CapacitySignal,
+        promised: &HashMap<String, u64>,
+        now: Instant,
+    ) -> Option<(usize, Pick)> {
+        let pin_wait = self.config.pin_wait;
         let eligible = |team: &str| {
             let limit = self.team_spec(team).map(|t| t.max_concurrent);
             let in_flight = self.teams.get(team).map_or(0, |t| t.in_flight);
@@ -834,8 +910,36 @@ impl State {
                 return None;
             }
             let head_start = band.head_start(self.config.aging, self.config.aging_follows_wait);
-            band.pick(enqueued_at, eligible, head_start)
-                .map(|pick| (b, pick))
+            let holds = band.spec.reserve <= 0.0 && !pin_wait.is_zero();
+            let share = self.reserve_above(b);
+            let placeable = |id: u64, outwaited_too: bool| {
+                let Some(entry) = self.entries.get(&id) else {
+                    return true;
+                };
+                let Some(endpoint) = entry.affinity.as_deref().filter(|_| holds) else {
+                    return true;
+                };
+                let sent = promised.get(endpoint).copied().unwrap_or(0);
+                if capacity.has_room(endpoint, share, sent) {
+                    return true;
+                }
+                let since = entry.held_since.get().unwrap_or_else(|| {
+                    entry.held_since.set(Some(now));
+                    now
+                });
+                outwaited_too && now.saturating_duration_since(since) >= pin_wait
+            };
+            // Requests whose endpoint has room first; a request that outwaited pin_wait moves
+            // only into room nobody queued in this band wants.
+            band.pick(&enqueued_at, &eligible, head_start, |id| {
+                placeable(id, false)
+            })
+            .or_else(|| {
+                band.pick(&enqueued_at, &eligible, head_start, |id| {
+                    placeable(id, true)
+                })
+            })
+            .map(|pick| (b, pick))
         })
     }
 
@@ -896,6 +1000,7 @@ impl State {
             promoted: pick.promoted,
             rate: entry.rate,
             actual_tokens: None,
+            outwaited_pin: None,
         };
         Some((entry.reply, Ok(permit)))
     }

@@ -32,8 +32,9 @@
 //!
 //! # Dispatch
 //!
-//! Dispatch runs whenever a request arrives, a permit is released, the configuration changes
-//! or the gateway calls [`FlowController::notify`] (after a metrics scrape), and dispatches
+//! Dispatch runs whenever a request arrives, a permit is released, the configuration changes,
+//! the gateway calls [`FlowController::notify`] (after a metrics scrape) or a request held for
+//! its endpoint has waited another `pin_wait`, and dispatches
 //! while [`CapacitySignal::can_dispatch`] says yes:
 //!
 //! - **Between bands, strict priority.** The highest-priority band with a dispatchable request
@@ -88,6 +89,25 @@
 //!   a new session waits at most `H = k·W` behind arrival order.
 //!   The team's fair-queuing tag does not depend on which of its requests goes, so this order
 //!   never changes the team's share.
+//! - **Turns wait for their endpoint.** A request whose session is pinned to an endpoint
+//!   ([`Ticket::affinity`]) in a band without a reserve of its own is placeable only while
+//!   [`CapacitySignal::has_room`] says that endpoint can take one more request of the band
+//!   (leaving the reserves of the bands above it free there, and counting what this dispatch
+//!   round already sent it). An unplaceable request is passed over, and the next placeable one
+//!   in the same order goes (looking at most `PLACEABLE_SCAN` = 32 deep into each turn kind of
+//!   each team), until it has been passed over for [`FlowConfig::pin_wait`]. From then on it
+//!   may take room on another endpoint that no request of its band placeable by room wants
+//!   (those go first, so a slot goes to a turn whose cache is there whenever one waits), and
+//!   its permit says so ([`Permit::outwaited_pin`]) so that routing places it on an endpoint
+//!   with room for its band, breaking its pin as for a saturated endpoint. Holding first is
+//!   better on both counts than either alternative: dispatched to a full endpoint, the turn
+//!   queues in the engine (where bands no longer apply) while another endpoint idles, or takes
+//!   the slots a higher band's reserve keeps there, so that band's pinned sessions lose their
+//!   endpoint; moved at once, it recomputes its whole context though a slot on its own
+//!   endpoint is usually a few seconds away. `pin_wait` bounds the hold, so a session whose
+//!   endpoint stays full (more sessions pinned there than it serves) moves, as the
+//!   sticky-until-saturated rule wants; the engine's own queue would never show that
+//!   saturation while the gateway holds the turns.
 //!
 //! # Permits, cancellation, leaks
 //!

@@ -1,6 +1,7 @@
 //! One band's queue: a flow per team, ordered across teams by start-time fair queuing over
 //! tokens and, within a team, turn-first with aging (formulas in the [module doc](super)).
 
+use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
@@ -34,6 +35,10 @@ pub(super) struct Entry {
     pub session: Option<String>,
     pub kind: TurnKind,
     pub enqueued_at: Instant,
+    /// The endpoint the request is expected to go to ([`Ticket::affinity`](super::Ticket::affinity)).
+    pub affinity: Option<String>,
+    /// When a pick first passed the request over because its endpoint had no room.
+    pub held_since: Cell<Option<Instant>>,
     pub rate: Option<RateStatus>,
     pub reply: Reply,
 }
@@ -99,6 +104,11 @@ pub(super) struct BandQueue {
 
 /// Weight of the newest wait in [`BandQueue::typical_wait_s`]: about the last 16 dispatches.
 pub(super) const WAIT_AVERAGE_WEIGHT: f64 = 1.0 / 16.0;
+
+/// How deep [`BandQueue::pick`] looks into a team's queue of one turn kind for an entry it
+/// may place: far enough to pass the requests waiting for a few busy endpoints, bounded so a
+/// pick stays cheap under a long queue.
+pub const PLACEABLE_SCAN: usize = 32;
 
 /// Typical waits in the head start of continuing turns when it follows the wait (derivation
 /// in the module doc of [`crate::flow`]): continuing turns then wait at most about a third as
@@ -178,13 +188,23 @@ impl BandQueue {
     /// The next request: among teams with queued requests that `eligible` accepts, the one
     /// with the smallest start tag (earliest arrival breaks ties); within it, the oldest
     /// continuing turn, unless the oldest new session arrived at least `aging` before it.
+    /// Only entries `placeable` accepts count, looking at most [`PLACEABLE_SCAN`] deep into
+    /// each turn kind's queue: one whose endpoint has no room yet lets the next one go.
     pub fn pick(
         &self,
         enqueued_at: impl Fn(u64) -> Option<Instant>,
         eligible: impl Fn(&str) -> bool,
         aging: Duration,
+        placeable: impl Fn(u64) -> bool,
     ) -> Option<Pick> {
         let mut best: Option<(f64, u64, Pick)> = None;
+        let first = |queue: &VecDeque<u64>| {
+            queue
+                .iter()
+                .take(PLACEABLE_SCAN)
+                .copied()
+                .find(|&id| placeable(id))
+        };
         for (team, flow) in &self.flows {
             if flow.is_empty() || !eligible(team) {
                 continue;
@@ -196,10 +216,10 @@ impl BandQueue {
                 (Some(new_at), Some(cont_at)) => new_at + aging <= cont_at,
                 _ => n < c,
             };
-            let (id, kind, promoted) = match (flow.continuing.front(), flow.new.front()) {
-                (Some(&c), Some(&n)) if n < c && head_start(n, c) => (n, TurnKind::New, true),
-                (Some(&c), _) => (c, TurnKind::Continuing, false),
-                (None, Some(&n)) => (n, TurnKind::New, false),
+            let (id, kind, promoted) = match (first(&flow.continuing), first(&flow.new)) {
+                (Some(c), Some(n)) if n < c && head_start(n, c) => (n, TurnKind::New, true),
+                (Some(c), _) => (c, TurnKind::Continuing, false),
+                (None, Some(n)) => (n, TurnKind::New, false),
                 (None, None) => continue,
             };
             let better = best
@@ -218,17 +238,17 @@ impl BandQueue {
         best.map(|(_, _, pick)| pick)
     }
 
-    /// Dequeue `pick` (which [`pick`](Self::pick) just returned) and charge its team
+    /// Dequeue `pick` (which [`pick`](Self::pick) just returned; not necessarily the head) and charge its team
     /// `cost / weight` of virtual time.
     pub fn take(&mut self, pick: &Pick, cost: u64, weight: f64, bytes: u64) -> bool {
         let Some(flow) = self.flows.get_mut(&pick.team) else {
             return false;
         };
         let queue = flow.queue(pick.kind);
-        if queue.front() != Some(&pick.id) {
+        let Some(position) = queue.iter().position(|&id| id == pick.id) else {
             return false;
-        }
-        queue.pop_front();
+        };
+        queue.remove(position);
         let start = flow.finish;
         flow.finish = start + cost as f64 / weight;
         self.vtime = self.vtime.max(start);
@@ -261,7 +281,7 @@ mod tests {
     ) -> Vec<(String, u64)> {
         let now = Instant::now();
         let mut order = Vec::new();
-        while let Some(pick) = q.pick(|_| Some(now), |_| true, Duration::from_secs(60)) {
+        while let Some(pick) = q.pick(|_| Some(now), |_| true, Duration::from_secs(60), |_| true) {
             assert!(q.take(&pick, costs[&pick.id], weights[pick.team.as_str()], 0));
             order.push((pick.team, pick.id));
         }
@@ -295,7 +315,9 @@ mod tests {
             q.push(id, "a", TurnKind::New, 0);
         }
         for _ in 0..10 {
-            let pick = q.pick(|_| Some(now), |_| true, Duration::ZERO).unwrap();
+            let pick = q
+                .pick(|_| Some(now), |_| true, Duration::ZERO, |_| true)
+                .unwrap();
             q.take(&pick, 100, 1.0, 0);
         }
         // b arrives after a has been served alone: it starts at the band's virtual time and
@@ -308,7 +330,9 @@ mod tests {
         }
         let mut teams = Vec::new();
         for _ in 0..4 {
-            let pick = q.pick(|_| Some(now), |_| true, Duration::ZERO).unwrap();
+            let pick = q
+                .pick(|_| Some(now), |_| true, Duration::ZERO, |_| true)
+                .unwrap();
             q.take(&pick, 100, 1.0, 0);
             teams.push(pick.team);
         }
@@ -326,9 +350,11 @@ mod tests {
         assert!(q.remove(2, "b", TurnKind::Continuing, 20));
         assert_eq!((q.queued, q.queued_bytes), (1, 10));
         assert!(q
-            .pick(|_| Some(now), |t| t != "a", Duration::ZERO)
+            .pick(|_| Some(now), |t| t != "a", Duration::ZERO, |_| true)
             .is_none());
-        let pick = q.pick(|_| Some(now), |_| true, Duration::ZERO).unwrap();
+        let pick = q
+            .pick(|_| Some(now), |_| true, Duration::ZERO, |_| true)
+            .unwrap();
         assert_eq!(pick.id, 1);
         // A stale pick is not taken.
         let stale = Pick {

@@ -870,3 +870,72 @@ async fn the_head_start_grows_with_the_bands_typical_wait() {
         "a fixed 1 s head start"
     );
 }
+
+/// [`MaxInFlight`] plus per-endpoint room: `full` endpoints take nothing more, the others
+/// take one request per pump.
+struct Endpoints {
+    cap: MaxInFlight,
+    full: std::sync::Mutex<Vec<String>>,
+    asked_share: AtomicU64,
+}
+
+impl CapacitySignal for Endpoints {
+    fn can_dispatch(&self, load: &FlowLoad) -> bool {
+        self.cap.can_dispatch(load)
+    }
+
+    fn has_room(&self, endpoint: &str, held_share: f64, promised: u64) -> bool {
+        self.asked_share
+            .store(held_share.to_bits(), Ordering::Relaxed);
+        let full = self.full.lock().unwrap();
+        promised == 0 && !full.iter().any(|e| e == endpoint)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_turn_waits_for_its_pinned_endpoint_while_others_go_ahead() {
+    let signal = Arc::new(Endpoints {
+        cap: MaxInFlight::new(0),
+        full: std::sync::Mutex::new(vec!["e0".into()]),
+        asked_share: AtomicU64::new(0),
+    });
+    let mut config = config();
+    config.pin_wait = 10 * SEC;
+    let flow = FlowController::new(config, signal.clone()).unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let turn = |endpoint: &str| Ticket::new("bulk", 10).continuing(true).affinity(endpoint);
+    spawn_admit(&flow, turn("e0"), "to-e0", &tx);
+    tokio::time::advance(Duration::from_millis(1)).await;
+    spawn_admit(&flow, turn("e1"), "to-e1", &tx);
+    tokio::time::advance(Duration::from_millis(1)).await;
+    spawn_admit(&flow, turn("e1"), "to-e1-again", &tx);
+    wait_queued(&flow, 3).await;
+    // Room for two: the oldest waits for e0, the next goes to e1, and e1 takes no second one
+    // in the same pump (it has not counted the first yet).
+    signal.cap.set_limit(2);
+    flow.notify();
+    let (label, first) = rx.recv().await.unwrap();
+    assert_eq!(label, "to-e1");
+    assert_eq!(first.outwaited_pin(), None);
+    assert_eq!(flow.snapshot().queued(), 2);
+    // Routing has placed it: e1 is full now too.
+    signal.full.lock().unwrap().push("e1".into());
+    // batch has interactive above it, which holds no reserve here
+    assert_eq!(
+        f64::from_bits(signal.asked_share.load(Ordering::Relaxed)),
+        0.0
+    );
+    // Held for 10 s since it was first passed over, the e0 turn goes, to be placed elsewhere.
+    tokio::time::sleep(10 * SEC).await;
+    let (label, second) = rx.recv().await.unwrap();
+    assert_eq!(label, "to-e0");
+    assert_eq!(second.outwaited_pin(), Some(0.0));
+    // With pin_wait 0 nothing is held: queue order.
+    let mut config = self::config();
+    config.pin_wait = Duration::ZERO;
+    flow.reconfigure(config).unwrap();
+    signal.cap.set_limit(3);
+    flow.notify();
+    let (label, _third) = rx.recv().await.unwrap();
+    assert_eq!(label, "to-e1-again");
+}
