@@ -673,6 +673,12 @@ pub struct FlowToml {
     /// bands and fairness apply, instead of in the engines' FIFO queues. 0: no limit (only the
     /// engines' scraped queue depth, KV usage and staleness gate dispatch).
     pub max_in_flight_per_endpoint: u64,
+    /// Most requests of a band below one with a `reserve` that may be waiting for their first
+    /// token on one endpoint (this gateway's count); 0: no limit. vLLM's scheduler gives the
+    /// prompts already running their prefill chunks before a newly admitted prompt, so with
+    /// `--max-num-batched-tokens B` and `--long-prefill-token-threshold T`, `B / T` long
+    /// prefills leave nothing of a step for a higher band's new request: set it below `B / T`.
+    pub max_prefilling_per_endpoint: u64,
     /// A session with a request in flight within this many seconds is active: its next turn
     /// goes ahead of new sessions of the same team.
     pub turn_window_s: f64,
@@ -708,6 +714,7 @@ impl Default for FlowToml {
         FlowToml {
             enabled: true,
             max_in_flight_per_endpoint: 64,
+            max_prefilling_per_endpoint: 0,
             turn_window_s: 60.0,
             aging_s: 10.0,
             aging_follows_wait: true,

@@ -76,13 +76,25 @@
 //! **Turns wait for their endpoint.** A continuing turn whose session is pinned carries the
 //! pinned endpoint as its ticket's affinity (read from the store at admission). In a band
 //! without a reserve it is dispatched only while that endpoint has room for it,
-//! `in_flight(e) + promised + ceil(r * max_in_flight_per_endpoint) < max_in_flight_per_endpoint`
+//! `in_flight(e) + promised + floor(r * max_in_flight_per_endpoint) < max_in_flight_per_endpoint`
 //! (`r` the largest reserve above the band, `promised` what the same dispatch round already
 //! sent there), or, once it has been passed over for `[flow] pin_wait_s`, when no request of
 //! its band has room on its own endpoint; meanwhile requests for other endpoints go ahead. A turn dispatched after that wait asks routing for an
 //! endpoint below the same line (`PickRequest::free_slot_below`), so its pin breaks as for a
 //! saturated endpoint when another has room. An endpoint that is unavailable or unknown always
 //! has room (routing re-pins the session), and so does every endpoint when the cap is 0.
+//!
+//! **Below a reserve.** A band below one with a reserve (share `r` > 0 above it) keeps the
+//! line on every endpoint, not only over the pool: its requests are dispatched only while some
+//! endpoint is below it (a pinned turn: its own endpoint), and routing places them there
+//! (`PickRequest::free_slot_below` = `cap - floor(r * cap)`; rounded down, so an endpoint of
+//! one slot still serves lower bands and the pool-wide rule above keeps the reserve). With
+//! `[flow] max_prefilling_per_endpoint = P` (0: off) the line also requires fewer than `P` of
+//! the endpoint's requests still waiting for their first token (`PickRequest::prefilling_below`):
+//! vLLM's scheduler gives the prompts already running their prefill chunks before a newly
+//! admitted prompt, so `B / T` long prefills (`--max-num-batched-tokens B`,
+//! `--long-prefill-token-threshold T`) leave a higher band's new prompt no room in a step
+//! however many slots are free.
 //!
 //! For probabilistic shedding (`[flow] shed_start`/`shed_full`) the pool's saturation is
 //! `(in_flight + queued) / (2 * capacity)`, clamped to 0..=1: 0.5 when the pool is exactly
@@ -153,6 +165,7 @@ const STORE_WARNING_EVERY: Duration = Duration::from_secs(30);
 pub struct PoolCapacity {
     pool: Arc<Pool>,
     per_endpoint: Arc<AtomicU64>,
+    max_prefilling: Arc<AtomicU64>,
 }
 
 impl PoolCapacity {
@@ -202,23 +215,37 @@ impl CapacitySignal for PoolCapacity {
         PoolCapacity::capacity(self, Instant::now())
     }
 
-    fn has_room(&self, endpoint: &str, held_share: f64, promised: u64) -> bool {
+    fn has_room(&self, endpoint: Option<&str>, held_share: f64, promised: u64) -> bool {
         let per = self.per_endpoint.load(Ordering::Relaxed);
-        if per == 0 {
-            return true;
-        }
-        let endpoints = self.pool.endpoints();
-        let Some(e) = endpoints.iter().find(|e| e.name == endpoint) else {
-            return true;
+        let prefilling = match held_share > 0.0 {
+            true => self.max_prefilling.load(Ordering::Relaxed),
+            false => 0,
         };
-        if !e.is_available() {
+        if per == 0 && prefilling == 0 {
             return true;
         }
-        let held = (held_share.clamp(0.0, 1.0) * per as f64).ceil() as u64;
-        e.in_flight_requests()
-            .saturating_add(promised)
-            .saturating_add(held)
-            < per
+        // Rounded down per endpoint; the pool-wide reserve rounds up (module doc).
+        let held = (held_share.clamp(0.0, 1.0) * per as f64).floor() as u64;
+        let fits = |e: &Endpoint, promised: u64| {
+            (per == 0 || e.in_flight_requests() + promised + held < per)
+                && (prefilling == 0 || e.prefilling_requests() + promised < prefilling)
+        };
+        let endpoints = self.pool.endpoints();
+        match endpoint {
+            Some(name) => match endpoints.iter().find(|e| e.name == name) {
+                Some(e) if e.is_available() => fits(e, promised),
+                _ => true,
+            },
+            None => {
+                let serving = || {
+                    endpoints
+                        .iter()
+                        .filter(|e| e.is_available() && e.role != Role::Prefill)
+                };
+                let free = serving().filter(|e| fits(e, 0)).count() as u64;
+                free > promised || serving().next().is_none()
+            }
+        }
     }
 
     fn saturation(&self, load: &FlowLoad) -> f64 {
@@ -388,6 +415,7 @@ pub struct FlowControl {
     settings: RwLock<Arc<Settings>>,
     pools: BTreeMap<String, PoolFlow>,
     per_endpoint: Arc<AtomicU64>,
+    max_prefilling: Arc<AtomicU64>,
 }
 
 /// What admission needs to know about one request.
@@ -465,12 +493,14 @@ impl FlowControl {
         limiter: Arc<dyn RateLimiter>,
     ) -> Result<FlowControl, String> {
         let per_endpoint = Arc::new(AtomicU64::new(config.flow.max_in_flight_per_endpoint));
+        let max_prefilling = Arc::new(AtomicU64::new(config.flow.max_prefilling_per_endpoint));
         let flow_config = config.flow_config();
         let mut by_pool = BTreeMap::new();
         for pool in pools.all() {
             let capacity = Arc::new(PoolCapacity {
                 pool: pool.clone(),
                 per_endpoint: per_endpoint.clone(),
+                max_prefilling: max_prefilling.clone(),
             });
             let controller = FlowController::with_rate_limiter(
                 flow_config.clone(),
@@ -490,6 +520,7 @@ impl FlowControl {
             settings: RwLock::new(Arc::new(Settings::from_config(config))),
             pools: by_pool,
             per_endpoint,
+            max_prefilling,
         })
     }
 
@@ -503,6 +534,12 @@ impl FlowControl {
     /// The gateway-side cap per endpoint (`[flow] max_in_flight_per_endpoint`; 0 = none).
     pub fn max_in_flight_per_endpoint(&self) -> u64 {
         self.per_endpoint.load(Ordering::Relaxed)
+    }
+
+    /// Most requests of a band below a reserve waiting for a first token per endpoint
+    /// (`[flow] max_prefilling_per_endpoint`; 0 = no limit).
+    pub fn max_prefilling_per_endpoint(&self) -> u64 {
+        self.max_prefilling.load(Ordering::Relaxed)
     }
 
     /// Whether requests are admitted through flow control (`[flow] enabled`).
@@ -559,6 +596,8 @@ impl FlowControl {
             .settings
             .write()
             .unwrap_or_else(PoisonError::into_inner) = Arc::new(Settings::from_config(config));
+        self.max_prefilling
+            .store(config.flow.max_prefilling_per_endpoint, Ordering::Relaxed);
         self.set_max_in_flight_per_endpoint(config.flow.max_in_flight_per_endpoint);
         Ok(())
     }
@@ -737,6 +776,7 @@ mod tests {
         let cap = PoolCapacity {
             pool: pool.clone(),
             per_endpoint: Arc::new(AtomicU64::new(3)),
+            max_prefilling: Arc::new(AtomicU64::new(0)),
         };
         let now = Instant::now();
         assert_eq!(cap.capacity(now), Some(6));
@@ -783,6 +823,7 @@ mod tests {
         let cap = PoolCapacity {
             pool: pool.clone(),
             per_endpoint: Arc::new(AtomicU64::new(4)),
+            max_prefilling: Arc::new(AtomicU64::new(0)),
         };
         let now = Instant::now();
         // Nothing scraped at all: the engines' figures are unknown, the cap applies.

@@ -536,6 +536,7 @@ fn encode_waits(
 /// | `agentgate_flow_team_queue_wait_seconds{pool,team}` | queue wait of the team's dispatched requests (histogram) |
 /// | `agentgate_flow_turn_wait_seconds{pool,turn}` | queue wait by turn kind, `continuing` or `new` (histogram) |
 /// | `agentgate_flow_promoted_total{pool}` | new sessions sent ahead of continuing turns because they aged |
+/// | `agentgate_flow_pin_holds_total{pool,outcome}` | turns held for a slot on their session's endpoint: `placed` there once it had room, `outwaited` (`pin_wait_s` ran out; placed elsewhere) |
 pub fn flow_state(flow: &FlowControl, out: &mut String) {
     let capacity = GaugeVec::new(
         "agentgate_flow_capacity_requests",
@@ -587,6 +588,11 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
         "New sessions dispatched ahead of waiting continuing turns because they aged.",
         ["pool"],
     );
+    let pin_holds = CounterVec::new(
+        "agentgate_flow_pin_holds_total",
+        "Turns held for a slot on their session's endpoint: placed there once it had room, or outwaited (pin_wait_s ran out; placed elsewhere).",
+        ["pool", "outcome"],
+    );
     let snapshots = flow.snapshots();
     let mut band_waits = Vec::new();
     let mut team_waits = Vec::new();
@@ -630,6 +636,8 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
             }
         }
         promoted.inc_by([p], s.turns.promoted);
+        pin_holds.inc_by([p, "placed"], s.turns.held);
+        pin_holds.inc_by([p, "outwaited"], s.turns.outwaited);
         turn_waits.push((key([p, "continuing"]), &s.turns.continuing));
         turn_waits.push((key([p, "new"]), &s.turns.new));
     }
@@ -664,6 +672,7 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
         out,
     );
     promoted.encode(out);
+    pin_holds.encode(out);
 }
 
 /// The live-state gauges of the module doc's table.
@@ -938,6 +947,8 @@ mod tests {
             "agentgate_flow_team_queue_wait_seconds_count{pool=\"main\",team=\"default\"} 1",
             "agentgate_flow_turn_wait_seconds_count{pool=\"main\",turn=\"new\"} 1",
             "agentgate_flow_promoted_total{pool=\"main\"} 0",
+            "agentgate_flow_pin_holds_total{pool=\"main\",outcome=\"placed\"} 0",
+            "agentgate_flow_pin_holds_total{pool=\"main\",outcome=\"outwaited\"} 0",
         ] {
             assert!(out.lines().any(|l| l == line), "{line} missing in\n{out}");
         }

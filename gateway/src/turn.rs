@@ -150,17 +150,17 @@ pub async fn open_turn(
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let auto = turn.request.get("truncation").and_then(Value::as_str) == Some("auto");
     let mut rounds = 0;
-    // A band with a reserve looks for an endpoint with a free slot under the gateway's cap; a
-    // turn that waited out `pin_wait` for its full endpoint, for one with room for its band.
-    let cap = state.flow.max_in_flight_per_endpoint();
-    let free_slot_below = turn.permit.as_ref().filter(|_| cap > 0).and_then(|p| {
-        if p.band_reserves() {
-            Some(cap)
-        } else {
-            p.outwaited_pin()
-                .map(|share| cap.saturating_sub((share.clamp(0.0, 1.0) * cap as f64).ceil() as u64))
-        }
-    });
+    let room = turn
+        .permit
+        .as_ref()
+        .map(|p| {
+            Room::for_permit(
+                p,
+                state.flow.max_in_flight_per_endpoint(),
+                state.flow.max_prefilling_per_endpoint(),
+            )
+        })
+        .unwrap_or_default();
     let engine_priority = turn
         .permit
         .as_ref()
@@ -176,7 +176,7 @@ pub async fn open_turn(
             turn.session.as_deref(),
             named_session(turn),
             turn.lineage.as_ref(),
-            free_slot_below,
+            room,
         );
         match routed.await {
             Err(e)
@@ -280,7 +280,7 @@ pub async fn open_upstream(
     session: Option<&str>,
     named: bool,
     lineage: Option<&Lineage>,
-    free_slot_below: Option<u64>,
+    room: Room,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let endpoints = pool.endpoints();
     let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
@@ -295,7 +295,7 @@ pub async fn open_upstream(
             prefix,
             pin: session_pin(state, pool, session).await,
             key: session,
-            free_slot_below,
+            room,
         };
         return open_local(state, pool, &endpoints, placement, None).await;
     }
@@ -309,9 +309,45 @@ pub async fn open_upstream(
         session,
         named,
         lineage,
-        free_slot_below,
+        room,
     )
     .await
+}
+
+/// Where a request's band may start it: the filters of `PickRequest::free_slot_below` and
+/// `PickRequest::prefilling_below` (formulas in `crate::flow`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Room {
+    /// Prefer endpoints with fewer of this gateway's requests in flight than this.
+    pub free_slot_below: Option<u64>,
+    /// Prefer endpoints with fewer of this gateway's requests waiting for a first token.
+    pub prefilling_below: Option<u64>,
+}
+
+impl Room {
+    /// For a request admitted with `permit`, under the per-endpoint cap `cap` and prefill limit
+    /// `max_prefilling` (0: none). A band with a reserve looks for a free slot under the cap;
+    /// a band below one (and a turn that waited out `pin_wait` for its full endpoint) for an
+    /// endpoint below its line, `cap - floor(share * cap)`, with fewer than `max_prefilling`
+    /// requests prefilling when it is below a reserve.
+    pub fn for_permit(permit: &Permit, cap: u64, max_prefilling: u64) -> Room {
+        let share = permit.held_share().clamp(0.0, 1.0);
+        let line = cap.saturating_sub((share * cap as f64).floor() as u64);
+        let free_slot_below = if cap == 0 {
+            None
+        } else if permit.band_reserves() {
+            Some(cap)
+        } else if share > 0.0 || permit.outwaited_pin().is_some() {
+            Some(line)
+        } else {
+            None
+        };
+        let prefilling_below = (share > 0.0 && max_prefilling > 0).then_some(max_prefilling);
+        Room {
+            free_slot_below,
+            prefilling_below,
+        }
+    }
 }
 
 /// One request's routing inputs, shared by its attempts.
@@ -324,9 +360,8 @@ struct Placement<'a> {
     key: Option<&'a str>,
     /// The pin found there.
     pin: Option<SessionPin>,
-    /// Prefer endpoints with fewer of this gateway's requests in flight than this (a band
-    /// with a reserve; see `PickRequest::free_slot_below`).
-    free_slot_below: Option<u64>,
+    /// Where the request's band may start it.
+    room: Room,
 }
 
 /// The pin's position in `view`: `At`, `Gone` when its endpoint is not there, `None` unpinned.
@@ -375,7 +410,8 @@ async fn open_local(
                     prompt_tokens: placement.prompt_tokens,
                     pinned,
                     role: None,
-                    free_slot_below: placement.free_slot_below,
+                    free_slot_below: placement.room.free_slot_below,
+                    prefilling_below: placement.room.prefilling_below,
                 };
                 match pool.picker.pick(view, &request) {
                     Some(pick) => pick,
@@ -466,7 +502,7 @@ async fn open_split(
     session: Option<&str>,
     named: bool,
     lineage: Option<&Lineage>,
-    free_slot_below: Option<u64>,
+    room: Room,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let prefill_view: Vec<Arc<Endpoint>> = endpoints
         .iter()
@@ -513,7 +549,7 @@ async fn open_split(
         prefix,
         pin,
         key,
-        free_slot_below,
+        room,
     };
 
     // 1. The decode endpoint. Siblings of a burst spread by load, whatever they share.
@@ -528,7 +564,8 @@ async fn open_split(
         prompt_tokens,
         pinned: pinned_in(&decode_view, placement.pin.as_ref()),
         role: None,
-        free_slot_below: placement.free_slot_below,
+        free_slot_below: placement.room.free_slot_below,
+        prefilling_below: placement.room.prefilling_below,
     };
     let Some(mut decode) = pool.picker.pick(&decode_view, &request) else {
         return Err(no_endpoint(pool, "no available decode endpoint"));

@@ -154,6 +154,7 @@ pub struct Endpoint {
     in_flight_requests: AtomicU64,
     in_flight_tokens: AtomicU64,
     pending_prefill_tokens: AtomicU64,
+    prefilling_requests: AtomicU64,
     healthy: AtomicBool,
     retired: AtomicBool,
     report: Mutex<Option<LoadReport>>,
@@ -172,6 +173,7 @@ impl Endpoint {
             in_flight_requests: AtomicU64::new(0),
             in_flight_tokens: AtomicU64::new(0),
             pending_prefill_tokens: AtomicU64::new(0),
+            prefilling_requests: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
             retired: AtomicBool::new(false),
             report: Mutex::new(None),
@@ -211,6 +213,13 @@ impl Endpoint {
     /// token: the prefill work queued ahead of a new request.
     pub fn pending_prefill_tokens(&self) -> u64 {
         self.pending_prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    /// In-flight requests of this gateway process still waiting for their first token, however
+    /// much of their prompt was expected to be cached: each may be taking a prefill chunk of
+    /// every engine step.
+    pub fn prefilling_requests(&self) -> u64 {
+        self.prefilling_requests.load(Ordering::Relaxed)
     }
 
     /// Whether the last health probe passed (true until a probe says otherwise).
@@ -276,10 +285,12 @@ impl Endpoint {
             .fetch_add(prompt_tokens, Ordering::Relaxed);
         self.pending_prefill_tokens
             .fetch_add(prefill, Ordering::Relaxed);
+        self.prefilling_requests.fetch_add(1, Ordering::Relaxed);
         InFlight {
             endpoint: self.clone(),
             tokens: prompt_tokens,
             prefill,
+            prefilling: true,
         }
     }
 }
@@ -291,6 +302,7 @@ pub struct InFlight {
     endpoint: Arc<Endpoint>,
     tokens: u64,
     prefill: u64,
+    prefilling: bool,
 }
 
 impl InFlight {
@@ -305,6 +317,11 @@ impl InFlight {
         self.endpoint
             .pending_prefill_tokens
             .fetch_sub(prefill, Ordering::Relaxed);
+        if std::mem::take(&mut self.prefilling) {
+            self.endpoint
+                .prefilling_requests
+                .fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -331,15 +348,18 @@ mod tests {
         let b = ep.begin(50, 50);
         assert_eq!((ep.in_flight_requests(), ep.in_flight_tokens()), (2, 150));
         assert_eq!(ep.pending_prefill_tokens(), 90);
+        assert_eq!(ep.prefilling_requests(), 2);
         a.prefill_done();
         a.prefill_done();
         assert_eq!(ep.pending_prefill_tokens(), 50);
+        assert_eq!(ep.prefilling_requests(), 1);
         drop(a);
         assert_eq!((ep.in_flight_requests(), ep.in_flight_tokens()), (1, 50));
         assert_eq!(ep.pending_prefill_tokens(), 50);
         drop(b);
         assert_eq!((ep.in_flight_requests(), ep.in_flight_tokens()), (0, 0));
         assert_eq!(ep.pending_prefill_tokens(), 0);
+        assert_eq!(ep.prefilling_requests(), 0);
     }
 
     #[test]

@@ -15,9 +15,9 @@
 //!    ([`PickRequest::free_slot_below`]), drop endpoints where this gateway already has that
 //!    many requests in flight, unless every candidate has. A request of a band with a reserve
 //!    finds the capacity held for it on an endpoint that can start it at once, instead of in
-//!    the queue of an engine whose batch is full; a turn that flow control held for its full
-//!    endpoint until `pin_wait` ran out finds one with room for its band. A pin on a dropped
-//!    endpoint breaks as for a saturated one.
+//!    the queue of an engine whose batch is full; a request of a band below a reserve finds an
+//!    endpoint below its band's line ([`PickRequest::prefilling_below`] also counts requests
+//!    still prefilling there). A pin on a dropped endpoint breaks as for a saturated one.
 //!
 //! Every filter sees the same [`PoolView`], taken once per pick, so they agree with each other
 //! and with the scorers about each endpoint's load report.
@@ -158,8 +158,9 @@ impl Filter for PreferUnsaturated {
     }
 }
 
-/// Drops endpoints without a free slot for the request ([`PickRequest::free_slot_below`]) while
-/// at least one candidate has one.
+/// Drops endpoints without a free slot for the request ([`PickRequest::free_slot_below`]) or
+/// with too many requests prefilling ([`PickRequest::prefilling_below`]) while at least one
+/// candidate passes both.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PreferFreeSlot;
 
@@ -169,10 +170,18 @@ impl Filter for PreferFreeSlot {
     }
 
     fn filter(&self, view: &PoolView<'_>, candidates: &mut Vec<usize>) {
-        let Some(limit) = view.request.free_slot_below else {
+        let (slots, prefilling) = (view.request.free_slot_below, view.request.prefilling_below);
+        if slots.is_none() && prefilling.is_none() {
             return;
+        }
+        let free = |i: usize| {
+            slots.is_none_or(|limit| view.in_flight_requests(i) < limit)
+                && prefilling.is_none_or(|limit| {
+                    view.endpoints
+                        .get(i)
+                        .is_some_and(|e| e.prefilling_requests() < limit)
+                })
         };
-        let free = |i: usize| view.in_flight_requests(i) < limit;
         if candidates.iter().any(|&i| free(i)) {
             candidates.retain(|&i| free(i));
         }
@@ -287,5 +296,32 @@ mod tests {
         assert_eq!(keep(Some(3)), [0, 1, 2]);
         assert_eq!(keep(Some(1)), [0, 1, 2], "all full: all stay");
         assert_eq!(keep(None), [0, 1, 2]);
+        // Endpoint 1's request got its first token: below 1 prefilling, only 1 passes; with a
+        // free slot below 2 as well, still only 1.
+        let mut running = _busy;
+        running[2].prefill_done();
+        let keep_prefilling = |prefilling_below: Option<u64>, free_slot_below| {
+            let request = PickRequest {
+                free_slot_below,
+                prefilling_below,
+                ..PickRequest::default()
+            };
+            let view = PoolView {
+                endpoints: &endpoints,
+                request: &request,
+                now: Instant::now(),
+                reports: &reports,
+            };
+            let mut candidates: Vec<usize> = (0..3).collect();
+            PreferFreeSlot.filter(&view, &mut candidates);
+            candidates
+        };
+        assert_eq!(keep_prefilling(Some(1), None), [1]);
+        assert_eq!(keep_prefilling(Some(1), Some(2)), [1]);
+        assert_eq!(
+            keep_prefilling(Some(2), Some(3)),
+            [1],
+            "0 and 2 have 2 prefilling"
+        );
     }
 }

@@ -54,6 +54,11 @@ pub struct PickRequest<'a> {
     /// any has (a request of a band with a reserve looks for a free batch slot); `None`: no
     /// preference. Honoured by the scoring pipeline ([`crate::filter::PreferFreeSlot`]).
     pub free_slot_below: Option<u64>,
+    /// Prefer endpoints where fewer than this many of this gateway's requests are still
+    /// waiting for their first token (a lower band leaving engine step budget to the bands
+    /// above, see `[flow] max_prefilling_per_endpoint`); `None`: no preference. Honoured with
+    /// `free_slot_below`: an endpoint must pass both.
+    pub prefilling_below: Option<u64>,
 }
 
 impl PickRequest<'_> {

@@ -878,3 +878,50 @@ async fn a_pinned_turn_waits_for_its_replica_while_other_sessions_go_ahead() {
     busy.abort();
     fleet.shutdown_gateways().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_band_below_a_reserve_leaves_prefill_room_for_the_band_above() {
+    // 1 replica x 4 slots, a quarter held for interactive: batch may run 3, of which at most
+    // `limit` still waiting for a first token (0: no such limit)
+    let bands = BANDS.replace("priority = 10\n", "priority = 10\nreserve = 0.25\n");
+    for limit in [1, 0] {
+        let extra = format!(
+            "{STILL}[flow]\nmax_in_flight_per_endpoint = 4\nmax_prefilling_per_endpoint = {limit}\n{bands}{}{}",
+            team("chat", "default_band = \"interactive\""),
+            team("bulk", "default_band = \"batch\""),
+        );
+        let fleet = Fleet::of(1).extra(&extra).start().await;
+        let gw = fleet.gateway();
+        let base = fleet.base_url();
+        // Nothing gets its first token: every request stays prefilling.
+        stall(&fleet.sims()[0]).await;
+        let first = spawn_call(&base, Some("bulk"), hello(), &[]);
+        eventually("the first batch request runs", || {
+            snapshot(gw).in_flight == 1
+        })
+        .await;
+        let second = spawn_call(&base, Some("bulk"), hello(), &[]);
+        if limit == 1 {
+            eventually("the second waits", || queued(gw, "batch") == 1).await;
+        } else {
+            eventually("the second runs", || snapshot(gw).in_flight == 2).await;
+        }
+        // The interactive band is not held by it.
+        let chat = spawn_call(&base, Some("chat"), hello(), &[]);
+        eventually("the interactive request runs", || {
+            snapshot(gw).band("interactive").unwrap().dispatched == 1
+        })
+        .await;
+        let expected = if limit == 1 { (2, 1) } else { (3, 0) };
+        let s = snapshot(gw);
+        assert_eq!(
+            (s.in_flight, queued(gw, "batch")),
+            expected,
+            "limit {limit}"
+        );
+        for call in [first, second, chat] {
+            call.abort();
+        }
+        fleet.shutdown_gateways().await;
+    }
+}

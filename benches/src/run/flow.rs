@@ -26,7 +26,10 @@
 //!
 //! The gateway's per-endpoint cap (`max_in_flight_per_endpoint`) is the replicas'
 //! `max_num_seqs` divided among the gateways (rounded up), so the fleet runs at most what its
-//! engines batch and the rest waits in the gateway, where bands apply. Time-based settings are
+//! engines batch and the rest waits in the gateway, where bands apply. With
+//! `--long-prefill-token-threshold T` and `--max-num-batched-tokens B`, bands below the
+//! interactive reserve keep fewer than `B / T` requests prefilling per endpoint
+//! (`max_prefilling_per_endpoint`, see [`FlowSetup::with_engine_chunking`]). Time-based settings are
 //! simulated durations converted to wall time with the replay's time scale (band TTLs,
 //! `turn_window_s` = [`TURN_WINDOW_S`], `aging_s` = [`AGING_S`], and the engines' metrics
 //! scrape, [`SCRAPE_INTERVAL_S`]), so the gateway sees the engines as often, and waits as
@@ -131,6 +134,8 @@ pub struct FlowSetup {
     pub batch_sheddable: bool,
     /// The interactive band's `reserve`.
     pub interactive_reserve: f64,
+    /// `[flow] max_prefilling_per_endpoint` of each gateway (0: none).
+    pub max_prefilling_per_endpoint: u64,
 }
 
 impl FlowSetup {
@@ -149,7 +154,30 @@ impl FlowSetup {
             wall_per_sim_s: if time_scale > 0.0 { time_scale } else { 1.0 },
             batch_sheddable,
             interactive_reserve: 0.0,
+            max_prefilling_per_endpoint: 0,
         }
+    }
+
+    /// The same for engines stepping `max_num_batched_tokens` with prefill chunks of at most
+    /// `long_prefill_token_threshold`, behind `gateways` gateways: lower bands keep fewer than
+    /// `B / T` requests prefilling per endpoint, `B / T - 1` shared among the gateways (at
+    /// least 1 each), so a step always has a chunk left for a higher band's new prompt. No
+    /// limit without a threshold (one prompt may then take a whole step).
+    pub fn with_engine_chunking(
+        mut self,
+        max_num_batched_tokens: usize,
+        long_prefill_token_threshold: usize,
+        gateways: usize,
+    ) -> FlowSetup {
+        let chunks = match (max_num_batched_tokens, long_prefill_token_threshold) {
+            (0, _) | (_, 0) => 0,
+            (b, t) => b / t,
+        };
+        self.max_prefilling_per_endpoint = match chunks.saturating_sub(1) {
+            0 => 0,
+            n => (n / gateways.max(1)).max(1) as u64,
+        };
+        self
     }
 
     /// The same with the interactive band holding `reserve` of the pool's request slots.
@@ -167,10 +195,12 @@ impl FlowSetup {
     pub fn toml(&self) -> String {
         format!(
             "[routing]\nscrape_interval_ms = {}\n\n\
-             [flow]\nenabled = {}\nmax_in_flight_per_endpoint = {}\nturn_window_s = {:?}\naging_s = {:?}\npin_wait_s = {:?}\n\n",
+             [flow]\nenabled = {}\nmax_in_flight_per_endpoint = {}\nmax_prefilling_per_endpoint = {}\n\
+             turn_window_s = {:?}\naging_s = {:?}\npin_wait_s = {:?}\n\n",
             self.wall_ms(SCRAPE_INTERVAL_S),
             self.enabled,
             self.max_in_flight_per_endpoint,
+            self.max_prefilling_per_endpoint,
             self.wall_ms(TURN_WINDOW_S) as f64 / 1000.0,
             self.wall_ms(AGING_S) as f64 / 1000.0,
             self.wall_ms(PIN_WAIT_S) as f64 / 1000.0,
@@ -732,6 +762,19 @@ mod tests {
         assert!(text.contains("turn_window_s = 12.0\n"), "{text}");
         assert!(text.contains("aging_s = 2.0\n"), "{text}");
         assert!(text.contains("pin_wait_s = 2.0\n"), "{text}");
+        assert!(text.contains("max_prefilling_per_endpoint = 0\n"), "{text}");
+        // 2048-token steps of 512-token chunks: 3 prefilling leave a chunk free, 1 each for 3
+        // gateways; without a threshold, no limit.
+        let chunked = |b, t, gateways| {
+            setup
+                .clone()
+                .with_engine_chunking(b, t, gateways)
+                .max_prefilling_per_endpoint
+        };
+        assert_eq!(chunked(2048, 512, 1), 3);
+        assert_eq!(chunked(2048, 512, 3), 1);
+        assert_eq!(chunked(8192, 0, 1), 0);
+        assert_eq!(chunked(1024, 512, 1), 1);
         let bands = setup.bands_toml();
         assert!(bands.contains("queue_ttl_ms = 12000\n"), "{bands}");
         assert!(bands.contains("queue_ttl_ms = 120000\n"), "{bands}");

@@ -391,6 +391,11 @@ fn flow_setup(args: &Args, mode: FlowMode, time_scale: f64) -> FlowSetup {
         args.batch_sheddable,
     )
     .with_interactive_reserve(args.interactive_reserve)
+    .with_engine_chunking(
+        args.max_num_batched_tokens,
+        args.long_prefill_token_threshold,
+        args.gateways,
+    )
 }
 
 fn validate_args(args: &Args) -> Result<(), String> {

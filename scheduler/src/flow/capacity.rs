@@ -32,12 +32,14 @@ pub trait CapacitySignal: Send + Sync {
         None
     }
 
-    /// Whether `endpoint` can start one more request of a band that leaves `held_share` of
-    /// each endpoint's slots to the bands above it, with `promised` requests already sent its
-    /// way that it does not count yet. Asked for queued requests that expect to go to
-    /// `endpoint` (their session's pin), which then wait for it while others go ahead. `true`
-    /// (the default) when the signal does not track endpoints or does not know this one.
-    fn has_room(&self, endpoint: &str, held_share: f64, promised: u64) -> bool {
+    /// Whether `endpoint` (`None`: some endpoint) can start one more request of a band that
+    /// leaves `held_share` of each endpoint's slots to the bands above it, with `promised`
+    /// requests already sent its way (for `None`: sent to endpoints this way) that it does not
+    /// count yet. Asked for queued requests that expect to go to `endpoint` (their session's
+    /// pin), which then wait for it while others go ahead, and for requests of bands below a
+    /// reserve. `true` (the default) when the signal does not track endpoints or does not know
+    /// this one.
+    fn has_room(&self, endpoint: Option<&str>, held_share: f64, promised: u64) -> bool {
         let _ = (endpoint, held_share, promised);
         true
     }

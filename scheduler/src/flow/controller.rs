@@ -96,6 +96,7 @@ pub struct Permit {
     band: String,
     band_priority: i32,
     band_reserves: bool,
+    held_share: f64,
     cost: u64,
     session: Option<String>,
     waited: Duration,
@@ -126,6 +127,13 @@ impl Permit {
     /// placed where it can start at once.
     pub fn band_reserves(&self) -> bool {
         self.band_reserves
+    }
+
+    /// The share of each endpoint's slots its band leaves to the bands above it (the largest
+    /// reserve above it; 0 for a band with none above): routing places it on an endpoint below
+    /// that line (see [`CapacitySignal::has_room`]).
+    pub fn held_share(&self) -> f64 {
+        self.held_share
     }
 
     /// `Some(share)` when the request waited [`FlowConfig::pin_wait`] for its endpoint
@@ -835,24 +843,28 @@ impl State {
         let now = Instant::now();
         // Requests this pump sent toward each endpoint: routing has not counted them there yet.
         let mut promised: HashMap<String, u64> = HashMap::new();
+        let mut promised_any = 0u64;
         while !self.entries.is_empty() && inner.capacity.can_dispatch(&self.load()) {
-            let Some((b, pick)) = self.pick(&*inner.capacity, &promised, now) else {
+            let Some((b, pick)) = self.pick(&*inner.capacity, &promised, promised_any, now) else {
                 break;
             };
             let share = self.reserve_above(b);
             // Held for its endpoint until pin_wait ran out, with still no room there: routing
             // should look for an endpoint with room for the band instead.
             let mut outwaited = None;
+            let mut held = false;
             if let Some(entry) = self.entries.get(&pick.id) {
                 if let Some(endpoint) = entry.affinity.clone() {
                     let sent = promised.get(&endpoint).copied().unwrap_or(0);
-                    if entry.held_since.get().is_some()
-                        && !inner.capacity.has_room(&endpoint, share, sent)
-                    {
+                    held = entry.held_since.get().is_some();
+                    if held && !inner.capacity.has_room(Some(&endpoint), share, sent) {
                         outwaited = Some(share);
                     }
                     *promised.entry(endpoint).or_default() += 1;
                 }
+            }
+            if outwaited.is_some() || share > 0.0 {
+                promised_any += 1;
             }
             if share > 0.0 {
                 if let Some(capacity) = inner.capacity.capacity() {
@@ -866,6 +878,11 @@ impl State {
             if let Some(mut delivery) = self.dispatch(inner, b, &pick, now) {
                 if let Ok(permit) = &mut delivery.1 {
                     permit.outwaited_pin = outwaited;
+                }
+                match (held, outwaited) {
+                    (_, Some(_)) => self.turns.outwaited += 1,
+                    (true, None) => self.turns.held += 1,
+                    (false, None) => {}
                 }
                 out.push_back(delivery);
             }
@@ -892,6 +909,7 @@ impl State {
         &self,
         capacity: &dyn CapacitySignal,
         promised: &HashMap<String, u64>,
+        promised_any: u64,
         now: Instant,
     ) -> Option<(usize, Pick)> {
         let pin_wait = self.config.pin_wait;
@@ -912,34 +930,30 @@ impl State {
             let head_start = band.head_start(self.config.aging, self.config.aging_follows_wait);
             let holds = band.spec.reserve <= 0.0 && !pin_wait.is_zero();
             let share = self.reserve_above(b);
+            // Below a reserve, a request needs an endpoint below its band's line.
+            let room_anywhere = || share <= 0.0 || capacity.has_room(None, share, promised_any);
             let placeable = |id: u64, outwaited_too: bool| {
                 let Some(entry) = self.entries.get(&id) else {
                     return true;
                 };
                 let Some(endpoint) = entry.affinity.as_deref().filter(|_| holds) else {
-                    return true;
+                    return room_anywhere();
                 };
                 let sent = promised.get(endpoint).copied().unwrap_or(0);
-                if capacity.has_room(endpoint, share, sent) {
+                if capacity.has_room(Some(endpoint), share, sent) {
                     return true;
                 }
                 let since = entry.held_since.get().unwrap_or_else(|| {
                     entry.held_since.set(Some(now));
                     now
                 });
-                outwaited_too && now.saturating_duration_since(since) >= pin_wait
+                outwaited_too && now.saturating_duration_since(since) >= pin_wait && room_anywhere()
             };
             // Requests whose endpoint has room first; a request that outwaited pin_wait moves
             // only into room nobody queued in this band wants.
-            band.pick(&enqueued_at, &eligible, head_start, |id| {
-                placeable(id, false)
-            })
-            .or_else(|| {
-                band.pick(&enqueued_at, &eligible, head_start, |id| {
-                    placeable(id, true)
-                })
-            })
-            .map(|pick| (b, pick))
+            band.pick(enqueued_at, eligible, head_start, |id| placeable(id, false))
+                .or_else(|| band.pick(enqueued_at, eligible, head_start, |id| placeable(id, true)))
+                .map(|pick| (b, pick))
         })
     }
 
@@ -951,6 +965,7 @@ impl State {
         now: Instant,
     ) -> Option<Delivery> {
         let weight = self.team_spec(&pick.team).map_or(1.0, |t| t.weight);
+        let held_share = self.reserve_above(b);
         let (cost, bytes) = match self.entries.get(&pick.id) {
             Some(entry) => (entry.cost, entry.bytes),
             None => (0, 0),
@@ -993,6 +1008,7 @@ impl State {
             band: band.spec.name.clone(),
             band_priority: band.spec.priority,
             band_reserves: band.spec.reserve > 0.0,
+            held_share,
             cost: entry.cost,
             session: entry.session,
             waited,

@@ -140,6 +140,11 @@ pub struct TurnWaits {
     pub new: WaitHistogram,
     /// New-session requests dispatched after aging promoted them.
     pub promoted: u64,
+    /// Requests held for a slot on their session's endpoint, then dispatched when it had room.
+    pub held: u64,
+    /// Requests held for their session's endpoint until `pin_wait` ran out, then dispatched to
+    /// be placed elsewhere ([`Permit::outwaited_pin`](super::Permit::outwaited_pin)).
+    pub outwaited: u64,
 }
 
 /// Everything the controller counts, at one instant.

@@ -89,6 +89,10 @@
 //!   a new session waits at most `H = k·W` behind arrival order.
 //!   The team's fair-queuing tag does not depend on which of its requests goes, so this order
 //!   never changes the team's share.
+//! - **Below a reserve, per endpoint.** In a band with a reserve above it, a request without
+//!   an endpoint of its own is placeable only while [`CapacitySignal::has_room`] finds some
+//!   endpoint below the band's line (more than this dispatch round already sent to such
+//!   endpoints), so the reserve holds on every endpoint rather than only over the pool.
 //! - **Turns wait for their endpoint.** A request whose session is pinned to an endpoint
 //!   ([`Ticket::affinity`]) in a band without a reserve of its own is placeable only while
 //!   [`CapacitySignal::has_room`] says that endpoint can take one more request of the band

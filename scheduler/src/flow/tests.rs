@@ -884,11 +884,11 @@ impl CapacitySignal for Endpoints {
         self.cap.can_dispatch(load)
     }
 
-    fn has_room(&self, endpoint: &str, held_share: f64, promised: u64) -> bool {
+    fn has_room(&self, endpoint: Option<&str>, held_share: f64, promised: u64) -> bool {
         self.asked_share
             .store(held_share.to_bits(), Ordering::Relaxed);
         let full = self.full.lock().unwrap();
-        promised == 0 && !full.iter().any(|e| e == endpoint)
+        promised == 0 && !full.iter().any(|e| Some(e.as_str()) == endpoint)
     }
 }
 
@@ -930,6 +930,8 @@ async fn a_turn_waits_for_its_pinned_endpoint_while_others_go_ahead() {
     let (label, second) = rx.recv().await.unwrap();
     assert_eq!(label, "to-e0");
     assert_eq!(second.outwaited_pin(), Some(0.0));
+    let turns = flow.snapshot().turns;
+    assert_eq!((turns.held, turns.outwaited), (0, 1));
     // With pin_wait 0 nothing is held: queue order.
     let mut config = self::config();
     config.pin_wait = Duration::ZERO;
