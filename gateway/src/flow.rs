@@ -78,9 +78,10 @@
 //! without a reserve it is dispatched only while that endpoint has room for it,
 //! `in_flight(e) + promised + floor(r * max_in_flight_per_endpoint) < max_in_flight_per_endpoint`
 //! (`r` the largest reserve above the band, `promised` what the same dispatch round already
-//! sent there), or, once it has been passed over for `[flow] pin_wait_s`, when no request of
-//! its band has room on its own endpoint; meanwhile requests for other endpoints go ahead. A turn dispatched after that wait asks routing for an
-//! endpoint below the same line (`PickRequest::free_slot_below`), so its pin breaks as for a
+//! sent there), or, once it has been passed over for `[flow] pin_wait_s`, to move to an
+//! endpoint with room when fair queuing picks its team (within the team, a turn whose endpoint
+//! has room goes first); meanwhile requests for other endpoints go ahead. A turn dispatched
+//! after that wait asks routing for an endpoint below the same line (`PickRequest::free_slot_below`), so its pin breaks as for a
 //! saturated endpoint when another has room. An endpoint that is unavailable or unknown always
 //! has room (routing re-pins the session), and so does every endpoint when the cap is 0.
 //!

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::capacity::{CapacitySignal, FlowLoad};
 use super::config::{ConfigError, FlowConfig, TeamSpec};
 use super::metrics::{BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits, WaitHistogram};
-use super::queue::{BandQueue, Entry, Pick, Reply, TurnKind};
+use super::queue::{BandQueue, Entry, Pick, Placeable, Reply, TurnKind};
 use super::rate_limit::{LocalRateLimiter, RateCost, RateLimiter, RateLimits, RateStatus};
 use super::rejection::{QueueLimit, Rejection};
 
@@ -903,8 +903,9 @@ impl State {
     /// The next request to dispatch. A request with an [`affinity`](Ticket::affinity), in a
     /// band without a reserve of its own, is placeable only while its endpoint has room for
     /// the band (its share is [`reserve_above`](Self::reserve_above), counting the requests
-    /// this pump already sent there), or, when no request of the band is placeable that way,
-    /// once it has been passed over for [`FlowConfig::pin_wait`].
+    /// this pump already sent there), or, to move elsewhere, once it has been passed over for
+    /// [`FlowConfig::pin_wait`]: fair queuing picks the team, and within it a request whose
+    /// endpoint has room goes before one that would move.
     fn pick(
         &self,
         capacity: &dyn CapacitySignal,
@@ -932,27 +933,30 @@ impl State {
             let share = self.reserve_above(b);
             // Below a reserve, a request needs an endpoint below its band's line.
             let room_anywhere = || share <= 0.0 || capacity.has_room(None, share, promised_any);
-            let placeable = |id: u64, outwaited_too: bool| {
+            let placeable = |id: u64| {
                 let Some(entry) = self.entries.get(&id) else {
-                    return true;
+                    return Placeable::Now;
                 };
                 let Some(endpoint) = entry.affinity.as_deref().filter(|_| holds) else {
-                    return room_anywhere();
+                    return match room_anywhere() {
+                        true => Placeable::Now,
+                        false => Placeable::No,
+                    };
                 };
                 let sent = promised.get(endpoint).copied().unwrap_or(0);
                 if capacity.has_room(Some(endpoint), share, sent) {
-                    return true;
+                    return Placeable::Now;
                 }
                 let since = entry.held_since.get().unwrap_or_else(|| {
                     entry.held_since.set(Some(now));
                     now
                 });
-                outwaited_too && now.saturating_duration_since(since) >= pin_wait && room_anywhere()
+                match now.saturating_duration_since(since) >= pin_wait && room_anywhere() {
+                    true => Placeable::Moving,
+                    false => Placeable::No,
+                }
             };
-            // Requests whose endpoint has room first; a request that outwaited pin_wait moves
-            // only into room nobody queued in this band wants.
-            band.pick(enqueued_at, eligible, head_start, |id| placeable(id, false))
-                .or_else(|| band.pick(enqueued_at, eligible, head_start, |id| placeable(id, true)))
+            band.pick(enqueued_at, eligible, head_start, placeable)
                 .map(|pick| (b, pick))
         })
     }

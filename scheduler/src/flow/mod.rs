@@ -100,9 +100,10 @@
 //!   round already sent it). An unplaceable request is passed over, and the next placeable one
 //!   in the same order goes (looking at most `PLACEABLE_SCAN` = 32 deep into each turn kind of
 //!   each team), until it has been passed over for [`FlowConfig::pin_wait`]. From then on it
-//!   may take room on another endpoint that no request of its band placeable by room wants
-//!   (those go first, so a slot goes to a turn whose cache is there whenever one waits), and
-//!   its permit says so ([`Permit::outwaited_pin`]) so that routing places it on an endpoint
+//!   may move to another endpoint with room: fair queuing still picks the team a free slot
+//!   serves (a team whose sessions are all pinned to busy endpoints is not starved by one
+//!   whose sessions sit where the room is), and within the team a turn whose cache is on the
+//!   endpoint goes before one that would move. Its permit says so ([`Permit::outwaited_pin`]) so that routing places it on an endpoint
 //!   with room for its band, breaking its pin as for a saturated endpoint. Holding first is
 //!   better on both counts than either alternative: dispatched to a full endpoint, the turn
 //!   queues in the engine (where bands no longer apply) while another endpoint idles, or takes

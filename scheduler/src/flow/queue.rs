@@ -105,6 +105,17 @@ pub(super) struct BandQueue {
 /// Weight of the newest wait in [`BandQueue::typical_wait_s`]: about the last 16 dispatches.
 pub(super) const WAIT_AVERAGE_WEIGHT: f64 = 1.0 / 16.0;
 
+/// Whether a queued request may be dispatched now ([`BandQueue::pick`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placeable {
+    /// Not now: its endpoint has no room and it has not waited long enough to move.
+    No,
+    /// Only by moving elsewhere: it waited out its endpoint (`pin_wait`).
+    Moving,
+    /// Yes: it has no endpoint of its own, or its endpoint has room.
+    Now,
+}
+
 /// How deep [`BandQueue::pick`] looks into a team's queue of one turn kind for an entry it
 /// may place: far enough to pass the requests waiting for a few busy endpoints, bounded so a
 /// pick stays cheap under a long queue.
@@ -189,21 +200,29 @@ impl BandQueue {
     /// with the smallest start tag (earliest arrival breaks ties); within it, the oldest
     /// continuing turn, unless the oldest new session arrived at least `aging` before it.
     /// Only entries `placeable` accepts count, looking at most [`PLACEABLE_SCAN`] deep into
-    /// each turn kind's queue: one whose endpoint has no room yet lets the next one go.
+    /// each turn kind's queue: one whose endpoint has no room yet lets the next one go. Of a
+    /// turn kind's entries, the first [`Placeable::Now`] counts, else the first
+    /// [`Placeable::Moving`], so fair queuing across teams decides which team a free slot
+    /// serves and, within the team, a request whose endpoint has room goes before one that
+    /// would have to move.
     pub fn pick(
         &self,
         enqueued_at: impl Fn(u64) -> Option<Instant>,
         eligible: impl Fn(&str) -> bool,
         aging: Duration,
-        placeable: impl Fn(u64) -> bool,
+        placeable: impl Fn(u64) -> Placeable,
     ) -> Option<Pick> {
         let mut best: Option<(f64, u64, Pick)> = None;
         let first = |queue: &VecDeque<u64>| {
-            queue
-                .iter()
-                .take(PLACEABLE_SCAN)
-                .copied()
-                .find(|&id| placeable(id))
+            let mut moving = None;
+            for &id in queue.iter().take(PLACEABLE_SCAN) {
+                match placeable(id) {
+                    Placeable::Now => return Some(id),
+                    Placeable::Moving if moving.is_none() => moving = Some(id),
+                    _ => {}
+                }
+            }
+            moving
         };
         for (team, flow) in &self.flows {
             if flow.is_empty() || !eligible(team) {
@@ -281,7 +300,12 @@ mod tests {
     ) -> Vec<(String, u64)> {
         let now = Instant::now();
         let mut order = Vec::new();
-        while let Some(pick) = q.pick(|_| Some(now), |_| true, Duration::from_secs(60), |_| true) {
+        while let Some(pick) = q.pick(
+            |_| Some(now),
+            |_| true,
+            Duration::from_secs(60),
+            |_| Placeable::Now,
+        ) {
             assert!(q.take(&pick, costs[&pick.id], weights[pick.team.as_str()], 0));
             order.push((pick.team, pick.id));
         }
@@ -316,7 +340,7 @@ mod tests {
         }
         for _ in 0..10 {
             let pick = q
-                .pick(|_| Some(now), |_| true, Duration::ZERO, |_| true)
+                .pick(|_| Some(now), |_| true, Duration::ZERO, |_| Placeable::Now)
                 .unwrap();
             q.take(&pick, 100, 1.0, 0);
         }
@@ -331,7 +355,7 @@ mod tests {
         let mut teams = Vec::new();
         for _ in 0..4 {
             let pick = q
-                .pick(|_| Some(now), |_| true, Duration::ZERO, |_| true)
+                .pick(|_| Some(now), |_| true, Duration::ZERO, |_| Placeable::Now)
                 .unwrap();
             q.take(&pick, 100, 1.0, 0);
             teams.push(pick.team);
@@ -350,10 +374,15 @@ mod tests {
         assert!(q.remove(2, "b", TurnKind::Continuing, 20));
         assert_eq!((q.queued, q.queued_bytes), (1, 10));
         assert!(q
-            .pick(|_| Some(now), |t| t != "a", Duration::ZERO, |_| true)
+            .pick(
+                |_| Some(now),
+                |t| t != "a",
+                Duration::ZERO,
+                |_| Placeable::Now
+            )
             .is_none());
         let pick = q
-            .pick(|_| Some(now), |_| true, Duration::ZERO, |_| true)
+            .pick(|_| Some(now), |_| true, Duration::ZERO, |_| Placeable::Now)
             .unwrap();
         assert_eq!(pick.id, 1);
         // A stale pick is not taken.

@@ -941,3 +941,39 @@ async fn a_turn_waits_for_its_pinned_endpoint_while_others_go_ahead() {
     let (label, _third) = rx.recv().await.unwrap();
     assert_eq!(label, "to-e1-again");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_team_pinned_to_busy_endpoints_still_gets_its_share_by_moving() {
+    let signal = Arc::new(Endpoints {
+        cap: MaxInFlight::new(0),
+        full: std::sync::Mutex::new(vec!["e0".into()]),
+        asked_share: AtomicU64::new(0),
+    });
+    let flow = FlowController::new(config(), signal.clone()).unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let turn = |team: &str, endpoint: &str| {
+        Ticket::new(team, 10)
+            .band("batch")
+            .continuing(true)
+            .affinity(endpoint)
+    };
+    // Team agents' sessions all sit on the busy e0, team bulk's on e1, which has room.
+    spawn_admit(&flow, turn("agents", "e0"), "agents-1", &tx);
+    for i in 1..=3 {
+        tokio::time::advance(Duration::from_millis(1)).await;
+        spawn_admit(&flow, turn("bulk", "e1"), format!("bulk-{i}"), &tx);
+    }
+    wait_queued(&flow, 4).await;
+    signal.cap.set_limit(1);
+    flow.notify();
+    let (label, _b1) = rx.recv().await.unwrap();
+    assert_eq!(label, "bulk-1", "agents' turn waits for e0 at first");
+    // Past pin_wait, a slot on e1 goes by fair queuing: agents has had nothing, so its turn
+    // moves there ahead of bulk's next, whose endpoint has room.
+    tokio::time::sleep(10 * SEC).await;
+    signal.cap.set_limit(2);
+    flow.notify();
+    let (label, moved) = rx.recv().await.unwrap();
+    assert_eq!(label, "agents-1");
+    assert_eq!(moved.outwaited_pin(), Some(0.0));
+}
