@@ -288,6 +288,7 @@ pub async fn create(
         ),
         permit: None,
         lineage: None,
+        admission_pin: None,
     };
     turn.lineage = turn::lineage_of(&turn.pool, &headers, turn.session.as_deref());
     // Admission comes after the request is prepared (its token estimate exists) and before
@@ -308,7 +309,9 @@ pub async fn create(
     let admission = match admission {
         Some(pending) if continuing => {
             let pin = turn::session_pin(&state, &turn.pool, turn.session.as_deref()).await;
-            Some(pending.with_affinity(pin.map(|p| p.endpoint)))
+            let endpoint = pin.as_ref().map(|p| p.endpoint.clone());
+            turn.admission_pin = Some(pin);
+            Some(pending.with_affinity(endpoint))
         }
         other => other,
     };

@@ -99,6 +99,11 @@ pub struct Turn {
     /// The session that spawned this call, when it comes from a sub-agent (see
     /// [`lineage_of`]); only pools with prefill endpoints use it.
     pub lineage: Option<Lineage>,
+    /// The session's pin as read from the store at admission, if it was read there (the
+    /// turn's affinity in flow control). Routing reuses it when the turn was dispatched
+    /// without waiting, and reads the store again otherwise: a queued turn's pin may have
+    /// moved meanwhile.
+    pub admission_pin: Option<Option<SessionPin>>,
 }
 
 /// The sub-agent lineage of a request to `pool` with these headers and session key, read as
@@ -169,6 +174,10 @@ pub async fn open_turn(
         if let (Some(priority), Some(body)) = (engine_priority, turn.plan.body.as_object_mut()) {
             body.insert("priority".into(), Value::from(priority));
         }
+        let known_pin = turn
+            .admission_pin
+            .clone()
+            .filter(|_| turn.permit.as_ref().is_some_and(|p| p.waited().is_zero()));
         let routed = open_upstream(
             state,
             &turn.pool,
@@ -177,6 +186,7 @@ pub async fn open_turn(
             named_session(turn),
             turn.lineage.as_ref(),
             room,
+            known_pin,
         );
         match routed.await {
             Err(e)
@@ -272,7 +282,9 @@ pub async fn session_pin(
 /// the store and the move counted with its cause. A pool with prefill endpoints splits long
 /// prompts (see the module doc); `lineage` says which session spawned a sub-agent's call, as
 /// its headers name it, and `named` whether `session` names more than this one request (a
-/// request whose key does not may not be found a parent by prefix).
+/// request whose key does not may not be found a parent by prefix). `known_pin` is the
+/// session's pin when it was just read (at admission); otherwise it is read from the store.
+#[allow(clippy::too_many_arguments)]
 pub async fn open_upstream(
     state: &AppState,
     pool: &Pool,
@@ -281,6 +293,7 @@ pub async fn open_upstream(
     named: bool,
     lineage: Option<&Lineage>,
     room: Room,
+    known_pin: Option<Option<SessionPin>>,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let endpoints = pool.endpoints();
     let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
@@ -293,7 +306,10 @@ pub async fn open_upstream(
             body,
             prompt_tokens,
             prefix,
-            pin: session_pin(state, pool, session).await,
+            pin: match known_pin {
+                Some(pin) => pin,
+                None => session_pin(state, pool, session).await,
+            },
             key: session,
             room,
         };

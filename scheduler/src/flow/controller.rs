@@ -145,7 +145,7 @@ impl Permit {
         self.outwaited_pin
     }
 
-    /// How long it waited in the queue.
+    /// How long it waited in the queue (exactly zero when it was dispatched on arrival).
     pub fn waited(&self) -> Duration {
         self.waited
     }
@@ -764,7 +764,8 @@ impl State {
                 reply,
             },
         );
-        self.pump(inner, out);
+        // Same instant as the arrival: a request dispatched at once waited exactly zero.
+        self.pump_at(inner, out, now);
         if self.entries.contains_key(&id) {
             let band = &self.bands[b];
             let over = if band.queued > band.spec.max_queued {
@@ -840,7 +841,11 @@ impl State {
     /// first, then fair queuing and turn order within it. A band dispatches only while the
     /// reserves of the bands above it stay free (see [`BandSpec::reserve`](super::BandSpec::reserve)).
     fn pump(&mut self, inner: &Arc<Inner>, out: &mut VecDeque<Delivery>) {
-        let now = Instant::now();
+        self.pump_at(inner, out, Instant::now());
+    }
+
+    /// [`pump`](Self::pump) at `now`.
+    fn pump_at(&mut self, inner: &Arc<Inner>, out: &mut VecDeque<Delivery>, now: Instant) {
         // Requests this pump sent toward each endpoint: routing has not counted them there yet.
         let mut promised: HashMap<String, u64> = HashMap::new();
         let mut promised_any = 0u64;
