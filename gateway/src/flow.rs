@@ -81,9 +81,10 @@
 //! sent there), or, once it has been passed over for `[flow] pin_wait_s`, to move to an
 //! endpoint with room when fair queuing picks its team (within the team, a turn whose endpoint
 //! has room goes first); meanwhile requests for other endpoints go ahead. A turn dispatched
-//! after that wait asks routing for an endpoint below the same line (`PickRequest::free_slot_below`), so its pin breaks as for a
-//! saturated endpoint when another has room. An endpoint that is unavailable or unknown always
-//! has room (routing re-pins the session), and so does every endpoint when the cap is 0.
+//! after that wait asks routing for an endpoint below the same line
+//! (`PickRequest::free_slot_below`), so its pin breaks as for a saturated endpoint when another
+//! has room. An endpoint that is unavailable or unknown always has room (routing re-pins the
+//! session), and so does every endpoint when the cap is 0.
 //!
 //! **Below a reserve.** A band below one with a reserve (share `r` > 0 above it) keeps the
 //! line on every endpoint, not only over the pool: its requests are dispatched only while some

@@ -23,7 +23,7 @@
 //!      named. A parent that never ran on its own agent id has no pins under that key; the
 //!      prefix index then finds its prefix.
 //!
-//! Header keys are built as [`crate::session_key`] builds them (trimmed, `h:` prefix, long or
+//! Header keys are built as [`crate::session_key()`] builds them (trimmed, `h:` prefix, long or
 //! unprintable values hashed), so a parent key equals the session key of the parent's own
 //! requests. The own key, when there is one, is what the sub-agent's own pins are stored
 //! under, apart from its siblings'; without one a sub-agent is placed by load every time.

@@ -24,16 +24,16 @@
 //! skipped turn and a lighter load than the one offered. With one team (agentic, chat, trace)
 //! no team or band is declared: the gateway runs open with its implicit band `default`.
 //!
-//! The gateway's per-endpoint cap (`max_in_flight_per_endpoint`) is the replicas'
-//! `max_num_seqs` divided among the gateways (rounded up), so the fleet runs at most what its
-//! engines batch and the rest waits in the gateway, where bands apply. With
-//! `--long-prefill-token-threshold T` and `--max-num-batched-tokens B`, bands below the
-//! interactive reserve keep fewer than `B / T` requests prefilling per endpoint
-//! (`max_prefilling_per_endpoint`, see [`FlowSetup::with_engine_chunking`]). Time-based settings are
-//! simulated durations converted to wall time with the replay's time scale (band TTLs,
-//! `turn_window_s` = [`TURN_WINDOW_S`], `aging_s` = [`AGING_S`], and the engines' metrics
-//! scrape, [`SCRAPE_INTERVAL_S`]), so the gateway sees the engines as often, and waits as
-//! long, in simulated time as it would in real time.
+//! The gateway's per-endpoint cap (`max_in_flight_per_endpoint`) is the replicas' `max_num_seqs`
+//! divided among the gateways (rounded up), so the fleet runs at most what its engines batch and
+//! the rest waits in the gateway, where bands apply. With `--long-prefill-token-threshold T` and
+//! `--max-num-batched-tokens B`, bands below the interactive reserve keep fewer than `B / T`
+//! requests prefilling per endpoint (`max_prefilling_per_endpoint`, see
+//! [`FlowSetup::with_engine_chunking`]). Time-based settings are simulated durations converted to
+//! wall time with the replay's time scale (band TTLs, `turn_window_s` = [`TURN_WINDOW_S`],
+//! `aging_s` = [`AGING_S`], `pin_wait_s` = [`PIN_WAIT_S`], and the engines' metrics scrape,
+//! [`SCRAPE_INTERVAL_S`]), so the gateway
+//! sees the engines as often, and waits as long, in simulated time as it would in real time.
 //!
 //! # Saturation
 //!

@@ -1,5 +1,5 @@
 //! The `run` subcommand: replays one workload against a fresh simulated fleet behind the gateway,
-//! once per row (routing policy, and the layouts and flow settings compared: [`rows`]), and
+//! once per row (routing policy, and the layouts and flow settings compared: [`rows()`]), and
 //! writes `summary.json`, `report.md` and SVG charts.
 //!
 //! For each row it starts the simulated vLLM replicas of its layout and the gateways in-process
@@ -39,7 +39,7 @@
 //! band, one with ten times the other's sessions.
 //!
 //! Each replay is a *row* of the summary: one per policy x layout x threshold x flow setting,
-//! plus the interactive team alone; [`rows`] gives their order and labels.
+//! plus the interactive team alone; [`rows()`] gives their order and labels.
 
 pub mod clock;
 pub mod flow;

@@ -17,7 +17,7 @@
 //! is replayed once.
 //!
 //! Every policy is replayed on every layout (and threshold); the rows and their labels
-//! (`session@agg`, `session@pd:2x2/t=2048`) are in [`super::rows`].
+//! (`session@agg`, `session@pd:2x2/t=2048`) are in [`super::rows()`].
 
 use std::collections::BTreeSet;
 use std::fmt;

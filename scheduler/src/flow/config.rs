@@ -166,9 +166,9 @@ pub struct FlowConfig {
     pub aging_follows_wait: bool,
     /// Longest a queued request whose session is pinned to an endpoint waits for a slot there
     /// (while requests for other endpoints go ahead) before it is dispatched to be placed on an
-    /// endpoint with room ([`Permit::outwaited_pin`](super::Permit::outwaited_pin)); counted
-    /// from when it was first passed over. `Duration::ZERO` dispatches in
-    /// queue order whatever the endpoint.
+    /// endpoint with room ([`Permit::outwaited_pin`](super::Permit::outwaited_pin)); counted from
+    /// when it was first passed over. `Duration::ZERO` dispatches in queue order whatever the
+    /// endpoint.
     pub pin_wait: Duration,
     /// Shedding curve for sheddable bands while saturated.
     pub shed_curve: ShedCurve,
@@ -177,7 +177,8 @@ pub struct FlowConfig {
 }
 
 impl FlowConfig {
-    /// Defaults for everything but bands and teams: 60 s turn window, 10 s aging, 10 s pin wait, shed always
+    /// Defaults for everything but bands and teams: 60 s turn window, 10 s aging, 10 s pin
+    /// wait, shed always
     /// when saturated, retry after 1 s.
     pub fn new(bands: Vec<BandSpec>, teams: Vec<TeamSpec>) -> Self {
         FlowConfig {

@@ -95,24 +95,23 @@
 //!   endpoints), so the reserve holds on every endpoint rather than only over the pool.
 //! - **Turns wait for their endpoint.** A request whose session is pinned to an endpoint
 //!   ([`Ticket::affinity`]) in a band without a reserve of its own is placeable only while
-//!   [`CapacitySignal::has_room`] says that endpoint can take one more request of the band
-//!   (leaving the reserves of the bands above it free there, and counting what this dispatch
-//!   round already sent it). An unplaceable request is passed over, and the next placeable one
-//!   in the same order goes (looking at most `PLACEABLE_SCAN` = 32 deep into each turn kind of
-//!   each team), until it has been passed over for [`FlowConfig::pin_wait`]. From then on it
-//!   may move to another endpoint with room: fair queuing still picks the team a free slot
-//!   serves (a team whose sessions are all pinned to busy endpoints is not starved by one
-//!   whose sessions sit where the room is), and within the team a turn whose cache is on the
-//!   endpoint goes before one that would move. Its permit says so ([`Permit::outwaited_pin`]) so that routing places it on an endpoint
-//!   with room for its band, breaking its pin as for a saturated endpoint. Holding first is
-//!   better on both counts than either alternative: dispatched to a full endpoint, the turn
-//!   queues in the engine (where bands no longer apply) while another endpoint idles, or takes
-//!   the slots a higher band's reserve keeps there, so that band's pinned sessions lose their
-//!   endpoint; moved at once, it recomputes its whole context though a slot on its own
-//!   endpoint is usually a few seconds away. `pin_wait` bounds the hold, so a session whose
-//!   endpoint stays full (more sessions pinned there than it serves) moves, as the
-//!   sticky-until-saturated rule wants; the engine's own queue would never show that
-//!   saturation while the gateway holds the turns.
+//!   [`CapacitySignal::has_room`] says that endpoint can take one more request of the band (leaving
+//!   the reserves of the bands above it free there, and counting what this dispatch round already
+//!   sent it). An unplaceable request is passed over, and the next placeable one in the same order
+//!   goes (looking at most `PLACEABLE_SCAN` = 32 deep into each turn kind of each team), until it
+//!   has been passed over for [`FlowConfig::pin_wait`]. From then on it may move to another
+//!   endpoint with room: fair queuing still picks the team a free slot serves (a team whose
+//!   sessions are all pinned to busy endpoints is not starved by one whose sessions sit where the
+//!   room is), and within the team a turn whose cache is on the endpoint goes before one that would
+//!   move. Its permit says so ([`Permit::outwaited_pin`]) so that routing places it on an endpoint
+//!   with room for its band, breaking its pin as for a saturated endpoint. Holding first is better
+//!   on both counts than either alternative: dispatched to a full endpoint, the turn queues in the
+//!   engine (where bands no longer apply) while another endpoint idles, or takes the slots a higher
+//!   band's reserve keeps there, so that band's pinned sessions lose their endpoint; moved at once,
+//!   it recomputes its whole context though a slot on its own endpoint is usually a few seconds
+//!   away. `pin_wait` bounds the hold, so a session whose endpoint stays full (more sessions pinned
+//!   there than it serves) moves, as the sticky-until-saturated rule wants; the engine's own queue
+//!   would never show that saturation while the gateway holds the turns.
 //!
 //! # Permits, cancellation, leaks
 //!

@@ -35,7 +35,8 @@ pub(super) struct Entry {
     pub session: Option<String>,
     pub kind: TurnKind,
     pub enqueued_at: Instant,
-    /// The endpoint the request is expected to go to ([`Ticket::affinity`](super::Ticket::affinity)).
+    /// The endpoint the request is expected to go to
+    /// ([`Ticket::affinity`](super::Ticket::affinity)).
     pub affinity: Option<String>,
     /// When a pick first passed the request over because its endpoint had no room.
     pub held_since: Cell<Option<Instant>>,
@@ -203,8 +204,8 @@ impl BandQueue {
     /// each turn kind's queue: one whose endpoint has no room yet lets the next one go. Of a
     /// turn kind's entries, the first [`Placeable::Now`] counts, else the first
     /// [`Placeable::Moving`], so fair queuing across teams decides which team a free slot
-    /// serves and, within the team, a request whose endpoint has room goes before one that
-    /// would have to move.
+    /// serves and, among a team's requests of one kind, one whose endpoint has room goes
+    /// before one that would have to move (turn-first order between the kinds is unchanged).
     pub fn pick(
         &self,
         enqueued_at: impl Fn(u64) -> Option<Instant>,
@@ -257,8 +258,8 @@ impl BandQueue {
         best.map(|(_, _, pick)| pick)
     }
 
-    /// Dequeue `pick` (which [`pick`](Self::pick) just returned; not necessarily the head) and charge its team
-    /// `cost / weight` of virtual time.
+    /// Dequeue `pick` (which [`pick`](Self::pick) just returned; not necessarily the head) and
+    /// charge its team `cost / weight` of virtual time.
     pub fn take(&mut self, pick: &Pick, cost: u64, weight: f64, bytes: u64) -> bool {
         let Some(flow) = self.flows.get_mut(&pick.team) else {
             return false;
