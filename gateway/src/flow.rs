@@ -226,10 +226,9 @@ impl CapacitySignal for PoolCapacity {
         if per == 0 && prefilling == 0 {
             return true;
         }
-        // Rounded down per endpoint; the pool-wide reserve rounds up (module doc).
-        let held = (held_share.clamp(0.0, 1.0) * per as f64).floor() as u64;
+        let line = band_line(per, held_share);
         let fits = |e: &Endpoint, promised: u64| {
-            (per == 0 || e.in_flight_requests() + promised + held < per)
+            (per == 0 || e.in_flight_requests() + promised < line)
                 && (prefilling == 0 || e.prefilling_requests() + promised < prefilling)
         };
         let endpoints = self.pool.endpoints();
@@ -260,6 +259,14 @@ impl CapacitySignal for PoolCapacity {
             }
         }
     }
+}
+
+/// Requests of a band that leaves `held_share` of each endpoint's slots to the bands above it
+/// may have in flight on one endpoint under the per-endpoint cap `cap`: `cap - floor(share *
+/// cap)`. Rounded down per endpoint, so an endpoint of one slot still serves lower bands; the
+/// pool-wide reserve rounds up (module doc).
+pub fn band_line(cap: u64, held_share: f64) -> u64 {
+    cap.saturating_sub((held_share.clamp(0.0, 1.0) * cap as f64).floor() as u64)
 }
 
 /// Team rate limits kept in the store (see the module doc): shared by every gateway on the

@@ -347,14 +347,13 @@ impl Room {
     /// endpoint below its line, `cap - floor(share * cap)`, with fewer than `max_prefilling`
     /// requests prefilling when it is below a reserve.
     pub fn for_permit(permit: &Permit, cap: u64, max_prefilling: u64) -> Room {
-        let share = permit.held_share().clamp(0.0, 1.0);
-        let line = cap.saturating_sub((share * cap as f64).floor() as u64);
+        let share = permit.held_share();
         let free_slot_below = if cap == 0 {
             None
         } else if permit.band_reserves() {
             Some(cap)
         } else if share > 0.0 || permit.outwaited_pin().is_some() {
-            Some(line)
+            Some(flow::band_line(cap, share))
         } else {
             None
         };

@@ -272,35 +272,12 @@ mod tests {
         let endpoints: Vec<Arc<Endpoint>> = (0..3)
             .map(|i| Arc::new(Endpoint::new(format!("p/{i}"), "http://x").with_slot(i)))
             .collect();
-        let _busy: Vec<_> = [0, 0, 1, 2, 2]
+        let mut running: Vec<_> = [0, 0, 1, 2, 2]
             .iter()
             .map(|&i| endpoints[i].begin(10, 10))
             .collect();
         let reports = vec![None; endpoints.len()];
-        let keep = |free_slot_below: Option<u64>| {
-            let request = PickRequest {
-                free_slot_below,
-                ..PickRequest::default()
-            };
-            let view = PoolView {
-                endpoints: &endpoints,
-                request: &request,
-                now: Instant::now(),
-                reports: &reports,
-            };
-            let mut candidates: Vec<usize> = (0..3).collect();
-            PreferFreeSlot.filter(&view, &mut candidates);
-            candidates
-        };
-        assert_eq!(keep(Some(2)), [1]);
-        assert_eq!(keep(Some(3)), [0, 1, 2]);
-        assert_eq!(keep(Some(1)), [0, 1, 2], "all full: all stay");
-        assert_eq!(keep(None), [0, 1, 2]);
-        // Endpoint 1's request got its first token: below 1 prefilling, only 1 passes; with a
-        // free slot below 2 as well, still only 1.
-        let mut running = _busy;
-        running[2].prefill_done();
-        let keep_prefilling = |prefilling_below: Option<u64>, free_slot_below| {
+        let keep_both = |free_slot_below: Option<u64>, prefilling_below: Option<u64>| {
             let request = PickRequest {
                 free_slot_below,
                 prefilling_below,
@@ -316,6 +293,16 @@ mod tests {
             PreferFreeSlot.filter(&view, &mut candidates);
             candidates
         };
+        let keep = |free_slot_below| keep_both(free_slot_below, None);
+        assert_eq!(keep(Some(2)), [1]);
+        assert_eq!(keep(Some(3)), [0, 1, 2]);
+        assert_eq!(keep(Some(1)), [0, 1, 2], "all full: all stay");
+        assert_eq!(keep(None), [0, 1, 2]);
+        // Endpoint 1's request got its first token: below 1 prefilling, only 1 passes; with a
+        // free slot below 2 as well, still only 1.
+        running[2].prefill_done();
+        let keep_prefilling =
+            |prefilling_below, free_slot_below| keep_both(free_slot_below, prefilling_below);
         assert_eq!(keep_prefilling(Some(1), None), [1]);
         assert_eq!(keep_prefilling(Some(1), Some(2)), [1]);
         assert_eq!(

@@ -36,6 +36,11 @@ fn team(name: &str, extra: &str) -> String {
     )
 }
 
+/// Teams `chat` (default band `interactive`) and `bulk` (default band `batch`).
+fn chat_and_bulk() -> String {
+    team("chat", "default_band = \"interactive\"") + &team("bulk", "default_band = \"batch\"")
+}
+
 fn snapshot(gw: &Gateway) -> FlowSnapshot {
     gw.state()
         .flow
@@ -172,9 +177,8 @@ async fn a_client_that_leaves_while_queued_takes_its_request_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_higher_band_goes_first_when_room_opens() {
     let extra = format!(
-        "{STILL}[flow]\nmax_in_flight_per_endpoint = 1\n{BANDS}{}{}",
-        team("chat", "default_band = \"interactive\""),
-        team("bulk", "default_band = \"batch\""),
+        "{STILL}[flow]\nmax_in_flight_per_endpoint = 1\n{BANDS}{}",
+        chat_and_bulk(),
     );
     let fleet = Fleet::of(1).extra(&extra).start().await;
     let gw = fleet.gateway();
@@ -214,10 +218,9 @@ async fn a_higher_band_goes_first_when_room_opens() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sheddable_band_is_shed_only_while_saturated() {
     let extra = format!(
-        "{STILL}{}{}{}",
+        "{STILL}{}{}",
         BANDS.replace("priority = 0\n", "priority = 0\nsheddable = true\n"),
-        team("chat", "default_band = \"interactive\""),
-        team("bulk", "default_band = \"batch\""),
+        chat_and_bulk(),
     );
     let fleet = Fleet::of(1).extra(&extra).start().await;
     let gw = fleet.gateway();
@@ -726,9 +729,8 @@ async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
     // 4 replicas x 1 slot; a quarter held for interactive: batch may run 3
     let bands = BANDS.replace("priority = 10\n", "priority = 10\nreserve = 0.25\n");
     let extra = format!(
-        "engine_priority = true\n{STILL}[flow]\nmax_in_flight_per_endpoint = 1\n{bands}{}{}",
-        team("chat", "default_band = \"interactive\""),
-        team("bulk", "default_band = \"batch\""),
+        "engine_priority = true\n{STILL}[flow]\nmax_in_flight_per_endpoint = 1\n{bands}{}",
+        chat_and_bulk(),
     );
     let fleet = Fleet::over(sims).extra(&extra).start().await;
     let gw = fleet.gateway();
@@ -886,9 +888,8 @@ async fn a_band_below_a_reserve_leaves_prefill_room_for_the_band_above() {
     let bands = BANDS.replace("priority = 10\n", "priority = 10\nreserve = 0.25\n");
     for limit in [1, 0] {
         let extra = format!(
-            "{STILL}[flow]\nmax_in_flight_per_endpoint = 4\nmax_prefilling_per_endpoint = {limit}\n{bands}{}{}",
-            team("chat", "default_band = \"interactive\""),
-            team("bulk", "default_band = \"batch\""),
+            "{STILL}[flow]\nmax_in_flight_per_endpoint = 4\nmax_prefilling_per_endpoint = {limit}\n{bands}{}",
+            chat_and_bulk(),
         );
         let fleet = Fleet::of(1).extra(&extra).start().await;
         let gw = fleet.gateway();

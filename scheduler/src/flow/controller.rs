@@ -856,25 +856,21 @@ impl State {
             let share = self.reserve_above(b);
             // Held for its endpoint until pin_wait ran out, with still no room there: routing
             // should look for an endpoint with room for the band instead.
-            let mut outwaited = None;
+            let outwaited = pick.moving.then_some(share);
             let mut held = false;
             if let Some(entry) = self.entries.get(&pick.id) {
-                if let Some(endpoint) = entry.affinity.clone() {
-                    let sent = promised.get(&endpoint).copied().unwrap_or(0);
-                    held = entry.held_since.get().is_some();
-                    if held && !inner.capacity.has_room(Some(&endpoint), share, sent) {
-                        outwaited = Some(share);
-                    }
-                    *promised.entry(endpoint).or_default() += 1;
+                held = entry.held_since.get().is_some();
+                if let Some(endpoint) = &entry.affinity {
+                    *promised.entry(endpoint.clone()).or_default() += 1;
                 }
             }
-            if outwaited.is_some() || share > 0.0 {
+            if pick.moving || share > 0.0 {
                 promised_any += 1;
             }
             if share > 0.0 {
                 if let Some(capacity) = inner.capacity.capacity() {
-                    let held = (share * capacity as f64).ceil() as u64;
-                    if self.in_flight.saturating_add(held) >= capacity {
+                    let reserved = (share * capacity as f64).ceil() as u64;
+                    if self.in_flight.saturating_add(reserved) >= capacity {
                         // every band below `b` holds back at least as much
                         break;
                     }

@@ -77,6 +77,8 @@ pub(super) struct Pick {
     pub id: u64,
     /// A new session going ahead of a waiting continuing turn because it aged.
     pub promoted: bool,
+    /// Placeable only by moving off its endpoint ([`Placeable::Moving`]).
+    pub moving: bool,
 }
 
 /// Counters of one band.
@@ -214,12 +216,13 @@ impl BandQueue {
         placeable: impl Fn(u64) -> Placeable,
     ) -> Option<Pick> {
         let mut best: Option<(f64, u64, Pick)> = None;
+        // The first entry placeable now, else the first that would move (and whether it would).
         let first = |queue: &VecDeque<u64>| {
             let mut moving = None;
             for &id in queue.iter().take(PLACEABLE_SCAN) {
                 match placeable(id) {
-                    Placeable::Now => return Some(id),
-                    Placeable::Moving if moving.is_none() => moving = Some(id),
+                    Placeable::Now => return Some((id, false)),
+                    Placeable::Moving if moving.is_none() => moving = Some((id, true)),
                     _ => {}
                 }
             }
@@ -236,8 +239,8 @@ impl BandQueue {
                 (Some(new_at), Some(cont_at)) => new_at + aging <= cont_at,
                 _ => n < c,
             };
-            let (id, kind, promoted) = match (first(&flow.continuing), first(&flow.new)) {
-                (Some(c), Some(n)) if n < c && head_start(n, c) => (n, TurnKind::New, true),
+            let ((id, moving), kind, promoted) = match (first(&flow.continuing), first(&flow.new)) {
+                (Some(c), Some(n)) if n.0 < c.0 && head_start(n.0, c.0) => (n, TurnKind::New, true),
                 (Some(c), _) => (c, TurnKind::Continuing, false),
                 (None, Some(n)) => (n, TurnKind::New, false),
                 (None, None) => continue,
@@ -251,6 +254,7 @@ impl BandQueue {
                     kind,
                     id,
                     promoted,
+                    moving,
                 };
                 best = Some((flow.finish, id, pick));
             }

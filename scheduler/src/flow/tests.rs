@@ -879,6 +879,17 @@ struct Endpoints {
     asked_share: AtomicU64,
 }
 
+impl Endpoints {
+    /// No request slots yet; `endpoint` full.
+    fn with_full(endpoint: &str) -> Arc<Self> {
+        Arc::new(Endpoints {
+            cap: MaxInFlight::new(0),
+            full: std::sync::Mutex::new(vec![endpoint.into()]),
+            asked_share: AtomicU64::new(0),
+        })
+    }
+}
+
 impl CapacitySignal for Endpoints {
     fn can_dispatch(&self, load: &FlowLoad) -> bool {
         self.cap.can_dispatch(load)
@@ -894,11 +905,7 @@ impl CapacitySignal for Endpoints {
 
 #[tokio::test(start_paused = true)]
 async fn a_turn_waits_for_its_pinned_endpoint_while_others_go_ahead() {
-    let signal = Arc::new(Endpoints {
-        cap: MaxInFlight::new(0),
-        full: std::sync::Mutex::new(vec!["e0".into()]),
-        asked_share: AtomicU64::new(0),
-    });
+    let signal = Endpoints::with_full("e0");
     let mut config = config();
     config.pin_wait = 10 * SEC;
     let flow = FlowController::new(config, signal.clone()).unwrap();
@@ -944,11 +951,7 @@ async fn a_turn_waits_for_its_pinned_endpoint_while_others_go_ahead() {
 
 #[tokio::test(start_paused = true)]
 async fn a_team_pinned_to_busy_endpoints_still_gets_its_share_by_moving() {
-    let signal = Arc::new(Endpoints {
-        cap: MaxInFlight::new(0),
-        full: std::sync::Mutex::new(vec!["e0".into()]),
-        asked_share: AtomicU64::new(0),
-    });
+    let signal = Endpoints::with_full("e0");
     let flow = FlowController::new(config(), signal.clone()).unwrap();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let turn = |team: &str, endpoint: &str| {
