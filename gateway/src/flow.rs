@@ -73,12 +73,22 @@
 //! waiting in an engine whose batch is full. With `engine_priority` on a pool, requests also
 //! carry their band's priority to the engines, whose own queues then order by band.
 //!
+//! A reserve is held per endpoint, so it covers a band's bursts only where the band's sessions
+//! are spread. Under a policy that pins sessions, a new session of a band with a reserve goes
+//! to an endpoint with the fewest of such bands' turns routed lately, within one
+//! (`PickRequest::spread_window`, decayed over `[flow] turn_window_s`; every such turn routed
+//! is counted on its endpoint); prefix and load choose among those. And when the bands below
+//! keep few prompts prefilling (`[flow] max_prefilling_per_endpoint`), such a request's prompt
+//! shares every engine step with theirs rather than waiting behind them, so its pin is not
+//! broken by the wait rule (`PickRequest::prefill_not_queued`), only by an endpoint that is
+//! unavailable, saturated or out of free slots.
+//!
 //! **Turns wait for their endpoint.** A continuing turn whose session is pinned carries the
 //! pinned endpoint as its ticket's affinity (read from the store at admission). In a band
 //! without a reserve it is dispatched only while that endpoint has room for it,
 //! `in_flight(e) + promised + floor(r * max_in_flight_per_endpoint) < max_in_flight_per_endpoint`
 //! (`r` the largest reserve above the band, `promised` what the same dispatch round already
-//! sent there), or, once it has been passed over for `[flow] pin_wait_s`, to move to an
+//! sent there) and it is not saturated (while the engines' figures are known), or, once it has been passed over for `[flow] pin_wait_s`, to move to an
 //! endpoint with room when fair queuing picks its team (within the team, a turn whose endpoint
 //! has room goes first); meanwhile requests for other endpoints go ahead. A turn dispatched
 //! after that wait asks routing for an endpoint below the same line
@@ -184,6 +194,24 @@ impl PoolCapacity {
         if serving.is_empty() {
             return None;
         }
+        let known = self.engine_figures_known(&serving, now);
+        let per = match self.per_endpoint.load(Ordering::Relaxed) {
+            0 => u64::MAX,
+            n => n,
+        };
+        Some(serving.iter().fold(0u64, |total, e| {
+            let saturated = known && e.saturated(&self.pool.saturation, now);
+            total.saturating_add(if saturated {
+                e.in_flight_requests()
+            } else {
+                per
+            })
+        }))
+    }
+
+    /// Whether the engines' scraped figures say anything: false when metrics are expected and
+    /// every endpoint's are stale or missing (a metrics outage), when only the cap applies.
+    fn engine_figures_known(&self, serving: &[&Arc<Endpoint>], now: Instant) -> bool {
         let limits = &self.pool.saturation;
         let stale = |e: &Endpoint| {
             limits.staleness.is_some_and(|max| {
@@ -191,19 +219,7 @@ impl PoolCapacity {
                     .is_none_or(|r| now.saturating_duration_since(r.at) > max)
             })
         };
-        let engine_figures_known = !serving.iter().all(|e| stale(e));
-        let per = match self.per_endpoint.load(Ordering::Relaxed) {
-            0 => u64::MAX,
-            n => n,
-        };
-        Some(serving.iter().fold(0u64, |total, e| {
-            let saturated = engine_figures_known && e.saturated(limits, now);
-            total.saturating_add(if saturated {
-                e.in_flight_requests()
-            } else {
-                per
-            })
-        }))
+        !serving.iter().all(|e| stale(e))
     }
 }
 
@@ -227,24 +243,26 @@ impl CapacitySignal for PoolCapacity {
             return true;
         }
         let line = band_line(per, held_share);
+        let endpoints = self.pool.endpoints();
+        let serving: Vec<&Arc<Endpoint>> = endpoints
+            .iter()
+            .filter(|e| e.is_available() && e.role != Role::Prefill)
+            .collect();
+        let now = Instant::now();
+        let known = self.engine_figures_known(&serving, now);
         let fits = |e: &Endpoint, promised: u64| {
             (per == 0 || e.in_flight_requests() + promised < line)
                 && (prefilling == 0 || e.prefilling_requests() + promised < prefilling)
+                && !(known && e.saturated(&self.pool.saturation, now))
         };
-        let endpoints = self.pool.endpoints();
         match endpoint {
             Some(name) => match endpoints.iter().find(|e| e.name == name) {
                 Some(e) if e.is_available() => fits(e, promised),
                 _ => true,
             },
             None => {
-                let serving = || {
-                    endpoints
-                        .iter()
-                        .filter(|e| e.is_available() && e.role != Role::Prefill)
-                };
-                let free = serving().filter(|e| fits(e, 0)).count() as u64;
-                free > promised || serving().next().is_none()
+                let free = serving.iter().filter(|e| fits(e, 0)).count() as u64;
+                free > promised || serving.is_empty()
             }
         }
     }
@@ -402,6 +420,7 @@ struct Settings {
     enabled: bool,
     service_tier: BTreeMap<String, String>,
     default_max_output_tokens: u64,
+    turn_window: Duration,
 }
 
 impl Settings {
@@ -410,6 +429,7 @@ impl Settings {
             enabled: config.flow.enabled,
             service_tier: config.flow.service_tier.clone(),
             default_max_output_tokens: config.flow.default_max_output_tokens,
+            turn_window: Duration::try_from_secs_f64(config.flow.turn_window_s).unwrap_or_default(),
         }
     }
 }
@@ -549,6 +569,11 @@ impl FlowControl {
     /// (`[flow] max_prefilling_per_endpoint`; 0 = no limit).
     pub fn max_prefilling_per_endpoint(&self) -> u64 {
         self.max_prefilling.load(Ordering::Relaxed)
+    }
+
+    /// How long a session counts as active after a turn (`[flow] turn_window_s`).
+    pub fn turn_window(&self) -> Duration {
+        self.settings().turn_window
     }
 
     /// Whether requests are admitted through flow control (`[flow] enabled`).
@@ -801,6 +826,9 @@ mod tests {
             gateway_in_flight: 0,
         });
         assert_eq!(cap.capacity(now), Some(3 + 2));
+        // A turn pinned there waits though the cap has a slot left; the other has room.
+        assert!(!cap.has_room(Some(&eps[0].name), 0.0, 0));
+        assert!(cap.has_room(Some(&eps[1].name), 0.0, 0));
         let load = |in_flight, queued| FlowLoad {
             in_flight,
             in_flight_tokens: 0,

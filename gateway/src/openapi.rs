@@ -249,6 +249,14 @@ fn create_headers() -> Value {
         ),
     );
     headers.insert(
+        crate::responses::PIN_MOVED_HEADER.into(),
+        header(
+            "Present when the session was pinned to another endpoint and moved: why \
+             (`unavailable`, `saturated`, `wait`, `outscored` or `failed`).",
+            "string",
+        ),
+    );
+    headers.insert(
         crate::flow::BAND_HEADER.into(),
         header("The flow-control band the request ran in.", "string"),
     );

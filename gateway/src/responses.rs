@@ -217,6 +217,10 @@ fn json_with_endpoint(value: Value, endpoint: Option<&Endpoint>) -> Response {
 /// Header naming what decided the endpoint: `pin`, `prefix`, `load` or `round_robin`.
 pub const ROUTE_REASON_HEADER: &str = "x-agentgate-route-reason";
 
+/// Header present when the request's session was pinned to another endpoint and moved: why
+/// (`unavailable`, `saturated`, `wait`, `outscored`, `failed`; see `agentgate_scheduler::pin`).
+pub const PIN_MOVED_HEADER: &str = "x-agentgate-pin-moved";
+
 /// The request's session key (configured header, agents' native headers, `prompt_cache_key`,
 /// the root of its `previous_response_id` chain, `conversation`). A stored first turn with none
 /// of these is the root of the chain its successors will form, so it is keyed by its own id.
@@ -357,7 +361,7 @@ pub async fn create(
     }
     let (chunks, in_flight) = turn::open_turn(&state, &mut turn).await?;
     let endpoint = in_flight.endpoint().clone();
-    let reason = in_flight.reason;
+    let reason = (in_flight.reason, in_flight.pin_moved);
     if req.stream {
         let (tx, rx) = mpsc::channel(256);
         tokio::spawn(turn::drive(
@@ -398,9 +402,16 @@ pub async fn create(
     Ok(with_headers(resp, flow_headers))
 }
 
-fn with_reason(mut resp: Response, reason: &'static str) -> Response {
+fn with_reason(
+    mut resp: Response,
+    (reason, pin_moved): (&'static str, Option<&'static str>),
+) -> Response {
     resp.headers_mut()
         .insert(ROUTE_REASON_HEADER, HeaderValue::from_static(reason));
+    if let Some(cause) = pin_moved {
+        resp.headers_mut()
+            .insert(PIN_MOVED_HEADER, HeaderValue::from_static(cause));
+    }
     resp
 }
 

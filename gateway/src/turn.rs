@@ -40,7 +40,7 @@
 //! of it when it was sent).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
 use bytes::Bytes;
@@ -163,6 +163,10 @@ pub async fn open_turn(
                 p,
                 state.flow.max_in_flight_per_endpoint(),
                 state.flow.max_prefilling_per_endpoint(),
+                turn.pool
+                    .policy
+                    .uses_pins()
+                    .then(|| state.flow.turn_window()),
             )
         })
         .unwrap_or_default();
@@ -230,6 +234,9 @@ pub struct Routed {
     pub prefix: Vec<u64>,
     /// Why this endpoint: `pin`, `prefix`, `load` or `round_robin` (the scorer that decided).
     pub reason: &'static str,
+    /// Why the session's pin moved to this endpoint (`unavailable`, `saturated`, `wait`,
+    /// `outscored`, `failed`), when it pointed elsewhere.
+    pub pin_moved: Option<&'static str>,
     /// When the request was sent to the endpoint.
     pub sent: Instant,
     /// Pending prefill tokens queued ahead of it on the endpoint when it was sent.
@@ -338,6 +345,13 @@ pub struct Room {
     pub free_slot_below: Option<u64>,
     /// Prefer endpoints with fewer of this gateway's requests waiting for a first token.
     pub prefilling_below: Option<u64>,
+    /// A band with a reserve under a policy that pins sessions: new sessions spread by the
+    /// reserved turns routed lately, counted over this window (`PickRequest::spread_window`),
+    /// and every turn routed is counted.
+    pub spread_window: Option<Duration>,
+    /// The band has a reserve and the bands below keep few prompts prefilling per endpoint:
+    /// its prompts share engine steps rather than wait (`PickRequest::prefill_not_queued`).
+    pub prefill_not_queued: bool,
 }
 
 impl Room {
@@ -345,8 +359,14 @@ impl Room {
     /// `max_prefilling` (0: none). A band with a reserve looks for a free slot under the cap;
     /// a band below one (and a turn that waited out `pin_wait` for its full endpoint) for an
     /// endpoint below its line, `cap - floor(share * cap)`, with fewer than `max_prefilling`
-    /// requests prefilling when it is below a reserve.
-    pub fn for_permit(permit: &Permit, cap: u64, max_prefilling: u64) -> Room {
+    /// requests prefilling when it is below a reserve. `spread_window`: the turn window, when the
+    /// pool's policy pins sessions.
+    pub fn for_permit(
+        permit: &Permit,
+        cap: u64,
+        max_prefilling: u64,
+        spread_window: Option<Duration>,
+    ) -> Room {
         let share = permit.held_share();
         let free_slot_below = if cap == 0 {
             None
@@ -361,6 +381,8 @@ impl Room {
         Room {
             free_slot_below,
             prefilling_below,
+            spread_window: spread_window.filter(|_| permit.band_reserves()),
+            prefill_not_queued: permit.band_reserves() && max_prefilling > 0,
         }
     }
 }
@@ -427,6 +449,8 @@ async fn open_local(
                     role: None,
                     free_slot_below: placement.room.free_slot_below,
                     prefilling_below: placement.room.prefilling_below,
+                    spread_window: placement.room.spread_window,
+                    prefill_not_queued: placement.room.prefill_not_queued,
                 };
                 match pool.picker.pick(view, &request) {
                     Some(pick) => pick,
@@ -446,13 +470,16 @@ async fn open_local(
         {
             Ok(stream) => {
                 pool.picker.routed(ep.slot, &placement.prefix);
+                if let Some(window) = placement.room.spread_window {
+                    ep.note_reserved_turn(sent, window);
+                }
                 state
                     .metrics
                     .routing_decision(&pool.name, &ep.name, pick.reason.as_str());
+                let mut pin_moved = None;
                 if let Some(key) = placement.key.filter(|_| pool.policy.uses_pins()) {
-                    if let Some(cause) =
-                        repin(state, pool, key, placement.pin.as_ref(), ep, pick.pin).await
-                    {
+                    pin_moved = repin(state, pool, key, placement.pin.as_ref(), ep, pick.pin).await;
+                    if let Some(cause) = pin_moved {
                         state.metrics.pin_moved(&pool.name, cause);
                     }
                 }
@@ -471,6 +498,7 @@ async fn open_local(
                         matched_chunks: pick.matched_chunks,
                         prefix: placement.prefix,
                         reason: pick.reason.as_str(),
+                        pin_moved,
                         sent,
                         ahead,
                         prefill: None,
@@ -581,6 +609,8 @@ async fn open_split(
         role: None,
         free_slot_below: placement.room.free_slot_below,
         prefilling_below: placement.room.prefilling_below,
+        spread_window: placement.room.spread_window,
+        prefill_not_queued: placement.room.prefill_not_queued,
     };
     let Some(mut decode) = pool.picker.pick(&decode_view, &request) else {
         return Err(no_endpoint(pool, "no available decode endpoint"));
@@ -672,13 +702,16 @@ async fn open_split(
                     usage.cached_tokens,
                 );
             }
+            if let Some(window) = placement.room.spread_window {
+                d.note_reserved_turn(sent, window);
+            }
             state
                 .metrics
                 .routing_decision(&pool.name, &d.name, decode.reason.as_str());
+            let mut pin_moved = None;
             if let Some(key) = key.filter(|_| pool.policy.uses_pins()) {
-                if let Some(cause) =
-                    repin(state, pool, key, placement.pin.as_ref(), &d, decode.pin).await
-                {
+                pin_moved = repin(state, pool, key, placement.pin.as_ref(), &d, decode.pin).await;
+                if let Some(cause) = pin_moved {
                     state.metrics.pin_moved(&pool.name, cause);
                 }
                 let prefill_key = prefill_pin_key(key);
@@ -712,6 +745,7 @@ async fn open_split(
                     matched_chunks: decode.matched_chunks,
                     prefix: placement.prefix,
                     reason: decode.reason.as_str(),
+                    pin_moved,
                     sent,
                     ahead: 0,
                     prefill: Some(PrefillLeg {

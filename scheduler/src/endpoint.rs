@@ -16,6 +16,11 @@
 //!   until it recovers. An endpoint removed by discovery is *retired*: requests already running
 //!   on it finish, new ones go elsewhere.
 //!
+//! The gateway also keeps a decayed count of the turns of bands with a reserve it routed to
+//! each endpoint ([`Endpoint::note_reserved_turn`]): where those bands' sessions live, so new
+//! ones can be spread and each endpoint's reserve holds its share of them (see
+//! [`crate::filter::SpreadReserved`]).
+//!
 //! Every endpoint has a stable `slot` in its pool: the prefix index and other per-endpoint
 //! tables are keyed by slot, so the endpoint list can change (discovery reload) without
 //! re-numbering what the gateway has learnt about the endpoints that stay.
@@ -159,6 +164,33 @@ pub struct Endpoint {
     retired: AtomicBool,
     report: Mutex<Option<LoadReport>>,
     throughput: PrefillThroughput,
+    reserved_turns: Mutex<Decayed>,
+}
+
+/// A count that decays exponentially: `value * exp(-elapsed / window)`.
+#[derive(Debug, Default, Clone, Copy)]
+struct Decayed {
+    value: f64,
+    at: Option<Instant>,
+}
+
+impl Decayed {
+    fn at(&self, now: Instant, window: Duration) -> f64 {
+        match self.at {
+            None => 0.0,
+            Some(at) if window.is_zero() => {
+                if now > at {
+                    0.0
+                } else {
+                    self.value
+                }
+            }
+            Some(at) => {
+                let elapsed = now.saturating_duration_since(at).as_secs_f64();
+                self.value * (-elapsed / window.as_secs_f64()).exp()
+            }
+        }
+    }
 }
 
 impl Endpoint {
@@ -178,6 +210,7 @@ impl Endpoint {
             retired: AtomicBool::new(false),
             report: Mutex::new(None),
             throughput: PrefillThroughput::default(),
+            reserved_turns: Mutex::new(Decayed::default()),
         }
     }
 
@@ -271,6 +304,28 @@ impl Endpoint {
         self.throughput.observe(tokens, elapsed);
     }
 
+    /// Count a turn of a band with a reserve routed here at `now`; the count decays with time
+    /// constant `window` (the flow-control turn window).
+    pub fn note_reserved_turn(&self, now: Instant, window: Duration) {
+        let mut count = self
+            .reserved_turns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let at = count.at.map_or(now, |at| at.max(now));
+        *count = Decayed {
+            value: count.at(at, window) + 1.0,
+            at: Some(at),
+        };
+    }
+
+    /// Turns of bands with a reserve routed here, each weighted by `exp(-age / window)`.
+    pub fn recent_reserved_turns(&self, now: Instant, window: Duration) -> f64 {
+        self.reserved_turns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .at(now, window)
+    }
+
     /// Measured prefill throughput in tokens per second, once enough has been observed.
     pub fn prefill_tokens_per_s(&self) -> Option<f64> {
         self.throughput.tokens_per_s()
@@ -340,6 +395,26 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reserved_turns_decay_with_the_window() {
+        let ep = Endpoint::new("p/0", "http://x");
+        let (t0, window) = (Instant::now(), Duration::from_secs(60));
+        assert_eq!(ep.recent_reserved_turns(t0, window), 0.0);
+        ep.note_reserved_turn(t0, window);
+        ep.note_reserved_turn(t0, window);
+        assert_eq!(ep.recent_reserved_turns(t0, window), 2.0);
+        let later = ep.recent_reserved_turns(t0 + window, window);
+        assert!((later - 2.0 / std::f64::consts::E).abs() < 1e-9, "{later}");
+        // a turn noted with an earlier clock reading counts as of the latest one
+        ep.note_reserved_turn(t0 + window, window);
+        ep.note_reserved_turn(t0, window);
+        let now = ep.recent_reserved_turns(t0 + window, window);
+        assert!(
+            (now - (2.0 + 2.0 / std::f64::consts::E)).abs() < 1e-9,
+            "{now}"
+        );
+    }
 
     #[test]
     fn guards_count_and_release() {

@@ -18,12 +18,24 @@
 //!    the queue of an engine whose batch is full; a request of a band below a reserve finds an
 //!    endpoint below its band's line ([`PickRequest::prefilling_below`] also counts requests
 //!    still prefilling there). A pin on a dropped endpoint breaks as for a saturated one.
+//! 6. [`SpreadReserved`]: a new session (no pin) of a band with a reserve
+//!    ([`PickRequest::spread_window`]) keeps only the endpoints with the fewest of those bands'
+//!    turns routed lately, within [`SPREAD_SLACK`]. A reserve is a share of each endpoint's
+//!    slots, so it holds a band's bursts only if the band's sessions are spread; placed by
+//!    prefix and load alone, a team's chat sessions (one shared system prompt, short requests
+//!    that barely register as load beside agents filling every batch slot) all land on the
+//!    replica that cached the prompt first: 29 of 30 in `agentgate-bench run --workload mixed
+//!    --replicas 2`, whose turns then overflowed that replica's reserve and moved, recomputing
+//!    their history, while the other replica's reserve sat idle. Recomputing a new session's
+//!    shared prompt elsewhere costs one prefill of it; later turns stay pinned.
 //!
 //! Every filter sees the same [`PoolView`], taken once per pick, so they agree with each other
 //! and with the scorers about each endpoint's load report.
 
 use std::sync::Arc;
 use std::time::Instant;
+
+use crate::picker::Pinned;
 
 use crate::endpoint::{Endpoint, LoadReport, Saturation};
 use crate::picker::PickRequest;
@@ -188,6 +200,42 @@ impl Filter for PreferFreeSlot {
     }
 }
 
+/// How many more recent reserved turns than the least an endpoint may count and still be kept
+/// by [`SpreadReserved`]: within one turn is even enough for the scorers to choose by prefix
+/// and load.
+pub const SPREAD_SLACK: f64 = 1.0;
+
+/// Spreads new sessions of bands with a reserve (see the module doc).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SpreadReserved;
+
+impl Filter for SpreadReserved {
+    fn name(&self) -> &'static str {
+        "spread_reserved"
+    }
+
+    fn filter(&self, view: &PoolView<'_>, candidates: &mut Vec<usize>) {
+        let Some(window) = view.request.spread_window else {
+            return;
+        };
+        if view.request.pinned != Pinned::None {
+            return;
+        }
+        let recent = |i: usize| {
+            view.endpoints
+                .get(i)
+                .map_or(f64::INFINITY, |e| e.recent_reserved_turns(view.now, window))
+        };
+        let least = candidates
+            .iter()
+            .map(|&i| recent(i))
+            .fold(f64::INFINITY, f64::min);
+        if least.is_finite() {
+            candidates.retain(|&i| recent(i) <= least + SPREAD_SLACK);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,5 +358,49 @@ mod tests {
             [1],
             "0 and 2 have 2 prefilling"
         );
+    }
+
+    #[test]
+    fn new_sessions_of_reserved_bands_go_where_fewest_such_turns_were_routed() {
+        let endpoints: Vec<Arc<Endpoint>> = (0..3)
+            .map(|i| Arc::new(Endpoint::new(format!("p/{i}"), "http://x").with_slot(i)))
+            .collect();
+        let (now, window) = (Instant::now(), std::time::Duration::from_secs(60));
+        for (i, turns) in [3, 1, 2].into_iter().enumerate() {
+            for _ in 0..turns {
+                endpoints[i].note_reserved_turn(now, window);
+            }
+        }
+        let reports = vec![None; endpoints.len()];
+        let keep = |spread_window, pinned| {
+            let request = PickRequest {
+                spread_window,
+                pinned,
+                ..PickRequest::default()
+            };
+            let view = PoolView {
+                endpoints: &endpoints,
+                request: &request,
+                now,
+                reports: &reports,
+            };
+            let mut candidates: Vec<usize> = (0..3).collect();
+            SpreadReserved.filter(&view, &mut candidates);
+            candidates
+        };
+        assert_eq!(
+            keep(Some(window), Pinned::None),
+            [1, 2],
+            "within one turn of the least"
+        );
+        assert_eq!(keep(None, Pinned::None), [0, 1, 2], "not a reserved band");
+        assert_eq!(
+            keep(Some(window), Pinned::At(0)),
+            [0, 1, 2],
+            "pinned: the pin rule judges"
+        );
+        // a minute later the counts have decayed to within one turn of each other
+        let later = |e: &Endpoint| e.recent_reserved_turns(now + 2 * window, window);
+        assert!(later(&endpoints[0]) - later(&endpoints[1]) < SPREAD_SLACK);
     }
 }

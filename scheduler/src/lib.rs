@@ -17,7 +17,7 @@
 //! - [`picker`]: the [`Picker`] trait, [`PickRequest`] and [`Pick`], and the baselines
 //!   [`RoundRobin`] and [`LeastLoaded`];
 //! - [`filter`]: the [`Filter`] trait and the filters (available, not excluded, role,
-//!   prefer unsaturated);
+//!   prefer unsaturated, prefer a free slot, spread new sessions of bands with a reserve);
 //! - [`scorer`]: the [`Scorer`] trait and the scorers `session_pin`, `prefix` (with the
 //!   anti-herding gate), `queue`, `kv_usage`, `in_flight_tokens` (in time, by measured prefill
 //!   throughput, once every candidate has one), with their formulas;

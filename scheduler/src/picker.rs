@@ -59,6 +59,17 @@ pub struct PickRequest<'a> {
     /// above, see `[flow] max_prefilling_per_endpoint`); `None`: no preference. Honoured with
     /// `free_slot_below`: an endpoint must pass both.
     pub prefilling_below: Option<u64>,
+    /// A request of a band with a reserve, placed by a policy that pins sessions: a new
+    /// session (no pin) prefers the endpoints where the fewest such turns were routed lately,
+    /// counted with this decay window ([`crate::Endpoint::recent_reserved_turns`]); `None`: no
+    /// preference. Honoured by the scoring pipeline ([`crate::filter::SpreadReserved`]).
+    pub spread_window: Option<std::time::Duration>,
+    /// The request's prompt shares every engine step with the prefills already running there
+    /// instead of waiting behind them: a band with a reserve while the bands below it keep few
+    /// prompts prefilling per endpoint (`[flow] max_prefilling_per_endpoint`). The pin's wait
+    /// rule ([`crate::pin`]), which charges the prefill pending ahead, then does not apply: the
+    /// pin breaks only when its endpoint is unavailable, saturated or has no free slot.
+    pub prefill_not_queued: bool,
 }
 
 impl PickRequest<'_> {

@@ -11,7 +11,13 @@
 //!    `max_waiting`, KV cache at `max_kv_usage` with requests waiting) while some other
 //!    candidate is not ([`BreakCause::Saturated`]); when every candidate is saturated, moving
 //!    buys nothing and the pin is judged by the wait rule alone;
-//! 3. the **wait rule** says moving is cheaper ([`BreakCause::Wait`]).
+//! 3. the **wait rule** says moving is cheaper ([`BreakCause::Wait`]); not for a request whose
+//!    prompt shares each engine step with the prefills running there rather than waiting
+//!    behind them ([`PickRequest::prefill_not_queued`](crate::PickRequest::prefill_not_queued):
+//!    a band with a reserve above bands whose prefills are limited), where the pending
+//!    prefill the rule charges is not a wait. In `agentgate-bench run --workload mixed` the rule
+//!    moved a chat turn away from its 2k cached tokens because agents' prompts were pending
+//!    on its replica, and its first token came after 251 ms instead of about 100.
 //!
 //! # The wait rule
 //!

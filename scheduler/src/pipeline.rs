@@ -56,6 +56,7 @@ use std::time::Instant;
 use crate::endpoint::{Endpoint, LoadReport, Saturation};
 use crate::filter::{
     Available, Filter, NotExcluded, PoolView, PreferFreeSlot, PreferUnsaturated, RoleMatch,
+    SpreadReserved,
 };
 use crate::picker::{
     random_choice, BreakCause, Pick, PickRequest, Picker, PinOutcome, Pinned, Reason,
@@ -196,6 +197,7 @@ impl Pipeline {
                 limits: config.saturation,
             }),
             Box::new(PreferFreeSlot),
+            Box::new(SpreadReserved),
         ];
         let all: [Box<dyn Scorer>; 5] = [
             Box::new(SessionPinScorer),
@@ -283,7 +285,11 @@ impl Pipeline {
                             matched: matches[j],
                         };
                         let others = (0..candidates.len()).filter(|&j| j != k).map(cost);
-                        match self.rule.judge(request.prompt_tokens, &cost(k), others) {
+                        let verdict = match request.prefill_not_queued {
+                            true => None,
+                            false => self.rule.judge(request.prompt_tokens, &cost(k), others),
+                        };
+                        match verdict {
                             None => {
                                 held_pin = Some(p);
                                 PinOutcome::Held
@@ -867,6 +873,13 @@ mod tests {
             "the pin's endpoint is not a candidate once the rule breaks it"
         );
         assert_eq!(pick.uncached_tokens_estimate, 90_000);
+        // A prompt that shares engine steps with the pending prefills does not wait behind them.
+        let sharing = PickRequest {
+            prefill_not_queued: true,
+            ..request
+        };
+        let pick = p.pick(&e, &sharing).unwrap();
+        assert_eq!((pick.index, pick.pin), (0, PinOutcome::Held));
         // The alternative gets busy too: waiting there costs as much, so the pin holds again.
         let _there = e[1].begin(100_000, 60_000);
         let pick = p.pick(&e, &request).unwrap();

@@ -926,3 +926,49 @@ async fn a_band_below_a_reserve_leaves_prefill_room_for_the_band_above() {
         fleet.shutdown_gateways().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_sessions_of_a_band_with_a_reserve_spread_over_the_replicas() {
+    // Chat sessions one after another, sharing a long system prompt: placed by prefix alone
+    // they all follow the first to the replica that cached the prompt; in a band with a
+    // reserve they spread, so each replica's reserve holds its share of them.
+    let instructions = "You are a helpful assistant for the support desk. ".repeat(80);
+    for reserve in [true, false] {
+        let bands = if reserve {
+            BANDS.replace("priority = 10\n", "priority = 10\nreserve = 0.25\n")
+        } else {
+            BANDS.to_string()
+        };
+        let extra = format!("{STILL}{bands}{}", chat_and_bulk());
+        let fleet = Fleet::of(2).extra(&extra).start().await;
+        let base = fleet.base_url();
+        let mut per_replica = std::collections::BTreeMap::<String, usize>::new();
+        for session in 0..8 {
+            let body = json!({
+                "model": "sim-model",
+                "instructions": instructions,
+                "input": format!("question {session}"),
+                "max_output_tokens": 16,
+            });
+            let id = format!("chat-{session}");
+            let answer = call(&base, Some("chat"), body, &[("x-session-id", id.as_str())]).await;
+            assert_eq!(answer.status, 200, "{:?}", answer.body);
+            let endpoint = answer
+                .header(agentgate::responses::ENDPOINT_HEADER)
+                .expect("endpoint header")
+                .to_string();
+            *per_replica.entry(endpoint).or_default() += 1;
+        }
+        let fewest = if per_replica.len() < 2 {
+            0
+        } else {
+            per_replica.values().copied().min().unwrap_or(0)
+        };
+        if reserve {
+            assert!(fewest >= 3, "spread: {per_replica:?}");
+        } else {
+            assert_eq!(fewest, 0, "by prefix, all on one replica: {per_replica:?}");
+        }
+        fleet.shutdown_gateways().await;
+    }
+}

@@ -730,6 +730,7 @@ mod tests {
             gateway: 0,
             endpoint: None,
             route_reason: None,
+            pin_moved: None,
             team: team.into(),
             band: None,
             queue_wait_ms: None,

@@ -310,6 +310,7 @@ mod tests {
             gateway: 0,
             endpoint: Some(endpoint.to_string()).filter(|e| !e.is_empty()),
             route_reason: None,
+            pin_moved: None,
             team: "default".into(),
             band: None,
             queue_wait_ms: None,

@@ -875,6 +875,7 @@ fn request_lines(runs: &[PolicyRun]) -> String {
                 "band": record.band,
                 "endpoint": record.endpoint,
                 "route_reason": record.route_reason,
+                "pin_moved": record.pin_moved,
                 "outcome": outcome,
                 "detail": detail,
                 "sent_s": record.sent_s,

@@ -117,6 +117,8 @@ pub struct RequestRecord {
     pub endpoint: Option<String>,
     /// Why the gateway chose that endpoint (`x-agentgate-route-reason`: pin, prefix, load, ...).
     pub route_reason: Option<String>,
+    /// Why the session's pin moved to that endpoint (`x-agentgate-pin-moved`), when it did.
+    pub pin_moved: Option<String>,
     /// The session's team.
     pub team: String,
     /// The band the gateway ran it in (`x-agentgate-band`); None without flow control or when
@@ -414,6 +416,7 @@ async fn send_turn(
         gateway,
         endpoint: admission.endpoint,
         route_reason: admission.route_reason,
+        pin_moved: admission.pin_moved,
         team: plan.team.clone(),
         band: admission.band,
         queue_wait_ms: admission
@@ -502,13 +505,14 @@ impl Exchange {
 // The gateway's response headers: the endpoint that served a request and why it was chosen,
 // and the flow-control band it ran in with its queue wait (wall milliseconds).
 pub use agentgate::flow::{BAND_HEADER, QUEUE_WAIT_HEADER};
-pub use agentgate::responses::{ENDPOINT_HEADER, ROUTE_REASON_HEADER};
+pub use agentgate::responses::{ENDPOINT_HEADER, PIN_MOVED_HEADER, ROUTE_REASON_HEADER};
 
 /// What the response headers said about routing and admission.
 #[derive(Debug, Default)]
 struct Admission {
     endpoint: Option<String>,
     route_reason: Option<String>,
+    pin_moved: Option<String>,
     band: Option<String>,
     queue_wait: Option<std::time::Duration>,
 }
@@ -524,6 +528,7 @@ impl Admission {
         Admission {
             endpoint: text(ENDPOINT_HEADER),
             route_reason: text(ROUTE_REASON_HEADER),
+            pin_moved: text(PIN_MOVED_HEADER),
             band: text(BAND_HEADER),
             queue_wait: text(QUEUE_WAIT_HEADER)
                 .and_then(|ms| ms.trim().parse::<u64>().ok())

@@ -601,6 +601,7 @@ mod tests {
             gateway: (seq % 2) as usize,
             endpoint: Some("bench/0".into()),
             route_reason: None,
+            pin_moved: None,
             team: team.into(),
             band: None,
             queue_wait_ms: None,
