@@ -88,7 +88,7 @@
 //! without a reserve it is dispatched only while that endpoint has room for it,
 //! `in_flight(e) + promised + floor(r * max_in_flight_per_endpoint) < max_in_flight_per_endpoint`
 //! (`r` the largest reserve above the band, `promised` what the same dispatch round already
-//! sent there) and it is not saturated (while the engines' figures are known), or, once it has been passed over for `[flow] pin_wait_s`, to move to an
+//! sent there), or, once it has been passed over for `[flow] pin_wait_s`, to move to an
 //! endpoint with room when fair queuing picks its team (within the team, a turn whose endpoint
 //! has room goes first); meanwhile requests for other endpoints go ahead. A turn dispatched
 //! after that wait asks routing for an endpoint below the same line
@@ -194,24 +194,6 @@ impl PoolCapacity {
         if serving.is_empty() {
             return None;
         }
-        let known = self.engine_figures_known(&serving, now);
-        let per = match self.per_endpoint.load(Ordering::Relaxed) {
-            0 => u64::MAX,
-            n => n,
-        };
-        Some(serving.iter().fold(0u64, |total, e| {
-            let saturated = known && e.saturated(&self.pool.saturation, now);
-            total.saturating_add(if saturated {
-                e.in_flight_requests()
-            } else {
-                per
-            })
-        }))
-    }
-
-    /// Whether the engines' scraped figures say anything: false when metrics are expected and
-    /// every endpoint's are stale or missing (a metrics outage), when only the cap applies.
-    fn engine_figures_known(&self, serving: &[&Arc<Endpoint>], now: Instant) -> bool {
         let limits = &self.pool.saturation;
         let stale = |e: &Endpoint| {
             limits.staleness.is_some_and(|max| {
@@ -219,7 +201,19 @@ impl PoolCapacity {
                     .is_none_or(|r| now.saturating_duration_since(r.at) > max)
             })
         };
-        !serving.iter().all(|e| stale(e))
+        let engine_figures_known = !serving.iter().all(|e| stale(e));
+        let per = match self.per_endpoint.load(Ordering::Relaxed) {
+            0 => u64::MAX,
+            n => n,
+        };
+        Some(serving.iter().fold(0u64, |total, e| {
+            let saturated = engine_figures_known && e.saturated(limits, now);
+            total.saturating_add(if saturated {
+                e.in_flight_requests()
+            } else {
+                per
+            })
+        }))
     }
 }
 
@@ -243,26 +237,24 @@ impl CapacitySignal for PoolCapacity {
             return true;
         }
         let line = band_line(per, held_share);
-        let endpoints = self.pool.endpoints();
-        let serving: Vec<&Arc<Endpoint>> = endpoints
-            .iter()
-            .filter(|e| e.is_available() && e.role != Role::Prefill)
-            .collect();
-        let now = Instant::now();
-        let known = self.engine_figures_known(&serving, now);
         let fits = |e: &Endpoint, promised: u64| {
             (per == 0 || e.in_flight_requests() + promised < line)
                 && (prefilling == 0 || e.prefilling_requests() + promised < prefilling)
-                && !(known && e.saturated(&self.pool.saturation, now))
         };
+        let endpoints = self.pool.endpoints();
         match endpoint {
             Some(name) => match endpoints.iter().find(|e| e.name == name) {
                 Some(e) if e.is_available() => fits(e, promised),
                 _ => true,
             },
             None => {
-                let free = serving.iter().filter(|e| fits(e, 0)).count() as u64;
-                free > promised || serving.is_empty()
+                let serving = || {
+                    endpoints
+                        .iter()
+                        .filter(|e| e.is_available() && e.role != Role::Prefill)
+                };
+                let free = serving().filter(|e| fits(e, 0)).count() as u64;
+                free > promised || serving().next().is_none()
             }
         }
     }
@@ -826,9 +818,6 @@ mod tests {
             gateway_in_flight: 0,
         });
         assert_eq!(cap.capacity(now), Some(3 + 2));
-        // A turn pinned there waits though the cap has a slot left; the other has room.
-        assert!(!cap.has_room(Some(&eps[0].name), 0.0, 0));
-        assert!(cap.has_room(Some(&eps[1].name), 0.0, 0));
         let load = |in_flight, queued| FlowLoad {
             in_flight,
             in_flight_tokens: 0,
