@@ -385,6 +385,17 @@ impl Room {
             prefill_not_queued: permit.band_reserves() && max_prefilling > 0,
         }
     }
+
+    /// `request` with this room's placement preferences.
+    pub fn pick_request<'a>(&self, request: PickRequest<'a>) -> PickRequest<'a> {
+        PickRequest {
+            free_slot_below: self.free_slot_below,
+            prefilling_below: self.prefilling_below,
+            spread_window: self.spread_window,
+            prefill_not_queued: self.prefill_not_queued,
+            ..request
+        }
+    }
 }
 
 /// One request's routing inputs, shared by its attempts.
@@ -441,17 +452,13 @@ async fn open_local(
         let pick = match first.take() {
             Some(pick) => pick,
             None => {
-                let request = PickRequest {
+                let request = placement.room.pick_request(PickRequest {
                     exclude: &tried,
                     prefix: &placement.prefix,
                     prompt_tokens: placement.prompt_tokens,
                     pinned,
-                    role: None,
-                    free_slot_below: placement.room.free_slot_below,
-                    prefilling_below: placement.room.prefilling_below,
-                    spread_window: placement.room.spread_window,
-                    prefill_not_queued: placement.room.prefill_not_queued,
-                };
+                    ..PickRequest::default()
+                });
                 match pool.picker.pick(view, &request) {
                     Some(pick) => pick,
                     None => break,
@@ -601,17 +608,12 @@ async fn open_split(
     } else {
         &placement.prefix
     };
-    let request = PickRequest {
-        exclude: &[],
+    let request = placement.room.pick_request(PickRequest {
         prefix: decode_prefix,
         prompt_tokens,
         pinned: pinned_in(&decode_view, placement.pin.as_ref()),
-        role: None,
-        free_slot_below: placement.room.free_slot_below,
-        prefilling_below: placement.room.prefilling_below,
-        spread_window: placement.room.spread_window,
-        prefill_not_queued: placement.room.prefill_not_queued,
-    };
+        ..PickRequest::default()
+    });
     let Some(mut decode) = pool.picker.pick(&decode_view, &request) else {
         return Err(no_endpoint(pool, "no available decode endpoint"));
     };

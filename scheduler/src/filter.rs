@@ -221,17 +221,18 @@ impl Filter for SpreadReserved {
         if view.request.pinned != Pinned::None {
             return;
         }
-        let recent = |i: usize| {
-            view.endpoints
-                .get(i)
-                .map_or(f64::INFINITY, |e| e.recent_reserved_turns(view.now, window))
-        };
-        let least = candidates
+        let recent: Vec<f64> = candidates
             .iter()
-            .map(|&i| recent(i))
-            .fold(f64::INFINITY, f64::min);
+            .map(|&i| {
+                view.endpoints
+                    .get(i)
+                    .map_or(f64::INFINITY, |e| e.recent_reserved_turns(view.now, window))
+            })
+            .collect();
+        let least = recent.iter().copied().fold(f64::INFINITY, f64::min);
         if least.is_finite() {
-            candidates.retain(|&i| recent(i) <= least + SPREAD_SLACK);
+            let mut counts = recent.into_iter();
+            candidates.retain(|_| counts.next().is_some_and(|n| n <= least + SPREAD_SLACK));
         }
     }
 }
