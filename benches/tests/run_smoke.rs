@@ -43,6 +43,7 @@ fn tiny_args(policies: &[&str], out: PathBuf) -> Args {
         max_num_batched_tokens: 8192,
         long_prefill_token_threshold: 0,
         interactive_reserve: 0.25,
+        kv_working_set: 0.6,
         mixed_batch_load: None,
         interactive_alone: false,
         batch_sheddable: false,

@@ -679,6 +679,15 @@ pub struct FlowToml {
     /// `--max-num-batched-tokens B` and `--long-prefill-token-threshold T`, `B / T` long
     /// prefills leave nothing of a step for a higher band's new request: set it below `B / T`.
     pub max_prefilling_per_endpoint: u64,
+    /// Largest share of an engine's KV capacity (`vllm:cache_config_info`) the prompts this
+    /// gateway has in flight there may span together, each shared prefix counted once (policies
+    /// with a prefix index: `prefix`, `session`), for bands without a reserve of their own; 0:
+    /// no limit. Past it the endpoint takes no
+    /// more queued work: what the engine could not hold at once waits in the gateway, where the
+    /// turns of sessions whose context is still cached go first, instead of in the engine,
+    /// where each admitted prompt evicts the contexts of the requests queued behind it. With
+    /// several gateways in front of the same engines, divide it among them.
+    pub max_kv_working_set: f64,
     /// A session with a request in flight within this many seconds is active: its next turn
     /// goes ahead of new sessions of the same team.
     pub turn_window_s: f64,
@@ -715,6 +724,7 @@ impl Default for FlowToml {
             enabled: true,
             max_in_flight_per_endpoint: 64,
             max_prefilling_per_endpoint: 0,
+            max_kv_working_set: 0.6,
             turn_window_s: 60.0,
             aging_s: 10.0,
             aging_follows_wait: true,
@@ -1130,6 +1140,15 @@ impl Config {
         }
         if f.default_max_output_tokens == 0 {
             return Err(err("flow.default_max_output_tokens", "must be at least 1"));
+        }
+        if !(f.max_kv_working_set.is_finite() && (0.0..=1.0).contains(&f.max_kv_working_set)) {
+            return Err(err(
+                "flow.max_kv_working_set",
+                format!(
+                    "must be a share of the KV capacity between 0 (no limit) and 1, got {}",
+                    f.max_kv_working_set
+                ),
+            ));
         }
         match (f.shed_start, f.shed_full) {
             (Some(_), None) => {

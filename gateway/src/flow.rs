@@ -90,7 +90,8 @@
 //! (`r` the largest reserve above the band, `promised` what the same dispatch round already
 //! sent there), or, once it has been passed over for `[flow] pin_wait_s`, to move to an
 //! endpoint with room when fair queuing picks its team (within the team, a turn whose endpoint
-//! has room goes first); meanwhile requests for other endpoints go ahead. A turn dispatched
+//! has room goes first); meanwhile turns for other endpoints go ahead, but not the team's new
+//! sessions that arrived after it (less than the head start before it). A turn dispatched
 //! after that wait asks routing for an endpoint below the same line
 //! (`PickRequest::free_slot_below`), so its pin breaks as for a saturated endpoint when another
 //! has room. An endpoint that is unavailable or unknown always has room (routing re-pins the
@@ -107,6 +108,32 @@
 //! admitted prompt, so `B / T` long prefills (`--max-num-batched-tokens B`,
 //! `--long-prefill-token-threshold T`) leave a higher band's new prompt no room in a step
 //! however many slots are free.
+//!
+//! **KV working set.** With `[flow] max_kv_working_set = w` (default 0.6; 0: off) an
+//! endpoint also needs `working_set(e) < w * kv_capacity(e)` to take a request of a band
+//! without a reserve of its own, one request per dispatch round until routing has counted it
+//! (a band with a reserve is never held for this). `working_set(e)` is the KV the prompts this gateway has in
+//! flight there span together: the distinct chunk hashes of their prompts (chained, so a
+//! shared prefix is counted once) times the prefix index's tokens per chunk
+//! (`Endpoint::working_set_tokens`). Policies without a prefix index (`round_robin`,
+//! `least_loaded`) cannot tell shared prefixes apart and are not limited.
+//! `kv_capacity(e)` is the engine's `vllm:cache_config_info` (no limit while unknown). The rule
+//! applies to the `None` case above too: a request without a pin waits until some endpoint is
+//! below the line. Why: an engine admits queued requests while their blocks fit and evicts the
+//! least recently used cached blocks to make room. When the contexts of the sessions sent to
+//! it exceed its KV (after a replica is lost, say), its queue cycles through them and each
+//! admitted prompt evicts the contexts of those queued behind it: nearly every turn is
+//! recomputed. Held in the gateway instead, turns go warmest first (next paragraph), so the
+//! sessions whose contexts are still cached keep being served from cache while the rest wait.
+//! The part of the cache above the line keeps the contexts of sessions between turns.
+//!
+//! **Warmest first.** Within a team and turn kind, among the requests that may be placed, a
+//! turn whose session was active most recently goes first (its context is the likeliest to be
+//! in the engine's cache), until a request has waited the band's head start (`aging_s`, or
+//! twice the typical wait with `aging_follows_wait`); those go first, in arrival order, so
+//! nothing waits much longer than the head start behind arrival order. Requests of sessions
+//! this gateway has not seen come after those of known sessions. With `aging_s = 0` the
+//! order is arrival order.
 //!
 //! For probabilistic shedding (`[flow] shed_start`/`shed_full`) the pool's saturation is
 //! `(in_flight + queued) / (2 * capacity)`, clamped to 0..=1: 0.5 when the pool is exactly
@@ -178,6 +205,8 @@ pub struct PoolCapacity {
     pool: Arc<Pool>,
     per_endpoint: Arc<AtomicU64>,
     max_prefilling: Arc<AtomicU64>,
+    /// `[flow] max_kv_working_set`, as `f64` bits.
+    max_kv_working_set: Arc<AtomicU64>,
 }
 
 impl PoolCapacity {
@@ -227,19 +256,31 @@ impl CapacitySignal for PoolCapacity {
         PoolCapacity::capacity(self, Instant::now())
     }
 
-    fn has_room(&self, endpoint: Option<&str>, held_share: f64, promised: u64) -> bool {
+    fn has_room(
+        &self,
+        endpoint: Option<&str>,
+        held_share: f64,
+        promised: u64,
+        kv_bound: bool,
+    ) -> bool {
         let per = self.per_endpoint.load(Ordering::Relaxed);
         let prefilling = match held_share > 0.0 {
             true => self.max_prefilling.load(Ordering::Relaxed),
             false => 0,
         };
-        if per == 0 && prefilling == 0 {
+        let kv = match kv_bound {
+            true => f64::from_bits(self.max_kv_working_set.load(Ordering::Relaxed)),
+            false => 0.0,
+        };
+        if per == 0 && prefilling == 0 && kv <= 0.0 {
             return true;
         }
         let line = band_line(per, held_share);
+        // A request promised to an endpoint is not in its working set yet: one at a time.
         let fits = |e: &Endpoint, promised: u64| {
             (per == 0 || e.in_flight_requests() + promised < line)
                 && (prefilling == 0 || e.prefilling_requests() + promised < prefilling)
+                && (kv <= 0.0 || (promised == 0 && e.kv_working_set_below(kv)))
         };
         let endpoints = self.pool.endpoints();
         match endpoint {
@@ -437,6 +478,7 @@ pub struct FlowControl {
     pools: BTreeMap<String, PoolFlow>,
     per_endpoint: Arc<AtomicU64>,
     max_prefilling: Arc<AtomicU64>,
+    max_kv_working_set: Arc<AtomicU64>,
 }
 
 /// What admission needs to know about one request.
@@ -515,6 +557,7 @@ impl FlowControl {
     ) -> Result<FlowControl, String> {
         let per_endpoint = Arc::new(AtomicU64::new(config.flow.max_in_flight_per_endpoint));
         let max_prefilling = Arc::new(AtomicU64::new(config.flow.max_prefilling_per_endpoint));
+        let max_kv_working_set = Arc::new(AtomicU64::new(config.flow.max_kv_working_set.to_bits()));
         let flow_config = config.flow_config();
         let mut by_pool = BTreeMap::new();
         for pool in pools.all() {
@@ -522,6 +565,7 @@ impl FlowControl {
                 pool: pool.clone(),
                 per_endpoint: per_endpoint.clone(),
                 max_prefilling: max_prefilling.clone(),
+                max_kv_working_set: max_kv_working_set.clone(),
             });
             let controller = FlowController::with_rate_limiter(
                 flow_config.clone(),
@@ -542,6 +586,7 @@ impl FlowControl {
             pools: by_pool,
             per_endpoint,
             max_prefilling,
+            max_kv_working_set,
         })
     }
 
@@ -561,6 +606,12 @@ impl FlowControl {
     /// (`[flow] max_prefilling_per_endpoint`; 0 = no limit).
     pub fn max_prefilling_per_endpoint(&self) -> u64 {
         self.max_prefilling.load(Ordering::Relaxed)
+    }
+
+    /// Share of an engine's KV its requests in flight may span (`[flow] max_kv_working_set`;
+    /// 0 = no limit).
+    pub fn max_kv_working_set(&self) -> f64 {
+        f64::from_bits(self.max_kv_working_set.load(Ordering::Relaxed))
     }
 
     /// How long a session counts as active after a turn (`[flow] turn_window_s`).
@@ -624,6 +675,8 @@ impl FlowControl {
             .unwrap_or_else(PoisonError::into_inner) = Arc::new(Settings::from_config(config));
         self.max_prefilling
             .store(config.flow.max_prefilling_per_endpoint, Ordering::Relaxed);
+        self.max_kv_working_set
+            .store(config.flow.max_kv_working_set.to_bits(), Ordering::Relaxed);
         self.set_max_in_flight_per_endpoint(config.flow.max_in_flight_per_endpoint);
         Ok(())
     }
@@ -795,6 +848,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_full_kv_working_set_leaves_no_room_for_queued_work() {
+        let config = config("[flow]\nmax_kv_working_set = 0.5\n");
+        let pools = pools(&config).await;
+        let pool = pools.for_model("m").unwrap();
+        let cap = PoolCapacity {
+            pool: pool.clone(),
+            per_endpoint: Arc::new(AtomicU64::new(0)),
+            max_prefilling: Arc::new(AtomicU64::new(0)),
+            max_kv_working_set: Arc::new(AtomicU64::new(config.flow.max_kv_working_set.to_bits())),
+        };
+        let eps = pool.endpoints();
+        let (a, b) = (eps[0].name.as_str(), eps[1].name.as_str());
+        let chunks = |first: u64, n: u64| (first..first + n).collect::<Vec<u64>>();
+        let mut big = eps[0].begin(900, 900);
+        big.hold_prompt(&chunks(0, 9), 100);
+        assert!(
+            cap.has_room(Some(a), 0.0, 0, true),
+            "no limit while the capacity is unknown"
+        );
+        eps[0].set_kv_capacity_tokens(1_000);
+        eps[1].set_kv_capacity_tokens(1_000);
+        assert!(!cap.has_room(Some(a), 0.0, 0, true));
+        assert!(cap.has_room(Some(b), 0.0, 0, true));
+        assert!(
+            !cap.has_room(Some(b), 0.0, 1, true),
+            "one request at a time until routed"
+        );
+        assert!(cap.has_room(None, 0.0, 0, true));
+        let mut other = eps[1].begin(600, 600);
+        other.hold_prompt(&chunks(100, 6), 100);
+        assert!(!cap.has_room(None, 0.0, 0, true));
+        drop(big);
+        assert!(cap.has_room(Some(a), 0.0, 0, true));
+        assert!(cap.has_room(None, 0.0, 0, true));
+        assert!(
+            cap.has_room(Some(b), 0.5, 0, false),
+            "a band with a reserve is not held"
+        );
+        cap.max_kv_working_set.store(0, Ordering::Relaxed);
+        assert!(cap.has_room(Some(b), 0.0, 0, true), "0 sets no limit");
+        pools.shutdown().await;
+    }
+
+    #[tokio::test]
     async fn capacity_counts_the_cap_per_unsaturated_endpoint() {
         let config = config("[flow]\nmax_in_flight_per_endpoint = 3\n");
         let pools = pools(&config).await;
@@ -803,6 +900,7 @@ mod tests {
             pool: pool.clone(),
             per_endpoint: Arc::new(AtomicU64::new(3)),
             max_prefilling: Arc::new(AtomicU64::new(0)),
+            max_kv_working_set: Arc::new(AtomicU64::new(0)),
         };
         let now = Instant::now();
         assert_eq!(cap.capacity(now), Some(6));
@@ -850,6 +948,7 @@ mod tests {
             pool: pool.clone(),
             per_endpoint: Arc::new(AtomicU64::new(4)),
             max_prefilling: Arc::new(AtomicU64::new(0)),
+            max_kv_working_set: Arc::new(AtomicU64::new(0)),
         };
         let now = Instant::now();
         // Nothing scraped at all: the engines' figures are unknown, the cap applies.

@@ -23,6 +23,8 @@
 //! | `agentgate_endpoint_in_flight_requests{pool,endpoint}` | requests this gateway has running there |
 //! | `agentgate_endpoint_in_flight_tokens{pool,endpoint}` | their prompt tokens (estimated) |
 //! | `agentgate_endpoint_pending_prefill_tokens{pool,endpoint}` | uncached prompt tokens of those still before their first token |
+//! | `agentgate_endpoint_kv_working_set_tokens{pool,endpoint}` | KV their prompts span together, each shared prefix once (`[flow] max_kv_working_set`) |
+//! | `agentgate_endpoint_kv_capacity_tokens{pool,endpoint}` | the engine's KV capacity, from `vllm:cache_config_info` (absent while unknown) |
 //! | `agentgate_endpoint_engine_waiting{pool,endpoint}` | the engine's queue depth, last scrape |
 //! | `agentgate_endpoint_engine_running{pool,endpoint}` | the engine's running requests, last scrape |
 //! | `agentgate_endpoint_kv_usage{pool,endpoint}` | the engine's KV-cache usage 0..1, last scrape (when reported) |
@@ -704,6 +706,14 @@ fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
         "agentgate_endpoint_pending_prefill_tokens",
         "Uncached prompt tokens of in-flight requests still waiting for their first token.",
     );
+    let working_set = g(
+        "agentgate_endpoint_kv_working_set_tokens",
+        "KV tokens the prompts in flight span together, each shared prefix counted once.",
+    );
+    let kv_capacity = g(
+        "agentgate_endpoint_kv_capacity_tokens",
+        "The engine's KV capacity in tokens, from its cache configuration metric.",
+    );
     let waiting = g(
         "agentgate_endpoint_engine_waiting",
         "Requests waiting in the engine's queue, from its last metrics scrape.",
@@ -751,6 +761,10 @@ fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
             requests.set(l, e.in_flight_requests() as f64);
             tokens.set(l, e.in_flight_tokens() as f64);
             prefill.set(l, e.pending_prefill_tokens() as f64);
+            working_set.set(l, e.working_set_tokens() as f64);
+            if e.kv_capacity_tokens() > 0 {
+                kv_capacity.set(l, e.kv_capacity_tokens() as f64);
+            }
             if let Some(r) = e.load_report() {
                 waiting.set(l, r.waiting);
                 running.set(l, r.running);
@@ -773,6 +787,8 @@ fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
         &requests,
         &tokens,
         &prefill,
+        &working_set,
+        &kv_capacity,
         &waiting,
         &running,
         &kv,

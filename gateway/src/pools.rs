@@ -147,6 +147,14 @@ impl Pool {
         }
     }
 
+    /// Tokens per prompt chunk of the pool's prefix index (0 without one): the unit in which
+    /// an endpoint's working set counts chunk hashes ([`Endpoint::working_set_tokens`]).
+    pub fn tokens_per_chunk(&self) -> u64 {
+        self.picker
+            .prefix_index()
+            .map_or(0, |index| index.tokens_per_chunk())
+    }
+
     /// Where an SGLang prefill endpoint's bootstrap server listens: the endpoint's host, and
     /// its [`BOOTSTRAP_PORT_LABEL`], else the pool's `bootstrap_port`, else its HTTP port.
     /// None for other flavors (their protocol needs none) or an unparsable URL.

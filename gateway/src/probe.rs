@@ -68,10 +68,12 @@ pub async fn scrape(
             gateway_in_flight: in_flight_before.max(endpoint.in_flight_requests()),
         });
     }
-    if let (Some(index), Some(tokens)) = (pool.picker.prefix_index(), metrics.kv_capacity_tokens())
-    {
-        // Unknown slots (beyond the index's size) are ignored by the index.
-        index.set_capacity(endpoint.slot, tokens);
+    if let Some(tokens) = metrics.kv_capacity_tokens() {
+        endpoint.set_kv_capacity_tokens(tokens);
+        if let Some(index) = pool.picker.prefix_index() {
+            // Unknown slots (beyond the index's size) are ignored by the index.
+            index.set_capacity(endpoint.slot, tokens);
+        }
     }
     Ok(())
 }

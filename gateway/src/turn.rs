@@ -159,14 +159,17 @@ pub async fn open_turn(
         .permit
         .as_ref()
         .map(|p| {
+            let pins = turn.pool.policy.uses_pins();
             Room::for_permit(
                 p,
                 state.flow.max_in_flight_per_endpoint(),
                 state.flow.max_prefilling_per_endpoint(),
-                turn.pool
-                    .policy
-                    .uses_pins()
-                    .then(|| state.flow.turn_window()),
+                pins.then(|| state.flow.turn_window()),
+                if pins {
+                    state.flow.max_kv_working_set()
+                } else {
+                    0.0
+                },
             )
         })
         .unwrap_or_default();
@@ -339,7 +342,7 @@ pub async fn open_upstream(
 
 /// Where a request's band may start it: the filters of `PickRequest::free_slot_below` and
 /// `PickRequest::prefilling_below` (formulas in `crate::flow`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Room {
     /// Prefer endpoints with fewer of this gateway's requests in flight than this.
     pub free_slot_below: Option<u64>,
@@ -352,6 +355,10 @@ pub struct Room {
     /// The band has a reserve and the bands below keep few prompts prefilling per endpoint:
     /// its prompts share engine steps rather than wait (`PickRequest::prefill_not_queued`).
     pub prefill_not_queued: bool,
+    /// A band without a reserve of its own, under a policy that pins sessions: a request not
+    /// pinned prefers endpoints whose working set is below this share of their KV capacity
+    /// (`PickRequest::kv_working_set_below`), as flow control counted it.
+    pub kv_working_set_below: Option<f64>,
 }
 
 impl Room {
@@ -360,12 +367,15 @@ impl Room {
     /// a band below one (and a turn that waited out `pin_wait` for its full endpoint) for an
     /// endpoint below its line, `cap - floor(share * cap)`, with fewer than `max_prefilling`
     /// requests prefilling when it is below a reserve. `spread_window`: the turn window, when the
-    /// pool's policy pins sessions.
+    /// pool's policy pins sessions. `max_kv_working_set`: `[flow] max_kv_working_set` when the
+    /// pool's policy pins sessions, else 0 (a band without a reserve of its own then prefers
+    /// endpoints below that share of their KV for requests without a pin).
     pub fn for_permit(
         permit: &Permit,
         cap: u64,
         max_prefilling: u64,
         spread_window: Option<Duration>,
+        max_kv_working_set: f64,
     ) -> Room {
         let share = permit.held_share();
         let free_slot_below = if cap == 0 {
@@ -383,6 +393,8 @@ impl Room {
             prefilling_below,
             spread_window: spread_window.filter(|_| permit.band_reserves()),
             prefill_not_queued: permit.band_reserves() && max_prefilling > 0,
+            kv_working_set_below: (!permit.band_reserves() && max_kv_working_set > 0.0)
+                .then_some(max_kv_working_set),
         }
     }
 
@@ -393,6 +405,7 @@ impl Room {
             prefilling_below: self.prefilling_below,
             spread_window: self.spread_window,
             prefill_not_queued: self.prefill_not_queued,
+            kv_working_set_below: self.kv_working_set_below,
             ..request
         }
     }
@@ -468,7 +481,8 @@ async fn open_local(
         tried.push(pick.index);
         let ep = &view[pick.index];
         let ahead = ep.pending_prefill_tokens();
-        let in_flight = ep.begin(placement.prompt_tokens, pick.uncached_tokens_estimate);
+        let mut in_flight = ep.begin(placement.prompt_tokens, pick.uncached_tokens_estimate);
+        in_flight.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
         let sent = Instant::now();
         match state
             .engines
@@ -677,7 +691,8 @@ async fn open_split(
     };
     let prefill_ahead = p.pending_prefill_tokens();
     let prefill_guard = p.begin(prompt_tokens, prefill.uncached_tokens_estimate);
-    let decode_guard = d.begin(prompt_tokens, 0);
+    let mut decode_guard = d.begin(prompt_tokens, 0);
+    decode_guard.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
     let sent = Instant::now();
     let opened = state
         .engines

@@ -25,7 +25,7 @@
 //! tables are keyed by slot, so the endpoint list can change (discovery reload) without
 //! re-numbering what the gateway has learnt about the endpoints that stay.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -165,6 +165,18 @@ pub struct Endpoint {
     report: Mutex<Option<LoadReport>>,
     throughput: PrefillThroughput,
     reserved_turns: Mutex<Decayed>,
+    kv_capacity_tokens: AtomicU64,
+    working_set: Mutex<WorkingSet>,
+    working_set_tokens: AtomicU64,
+}
+
+/// The distinct prompt chunks of the requests in flight on an endpoint, counted once however
+/// many requests share them (prompt chunks are hashed as a chain, so equal hashes mean an
+/// equal prefix): the KV the engine needs to run them all at once.
+#[derive(Debug, Default)]
+struct WorkingSet {
+    /// Requests in flight per chunk hash.
+    chunks: HashMap<u64, u32>,
 }
 
 /// A count that decays exponentially: `value * exp(-elapsed / window)`.
@@ -211,6 +223,9 @@ impl Endpoint {
             report: Mutex::new(None),
             throughput: PrefillThroughput::default(),
             reserved_turns: Mutex::new(Decayed::default()),
+            kv_capacity_tokens: AtomicU64::new(0),
+            working_set: Mutex::new(WorkingSet::default()),
+            working_set_tokens: AtomicU64::new(0),
         }
     }
 
@@ -326,6 +341,51 @@ impl Endpoint {
             .at(now, window)
     }
 
+    /// Record the engine's KV capacity in tokens (`vllm:cache_config_info`); 0: unknown.
+    pub fn set_kv_capacity_tokens(&self, tokens: u64) {
+        self.kv_capacity_tokens.store(tokens, Ordering::Relaxed);
+    }
+
+    /// The engine's KV capacity in tokens, 0 while unknown.
+    pub fn kv_capacity_tokens(&self) -> u64 {
+        self.kv_capacity_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Tokens of KV the requests this gateway has in flight here span together: each distinct
+    /// prompt chunk once, however many requests share it (see [`InFlight::hold_prompt`]).
+    pub fn working_set_tokens(&self) -> u64 {
+        self.working_set_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Whether the working set is below `fraction` of the engine's KV capacity (always when
+    /// the capacity is unknown or `fraction` is 0, i.e. no limit).
+    pub fn kv_working_set_below(&self, fraction: f64) -> bool {
+        let capacity = self.kv_capacity_tokens();
+        fraction <= 0.0
+            || capacity == 0
+            || (self.working_set_tokens() as f64) < fraction * capacity as f64
+    }
+
+    /// Add (`add = true`) or remove one request's prompt chunks from the working set.
+    fn update_working_set(&self, chunks: &[u64], tokens_per_chunk: u64, add: bool) {
+        let mut set = self
+            .working_set
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for &chunk in chunks {
+            if add {
+                *set.chunks.entry(chunk).or_insert(0) += 1;
+            } else if let Some(count) = set.chunks.get_mut(&chunk) {
+                *count -= 1;
+                if *count == 0 {
+                    set.chunks.remove(&chunk);
+                }
+            }
+        }
+        let tokens = (set.chunks.len() as u64).saturating_mul(tokens_per_chunk);
+        self.working_set_tokens.store(tokens, Ordering::Relaxed);
+    }
+
     /// Measured prefill throughput in tokens per second, once enough has been observed.
     pub fn prefill_tokens_per_s(&self) -> Option<f64> {
         self.throughput.tokens_per_s()
@@ -346,6 +406,7 @@ impl Endpoint {
             tokens: prompt_tokens,
             prefill,
             prefilling: true,
+            held: None,
         }
     }
 }
@@ -358,12 +419,36 @@ pub struct InFlight {
     tokens: u64,
     prefill: u64,
     prefilling: bool,
+    /// The prompt's share of the endpoint's working set ([`InFlight::hold_prompt`]).
+    held: Option<HeldPrompt>,
+}
+
+#[derive(Debug)]
+struct HeldPrompt {
+    chunks: Vec<u64>,
+    tokens_per_chunk: u64,
 }
 
 impl InFlight {
     /// The endpoint this request runs on.
     pub fn endpoint(&self) -> &Arc<Endpoint> {
         &self.endpoint
+    }
+
+    /// Count the request's prompt in the endpoint's working set until the guard drops: its
+    /// `chunks`, chained hashes of `tokens_per_chunk` tokens each (the prefix index's). Without
+    /// chunks (a policy that keeps no prefix index) nothing is counted: shared prefixes could
+    /// not be told apart. Once per guard; a second call is ignored.
+    pub fn hold_prompt(&mut self, chunks: &[u64], tokens_per_chunk: u64) {
+        if self.held.is_some() || chunks.is_empty() || tokens_per_chunk == 0 {
+            return;
+        }
+        self.endpoint
+            .update_working_set(chunks, tokens_per_chunk, true);
+        self.held = Some(HeldPrompt {
+            chunks: chunks.to_vec(),
+            tokens_per_chunk,
+        });
     }
 
     /// The first token arrived: the request's prefill is no longer pending. Idempotent.
@@ -383,6 +468,10 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.prefill_done();
+        if let Some(held) = self.held.take() {
+            self.endpoint
+                .update_working_set(&held.chunks, held.tokens_per_chunk, false);
+        }
         self.endpoint
             .in_flight_requests
             .fetch_sub(1, Ordering::Relaxed);
@@ -435,6 +524,39 @@ mod tests {
         assert_eq!((ep.in_flight_requests(), ep.in_flight_tokens()), (0, 0));
         assert_eq!(ep.pending_prefill_tokens(), 0);
         assert_eq!(ep.prefilling_requests(), 0);
+    }
+
+    #[test]
+    fn the_working_set_counts_a_shared_prefix_once() {
+        let ep = Arc::new(Endpoint::new("p/0", "http://127.0.0.1:1"));
+        ep.set_kv_capacity_tokens(1_000);
+        // Two prompts sharing their first two 64-token chunks.
+        let mut a = ep.begin(192, 192);
+        a.hold_prompt(&[1, 2, 3], 64);
+        a.hold_prompt(&[9, 9, 9, 9], 64);
+        let mut b = ep.begin(256, 128);
+        b.hold_prompt(&[1, 2, 4, 5], 64);
+        assert_eq!(ep.working_set_tokens(), 5 * 64);
+        // Without chunk hashes nothing is counted.
+        let mut c = ep.begin(500, 500);
+        c.hold_prompt(&[], 64);
+        assert_eq!(ep.working_set_tokens(), 5 * 64);
+        let mut d = ep.begin(640, 640);
+        d.hold_prompt(&[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], 64);
+        assert_eq!(ep.working_set_tokens(), 15 * 64);
+        assert!(ep.kv_working_set_below(0.97));
+        assert!(!ep.kv_working_set_below(0.96));
+        assert!(ep.kv_working_set_below(0.0), "0 is no limit");
+        drop(b);
+        assert_eq!(ep.working_set_tokens(), 13 * 64);
+        drop((a, c, d));
+        assert_eq!(ep.working_set_tokens(), 0);
+        // An unknown capacity sets no limit.
+        ep.set_kv_capacity_tokens(0);
+        let mut e = ep.begin(6_400, 6_400);
+        e.hold_prompt(&(100..200).collect::<Vec<u64>>(), 64);
+        assert_eq!(ep.working_set_tokens(), 6_400);
+        assert!(ep.kv_working_set_below(0.5));
     }
 
     #[test]

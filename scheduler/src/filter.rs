@@ -18,6 +18,12 @@
 //!    the queue of an engine whose batch is full; a request of a band below a reserve finds an
 //!    endpoint below its band's line ([`PickRequest::prefilling_below`] also counts requests
 //!    still prefilling there). A pin on a dropped endpoint breaks as for a saturated one.
+//!    A request without a pin on an available endpoint (a new session) that asks for KV room
+//!    ([`PickRequest::kv_working_set_below`]) also drops endpoints whose working set has
+//!    reached that share of their KV capacity: flow control let it go because some endpoint
+//!    was below that line, and placed on one that is not it would take the room that
+//!    endpoint's waiting turns are held for. Pinned requests are not dropped for it: flow
+//!    control held them for their own endpoint.
 //! 6. [`SpreadReserved`]: a new session (no pin) of a band with a reserve
 //!    ([`PickRequest::spread_window`]) keeps only the endpoints with the fewest of those bands'
 //!    turns routed lately, within [`SPREAD_SLACK`]. A reserve is a share of each endpoint's
@@ -170,9 +176,10 @@ impl Filter for PreferUnsaturated {
     }
 }
 
-/// Drops endpoints without a free slot for the request ([`PickRequest::free_slot_below`]) or
-/// with too many requests prefilling ([`PickRequest::prefilling_below`]) while at least one
-/// candidate passes both.
+/// Drops endpoints without a free slot for the request ([`PickRequest::free_slot_below`]),
+/// with too many requests prefilling ([`PickRequest::prefilling_below`]) or, for a request
+/// not pinned to an endpoint, with a full KV working set
+/// ([`PickRequest::kv_working_set_below`]), while at least one candidate passes them all.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PreferFreeSlot;
 
@@ -183,16 +190,20 @@ impl Filter for PreferFreeSlot {
 
     fn filter(&self, view: &PoolView<'_>, candidates: &mut Vec<usize>) {
         let (slots, prefilling) = (view.request.free_slot_below, view.request.prefilling_below);
-        if slots.is_none() && prefilling.is_none() {
+        let kv = view
+            .request
+            .kv_working_set_below
+            .filter(|_| !matches!(view.request.pinned, Pinned::At(_)));
+        if slots.is_none() && prefilling.is_none() && kv.is_none() {
             return;
         }
+        let endpoint = |i: usize| view.endpoints.get(i);
         let free = |i: usize| {
             slots.is_none_or(|limit| view.in_flight_requests(i) < limit)
                 && prefilling.is_none_or(|limit| {
-                    view.endpoints
-                        .get(i)
-                        .is_some_and(|e| e.prefilling_requests() < limit)
+                    endpoint(i).is_some_and(|e| e.prefilling_requests() < limit)
                 })
+                && kv.is_none_or(|share| endpoint(i).is_some_and(|e| e.kv_working_set_below(share)))
         };
         if candidates.iter().any(|&i| free(i)) {
             candidates.retain(|&i| free(i));
@@ -359,6 +370,55 @@ mod tests {
             [1],
             "0 and 2 have 2 prefilling"
         );
+    }
+
+    #[test]
+    fn a_request_without_a_pin_skips_endpoints_with_a_full_kv_working_set() {
+        let endpoints: Vec<Arc<Endpoint>> = (0..3)
+            .map(|i| Arc::new(Endpoint::new(format!("p/{i}"), "http://x").with_slot(i)))
+            .collect();
+        for e in &endpoints {
+            e.set_kv_capacity_tokens(1_000);
+        }
+        // Working sets 700, 300 and 650 tokens of 1,000.
+        let _held: Vec<_> = [(0, 7), (1, 3), (2, 6), (2, 7)]
+            .iter()
+            .map(|&(i, chunks)| {
+                let mut guard = endpoints[i].begin(100 * chunks, 0);
+                guard.hold_prompt(&(0..chunks).collect::<Vec<u64>>(), 100);
+                guard
+            })
+            .collect();
+        assert_eq!(endpoints[2].working_set_tokens(), 700);
+        let reports = vec![None; endpoints.len()];
+        let keep = |share: Option<f64>, pinned: Pinned| {
+            let request = PickRequest {
+                kv_working_set_below: share,
+                pinned,
+                ..PickRequest::default()
+            };
+            let view = PoolView {
+                endpoints: &endpoints,
+                request: &request,
+                now: Instant::now(),
+                reports: &reports,
+            };
+            let mut candidates: Vec<usize> = (0..3).collect();
+            PreferFreeSlot.filter(&view, &mut candidates);
+            candidates
+        };
+        assert_eq!(keep(Some(0.6), Pinned::None), [1]);
+        assert_eq!(keep(Some(0.8), Pinned::None), [0, 1, 2]);
+        assert_eq!(
+            keep(Some(0.2), Pinned::None),
+            [0, 1, 2],
+            "all full: all stay"
+        );
+        assert_eq!(keep(None, Pinned::None), [0, 1, 2]);
+        // A pinned request was let through for its own endpoint: the pin decides.
+        assert_eq!(keep(Some(0.6), Pinned::At(0)), [0, 1, 2]);
+        // One whose endpoint is gone looks for room like a new session.
+        assert_eq!(keep(Some(0.6), Pinned::Gone), [1]);
     }
 
     #[test]

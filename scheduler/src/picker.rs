@@ -70,6 +70,12 @@ pub struct PickRequest<'a> {
     /// rule ([`crate::pin`]), which charges the prefill pending ahead, then does not apply: the
     /// pin breaks only when its endpoint is unavailable, saturated or has no free slot.
     pub prefill_not_queued: bool,
+    /// Prefer endpoints whose working set ([`Endpoint::working_set_tokens`]) is below this
+    /// share of their KV capacity, when any is, for a request not pinned to an endpoint (a new
+    /// session of a band held to `[flow] max_kv_working_set`: flow control dispatched it
+    /// because some endpoint was below the line); `None`: no preference. Honoured with
+    /// `free_slot_below` ([`crate::filter::PreferFreeSlot`]).
+    pub kv_working_set_below: Option<f64>,
 }
 
 impl PickRequest<'_> {

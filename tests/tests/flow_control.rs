@@ -972,3 +972,61 @@ async fn new_sessions_of_a_band_with_a_reserve_spread_over_the_replicas() {
         fleet.shutdown_gateways().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_kv_working_set_is_full_takes_the_next_session_once_it_drains() {
+    // Metrics are not scraped here: the test sets the KV capacity the engine would report.
+    let extra = format!("{STILL}[flow]\nmax_kv_working_set = 0.5\n");
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
+    let endpoint = fleet.pool().endpoints()[0].clone();
+    endpoint.set_kv_capacity_tokens(4_000);
+    // The first request holds its first token back for 10 s; what follows happens meanwhile.
+    set_sim_fault(fleet.sim(), json!({"stall_ms": 10_000})).await;
+    // About 3,000 tokens of prompt: more than half the replica's KV.
+    let long = json!({
+        "model": "sim-model",
+        "input": "all work and no play makes a dull agent ".repeat(300),
+        "max_output_tokens": 16,
+    });
+    let first = spawn_call(&base, None, long, &[("x-session-id", "first")]);
+    eventually("the first prompt counts in the working set", || {
+        endpoint.working_set_tokens() >= 2_000
+    })
+    .await;
+    let second = spawn_call(&base, None, hello(), &[("x-session-id", "second")]);
+    eventually("the next session waits in the gateway", || {
+        queued(gw, "default") == 1
+    })
+    .await;
+    assert_eq!(endpoint.in_flight_requests(), 1);
+    let metrics = metrics_text(&base).await;
+    let gauge = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("{name}{{")))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    assert_eq!(
+        gauge("agentgate_endpoint_kv_capacity_tokens"),
+        Some(4_000.0)
+    );
+    assert!(gauge("agentgate_endpoint_kv_working_set_tokens").is_some_and(|t| t >= 2_000.0));
+    // The first request ends: the working set drains and the second goes.
+    clear_sim_faults(fleet.sim()).await;
+    assert_eq!(first.await.expect("first call").status, 200);
+    let answer = second.await.expect("second call");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let waited: f64 = answer
+        .header(agentgate::flow::QUEUE_WAIT_HEADER)
+        .and_then(|v| v.parse().ok())
+        .expect("queue wait header");
+    assert!(waited > 0.0, "it waited in the gateway: {waited}");
+    eventually("nothing is left in the working set", || {
+        endpoint.working_set_tokens() == 0
+    })
+    .await;
+    fleet.shutdown().await;
+}

@@ -136,6 +136,8 @@ pub struct FlowSetup {
     pub interactive_reserve: f64,
     /// `[flow] max_prefilling_per_endpoint` of each gateway (0: none).
     pub max_prefilling_per_endpoint: u64,
+    /// `[flow] max_kv_working_set` of each gateway (0: none).
+    pub max_kv_working_set: f64,
 }
 
 impl FlowSetup {
@@ -155,6 +157,7 @@ impl FlowSetup {
             batch_sheddable,
             interactive_reserve: 0.0,
             max_prefilling_per_endpoint: 0,
+            max_kv_working_set: 0.0,
         }
     }
 
@@ -180,6 +183,13 @@ impl FlowSetup {
         self
     }
 
+    /// The same with each gateway's prompts in flight on a replica spanning at most `share` of
+    /// its KV capacity (0: no limit).
+    pub fn with_kv_working_set(mut self, share: f64) -> FlowSetup {
+        self.max_kv_working_set = share;
+        self
+    }
+
     /// The same with the interactive band holding `reserve` of the pool's request slots.
     pub fn with_interactive_reserve(mut self, reserve: f64) -> FlowSetup {
         self.interactive_reserve = reserve;
@@ -196,11 +206,12 @@ impl FlowSetup {
         format!(
             "[routing]\nscrape_interval_ms = {}\n\n\
              [flow]\nenabled = {}\nmax_in_flight_per_endpoint = {}\nmax_prefilling_per_endpoint = {}\n\
-             turn_window_s = {:?}\naging_s = {:?}\npin_wait_s = {:?}\n\n",
+             max_kv_working_set = {:?}\nturn_window_s = {:?}\naging_s = {:?}\npin_wait_s = {:?}\n\n",
             self.wall_ms(SCRAPE_INTERVAL_S),
             self.enabled,
             self.max_in_flight_per_endpoint,
             self.max_prefilling_per_endpoint,
+            self.max_kv_working_set,
             self.wall_ms(TURN_WINDOW_S) as f64 / 1000.0,
             self.wall_ms(AGING_S) as f64 / 1000.0,
             self.wall_ms(PIN_WAIT_S) as f64 / 1000.0,

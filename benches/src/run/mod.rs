@@ -133,6 +133,11 @@ pub struct Args {
     /// peak concurrency when it runs alone on the `mixed` isolation setup (7 of 16 slots).
     #[arg(long, default_value_t = 0.5)]
     pub interactive_reserve: f64,
+    /// `[flow] max_kv_working_set` over all gateways: the share of a replica's KV capacity the
+    /// prompts in flight there may span (shared prefixes once), divided among the gateways;
+    /// 0 = no limit. The default is the gateway's.
+    #[arg(long, default_value_t = 0.6)]
+    pub kv_working_set: f64,
     /// mixed only: the agents team runs FACTOR x request slots sessions (replicas serving
     /// requests x max-num-seqs, on the first --topology layout), half
     /// starting within the first 10 s, half over the first half of the span (default: half of
@@ -306,6 +311,7 @@ pub async fn execute(
         max_num_batched_tokens: args.max_num_batched_tokens,
         long_prefill_token_threshold: args.long_prefill_token_threshold,
         interactive_reserve: args.interactive_reserve,
+        kv_working_set: args.kv_working_set,
         request_slots: request_slots(args),
         flow_control: args
             .flow_control
@@ -391,6 +397,7 @@ fn flow_setup(args: &Args, mode: FlowMode, time_scale: f64) -> FlowSetup {
         args.batch_sheddable,
     )
     .with_interactive_reserve(args.interactive_reserve)
+    .with_kv_working_set(args.kv_working_set / args.gateways.max(1) as f64)
     .with_engine_chunking(
         args.max_num_batched_tokens,
         args.long_prefill_token_threshold,
@@ -1025,6 +1032,7 @@ mod tests {
             max_num_batched_tokens: 8192,
             long_prefill_token_threshold: 0,
             interactive_reserve: 0.25,
+            kv_working_set: 0.6,
             mixed_batch_load: None,
             interactive_alone: false,
             batch_sheddable: false,

@@ -37,10 +37,18 @@ pub trait CapacitySignal: Send + Sync {
     /// requests already sent its way (for `None`: sent to endpoints this way) that it does not
     /// count yet. Asked for queued requests that expect to go to `endpoint` (their session's
     /// pin), which then wait for it while others go ahead, and for requests of bands below a
-    /// reserve. `true` (the default) when the signal does not track endpoints or does not know
+    /// reserve. With `kv_bound` (a band without a reserve of its own) the endpoint must also
+    /// have room in its KV cache, if the signal tracks it; a band with a reserve is never held
+    /// for that. `true` (the default) when the signal does not track endpoints or does not know
     /// this one.
-    fn has_room(&self, endpoint: Option<&str>, held_share: f64, promised: u64) -> bool {
-        let _ = (endpoint, held_share, promised);
+    fn has_room(
+        &self,
+        endpoint: Option<&str>,
+        held_share: f64,
+        promised: u64,
+        kv_bound: bool,
+    ) -> bool {
+        let _ = (endpoint, held_share, promised, kv_bound);
         true
     }
 

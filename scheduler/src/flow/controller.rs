@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::capacity::{CapacitySignal, FlowLoad};
 use super::config::{ConfigError, FlowConfig, TeamSpec};
 use super::metrics::{BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits, WaitHistogram};
-use super::queue::{BandQueue, Entry, Pick, Placeable, Reply, TurnKind};
+use super::queue::{BandQueue, Entry, Pick, Placeable, Reply, TurnKind, Warmth};
 use super::rate_limit::{LocalRateLimiter, RateCost, RateLimiter, RateLimits, RateStatus};
 use super::rejection::{QueueLimit, Rejection};
 
@@ -561,6 +561,11 @@ impl SessionTracker {
         activity.last = now;
     }
 
+    /// When `session` last had a turn dispatched or finished, if it is tracked.
+    fn last_active(&self, session: &str) -> Option<Instant> {
+        self.sessions.get(session).map(|a| a.last)
+    }
+
     fn released(&mut self, session: &str, now: Instant) {
         if let Some(activity) = self.sessions.get_mut(session) {
             activity.in_flight = activity.in_flight.saturating_sub(1);
@@ -933,7 +938,12 @@ impl State {
             let holds = band.spec.reserve <= 0.0 && !pin_wait.is_zero();
             let share = self.reserve_above(b);
             // Below a reserve, a request needs an endpoint below its band's line.
-            let room_anywhere = || share <= 0.0 || capacity.has_room(None, share, promised_any);
+            // A band without a reserve of its own waits for an endpoint with KV room.
+            let kv_bound = band.spec.reserve <= 0.0;
+            let room_anywhere = || {
+                (share <= 0.0 && !kv_bound)
+                    || capacity.has_room(None, share, promised_any, kv_bound)
+            };
             let placeable = |id: u64| {
                 let Some(entry) = self.entries.get(&id) else {
                     return Placeable::Now;
@@ -945,7 +955,7 @@ impl State {
                     };
                 };
                 let sent = promised.get(endpoint).copied().unwrap_or(0);
-                if capacity.has_room(Some(endpoint), share, sent) {
+                if capacity.has_room(Some(endpoint), share, sent, kv_bound) {
                     return Placeable::Now;
                 }
                 let since = entry.held_since.get().unwrap_or_else(|| {
@@ -957,7 +967,24 @@ impl State {
                     false => Placeable::No,
                 }
             };
-            band.pick(enqueued_at, eligible, head_start, placeable)
+            // Until it has waited out the head start, a turn is ranked by when its session
+            // was last active: the most recent first, as its context is the likeliest to
+            // still be in the engine's cache.
+            let warmth = |id: u64| {
+                let Some(entry) = self.entries.get(&id).filter(|_| !head_start.is_zero()) else {
+                    // turn-first ordering off: arrival order
+                    return Warmth::Unknown;
+                };
+                if now.saturating_duration_since(entry.enqueued_at) >= head_start {
+                    return Warmth::Aged;
+                }
+                entry
+                    .session
+                    .as_deref()
+                    .and_then(|s| self.sessions.last_active(s))
+                    .map_or(Warmth::Unknown, Warmth::Since)
+            };
+            band.pick(enqueued_at, eligible, head_start, placeable, warmth)
                 .map(|pick| (b, pick))
         })
     }

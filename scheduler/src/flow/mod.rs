@@ -63,9 +63,12 @@
 //!   at most `turn_window` ago: its KV cache is likely warm); a session never seen here (first
 //!   turn, another replica served it, restart) or no session at all falls back to
 //!   [`Ticket::continuing`]. Continuing turns get a head start of `aging`: the team's next
-//!   request is its oldest continuing turn, unless its oldest new session arrived at least
-//!   `aging` before that turn: then the new session goes (counted as promoted). So a
+//!   request is a continuing turn (the warmest, next bullet), unless its next new session
+//!   arrived at least `aging` before that turn: then the new session goes (counted as
+//!   promoted). So a
 //!   continuing turn overtakes only the new sessions that arrived less than `aging` before it,
+//!   including while it waits for its own endpoint (next bullets: a new session that could be
+//!   placed elsewhere still waits behind it),
 //!   and no new session waits more than `aging` behind arrival order, however long the queue
 //!   (a rule on time waited alone would stop favouring continuing turns as soon as queue waits
 //!   exceed `aging`). `aging = 0` gives plain arrival order.
@@ -89,6 +92,17 @@
 //!   a new session waits at most `H = k·W` behind arrival order.
 //!   The team's fair-queuing tag does not depend on which of its requests goes, so this order
 //!   never changes the team's share.
+//! - **Warmest first within a kind.** Among a team's placeable requests of one kind, the one
+//!   whose session was active most recently (its last turn dispatched or finished here) goes
+//!   first (`queue::Warmth`): its context is the likeliest to still be in the engine's prefix
+//!   cache, which evicts least recently used blocks. A request that has waited the head start
+//!   `H` goes before any of them, in arrival order, so none waits much more than `H` behind
+//!   arrival order; requests of sessions not seen here come after the known ones, in arrival
+//!   order. With `aging = 0` the order is arrival order. This matters once the contexts of the
+//!   sessions on an endpoint exceed its KV cache and work waits in the gateway (see
+//!   [`CapacitySignal::has_room`]'s `kv_bound`): served in arrival order, each turn would find
+//!   its context evicted by those served since its last turn; warmest first, the sessions
+//!   whose contexts are cached keep being served from cache while the others wait.
 //! - **Below a reserve, per endpoint.** In a band with a reserve above it, a request without
 //!   an endpoint of its own is placeable only while [`CapacitySignal::has_room`] finds some
 //!   endpoint below the band's line (more than this dispatch round already sent to such

@@ -119,6 +119,18 @@ pub enum Placeable {
     Now,
 }
 
+/// How likely a queued turn's context still is in the engine's cache, which orders a team's
+/// turns of one kind ([`BandQueue::pick`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Warmth {
+    /// Waited out its head start: goes first, in arrival order, whatever its warmth.
+    Aged,
+    /// Its session was last active at this instant: the most recent goes first.
+    Since(Instant),
+    /// No session activity known: after those with one, in arrival order.
+    Unknown,
+}
+
 /// How deep [`BandQueue::pick`] looks into a team's queue of one turn kind for an entry it
 /// may place: far enough to pass the requests waiting for a few busy endpoints, bounded so a
 /// pick stays cheap under a long queue.
@@ -200,33 +212,54 @@ impl BandQueue {
     }
 
     /// The next request: among teams with queued requests that `eligible` accepts, the one
-    /// with the smallest start tag (earliest arrival breaks ties); within it, the oldest
-    /// continuing turn, unless the oldest new session arrived at least `aging` before it.
+    /// with the smallest start tag (earliest arrival breaks ties); within it, a continuing
+    /// turn, unless the new session chosen the same way arrived at least `aging` before it.
     /// Only entries `placeable` accepts count, looking at most [`PLACEABLE_SCAN`] deep into
     /// each turn kind's queue: one whose endpoint has no room yet lets the next one go. Of a
-    /// turn kind's entries, the first [`Placeable::Now`] counts, else the first
-    /// [`Placeable::Moving`], so fair queuing across teams decides which team a free slot
-    /// serves and, among a team's requests of one kind, one whose endpoint has room goes
-    /// before one that would have to move (turn-first order between the kinds is unchanged).
+    /// turn kind's [`Placeable::Now`] entries, the first [`Warmth::Aged`] counts, else the
+    /// warmest [`Warmth::Since`], else the first; without any, the first
+    /// [`Placeable::Moving`]. So fair queuing across teams decides which team a free slot
+    /// serves; among a team's requests of one kind, one whose endpoint has room goes before
+    /// one that would have to move, and the session active most recently first until
+    /// requests have waited out the head start (turn-first order between the kinds is
+    /// unchanged).
     pub fn pick(
         &self,
         enqueued_at: impl Fn(u64) -> Option<Instant>,
         eligible: impl Fn(&str) -> bool,
         aging: Duration,
         placeable: impl Fn(u64) -> Placeable,
+        warmth: impl Fn(u64) -> Warmth,
     ) -> Option<Pick> {
         let mut best: Option<(f64, u64, Pick)> = None;
-        // The first entry placeable now, else the first that would move (and whether it would).
+        // Of the entries placeable now: the first that waited out its head start, else the
+        // warmest, else the first; failing those, the first that would move (and whether).
         let first = |queue: &VecDeque<u64>| {
             let mut moving = None;
+            let mut warmest: Option<(Instant, u64)> = None;
+            let mut unknown = None;
             for &id in queue.iter().take(PLACEABLE_SCAN) {
                 match placeable(id) {
-                    Placeable::Now => return Some((id, false)),
+                    Placeable::Now => match warmth(id) {
+                        Warmth::Aged => return Some((id, false)),
+                        Warmth::Since(w) => {
+                            if warmest.is_none_or(|(best, _)| w > best) {
+                                warmest = Some((w, id));
+                            }
+                        }
+                        Warmth::Unknown => {
+                            unknown.get_or_insert(id);
+                        }
+                    },
                     Placeable::Moving if moving.is_none() => moving = Some((id, true)),
                     _ => {}
                 }
             }
-            moving
+            warmest
+                .map(|(_, id)| id)
+                .or(unknown)
+                .map(|id| (id, false))
+                .or(moving)
         };
         for (team, flow) in &self.flows {
             if flow.is_empty() || !eligible(team) {
@@ -234,16 +267,28 @@ impl BandQueue {
             }
             // Continuing turns are ordered as if they had arrived `aging` earlier: a new
             // session goes first only when it arrived at least `aging` before the oldest
-            // continuing turn, so it never waits more than `aging` behind arrival order.
-            let head_start = |n: u64, c: u64| match (enqueued_at(n), enqueued_at(c)) {
-                (Some(new_at), Some(cont_at)) => new_at + aging <= cont_at,
-                _ => n < c,
+            // continuing turn, so it never waits more than `aging` behind arrival order. That
+            // holds while the continuing turns wait for their endpoints too: room elsewhere
+            // does not let a new session overtake them.
+            let oldest_continuing = flow.continuing.front().copied();
+            let promoted = |n: u64| {
+                oldest_continuing.is_none_or(|c| {
+                    n < c
+                        && match (enqueued_at(n), enqueued_at(c)) {
+                            (Some(new_at), Some(cont_at)) => new_at + aging <= cont_at,
+                            _ => true,
+                        }
+                })
             };
             let ((id, moving), kind, promoted) = match (first(&flow.continuing), first(&flow.new)) {
-                (Some(c), Some(n)) if n.0 < c.0 && head_start(n.0, c.0) => (n, TurnKind::New, true),
+                (Some(_), Some(n)) if promoted(n.0) => (n, TurnKind::New, true),
                 (Some(c), _) => (c, TurnKind::Continuing, false),
-                (None, Some(n)) => (n, TurnKind::New, false),
-                (None, None) => continue,
+                (None, Some(n)) if aging.is_zero() || promoted(n.0) => (
+                    n,
+                    TurnKind::New,
+                    oldest_continuing.is_some_and(|_| !aging.is_zero()),
+                ),
+                (None, _) => continue,
             };
             let better = best
                 .as_ref()
@@ -310,6 +355,7 @@ mod tests {
             |_| true,
             Duration::from_secs(60),
             |_| Placeable::Now,
+            |_| Warmth::Unknown,
         ) {
             assert!(q.take(&pick, costs[&pick.id], weights[pick.team.as_str()], 0));
             order.push((pick.team, pick.id));
@@ -345,7 +391,13 @@ mod tests {
         }
         for _ in 0..10 {
             let pick = q
-                .pick(|_| Some(now), |_| true, Duration::ZERO, |_| Placeable::Now)
+                .pick(
+                    |_| Some(now),
+                    |_| true,
+                    Duration::ZERO,
+                    |_| Placeable::Now,
+                    |_| Warmth::Unknown,
+                )
                 .unwrap();
             q.take(&pick, 100, 1.0, 0);
         }
@@ -360,7 +412,13 @@ mod tests {
         let mut teams = Vec::new();
         for _ in 0..4 {
             let pick = q
-                .pick(|_| Some(now), |_| true, Duration::ZERO, |_| Placeable::Now)
+                .pick(
+                    |_| Some(now),
+                    |_| true,
+                    Duration::ZERO,
+                    |_| Placeable::Now,
+                    |_| Warmth::Unknown,
+                )
                 .unwrap();
             q.take(&pick, 100, 1.0, 0);
             teams.push(pick.team);
@@ -383,11 +441,18 @@ mod tests {
                 |_| Some(now),
                 |t| t != "a",
                 Duration::ZERO,
-                |_| Placeable::Now
+                |_| Placeable::Now,
+                |_| Warmth::Unknown
             )
             .is_none());
         let pick = q
-            .pick(|_| Some(now), |_| true, Duration::ZERO, |_| Placeable::Now)
+            .pick(
+                |_| Some(now),
+                |_| true,
+                Duration::ZERO,
+                |_| Placeable::Now,
+                |_| Warmth::Unknown,
+            )
             .unwrap();
         assert_eq!(pick.id, 1);
         // A stale pick is not taken.

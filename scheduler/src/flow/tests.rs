@@ -895,7 +895,7 @@ impl CapacitySignal for Endpoints {
         self.cap.can_dispatch(load)
     }
 
-    fn has_room(&self, endpoint: Option<&str>, held_share: f64, promised: u64) -> bool {
+    fn has_room(&self, endpoint: Option<&str>, held_share: f64, promised: u64, _: bool) -> bool {
         self.asked_share
             .store(held_share.to_bits(), Ordering::Relaxed);
         let full = self.full.lock().unwrap();
@@ -979,4 +979,81 @@ async fn a_team_pinned_to_busy_endpoints_still_gets_its_share_by_moving() {
     let (label, moved) = rx.recv().await.unwrap();
     assert_eq!(label, "agents-1");
     assert_eq!(moved.outwaited_pin(), Some(0.0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_most_recently_active_session_goes_first_until_the_head_start_runs_out() {
+    let mut config = config();
+    config.aging = 10 * SEC;
+    let (flow, capacity) = controller(config, 2);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let turn = |session: &str| Ticket::new("bulk", 10).session(session).continuing(true);
+    // s1's turn finishes before s2's: s2's context is the more recently used.
+    let s1 = flow.admit(turn("s1")).await.unwrap();
+    let s2 = flow.admit(turn("s2")).await.unwrap();
+    tokio::time::advance(SEC).await;
+    drop(s1);
+    tokio::time::advance(SEC).await;
+    drop(s2);
+    capacity.set_limit(0);
+    spawn_admit(&flow, turn("s1"), "s1", &tx);
+    wait_queued(&flow, 1).await;
+    tokio::time::advance(SEC).await;
+    spawn_admit(&flow, turn("s2"), "s2", &tx);
+    wait_queued(&flow, 2).await;
+    capacity.set_limit(1);
+    flow.notify();
+    let (label, s2) = rx.recv().await.unwrap();
+    assert_eq!(
+        label, "s2",
+        "the warmer session's turn goes ahead of the older one"
+    );
+    assert_eq!(s2.turn_kind(), TurnKind::Continuing);
+    // s2 finishes again and queues its next turn; s1 has now waited past the head start, so
+    // it goes first after all.
+    capacity.set_limit(0);
+    drop(s2);
+    spawn_admit(&flow, turn("s2"), "s2-again", &tx);
+    wait_queued(&flow, 2).await;
+    tokio::time::advance(10 * SEC).await;
+    capacity.set_limit(1);
+    flow.notify();
+    let (label, _s1) = rx.recv().await.unwrap();
+    assert_eq!(
+        label, "s1",
+        "a turn waiting past the head start goes in arrival order"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_continuing_turn_waiting_for_its_endpoint_keeps_its_head_start_over_new_sessions() {
+    let signal = Endpoints::with_full("e0");
+    let mut config = config();
+    config.pin_wait = 10 * SEC;
+    let flow = FlowController::new(config, signal.clone()).unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let turn = Ticket::new("bulk", 10).continuing(true).affinity("e0");
+    spawn_admit(&flow, turn, "turn", &tx);
+    wait_queued(&flow, 1).await;
+    tokio::time::advance(SEC).await;
+    spawn_admit(&flow, Ticket::new("bulk", 10), "new", &tx);
+    wait_queued(&flow, 2).await;
+    // There is room, but not on e0: the new session, which arrived after the turn, does not
+    // take it ahead of the turn.
+    signal.cap.set_limit(1);
+    flow.notify();
+    tokio::task::yield_now().await;
+    assert_eq!(flow.snapshot().queued(), 2);
+    assert!(rx.try_recv().is_err());
+    // Once the turn has waited out pin_wait it moves to the room, and the new session follows
+    // when there is more.
+    tokio::time::sleep(10 * SEC).await;
+    let (label, moved) = rx.recv().await.unwrap();
+    assert_eq!(label, "turn");
+    assert_eq!(moved.outwaited_pin(), Some(0.0));
+    signal.cap.set_limit(2);
+    flow.notify();
+    let (label, new) = rx.recv().await.unwrap();
+    assert_eq!(label, "new");
+    assert!(!new.promoted());
 }
