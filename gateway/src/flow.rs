@@ -112,14 +112,16 @@
 //! **KV working set.** With `[flow] max_kv_working_set = w` (default 0.6; 0: off) an
 //! endpoint also needs `working_set(e) < w * kv_capacity(e)` to take a request of a band
 //! without a reserve of its own, one request per dispatch round until routing has counted it
-//! (a band with a reserve is never held for this). `working_set(e)` is the KV the prompts this gateway has in
-//! flight there span together: the distinct chunk hashes of their prompts (chained, so a
-//! shared prefix is counted once) times the prefix index's tokens per chunk
-//! (`Endpoint::working_set_tokens`). Policies without a prefix index (`round_robin`,
-//! `least_loaded`) cannot tell shared prefixes apart and are not limited.
-//! `kv_capacity(e)` is the engine's `vllm:cache_config_info` (no limit while unknown). The rule
-//! applies to the `None` case above too: a request without a pin waits until some endpoint is
-//! below the line. Why: an engine admits queued requests while their blocks fit and evicts the
+//! (a band with a reserve is never held for this). `working_set(e)` is the KV the prompts
+//! this gateway has in flight there span together: the distinct chunk hashes of their
+//! prompts (chained, so a shared prefix is counted once) times the prefix index's tokens per
+//! chunk (`Endpoint::working_set_tokens`). Policies without a prefix index (`round_robin`,
+//! `least_loaded`) cannot tell shared prefixes apart and are not limited. `kv_capacity(e)` is
+//! the engine's `vllm:cache_config_info` (no limit while unknown). The rule applies to the
+//! `None` case above too: a request without a pin waits until some endpoint is below the line,
+//! and under a policy that pins sessions routing then places it on one below it
+//! (`PickRequest::kv_working_set_below`) rather than take the room a held turn waits for
+//! elsewhere. Why: an engine admits queued requests while their blocks fit and evicts the
 //! least recently used cached blocks to make room. When the contexts of the sessions sent to
 //! it exceed its KV (after a replica is lost, say), its queue cycles through them and each
 //! admitted prompt evicts the contexts of those queued behind it: nearly every turn is

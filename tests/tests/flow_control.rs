@@ -812,11 +812,12 @@ async fn band_priorities_reach_the_engines_when_the_pool_forwards_them() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pinned_turn_waits_for_its_replica_while_other_sessions_go_ahead() {
+async fn a_pinned_turn_waits_for_its_replica_while_other_teams_go_ahead() {
     // 2 replicas x 1 slot; a held turn moves after 3 s
     let extra = format!(
-        "{STILL}[flow]\nmax_in_flight_per_endpoint = 1\npin_wait_s = 3\n{BANDS}{}",
+        "{STILL}[flow]\nmax_in_flight_per_endpoint = 1\npin_wait_s = 3\n{BANDS}{}{}",
         team("bulk", "default_band = \"batch\""),
+        team("crew", "default_band = \"batch\""),
     );
     let fleet = Fleet::of(2).extra(&extra).start().await;
     let gw = fleet.gateway();
@@ -854,8 +855,9 @@ async fn a_pinned_turn_waits_for_its_replica_while_other_sessions_go_ahead() {
     // The session's next turn waits in the gateway for its replica, not in that engine...
     let held = spawn_call(&base, Some("bulk"), next("now b.rs"), &session);
     eventually("the turn is held", || queued(gw, "batch") == 1).await;
-    // ...while a new session arriving after it is served at once by the other replica.
-    let other = call(&base, Some("bulk"), hello(), &[("x-session-id", "agent-2")]).await;
+    // ...while another team's new session arriving after it is served at once by the other
+    // replica.
+    let other = call(&base, Some("crew"), hello(), &[("x-session-id", "crew-1")]).await;
     assert_eq!(other.status, 200, "{}", other.body);
     assert_ne!(
         other.header(agentgate::responses::ENDPOINT_HEADER),
@@ -863,6 +865,14 @@ async fn a_pinned_turn_waits_for_its_replica_while_other_sessions_go_ahead() {
     );
     assert_eq!(queued(gw, "batch"), 1, "the pinned turn still waits");
     assert_eq!(in_flight_on(&home), 1);
+    // A new session of the same team does not overtake the held turn: turn-first order holds
+    // while the turn waits for its replica.
+    let fresh = json!({"model": "sim-model", "input": "start over", "max_output_tokens": 16});
+    let fresh = spawn_call(&base, Some("bulk"), fresh, &[("x-session-id", "agent-2")]);
+    eventually("the new session waits behind the turn", || {
+        queued(gw, "batch") == 2
+    })
+    .await;
     // Its replica still full after pin_wait_s, it moves to the free one (and is served there).
     let held = held.await.unwrap();
     assert_eq!(held.status, 200, "{}", held.body);
@@ -877,6 +887,8 @@ async fn a_pinned_turn_waits_for_its_replica_while_other_sessions_go_ahead() {
         "it waited pin_wait_s first: {:?}",
         held.headers
     );
+    let fresh = fresh.await.unwrap();
+    assert_eq!(fresh.status, 200, "{}", fresh.body);
     busy.abort();
     fleet.shutdown_gateways().await;
 }
