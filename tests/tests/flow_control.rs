@@ -752,8 +752,16 @@ async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
             &[],
         ));
     }
+    // Admitted and placed: a request counts on its replica once routing has chosen it.
+    let pool = fleet.pool();
+    let placed = || -> u64 {
+        pool.endpoints()
+            .iter()
+            .map(|e| e.in_flight_requests())
+            .sum()
+    };
     eventually("three batch requests run and one waits", || {
-        snapshot(gw).in_flight == 3 && queued(gw, "batch") == 1
+        snapshot(gw).in_flight == 3 && queued(gw, "batch") == 1 && placed() == 3
     })
     .await;
     // the interactive request finds the one free slot at once, on the replica without a batch
@@ -763,7 +771,6 @@ async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
         snapshot(gw).band("interactive").unwrap().dispatched == 1
     })
     .await;
-    let pool = fleet.pool();
     eventually("every replica runs exactly one request", || {
         pool.endpoints().iter().all(|e| e.in_flight_requests() == 1)
     })
