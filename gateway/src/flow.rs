@@ -112,7 +112,8 @@
 //! **KV working set.** With `[flow] max_kv_working_set = w` (default 0.6; 0: off) an
 //! endpoint also needs `working_set(e) < w * kv_capacity(e)` to take a request of a band
 //! without a reserve of its own, one request per dispatch round until routing has counted it
-//! (a band with a reserve is never held for this). `working_set(e)` is the KV the prompts
+//! (a band with a reserve is never held for this; nor is any band where the capacity is not
+//! known). The next round comes with the next arrival, release or metrics scrape. `working_set(e)` is the KV the prompts
 //! this gateway has in flight there span together: the distinct chunk hashes of their
 //! prompts (chained, so a shared prefix is counted once) times the prefix index's tokens per
 //! chunk (`Endpoint::working_set_tokens`). Policies without a prefix index (`round_robin`,
@@ -278,11 +279,14 @@ impl CapacitySignal for PoolCapacity {
             return true;
         }
         let line = band_line(per, held_share);
-        // A request promised to an endpoint is not in its working set yet: one at a time.
+        // A request promised to an endpoint is not in its working set yet: one at a time
+        // where the engine's KV capacity is known (unknown, there is no line to keep).
         let fits = |e: &Endpoint, promised: u64| {
             (per == 0 || e.in_flight_requests() + promised < line)
                 && (prefilling == 0 || e.prefilling_requests() + promised < prefilling)
-                && (kv <= 0.0 || (promised == 0 && e.kv_working_set_below(kv)))
+                && (kv <= 0.0
+                    || e.kv_capacity_tokens() == 0
+                    || (promised == 0 && e.kv_working_set_below(kv)))
         };
         let endpoints = self.pool.endpoints();
         match endpoint {
@@ -868,6 +872,10 @@ mod tests {
         assert!(
             cap.has_room(Some(a), 0.0, 0, true),
             "no limit while the capacity is unknown"
+        );
+        assert!(
+            cap.has_room(Some(a), 0.0, 3, true),
+            "nor one request at a time"
         );
         eps[0].set_kv_capacity_tokens(1_000);
         eps[1].set_kv_capacity_tokens(1_000);
