@@ -203,13 +203,44 @@ const RATE_LIMIT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Least time between two warnings about a failing rate-limit store.
 const STORE_WARNING_EVERY: Duration = Duration::from_secs(30);
 
+/// The `[flow]` limits per endpoint, shared by every pool's [`PoolCapacity`] and updated in
+/// place on reload.
+#[derive(Debug)]
+struct EndpointLimits {
+    /// `max_in_flight_per_endpoint` (0: none).
+    per_endpoint: AtomicU64,
+    /// `max_prefilling_per_endpoint` (0: none).
+    max_prefilling: AtomicU64,
+    /// `max_kv_working_set` as `f64` bits (0.0: none).
+    max_kv_working_set: AtomicU64,
+}
+
+impl EndpointLimits {
+    fn new(per_endpoint: u64, max_prefilling: u64, max_kv_working_set: f64) -> Self {
+        EndpointLimits {
+            per_endpoint: AtomicU64::new(per_endpoint),
+            max_prefilling: AtomicU64::new(max_prefilling),
+            max_kv_working_set: AtomicU64::new(max_kv_working_set.to_bits()),
+        }
+    }
+
+    fn per_endpoint(&self) -> u64 {
+        self.per_endpoint.load(Ordering::Relaxed)
+    }
+
+    fn max_prefilling(&self) -> u64 {
+        self.max_prefilling.load(Ordering::Relaxed)
+    }
+
+    fn max_kv_working_set(&self) -> f64 {
+        f64::from_bits(self.max_kv_working_set.load(Ordering::Relaxed))
+    }
+}
+
 /// The [`CapacitySignal`] of one pool (formula in the module doc).
 pub struct PoolCapacity {
     pool: Arc<Pool>,
-    per_endpoint: Arc<AtomicU64>,
-    max_prefilling: Arc<AtomicU64>,
-    /// `[flow] max_kv_working_set`, as `f64` bits.
-    max_kv_working_set: Arc<AtomicU64>,
+    limits: Arc<EndpointLimits>,
 }
 
 impl PoolCapacity {
@@ -234,7 +265,7 @@ impl PoolCapacity {
             })
         };
         let engine_figures_known = !serving.iter().all(|e| stale(e));
-        let per = match self.per_endpoint.load(Ordering::Relaxed) {
+        let per = match self.limits.per_endpoint() {
             0 => u64::MAX,
             n => n,
         };
@@ -266,13 +297,13 @@ impl CapacitySignal for PoolCapacity {
         promised: u64,
         kv_bound: bool,
     ) -> bool {
-        let per = self.per_endpoint.load(Ordering::Relaxed);
+        let per = self.limits.per_endpoint();
         let prefilling = match held_share > 0.0 {
-            true => self.max_prefilling.load(Ordering::Relaxed),
+            true => self.limits.max_prefilling(),
             false => 0,
         };
         let kv = match kv_bound {
-            true => f64::from_bits(self.max_kv_working_set.load(Ordering::Relaxed)),
+            true => self.limits.max_kv_working_set(),
             false => 0.0,
         };
         if per == 0 && prefilling == 0 && kv <= 0.0 {
@@ -482,9 +513,7 @@ struct PoolFlow {
 pub struct FlowControl {
     settings: RwLock<Arc<Settings>>,
     pools: BTreeMap<String, PoolFlow>,
-    per_endpoint: Arc<AtomicU64>,
-    max_prefilling: Arc<AtomicU64>,
-    max_kv_working_set: Arc<AtomicU64>,
+    limits: Arc<EndpointLimits>,
 }
 
 /// What admission needs to know about one request.
@@ -561,17 +590,17 @@ impl FlowControl {
         pools: &Pools,
         limiter: Arc<dyn RateLimiter>,
     ) -> Result<FlowControl, String> {
-        let per_endpoint = Arc::new(AtomicU64::new(config.flow.max_in_flight_per_endpoint));
-        let max_prefilling = Arc::new(AtomicU64::new(config.flow.max_prefilling_per_endpoint));
-        let max_kv_working_set = Arc::new(AtomicU64::new(config.flow.max_kv_working_set.to_bits()));
+        let limits = Arc::new(EndpointLimits::new(
+            config.flow.max_in_flight_per_endpoint,
+            config.flow.max_prefilling_per_endpoint,
+            config.flow.max_kv_working_set,
+        ));
         let flow_config = config.flow_config();
         let mut by_pool = BTreeMap::new();
         for pool in pools.all() {
             let capacity = Arc::new(PoolCapacity {
                 pool: pool.clone(),
-                per_endpoint: per_endpoint.clone(),
-                max_prefilling: max_prefilling.clone(),
-                max_kv_working_set: max_kv_working_set.clone(),
+                limits: limits.clone(),
             });
             let controller = FlowController::with_rate_limiter(
                 flow_config.clone(),
@@ -590,9 +619,7 @@ impl FlowControl {
         Ok(FlowControl {
             settings: RwLock::new(Arc::new(Settings::from_config(config))),
             pools: by_pool,
-            per_endpoint,
-            max_prefilling,
-            max_kv_working_set,
+            limits,
         })
     }
 
@@ -605,19 +632,19 @@ impl FlowControl {
 
     /// The gateway-side cap per endpoint (`[flow] max_in_flight_per_endpoint`; 0 = none).
     pub fn max_in_flight_per_endpoint(&self) -> u64 {
-        self.per_endpoint.load(Ordering::Relaxed)
+        self.limits.per_endpoint()
     }
 
     /// Most requests of a band below a reserve waiting for a first token per endpoint
     /// (`[flow] max_prefilling_per_endpoint`; 0 = no limit).
     pub fn max_prefilling_per_endpoint(&self) -> u64 {
-        self.max_prefilling.load(Ordering::Relaxed)
+        self.limits.max_prefilling()
     }
 
     /// Share of an engine's KV its requests in flight may span (`[flow] max_kv_working_set`;
     /// 0 = no limit).
     pub fn max_kv_working_set(&self) -> f64 {
-        f64::from_bits(self.max_kv_working_set.load(Ordering::Relaxed))
+        self.limits.max_kv_working_set()
     }
 
     /// How long a session counts as active after a turn (`[flow] turn_window_s`).
@@ -661,7 +688,7 @@ impl FlowControl {
     /// Change the gateway-side cap (`[flow] max_in_flight_per_endpoint`) and dispatch what it
     /// allows.
     pub fn set_max_in_flight_per_endpoint(&self, limit: u64) {
-        self.per_endpoint.store(limit, Ordering::Relaxed);
+        self.limits.per_endpoint.store(limit, Ordering::Relaxed);
         self.notify();
     }
 
@@ -679,9 +706,11 @@ impl FlowControl {
             .settings
             .write()
             .unwrap_or_else(PoisonError::into_inner) = Arc::new(Settings::from_config(config));
-        self.max_prefilling
+        self.limits
+            .max_prefilling
             .store(config.flow.max_prefilling_per_endpoint, Ordering::Relaxed);
-        self.max_kv_working_set
+        self.limits
+            .max_kv_working_set
             .store(config.flow.max_kv_working_set.to_bits(), Ordering::Relaxed);
         self.set_max_in_flight_per_endpoint(config.flow.max_in_flight_per_endpoint);
         Ok(())
@@ -860,9 +889,7 @@ mod tests {
         let pool = pools.for_model("m").unwrap();
         let cap = PoolCapacity {
             pool: pool.clone(),
-            per_endpoint: Arc::new(AtomicU64::new(0)),
-            max_prefilling: Arc::new(AtomicU64::new(0)),
-            max_kv_working_set: Arc::new(AtomicU64::new(config.flow.max_kv_working_set.to_bits())),
+            limits: Arc::new(EndpointLimits::new(0, 0, config.flow.max_kv_working_set)),
         };
         let eps = pool.endpoints();
         let (a, b) = (eps[0].name.as_str(), eps[1].name.as_str());
@@ -896,7 +923,7 @@ mod tests {
             cap.has_room(Some(b), 0.5, 0, false),
             "a band with a reserve is not held"
         );
-        cap.max_kv_working_set.store(0, Ordering::Relaxed);
+        cap.limits.max_kv_working_set.store(0, Ordering::Relaxed);
         assert!(cap.has_room(Some(b), 0.0, 0, true), "0 sets no limit");
         pools.shutdown().await;
     }
@@ -908,9 +935,7 @@ mod tests {
         let pool = pools.for_model("m").unwrap();
         let cap = PoolCapacity {
             pool: pool.clone(),
-            per_endpoint: Arc::new(AtomicU64::new(3)),
-            max_prefilling: Arc::new(AtomicU64::new(0)),
-            max_kv_working_set: Arc::new(AtomicU64::new(0)),
+            limits: Arc::new(EndpointLimits::new(3, 0, 0.0)),
         };
         let now = Instant::now();
         assert_eq!(cap.capacity(now), Some(6));
@@ -936,7 +961,7 @@ mod tests {
         assert_eq!(cap.saturation(&load(5, 0)), 0.5);
         assert_eq!(cap.saturation(&load(5, 5)), 1.0);
         // No cap: only the engines' figures hold dispatch back.
-        cap.per_endpoint.store(0, Ordering::Relaxed);
+        cap.limits.per_endpoint.store(0, Ordering::Relaxed);
         assert_eq!(cap.capacity(now), Some(u64::MAX));
         // Unavailable endpoints count for nothing; none available holds nothing back.
         eps[1].set_healthy(false);
@@ -956,9 +981,7 @@ mod tests {
         let pool = pools.for_model("m").unwrap();
         let cap = PoolCapacity {
             pool: pool.clone(),
-            per_endpoint: Arc::new(AtomicU64::new(4)),
-            max_prefilling: Arc::new(AtomicU64::new(0)),
-            max_kv_working_set: Arc::new(AtomicU64::new(0)),
+            limits: Arc::new(EndpointLimits::new(4, 0, 0.0)),
         };
         let now = Instant::now();
         // Nothing scraped at all: the engines' figures are unknown, the cap applies.

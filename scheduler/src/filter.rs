@@ -254,6 +254,32 @@ mod tests {
     use crate::endpoint::Role;
     use std::time::Duration;
 
+    /// Endpoints `p/0` .. `p/{n-1}` in slots `0..n`.
+    fn endpoints(n: usize) -> Vec<Arc<Endpoint>> {
+        (0..n)
+            .map(|i| Arc::new(Endpoint::new(format!("p/{i}"), "http://x").with_slot(i)))
+            .collect()
+    }
+
+    /// What `filter` keeps of all of `endpoints` for `request` at `now` (no load reports).
+    fn kept(
+        filter: &dyn Filter,
+        endpoints: &[Arc<Endpoint>],
+        request: &PickRequest<'_>,
+        now: Instant,
+    ) -> Vec<usize> {
+        let reports = vec![None; endpoints.len()];
+        let view = PoolView {
+            endpoints,
+            request,
+            now,
+            reports: &reports,
+        };
+        let mut candidates: Vec<usize> = (0..endpoints.len()).collect();
+        filter.filter(&view, &mut candidates);
+        candidates
+    }
+
     #[test]
     fn filters_drop_unavailable_excluded_and_wrong_role() {
         let endpoints: Vec<Arc<Endpoint>> = (0..5)
@@ -289,9 +315,7 @@ mod tests {
     #[test]
     fn saturated_endpoints_are_dropped_only_while_another_is_not() {
         let now = Instant::now();
-        let endpoints: Vec<Arc<Endpoint>> = (0..3)
-            .map(|i| Arc::new(Endpoint::new(format!("p/{i}"), "http://x").with_slot(i)))
-            .collect();
+        let endpoints = endpoints(3);
         let report = |waiting| LoadReport {
             at: now,
             waiting,
@@ -329,29 +353,18 @@ mod tests {
 
     #[test]
     fn a_request_asking_for_a_free_slot_skips_full_endpoints_while_one_has_room() {
-        let endpoints: Vec<Arc<Endpoint>> = (0..3)
-            .map(|i| Arc::new(Endpoint::new(format!("p/{i}"), "http://x").with_slot(i)))
-            .collect();
+        let endpoints = endpoints(3);
         let mut running: Vec<_> = [0, 0, 1, 2, 2]
             .iter()
             .map(|&i| endpoints[i].begin(10, 10))
             .collect();
-        let reports = vec![None; endpoints.len()];
         let keep_both = |free_slot_below: Option<u64>, prefilling_below: Option<u64>| {
             let request = PickRequest {
                 free_slot_below,
                 prefilling_below,
                 ..PickRequest::default()
             };
-            let view = PoolView {
-                endpoints: &endpoints,
-                request: &request,
-                now: Instant::now(),
-                reports: &reports,
-            };
-            let mut candidates: Vec<usize> = (0..3).collect();
-            PreferFreeSlot.filter(&view, &mut candidates);
-            candidates
+            kept(&PreferFreeSlot, &endpoints, &request, Instant::now())
         };
         let keep = |free_slot_below| keep_both(free_slot_below, None);
         assert_eq!(keep(Some(2)), [1]);
@@ -374,13 +387,11 @@ mod tests {
 
     #[test]
     fn a_request_without_a_pin_skips_endpoints_with_a_full_kv_working_set() {
-        let endpoints: Vec<Arc<Endpoint>> = (0..3)
-            .map(|i| Arc::new(Endpoint::new(format!("p/{i}"), "http://x").with_slot(i)))
-            .collect();
+        let endpoints = endpoints(3);
         for e in &endpoints {
             e.set_kv_capacity_tokens(1_000);
         }
-        // Working sets 700, 300 and 650 tokens of 1,000.
+        // Working sets 700, 300 and 700 tokens of 1,000 (endpoint 2's prompts share 600).
         let _held: Vec<_> = [(0, 7), (1, 3), (2, 6), (2, 7)]
             .iter()
             .map(|&(i, chunks)| {
@@ -390,22 +401,13 @@ mod tests {
             })
             .collect();
         assert_eq!(endpoints[2].working_set_tokens(), 700);
-        let reports = vec![None; endpoints.len()];
         let keep = |share: Option<f64>, pinned: Pinned| {
             let request = PickRequest {
                 kv_working_set_below: share,
                 pinned,
                 ..PickRequest::default()
             };
-            let view = PoolView {
-                endpoints: &endpoints,
-                request: &request,
-                now: Instant::now(),
-                reports: &reports,
-            };
-            let mut candidates: Vec<usize> = (0..3).collect();
-            PreferFreeSlot.filter(&view, &mut candidates);
-            candidates
+            kept(&PreferFreeSlot, &endpoints, &request, Instant::now())
         };
         assert_eq!(keep(Some(0.6), Pinned::None), [1]);
         assert_eq!(keep(Some(0.8), Pinned::None), [0, 1, 2]);
@@ -423,31 +425,20 @@ mod tests {
 
     #[test]
     fn new_sessions_of_reserved_bands_go_where_fewest_such_turns_were_routed() {
-        let endpoints: Vec<Arc<Endpoint>> = (0..3)
-            .map(|i| Arc::new(Endpoint::new(format!("p/{i}"), "http://x").with_slot(i)))
-            .collect();
+        let endpoints = endpoints(3);
         let (now, window) = (Instant::now(), std::time::Duration::from_secs(60));
         for (i, turns) in [3, 1, 2].into_iter().enumerate() {
             for _ in 0..turns {
                 endpoints[i].note_reserved_turn(now, window);
             }
         }
-        let reports = vec![None; endpoints.len()];
         let keep = |spread_window, pinned| {
             let request = PickRequest {
                 spread_window,
                 pinned,
                 ..PickRequest::default()
             };
-            let view = PoolView {
-                endpoints: &endpoints,
-                request: &request,
-                now,
-                reports: &reports,
-            };
-            let mut candidates: Vec<usize> = (0..3).collect();
-            SpreadReserved.filter(&view, &mut candidates);
-            candidates
+            kept(&SpreadReserved, &endpoints, &request, now)
         };
         assert_eq!(
             keep(Some(window), Pinned::None),

@@ -935,11 +935,12 @@ impl State {
                 return None;
             }
             let head_start = band.head_start(self.config.aging, self.config.aging_follows_wait);
-            let holds = band.spec.reserve <= 0.0 && !pin_wait.is_zero();
+            // A band without a reserve of its own waits for an endpoint with KV room, and its
+            // pinned turns for their own endpoint.
+            let kv_bound = band.spec.reserve <= 0.0;
+            let holds = kv_bound && !pin_wait.is_zero();
             let share = self.reserve_above(b);
             // Below a reserve, a request needs an endpoint below its band's line.
-            // A band without a reserve of its own waits for an endpoint with KV room.
-            let kv_bound = band.spec.reserve <= 0.0;
             let room_anywhere = || {
                 (share <= 0.0 && !kv_bound)
                     || capacity.has_room(None, share, promised_any, kv_bound)

@@ -342,6 +342,19 @@ mod tests {
         BandQueue::new(BandSpec::new("b", 0))
     }
 
+    /// `q`'s next request when every team is eligible, every request placeable, all arrived
+    /// at once, turn-first off and no session activity known.
+    fn next(q: &BandQueue) -> Option<Pick> {
+        let now = Instant::now();
+        q.pick(
+            |_| Some(now),
+            |_| true,
+            Duration::ZERO,
+            |_| Placeable::Now,
+            |_| Warmth::Unknown,
+        )
+    }
+
     /// Dispatch everything, one request at a time, returning (team, id) in order.
     fn drain(
         q: &mut BandQueue,
@@ -385,20 +398,11 @@ mod tests {
     #[test]
     fn an_idle_team_earns_no_credit() {
         let mut q = band();
-        let now = Instant::now();
         for id in 0..10 {
             q.push(id, "a", TurnKind::New, 0);
         }
         for _ in 0..10 {
-            let pick = q
-                .pick(
-                    |_| Some(now),
-                    |_| true,
-                    Duration::ZERO,
-                    |_| Placeable::Now,
-                    |_| Warmth::Unknown,
-                )
-                .unwrap();
+            let pick = next(&q).unwrap();
             q.take(&pick, 100, 1.0, 0);
         }
         // b arrives after a has been served alone: it starts at the band's virtual time and
@@ -411,15 +415,7 @@ mod tests {
         }
         let mut teams = Vec::new();
         for _ in 0..4 {
-            let pick = q
-                .pick(
-                    |_| Some(now),
-                    |_| true,
-                    Duration::ZERO,
-                    |_| Placeable::Now,
-                    |_| Warmth::Unknown,
-                )
-                .unwrap();
+            let pick = next(&q).unwrap();
             q.take(&pick, 100, 1.0, 0);
             teams.push(pick.team);
         }
@@ -445,15 +441,7 @@ mod tests {
                 |_| Warmth::Unknown
             )
             .is_none());
-        let pick = q
-            .pick(
-                |_| Some(now),
-                |_| true,
-                Duration::ZERO,
-                |_| Placeable::Now,
-                |_| Warmth::Unknown,
-            )
-            .unwrap();
+        let pick = next(&q).unwrap();
         assert_eq!(pick.id, 1);
         // A stale pick is not taken.
         let stale = Pick {
