@@ -742,17 +742,9 @@ async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
     // index then pulls the interactive request towards that job's (busy) replica
     let shared: String = (0..3000).map(|i| format!("w{} ", i % 97)).collect();
     let body = |input: &str| json!({"model": "sim-model", "input": input, "max_output_tokens": 16});
-    let mut batch = vec![spawn_call(&base, Some("bulk"), body(&shared), &[])];
-    eventually("the first batch job runs", || snapshot(gw).in_flight == 1).await;
-    for i in 1..4 {
-        batch.push(spawn_call(
-            &base,
-            Some("bulk"),
-            body(&format!("job {i}")),
-            &[],
-        ));
-    }
-    // Admitted and placed: a request counts on its replica once routing has chosen it.
+    // A request counts on its replica once routing has placed it (a permit counts at once).
+    // Requests are sent one at a time, each once the one before is placed: two routed at the
+    // same moment can pick the same free replica, as neither sees the other yet.
     let pool = fleet.pool();
     let placed = || -> u64 {
         pool.endpoints()
@@ -760,6 +752,19 @@ async fn a_reserve_keeps_a_free_replica_for_the_higher_band() {
             .map(|e| e.in_flight_requests())
             .sum()
     };
+    let mut batch = vec![spawn_call(&base, Some("bulk"), body(&shared), &[])];
+    eventually("the first batch job runs", || placed() == 1).await;
+    for i in 1..4 {
+        batch.push(spawn_call(
+            &base,
+            Some("bulk"),
+            body(&format!("job {i}")),
+            &[],
+        ));
+        if i < 3 {
+            eventually("the batch job is placed", || placed() == i + 1).await;
+        }
+    }
     eventually("three batch requests run and one waits", || {
         snapshot(gw).in_flight == 3 && queued(gw, "batch") == 1 && placed() == 3
     })
