@@ -67,8 +67,15 @@ def hash_key(binary: str, key: str) -> str:
 
 
 def config_toml(*, time_scale: float, replicas: int, decode_ms_per_token: float = 20,
-                store_url: str | None = None, teams: dict[str, str] | None = None) -> str:
-    """A gateway configuration shaped like examples/quickstart.toml."""
+                store_url: str | None = None, teams: dict[str, str] | None = None,
+                key_prefix: str | None = None, extra: str = "") -> str:
+    """A gateway configuration shaped like examples/quickstart.toml.
+
+    `key_prefix` names the deployment in the store (a fresh one when unset; gateways that share
+    a store and a prefix share conversation state and rate-limit budgets); `extra` is appended
+    as is (more `[[teams]]`, `[flow]`, ...).
+    """
+    key_prefix = key_prefix or f"agentgate-pytest-{uuid.uuid4().hex[:12]}:"
     lines = [
         "[server]",
         'listen = "127.0.0.1:0"',
@@ -78,7 +85,7 @@ def config_toml(*, time_scale: float, replicas: int, decode_ms_per_token: float 
     if store_url:
         lines.append(f"url = {json.dumps(store_url)}")
     lines += [
-        f'key_prefix = "agentgate-pytest-{uuid.uuid4().hex[:12]}:"',
+        f"key_prefix = {json.dumps(key_prefix)}",
         "",
         "[tools]",
         'hosted = "drop"',
@@ -98,7 +105,7 @@ def config_toml(*, time_scale: float, replicas: int, decode_ms_per_token: float 
     ]
     for name, digest in (teams or {}).items():
         lines += ["[[teams]]", f'name = "{name}"', f'api_key_sha256 = ["{digest}"]', ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + extra
 
 
 class GatewayProcess:
@@ -193,6 +200,41 @@ def _start(binary: str, name: str, config: str, workdir: Path):
         yield gw
     finally:
         gw.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(workdir):
+    """A real Redis: `AGENTGATE_TEST_REDIS_URL` (what scripts/test.sh starts), or else a
+    `redis-server` started here on a free loopback port for this test session."""
+    configured = os.environ.get("AGENTGATE_TEST_REDIS_URL")
+    if configured:
+        yield configured
+        return
+    port = _free_port()
+    try:
+        proc = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+             "--appendonly", "no", "--dir", str(workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except FileNotFoundError:
+        pytest.fail("redis-server is not installed; scripts/test.sh installs and starts it")
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                pytest.fail(f"redis-server on port {port} did not answer PING")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")
