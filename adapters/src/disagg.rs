@@ -26,7 +26,8 @@
 //! answer 5xx) and can be retried once without disaggregation. No leg ever produced output the
 //! client saw, so a retry neither loses nor duplicates anything.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use futures_util::StreamExt;
 use serde_json::{json, Value};

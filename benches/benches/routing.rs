@@ -13,7 +13,7 @@
 
 use std::hint::black_box;
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use agentgate_scheduler::{
     Endpoint, InFlight, LeastLoaded, LoadReport, PickRequest, Picker, Pinned, Pipeline, Policy,

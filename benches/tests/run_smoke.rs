@@ -15,7 +15,7 @@ use std::time::Duration;
 use agentgate_bench::run::flow::FlowMode;
 use agentgate_bench::run::summary::PolicySummary;
 use agentgate_bench::run::topology::Topology;
-use agentgate_bench::run::{execute, Args};
+use agentgate_bench::run::{execute, Args, ClockMode};
 use agentgate_sessions::testing::TestRedis;
 use serde_json::Value;
 
@@ -54,6 +54,7 @@ fn tiny_args(policies: &[&str], out: PathBuf) -> Args {
         block_size: 16,
         seed: 7,
         compare_time_scale: None,
+        clock: ClockMode::Wall,
         out,
         topology: vec![Topology::Agg],
         pd_threshold: Vec::new(),
@@ -224,6 +225,53 @@ async fn an_unavailable_policy_fails_clearly_before_running() {
     assert!(message.contains("fastest"), "{message}");
     assert!(message.contains("policy"), "{message}");
     assert!(!out.join("summary.json").exists(), "nothing ran");
+}
+
+/// On the virtual clock only simulated engine time passes: a cold first prompt, alone on its
+/// replica, gets its first token after exactly its prefill at the simulator's speed (on the
+/// wall clock at time scale 0 it would take no simulated time at all), and the summary and the
+/// report say which clock ran. A virtual run that needs Redis is refused.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_virtual_clock_measures_simulated_engine_time_only() {
+    let _cores = CORES.read().await;
+    let out = out_dir("virtual");
+    let mut args = tiny_args(&["round_robin"], out.clone());
+    args.clock = ClockMode::Virtual;
+    args.duration = Duration::from_secs(30);
+    let summary = execute(&args, "agentgate-bench run (test)", false)
+        .await
+        .expect("the run succeeds");
+    assert_consistent(&summary.policies[0]);
+    assert_eq!(summary.clock, "virtual");
+    assert_eq!(summary.time_scale, 1.0);
+
+    let lines = std::fs::read_to_string(out.join("requests.jsonl")).expect("requests.jsonl");
+    let first: Value = lines
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("a JSON record"))
+        .min_by(|a, b| f(a, "sent_s").total_cmp(&f(b, "sent_s")))
+        .expect("a request");
+    assert_eq!(u(&first, "cached_tokens"), 0, "{first}");
+    let speed = agentgate_sim::SimConfig::default().prefill_tokens_per_s;
+    let prefill_ms = u(&first, "input_tokens") as f64 / speed * 1000.0;
+    let ttft = f(&first, "ttft_ms");
+    // Engine steps end on whole milliseconds: one of rounding per step at most.
+    let steps = (u(&first, "input_tokens") as f64 / args.max_num_batched_tokens as f64).ceil();
+    assert!(
+        ttft >= prefill_ms - 1.0 && ttft <= prefill_ms + steps + 1.0,
+        "TTFT {ttft} ms for a cold prompt of {} prefill ms: {first}",
+        prefill_ms
+    );
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
+    assert!(report.contains("on the virtual clock"), "{report}");
+
+    let mut shared = tiny_args(&["round_robin"], out_dir("virtual_redis"));
+    shared.clock = ClockMode::Virtual;
+    shared.gateways = 2;
+    let message = execute(&shared, "agentgate-bench run (test)", false)
+        .await
+        .expect_err("a virtual run cannot wait on Redis");
+    assert!(message.contains("--clock wall"), "{message}");
 }
 
 /// requests = successes + errors + shed, and the gateways' and replicas' counts add up.

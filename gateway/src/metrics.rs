@@ -47,7 +47,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
+use tokio::time::Instant;
 
 use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;

@@ -40,7 +40,8 @@
 //! of it when it was sent).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use axum::http::HeaderMap;
 use bytes::Bytes;

@@ -72,7 +72,8 @@
 //! [`PrefillThroughput::MIN_SAMPLE_TOKENS`] (dominated by fixed overheads) are ignored.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use crate::endpoint::{Endpoint, LoadReport, Saturation};
 use crate::picker::{random_choice, BreakCause, Pick, PinOutcome, Pinned, Reason};

@@ -39,7 +39,7 @@
 //! and with the scorers about each endpoint's load report.
 
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use crate::picker::Pinned;
 

@@ -51,7 +51,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use crate::endpoint::{Endpoint, LoadReport, Saturation};
 use crate::filter::{

@@ -329,7 +329,7 @@ mod tests {
     use crate::picker::PickRequest;
     use crate::prefix_index::PrefixIndexConfig;
     use std::sync::Arc;
-    use std::time::Instant;
+    use tokio::time::Instant;
 
     fn eps(n: usize) -> Vec<Arc<Endpoint>> {
         (0..n)

@@ -35,7 +35,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -702,7 +703,7 @@ pub async fn run(
             // Sleep until the wall instant of the step's simulated end, not for its length: a
             // timer that fires late (they round up to the millisecond) or a busy CPU then
             // shortens the next sleep instead of slowing the simulated clock for good.
-            tokio::time::sleep_until(deadline.into()).await;
+            tokio::time::sleep_until(deadline).await;
         } else if !idle {
             tokio::task::yield_now().await;
         }

@@ -6,7 +6,8 @@
 //! held by the simulator's first-token stall. Every wait is bounded polling on the
 //! controller's snapshot; no assertion depends on how long anything took.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use reqwest::header::HeaderMap;
 use serde_json::{json, Value};

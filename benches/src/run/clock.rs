@@ -1,7 +1,42 @@
 //! Simulated time for the replay: wall time divided by the time scale, and sleeps in simulated
 //! seconds. At time scale 0 nothing sleeps and "simulated" time is wall time.
+//!
+//! # Wall and virtual clocks (`--clock`)
+//!
+//! Every timer in the replay, the gateways and the simulated replicas is a `tokio::time` timer,
+//! so the whole run follows the runtime's clock:
+//! - `wall`: the real clock, compressed by `--time-scale`. Replicas, gateways and the clients
+//!   share the machine's cores, so a timer that fires late (the machine is busy) moves the
+//!   figures, and the gateway's own CPU time is magnified by `1 / time scale`.
+//! - `virtual`: one thread on a paused clock at time scale 1. Whenever every task waits, the
+//!   clock jumps to the next timer; it never moves while a task computes. The simulated engines'
+//!   step times are then the only time that passes, the gateway's CPU time counts as zero, and
+//!   the machine's load changes how long a run takes but not what it measures. Everything must
+//!   run in this process: a Redis server (`--gateways` above 1, `--redis-url`) answers on its own
+//!   clock, so those runs need `wall`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// `--clock`: which clock the replay runs on (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ClockMode {
+    /// The real clock, compressed by `--time-scale`.
+    #[default]
+    Wall,
+    /// A paused clock that jumps to the next timer whenever every task waits (time scale 1).
+    Virtual,
+}
+
+impl ClockMode {
+    /// `wall` or `virtual`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClockMode::Wall => "wall",
+            ClockMode::Virtual => "virtual",
+        }
+    }
+}
 
 /// The replay's clock, started when the replay starts; cheap to clone.
 #[derive(Debug, Clone, Copy)]
@@ -57,7 +92,7 @@ impl SimClock {
     /// Sleep until simulated time `sim_s` (returns at once if it has passed or at time scale 0).
     pub async fn sleep_until(&self, sim_s: f64) {
         if self.time_scale > 0.0 {
-            tokio::time::sleep_until(self.instant_at(sim_s).into()).await;
+            tokio::time::sleep_until(self.instant_at(sim_s)).await;
         }
     }
 }

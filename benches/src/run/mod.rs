@@ -66,6 +66,7 @@ use std::time::{Duration, Instant};
 
 use crate::workload::{self, Workload, WorkloadKind, WorkloadParams};
 
+pub use clock::ClockMode;
 use clock::SimClock;
 use flow::{FlowMode, FlowSetup, SaturationSampler};
 use kill::{KillOutcome, Killer, KILLED_REPLICA};
@@ -160,8 +161,14 @@ pub struct Args {
     #[arg(long, default_value = "300s", value_parser = crate::duration::parse_duration)]
     pub duration: Duration,
     /// Wall seconds per simulated second (0.2 = five times faster than real time; 0 = no delays).
+    /// Ignored with `--clock virtual`, which runs at time scale 1 on its own clock.
     #[arg(long, default_value_t = 0.2)]
     pub time_scale: f64,
+    /// The clock the run follows: `wall` (real time compressed by --time-scale) or `virtual`
+    /// (one thread on a paused clock that jumps to the next timer whenever every task waits: the
+    /// machine's load does not move the figures; needs one gateway and no Redis).
+    #[arg(long, value_enum, default_value = "wall")]
+    pub clock: ClockMode,
     /// KV-cache capacity of every replica, in blocks.
     #[arg(long, default_value_t = 65_536)]
     pub kv_blocks: usize,
@@ -185,6 +192,17 @@ pub struct Args {
     /// row per value; default: the gateway's).
     #[arg(long, value_delimiter = ',')]
     pub pd_threshold: Vec<u64>,
+}
+
+impl Args {
+    /// Wall seconds per simulated second the replay runs at: `--time-scale` on the wall clock,
+    /// 1 on the virtual clock (whose seconds are the simulated ones).
+    pub fn effective_time_scale(&self) -> f64 {
+        match self.clock {
+            ClockMode::Wall => self.time_scale,
+            ClockMode::Virtual => 1.0,
+        }
+    }
 }
 
 /// Run the command: validate, generate, replay every row, write the outputs.
@@ -232,7 +250,7 @@ pub async fn execute(
                 &["http://127.0.0.1:9".to_string()],
                 &probe_teams,
                 &StoreTarget::Memory,
-                &flow_setup(args, mode, args.time_scale),
+                &flow_setup(args, mode, args.effective_time_scale()),
             )?;
         }
     }
@@ -276,7 +294,7 @@ pub async fn execute(
     };
     let mut runs = Vec::new();
     for row in &rows {
-        let scale = args.time_scale;
+        let scale = args.effective_time_scale();
         let load = replay(row);
         runs.push(run_row(args, row, &load, &teams, &store, scale, show_progress).await?);
     }
@@ -303,7 +321,8 @@ pub async fn execute(
         kill_replica_s: args.kill_replica.map(|at| at.as_secs_f64()),
         sessions: workload.sessions.len(),
         duration_s: args.duration.as_secs_f64(),
-        time_scale: args.time_scale,
+        time_scale: args.effective_time_scale(),
+        clock: args.clock.as_str().to_string(),
         kv_blocks: args.kv_blocks,
         block_size: args.block_size,
         seed: args.seed,
@@ -444,6 +463,23 @@ fn validate_args(args: &Args) -> Result<(), String> {
             return Err(format!(
                 "time scale {scale} is invalid; use a number >= 0 (0.1 = ten times faster than real time)"
             ));
+        }
+    }
+    if args.clock == ClockMode::Virtual {
+        // A Redis server answers on its own clock: the virtual clock would jump while waiting.
+        if args.gateways > 1 || args.redis_url.is_some() {
+            return Err(
+                "--clock virtual runs everything in this process, and a Redis store is \
+                        outside it: use --clock wall with --gateways above 1 or --redis-url"
+                    .into(),
+            );
+        }
+        if args.compare_time_scale.is_some() {
+            return Err(
+                "--compare-time-scale compares wall-clock runs; the virtual clock has \
+                        no time scale (use --clock wall)"
+                    .into(),
+            );
         }
     }
     if args.kv_blocks == 0 || args.block_size == 0 {
@@ -606,6 +642,11 @@ async fn run_row(
     show_progress: bool,
 ) -> Result<PolicyRun, String> {
     let policy = row.policy.as_str();
+    if args.clock == ClockMode::Virtual {
+        // Every task runs on this thread: each row draws the same random choices, whatever the
+        // rows before it drew.
+        fastrand::seed(args.seed);
+    }
     let roles = row.roles(args.replicas);
     let mut sims = Vec::with_capacity(roles.len());
     for (index, role) in roles.iter().enumerate() {
@@ -1043,6 +1084,7 @@ mod tests {
             block_size: 16,
             seed: 1,
             compare_time_scale: None,
+            clock: ClockMode::Wall,
             out: PathBuf::from("unused"),
             topology: vec![Topology::Agg],
             pd_threshold: Vec::new(),
@@ -1077,6 +1119,7 @@ mod tests {
         assert!(validate_args(&instant).unwrap_err().contains("time scale"));
         let compare_instant = Args {
             compare_time_scale: Some(0.0),
+            clock: ClockMode::Wall,
             ..inside
         };
         assert!(validate_args(&compare_instant).is_err());

@@ -29,7 +29,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use tokio::time::Instant;
 
 use serde_json::{json, Value};
 
@@ -396,7 +396,7 @@ async fn send_turn(
     let mut admission = Admission::default();
     let exchange = stream_response(shared, url, &body, key, sent, &mut admission);
     let result = match shared.hard_stop {
-        Some(stop) => match tokio::time::timeout_at(stop.into(), exchange).await {
+        Some(stop) => match tokio::time::timeout_at(stop, exchange).await {
             Ok(result) => result,
             Err(_) => Exchange::failed(
                 Outcome::Error("still running at the drain limit; cut".into()),

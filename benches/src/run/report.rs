@@ -213,6 +213,14 @@ pub fn reading(summary: &RunSummary) -> String {
 }
 
 fn time_scale_section(summary: &RunSummary) -> String {
+    if summary.clock == "virtual" {
+        return "This run followed the virtual clock (`--clock virtual`): one thread on a paused \
+                clock that jumps to the next timer whenever every task waits. Only the simulated \
+                engines' step times pass; the gateway's own CPU time counts as zero, and the \
+                machine's load does not move the figures. On the wall clock, \
+                `--compare-time-scale` shows how much they move between two time scales.\n"
+            .to_string();
+    }
     let Some(check) = &summary.time_scale_check else {
         let other = if summary.time_scale > 0.0 {
             summary.time_scale * 2.0
@@ -722,7 +730,7 @@ pub fn render(summary: &RunSummary) -> String {
     let _ = writeln!(
         out,
         "{}, each with {} KV blocks of {} tokens, behind {} gateway{} ({} \
-         store); {} sessions (sub-agents included) over {} simulated seconds at time scale {}; \
+         store); {} sessions (sub-agents included) over {} simulated seconds {}; \
          seed {}. Times are simulated milliseconds; every policy starts from cold caches.\n",
         fleet(summary),
         summary.kv_blocks,
@@ -732,7 +740,11 @@ pub fn render(summary: &RunSummary) -> String {
         summary.store,
         summary.sessions,
         summary.duration_s,
-        summary.time_scale,
+        if summary.clock == "virtual" {
+            "on the virtual clock".to_string()
+        } else {
+            format!("at time scale {}", summary.time_scale)
+        },
         summary.seed
     );
     out.push_str("## Results\n\n");

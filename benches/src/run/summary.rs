@@ -42,8 +42,10 @@ pub struct RunSummary {
     pub sessions: usize,
     /// Simulated span replayed, seconds.
     pub duration_s: f64,
-    /// Wall seconds per simulated second.
+    /// Wall seconds per simulated second (1 on the virtual clock).
     pub time_scale: f64,
+    /// `--clock`: `wall` or `virtual`.
+    pub clock: String,
     /// KV blocks per replica.
     pub kv_blocks: usize,
     /// Tokens per KV block.
