@@ -21,7 +21,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use agentgate_adapters::{EngineClient, Flavor};
@@ -64,6 +64,8 @@ pub struct Pool {
     pub disaggregation: Disaggregation,
     /// Whether requests carry their band's priority to the engines (`engine_priority`).
     pub engine_priority: bool,
+    /// Held across one placement: see [`Pool::place`].
+    placing: Mutex<()>,
 }
 
 /// A pool's prefill/decode settings (`[pools.disaggregation]`).
@@ -126,6 +128,15 @@ impl Pool {
             .endpoints
             .write()
             .unwrap_or_else(PoisonError::into_inner) = Arc::new(endpoints);
+    }
+
+    /// Run one placement, a pick and the `Endpoint::begin` that counts the request where it
+    /// goes, while no other request of this pool places. Two requests routed at the same moment
+    /// would otherwise both see every endpoint's counts from before the other's `begin`, and
+    /// could both take the one free slot of a replica. `place` must not wait on anything.
+    pub fn place<T>(&self, place: impl FnOnce() -> T) -> T {
+        let _one_at_a_time = self.placing.lock().unwrap_or_else(PoisonError::into_inner);
+        place()
     }
 
     /// Whether the pool currently has prefill endpoints (its requests may then be split).
@@ -371,6 +382,7 @@ impl Pools {
                 endpoints_file: pc.endpoints_file.clone(),
                 disaggregation,
                 engine_priority: pc.engine_priority,
+                placing: Mutex::new(()),
             });
             let record_load = config.routing.scrape_interval().is_some();
             if pool.flavor != Flavor::Openai

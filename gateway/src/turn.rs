@@ -462,9 +462,17 @@ async fn open_local(
     let mut first = first.filter(|p| p.index < view.len());
     let mut tried: Vec<usize> = Vec::new();
     let mut last = String::from("no available endpoint");
+    // Count the request on its endpoint (and read the prefill queued there before it).
+    let begin = |pick: Pick| {
+        let ep = &view[pick.index];
+        let ahead = ep.pending_prefill_tokens();
+        let mut in_flight = ep.begin(placement.prompt_tokens, pick.uncached_tokens_estimate);
+        in_flight.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
+        (pick, ahead, in_flight)
+    };
     loop {
-        let pick = match first.take() {
-            Some(pick) => pick,
+        let (pick, ahead, in_flight) = match first.take() {
+            Some(pick) => begin(pick),
             None => {
                 let request = placement.room.pick_request(PickRequest {
                     exclude: &tried,
@@ -473,17 +481,14 @@ async fn open_local(
                     pinned,
                     ..PickRequest::default()
                 });
-                match pool.picker.pick(view, &request) {
-                    Some(pick) => pick,
+                match pool.place(|| pool.picker.pick(view, &request).map(&begin)) {
+                    Some(placed) => placed,
                     None => break,
                 }
             }
         };
         tried.push(pick.index);
         let ep = &view[pick.index];
-        let ahead = ep.pending_prefill_tokens();
-        let mut in_flight = ep.begin(placement.prompt_tokens, pick.uncached_tokens_estimate);
-        in_flight.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
         let sent = Instant::now();
         match state
             .engines
