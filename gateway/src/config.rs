@@ -677,7 +677,9 @@ pub struct FlowToml {
     /// token on one endpoint (this gateway's count); 0: no limit. vLLM's scheduler gives the
     /// prompts already running their prefill chunks before a newly admitted prompt, so with
     /// `--max-num-batched-tokens B` and `--long-prefill-token-threshold T`, `B / T` long
-    /// prefills leave nothing of a step for a higher band's new request: set it below `B / T`.
+    /// prefills leave nothing of a step for a higher band's new request. Below `B / T` a step
+    /// always has a chunk for it; at 1 it shares each step with at most one lower-band chunk,
+    /// so its steps take about twice as long as alone.
     pub max_prefilling_per_endpoint: u64,
     /// Largest share of an engine's KV capacity (`vllm:cache_config_info`) the prompts this
     /// gateway has in flight there may span together, each shared prefix counted once (policies

@@ -107,7 +107,8 @@
 //! vLLM's scheduler gives the prompts already running their prefill chunks before a newly
 //! admitted prompt, so `B / T` long prefills (`--max-num-batched-tokens B`,
 //! `--long-prefill-token-threshold T`) leave a higher band's new prompt no room in a step
-//! however many slots are free.
+//! however many slots are free. Each lower-band chunk beside it also lengthens the steps its
+//! prompt needs: at `P = 1` a step holds at most one, so they take about twice as long as alone.
 //!
 //! **KV working set.** With `[flow] max_kv_working_set = w` (default 0.6; 0: off) an
 //! endpoint also needs `working_set(e) < w * kv_capacity(e)` to take a request of a band

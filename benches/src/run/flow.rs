@@ -27,8 +27,8 @@
 //! The gateway's per-endpoint cap (`max_in_flight_per_endpoint`) is the replicas' `max_num_seqs`
 //! divided among the gateways (rounded up), so the fleet runs at most what its engines batch and
 //! the rest waits in the gateway, where bands apply. With `--long-prefill-token-threshold T` and
-//! `--max-num-batched-tokens B`, bands below the interactive reserve keep fewer than `B / T`
-//! requests prefilling per endpoint (`max_prefilling_per_endpoint`, see
+//! `--max-num-batched-tokens B`, bands below the interactive reserve keep one request
+//! prefilling per endpoint (`max_prefilling_per_endpoint`, see
 //! [`FlowSetup::with_engine_chunking`]). Time-based settings are simulated durations converted to
 //! wall time with the replay's time scale (band TTLs, `turn_window_s` = [`TURN_WINDOW_S`],
 //! `aging_s` = [`AGING_S`], `pin_wait_s` = [`PIN_WAIT_S`], and the engines' metrics scrape,
@@ -162,24 +162,22 @@ impl FlowSetup {
     }
 
     /// The same for engines stepping `max_num_batched_tokens` with prefill chunks of at most
-    /// `long_prefill_token_threshold`, behind `gateways` gateways: lower bands keep fewer than
-    /// `B / T` requests prefilling per endpoint, `B / T - 1` shared among the gateways (at
-    /// least 1 each), so a step always has a chunk left for a higher band's new prompt. No
-    /// limit without a threshold (one prompt may then take a whole step).
+    /// `long_prefill_token_threshold`: each gateway lets lower bands keep one request prefilling
+    /// per endpoint, and none while a request of any band is prefilling there. A higher band's
+    /// new prompt then shares each engine step with at most one lower-band chunk per gateway,
+    /// not `B / T - 1` of them, so its steps take about twice as long as alone, not `B / T`
+    /// times. No limit when a step holds only one chunk, or without a threshold (one prompt may
+    /// then take a whole step).
     pub fn with_engine_chunking(
         mut self,
         max_num_batched_tokens: usize,
         long_prefill_token_threshold: usize,
-        gateways: usize,
     ) -> FlowSetup {
         let chunks = match (max_num_batched_tokens, long_prefill_token_threshold) {
             (0, _) | (_, 0) => 0,
             (b, t) => b / t,
         };
-        self.max_prefilling_per_endpoint = match chunks.saturating_sub(1) {
-            0 => 0,
-            n => (n / gateways.max(1)).max(1) as u64,
-        };
+        self.max_prefilling_per_endpoint = u64::from(chunks >= 2);
         self
     }
 
@@ -775,18 +773,18 @@ mod tests {
         assert!(text.contains("aging_s = 2.0\n"), "{text}");
         assert!(text.contains("pin_wait_s = 2.0\n"), "{text}");
         assert!(text.contains("max_prefilling_per_endpoint = 0\n"), "{text}");
-        // 2048-token steps of 512-token chunks: 3 prefilling leave a chunk free, 1 each for 3
-        // gateways; without a threshold, no limit.
-        let chunked = |b, t, gateways| {
+        // 2048-token steps of 512-token chunks: one lower-band prompt prefilling; a step of
+        // one chunk, or no threshold: no limit.
+        let chunked = |b, t| {
             setup
                 .clone()
-                .with_engine_chunking(b, t, gateways)
+                .with_engine_chunking(b, t)
                 .max_prefilling_per_endpoint
         };
-        assert_eq!(chunked(2048, 512, 1), 3);
-        assert_eq!(chunked(2048, 512, 3), 1);
-        assert_eq!(chunked(8192, 0, 1), 0);
-        assert_eq!(chunked(1024, 512, 1), 1);
+        assert_eq!(chunked(2048, 512), 1);
+        assert_eq!(chunked(1024, 512), 1);
+        assert_eq!(chunked(512, 512), 0);
+        assert_eq!(chunked(8192, 0), 0);
         let bands = setup.bands_toml();
         assert!(bands.contains("queue_ttl_ms = 12000\n"), "{bands}");
         assert!(bands.contains("queue_ttl_ms = 120000\n"), "{bands}");
