@@ -420,7 +420,6 @@ fn flow_setup(args: &Args, mode: FlowMode, time_scale: f64) -> FlowSetup {
     .with_engine_chunking(
         args.max_num_batched_tokens,
         args.long_prefill_token_threshold,
-        args.gateways,
     )
 }
 
@@ -501,7 +500,7 @@ fn validate_args(args: &Args) -> Result<(), String> {
                 args.duration.as_secs_f64()
             ));
         }
-        let scales = std::iter::once(args.time_scale).chain(args.compare_time_scale);
+        let scales = std::iter::once(args.effective_time_scale()).chain(args.compare_time_scale);
         if scales.into_iter().any(|scale| scale <= 0.0) {
             return Err(
                 "--kill-replica is a simulated time, which needs a time scale above 0 (e.g. --time-scale 0.2)"
