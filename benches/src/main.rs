@@ -33,21 +33,18 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     // `run --clock virtual`: one thread on a paused clock that jumps to the next timer whenever
-    // every task waits (see agentgate_bench::run::clock), with its random choices seeded.
-    let virtual_seed = match &cli.command {
-        Command::Run(args) if args.clock == agentgate_bench::run::ClockMode::Virtual => {
-            Some(args.seed)
-        }
-        _ => None,
-    };
-    let built = match virtual_seed {
-        Some(_) => tokio::runtime::Builder::new_current_thread()
+    // every task waits (see agentgate_bench::run::clock; each row seeds its random choices).
+    let virtual_clock = matches!(&cli.command,
+        Command::Run(args) if args.clock == agentgate_bench::run::ClockMode::Virtual);
+    let built = if virtual_clock {
+        tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .start_paused(true)
-            .build(),
-        None => tokio::runtime::Builder::new_multi_thread()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
             .enable_all()
-            .build(),
+            .build()
     };
     let runtime = match built {
         Ok(runtime) => runtime,
@@ -57,9 +54,6 @@ fn main() -> std::process::ExitCode {
         }
     };
     let result = runtime.block_on(async move {
-        if let Some(seed) = virtual_seed {
-            fastrand::seed(seed);
-        }
         match cli.command {
             Command::SimThroughput(args) => sim_throughput::run(args).await,
             Command::Overhead(args) => overhead::run(args).await,
