@@ -155,15 +155,31 @@ pub struct Gateway {
     reload: Option<ConfigWatcher>,
 }
 
+/// A listener on `addr` whose accepted connections have `buffer_bytes` send and receive buffers
+/// (they inherit the listener's; 0 leaves the kernel's autotuning).
+fn listen_tcp(addr: SocketAddr, buffer_bytes: u32) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    if buffer_bytes > 0 {
+        socket.set_send_buffer_size(buffer_bytes)?;
+        socket.set_recv_buffer_size(buffer_bytes)?;
+    }
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
 impl Gateway {
     /// Bind `listen` (port 0 picks a free one) and serve until [`Gateway::shutdown`].
     pub async fn start(
         config: Config,
         listen: SocketAddr,
     ) -> Result<Gateway, Box<dyn std::error::Error>> {
+        let buffer_bytes = config.server.socket_buffer_bytes;
         let state = AppState::new(config).await?;
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
+        let listener = listen_tcp(listen, buffer_bytes)
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr()?;
         // A scrape, a health verdict or an endpoints file can change a pool's capacity
@@ -233,5 +249,25 @@ impl Gateway {
         if let Some(reload) = self.reload {
             reload.shutdown().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::listen_tcp;
+
+    /// Accepted connections inherit the listener's fixed buffers: Linux reports exactly twice
+    /// the size asked for (its bookkeeping included), which autotuning would not land on.
+    #[tokio::test]
+    async fn accepted_connections_get_the_configured_socket_buffers() {
+        // Below the smallest default net.core.rmem_max (208 KiB), which caps what is granted.
+        let asked: u32 = 100_000;
+        let listener = listen_tcp("127.0.0.1:0".parse().unwrap(), asked).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        let socket = tokio::net::TcpSocket::from_std_stream(accepted.into_std().unwrap());
+        assert_eq!(socket.recv_buffer_size().unwrap(), 2 * asked);
+        assert_eq!(socket.send_buffer_size().unwrap(), 2 * asked);
     }
 }

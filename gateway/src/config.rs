@@ -66,6 +66,11 @@ pub struct ServerConfig {
     /// How often the config file is checked for changes (modification time and length), in
     /// milliseconds; a change reloads `[[bands]]`, `[[teams]]` and `[flow]`. 0 disables it.
     pub reload_interval_ms: u64,
+    /// Send and receive buffer of every client connection, in bytes; 0 leaves the kernel's
+    /// autotuning. Autotuning sizes buffers by measured real time, so concurrent large requests
+    /// (agent histories of several hundred KB) can complete in a different order from run to
+    /// run; a fixed buffer larger than the largest request keeps them in send order.
+    pub socket_buffer_bytes: u32,
 }
 
 impl Default for ServerConfig {
@@ -74,6 +79,7 @@ impl Default for ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             max_body_bytes: 32 * 1024 * 1024,
             reload_interval_ms: 1_000,
+            socket_buffer_bytes: 0,
         }
     }
 }

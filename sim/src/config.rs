@@ -118,6 +118,12 @@ pub struct SimConfig {
     /// Engine id reported in kv_transfer_params (default: derived from the listen address).
     #[arg(long)]
     pub engine_id: Option<String>,
+    /// Send and receive buffer of every accepted connection, in bytes (0: the kernel's
+    /// autotuning). Autotuning sizes buffers by measured real time, so concurrent large
+    /// requests can complete in a different order from run to run; a fixed buffer larger than
+    /// the largest request keeps them in send order (the benchmark's virtual clock sets it).
+    #[arg(long, default_value_t = 0)]
+    pub socket_buffer_bytes: u32,
 }
 
 impl Default for SimConfig {

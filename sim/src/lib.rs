@@ -123,6 +123,22 @@ fn advertised(addr: SocketAddr) -> SocketAddr {
 }
 
 /// Start a replica: bind `config.listen` (port 0 picks one), start the engine loop and serve.
+/// A listener on `addr` whose accepted connections have `buffer_bytes` send and receive buffers
+/// (they inherit the listener's; 0 leaves the kernel's autotuning).
+fn listen(addr: SocketAddr, buffer_bytes: u32) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    if buffer_bytes > 0 {
+        socket.set_send_buffer_size(buffer_bytes)?;
+        socket.set_recv_buffer_size(buffer_bytes)?;
+    }
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
 pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
     if config.block_size == 0 || config.kv_blocks == 0 || config.max_num_seqs == 0 {
         return Err(std::io::Error::new(
@@ -130,12 +146,12 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
             "block_size, kv_blocks and max_num_seqs must all be at least 1",
         ));
     }
-    let listener = tokio::net::TcpListener::bind(config.listen).await?;
+    let listener = listen(config.listen, config.socket_buffer_bytes)?;
     let addr = listener.local_addr()?;
     let mut listeners = vec![listener];
     if let Some(port) = config.bootstrap_port {
-        listeners
-            .push(tokio::net::TcpListener::bind(SocketAddr::new(config.listen.ip(), port)).await?);
+        let bootstrap = SocketAddr::new(config.listen.ip(), port);
+        listeners.push(listen(bootstrap, config.socket_buffer_bytes)?);
     }
     let sink = match &config.kv_events {
         Some(endpoint) => Some(kv_events::start_publisher(

@@ -84,6 +84,21 @@ pub const MAX_OUTPUT_TOKENS: u64 = 4096;
 /// Mean output length the replicas are configured with (`default_output_tokens`).
 pub const DEFAULT_OUTPUT_TOKENS: usize = 300;
 
+/// Socket buffers on the virtual clock, bytes: larger than any prompt the workloads send.
+const VIRTUAL_SOCKET_BUFFER_BYTES: u32 = 8 << 20;
+
+/// Send and receive buffers of the replicas', gateways' and relays' sockets. The kernel's
+/// autotuning sizes them by measured real time, so on the virtual clock concurrent prompts
+/// (hundreds of KB each) could complete in a different order from run to run; fixed buffers
+/// larger than any prompt keep them in the order they were sent. The wall clock keeps the
+/// kernel's autotuning (0).
+pub fn socket_buffer_bytes(clock: ClockMode) -> u32 {
+    match clock {
+        ClockMode::Wall => 0,
+        ClockMode::Virtual => VIRTUAL_SOCKET_BUFFER_BYTES,
+    }
+}
+
 /// Command-line arguments of `agentgate-bench run`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -663,6 +678,7 @@ async fn run_row(
             scheduling_policy: agentgate_sim::config::SchedulingPolicyArg::Priority,
             default_output_tokens: DEFAULT_OUTPUT_TOKENS,
             seed: Some(args.seed),
+            socket_buffer_bytes: socket_buffer_bytes(args.clock),
             ..agentgate_sim::SimConfig::default()
         };
         let sim = agentgate_sim::spawn(config)
@@ -676,7 +692,7 @@ async fn run_row(
     let mut relays: Vec<Option<Relay>> = Vec::new();
     if kill_at.is_some() {
         for (index, sim) in sims.iter().flatten().enumerate() {
-            let relay = Relay::start(sim.addr())
+            let relay = Relay::start(sim.addr(), socket_buffer_bytes(args.clock))
                 .await
                 .map_err(|e| format!("cannot start the relay of replica {index}: {e}"))?;
             relays.push(Some(relay));
@@ -695,6 +711,7 @@ async fn run_row(
         &store.for_replay(policy),
         &flow_setup,
     )?;
+    config.server.socket_buffer_bytes = socket_buffer_bytes(args.clock);
     let threshold = topology::configure(&mut config, &roles, row.threshold)?;
     let mut gateways = Vec::with_capacity(args.gateways);
     for index in 0..args.gateways {

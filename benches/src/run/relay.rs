@@ -8,13 +8,17 @@
 //! closes (new connections are refused) and every open connection closes at once, so streams in
 //! flight break mid-response and idle keep-alive connections in the gateway's pool go dead.
 //!
+//! On the virtual clock both legs get the fixed socket buffers the replicas and the gateway get
+//! there ([`super::socket_buffer_bytes`]), so concurrent requests pass in the order they were
+//! sent.
+//!
 //! Stopping the simulator itself would not do this: its graceful shutdown stops accepting but
 //! lets in-flight requests finish for up to two seconds of wall time (ten simulated seconds at time
 //! scale 0.2), and the fault API (`POST /sim/faults`) only affects requests that arrive after it.
 
 use std::net::SocketAddr;
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
@@ -26,19 +30,23 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// Listen on a free 127.0.0.1 port and relay every connection to `upstream`.
-    pub async fn start(upstream: SocketAddr) -> std::io::Result<Relay> {
-        let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+    /// Listen on a free 127.0.0.1 port and relay every connection to `upstream`, with
+    /// `buffer_bytes` socket buffers on both legs (0: the kernel's autotuning).
+    pub async fn start(upstream: SocketAddr, buffer_bytes: u32) -> std::io::Result<Relay> {
+        let listening = socket(buffer_bytes)?;
+        listening.bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+        let listener = listening.listen(1024)?;
         let addr = listener.local_addr()?;
         let (stop, mut stopped) = watch::channel(false);
         let task = tokio::spawn(async move {
             let mut connections = JoinSet::new();
             loop {
                 tokio::select! {
+                    biased;
                     _ = stopped.wait_for(|stop| *stop) => break,
                     accepted = listener.accept() => {
                         if let Ok((inbound, _)) = accepted {
-                            connections.spawn(pipe(inbound, upstream));
+                            connections.spawn(pipe(inbound, upstream, buffer_bytes));
                         }
                     }
                     Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -79,10 +87,23 @@ impl Drop for Relay {
     }
 }
 
+/// An IPv4 TCP socket with `buffer_bytes` send and receive buffers (0: autotuned).
+fn socket(buffer_bytes: u32) -> std::io::Result<TcpSocket> {
+    let socket = TcpSocket::new_v4()?;
+    if buffer_bytes > 0 {
+        socket.set_send_buffer_size(buffer_bytes)?;
+        socket.set_recv_buffer_size(buffer_bytes)?;
+    }
+    Ok(socket)
+}
+
 /// Pipe one accepted connection to `upstream` until either side closes.
-async fn pipe(mut inbound: TcpStream, upstream: SocketAddr) {
+async fn pipe(mut inbound: TcpStream, upstream: SocketAddr, buffer_bytes: u32) {
     let _ = inbound.set_nodelay(true);
-    let Ok(mut outbound) = TcpStream::connect(upstream).await else {
+    let Ok(connecting) = socket(buffer_bytes) else {
+        return;
+    };
+    let Ok(mut outbound) = connecting.connect(upstream).await else {
         return;
     };
     let _ = outbound.set_nodelay(true);
@@ -116,7 +137,7 @@ mod tests {
     #[tokio::test]
     async fn relays_until_killed_then_breaks_open_connections_and_refuses_new_ones() {
         let upstream = echo_server().await;
-        let mut relay = Relay::start(upstream).await.unwrap();
+        let mut relay = Relay::start(upstream, 0).await.unwrap();
         let addr = relay.addr;
         let mut open = TcpStream::connect(addr).await.unwrap();
         open.write_all(b"ping").await.unwrap();
