@@ -35,7 +35,7 @@ fn main() -> std::process::ExitCode {
     // `run --clock virtual`: one thread on a paused clock that jumps to the next timer whenever
     // every task waits (see agentgate_bench::run::clock; each row seeds its random choices).
     let virtual_clock = matches!(&cli.command,
-        Command::Run(args) if args.clock == agentgate_bench::run::ClockMode::Virtual);
+        Command::Run(args) if args.clock() == agentgate_bench::run::ClockMode::Virtual);
     let built = if virtual_clock {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()

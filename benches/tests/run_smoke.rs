@@ -49,12 +49,12 @@ fn tiny_args(policies: &[&str], out: PathBuf) -> Args {
         batch_sheddable: false,
         sessions: 3,
         duration: Duration::from_secs(3),
-        time_scale: 0.0,
+        time_scale: Some(0.0),
         kv_blocks: 65_536,
         block_size: 16,
         seed: 7,
         compare_time_scale: None,
-        clock: ClockMode::Wall,
+        clock: None,
         out,
         topology: vec![Topology::Agg],
         pd_threshold: Vec::new(),
@@ -230,14 +230,16 @@ async fn an_unavailable_policy_fails_clearly_before_running() {
 /// On the virtual clock only simulated engine time passes: a cold first prompt, alone on its
 /// replica, gets its first token after exactly its prefill at the simulator's speed (on the
 /// wall clock at time scale 0 it would take no simulated time at all), and the summary and the
-/// report say which clock ran. A virtual run that needs Redis is refused.
+/// report say which clock ran. It is the default; a time scale or a Redis store selects the wall
+/// clock, and a virtual run that asks for either is refused.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn the_virtual_clock_measures_simulated_engine_time_only() {
     let _cores = CORES.read().await;
     let out = out_dir("virtual");
     let mut args = tiny_args(&["round_robin"], out.clone());
-    args.clock = ClockMode::Virtual;
+    args.time_scale = None;
     args.duration = Duration::from_secs(30);
+    assert_eq!(args.clock(), ClockMode::Virtual, "the default");
     let summary = execute(&args, "agentgate-bench run (test)", false)
         .await
         .expect("the run succeeds");
@@ -266,12 +268,29 @@ async fn the_virtual_clock_measures_simulated_engine_time_only() {
     assert!(report.contains("on the virtual clock"), "{report}");
 
     let mut shared = tiny_args(&["round_robin"], out_dir("virtual_redis"));
-    shared.clock = ClockMode::Virtual;
+    shared.time_scale = None;
     shared.gateways = 2;
+    assert_eq!(
+        shared.clock(),
+        ClockMode::Wall,
+        "Redis needs the wall clock"
+    );
+    shared.clock = Some(ClockMode::Virtual);
     let message = execute(&shared, "agentgate-bench run (test)", false)
         .await
         .expect_err("a virtual run cannot wait on Redis");
     assert!(message.contains("--clock wall"), "{message}");
+    let mut scaled = tiny_args(&["round_robin"], out_dir("virtual_scaled"));
+    assert_eq!(
+        scaled.clock(),
+        ClockMode::Wall,
+        "a time scale selects the wall clock"
+    );
+    scaled.clock = Some(ClockMode::Virtual);
+    let message = execute(&scaled, "agentgate-bench run (test)", false)
+        .await
+        .expect_err("the virtual clock has no time scale");
+    assert!(message.contains("--time-scale"), "{message}");
 }
 
 /// requests = successes + errors + shed, and the gateways' and replicas' counts add up.
@@ -354,7 +373,7 @@ async fn killing_a_replica_mid_run_loses_no_request_and_is_reported() {
         workload: "chat".into(),
         sessions: 20,
         duration: Duration::from_secs(30),
-        time_scale: 0.02,
+        time_scale: Some(0.02),
         kill_replica: Some(Duration::from_secs(15)),
         ..tiny_args(&["round_robin"], out.clone())
     };
@@ -705,7 +724,7 @@ async fn fairness_run_splits_dispatched_tokens_while_both_teams_wait() {
         replicas: 1,
         max_num_seqs: 2,
         duration: Duration::from_secs(20),
-        time_scale: 0.05,
+        time_scale: Some(0.05),
         ..tiny_args(&["round_robin"], out.clone())
     };
     let summary = execute(&args, "agentgate-bench run (test)", false)

@@ -175,15 +175,16 @@ pub struct Args {
     /// Simulated span of the workload (e.g. 120s, 10m); no new turn starts after it.
     #[arg(long, default_value = "300s", value_parser = crate::duration::parse_duration)]
     pub duration: Duration,
-    /// Wall seconds per simulated second (0.2 = five times faster than real time; 0 = no delays).
-    /// Ignored with `--clock virtual`, which runs at time scale 1 on its own clock.
-    #[arg(long, default_value_t = 0.2)]
-    pub time_scale: f64,
-    /// The clock the run follows: `wall` (real time compressed by --time-scale) or `virtual`
-    /// (one thread on a paused clock that jumps to the next timer whenever every task waits: the
-    /// machine's load does not move the figures; needs one gateway and no Redis).
-    #[arg(long, value_enum, default_value = "wall")]
-    pub clock: ClockMode,
+    /// Wall-clock runs: wall seconds per simulated second (default 0.2 = five times faster than
+    /// real time; 0 = no delays). Giving it selects the wall clock.
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+    /// The clock the run follows: `virtual` (one thread on a paused clock that jumps to the next
+    /// timer whenever every task waits: same-seed runs repeat each other) or `wall` (real time
+    /// compressed by --time-scale). Default: `virtual`, or `wall` when the run needs real time
+    /// (--time-scale, --compare-time-scale, --gateways above 1, --redis-url).
+    #[arg(long, value_enum)]
+    pub clock: Option<ClockMode>,
     /// KV-cache capacity of every replica, in blocks.
     #[arg(long, default_value_t = 65_536)]
     pub kv_blocks: usize,
@@ -209,12 +210,32 @@ pub struct Args {
     pub pd_threshold: Vec<u64>,
 }
 
+/// `--time-scale` when the wall clock runs without one.
+pub const DEFAULT_TIME_SCALE: f64 = 0.2;
+
 impl Args {
-    /// Wall seconds per simulated second the replay runs at: `--time-scale` on the wall clock,
-    /// 1 on the virtual clock (whose seconds are the simulated ones).
+    /// The clock the run follows: `--clock`, else `wall` when an option asks for real time
+    /// (a time scale, or a Redis store, which answers on its own clock), else `virtual`.
+    pub fn clock(&self) -> ClockMode {
+        self.clock.unwrap_or(
+            if self.time_scale.is_some()
+                || self.compare_time_scale.is_some()
+                || self.gateways > 1
+                || self.redis_url.is_some()
+            {
+                ClockMode::Wall
+            } else {
+                ClockMode::Virtual
+            },
+        )
+    }
+
+    /// Wall seconds per simulated second the replay runs at: `--time-scale` (default
+    /// [`DEFAULT_TIME_SCALE`]) on the wall clock, 1 on the virtual clock (whose seconds are the
+    /// simulated ones).
     pub fn effective_time_scale(&self) -> f64 {
-        match self.clock {
-            ClockMode::Wall => self.time_scale,
+        match self.clock() {
+            ClockMode::Wall => self.time_scale.unwrap_or(DEFAULT_TIME_SCALE),
             ClockMode::Virtual => 1.0,
         }
     }
@@ -337,7 +358,7 @@ pub async fn execute(
         sessions: workload.sessions.len(),
         duration_s: args.duration.as_secs_f64(),
         time_scale: args.effective_time_scale(),
-        clock: args.clock.as_str().to_string(),
+        clock: args.clock().as_str().to_string(),
         kv_blocks: args.kv_blocks,
         block_size: args.block_size,
         seed: args.seed,
@@ -471,7 +492,7 @@ fn validate_args(args: &Args) -> Result<(), String> {
             ));
         }
     }
-    let scales = std::iter::once(args.time_scale).chain(args.compare_time_scale);
+    let scales = std::iter::once(args.effective_time_scale()).chain(args.compare_time_scale);
     for scale in scales {
         if !scale.is_finite() || scale < 0.0 {
             return Err(format!(
@@ -479,7 +500,7 @@ fn validate_args(args: &Args) -> Result<(), String> {
             ));
         }
     }
-    if args.clock == ClockMode::Virtual {
+    if args.clock() == ClockMode::Virtual {
         // A Redis server answers on its own clock: the virtual clock would jump while waiting.
         if args.gateways > 1 || args.redis_url.is_some() {
             return Err(
@@ -488,10 +509,10 @@ fn validate_args(args: &Args) -> Result<(), String> {
                     .into(),
             );
         }
-        if args.compare_time_scale.is_some() {
+        if args.compare_time_scale.is_some() || args.time_scale.is_some() {
             return Err(
-                "--compare-time-scale compares wall-clock runs; the virtual clock has \
-                        no time scale (use --clock wall)"
+                "--time-scale and --compare-time-scale apply to the wall clock; the virtual \
+                        clock has no time scale (use --clock wall)"
                     .into(),
             );
         }
@@ -656,7 +677,7 @@ async fn run_row(
     show_progress: bool,
 ) -> Result<PolicyRun, String> {
     let policy = row.policy.as_str();
-    if args.clock == ClockMode::Virtual {
+    if args.clock() == ClockMode::Virtual {
         // Every task runs on this thread: each row draws the same random choices, whatever the
         // rows before it drew.
         fastrand::seed(args.seed);
@@ -678,7 +699,7 @@ async fn run_row(
             scheduling_policy: agentgate_sim::config::SchedulingPolicyArg::Priority,
             default_output_tokens: DEFAULT_OUTPUT_TOKENS,
             seed: Some(args.seed),
-            socket_buffer_bytes: socket_buffer_bytes(args.clock),
+            socket_buffer_bytes: socket_buffer_bytes(args.clock()),
             ..agentgate_sim::SimConfig::default()
         };
         let sim = agentgate_sim::spawn(config)
@@ -692,7 +713,7 @@ async fn run_row(
     let mut relays: Vec<Option<Relay>> = Vec::new();
     if kill_at.is_some() {
         for (index, sim) in sims.iter().flatten().enumerate() {
-            let relay = Relay::start(sim.addr(), socket_buffer_bytes(args.clock))
+            let relay = Relay::start(sim.addr(), socket_buffer_bytes(args.clock()))
                 .await
                 .map_err(|e| format!("cannot start the relay of replica {index}: {e}"))?;
             relays.push(Some(relay));
@@ -711,7 +732,7 @@ async fn run_row(
         &store.for_replay(policy),
         &flow_setup,
     )?;
-    config.server.socket_buffer_bytes = socket_buffer_bytes(args.clock);
+    config.server.socket_buffer_bytes = socket_buffer_bytes(args.clock());
     let threshold = topology::configure(&mut config, &roles, row.threshold)?;
     let mut gateways = Vec::with_capacity(args.gateways);
     for index in 0..args.gateways {
@@ -1095,12 +1116,12 @@ mod tests {
             batch_sheddable: false,
             sessions: 3,
             duration: Duration::from_secs(60),
-            time_scale: 0.1,
+            time_scale: Some(0.1),
             kv_blocks: 1024,
             block_size: 16,
             seed: 1,
             compare_time_scale: None,
-            clock: ClockMode::Wall,
+            clock: None,
             out: PathBuf::from("unused"),
             topology: vec![Topology::Agg],
             pd_threshold: Vec::new(),
@@ -1129,13 +1150,12 @@ mod tests {
             assert!(message.contains("--kill-replica"), "{message}");
         }
         let instant = Args {
-            time_scale: 0.0,
+            time_scale: Some(0.0),
             ..inside.clone()
         };
         assert!(validate_args(&instant).unwrap_err().contains("time scale"));
         let compare_instant = Args {
             compare_time_scale: Some(0.0),
-            clock: ClockMode::Wall,
             ..inside
         };
         assert!(validate_args(&compare_instant).is_err());
