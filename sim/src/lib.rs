@@ -122,7 +122,6 @@ fn advertised(addr: SocketAddr) -> SocketAddr {
     }
 }
 
-/// Start a replica: bind `config.listen` (port 0 picks one), start the engine loop and serve.
 /// A listener on `addr` whose accepted connections have `buffer_bytes` send and receive buffers
 /// (they inherit the listener's; 0 leaves the kernel's autotuning).
 fn listen(addr: SocketAddr, buffer_bytes: u32) -> std::io::Result<tokio::net::TcpListener> {
@@ -139,6 +138,7 @@ fn listen(addr: SocketAddr, buffer_bytes: u32) -> std::io::Result<tokio::net::Tc
     socket.listen(1024)
 }
 
+/// Start a replica: bind `config.listen` (port 0 picks one), start the engine loop and serve.
 pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
     if config.block_size == 0 || config.kv_blocks == 0 || config.max_num_seqs == 0 {
         return Err(std::io::Error::new(
