@@ -456,23 +456,16 @@ async fn open_local(
     pool: &Pool,
     view: &[Arc<Endpoint>],
     placement: Placement<'_>,
-    first: Option<Pick>,
+    first: Option<Placed>,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let pinned = pinned_in(view, placement.pin.as_ref());
-    let mut first = first.filter(|p| p.index < view.len());
+    let mut first = first.filter(|(p, ..)| p.index < view.len());
     let mut tried: Vec<usize> = Vec::new();
     let mut last = String::from("no available endpoint");
-    // Count the request on its endpoint (and read the prefill queued there before it).
-    let begin = |pick: Pick| {
-        let ep = &view[pick.index];
-        let ahead = ep.pending_prefill_tokens();
-        let mut in_flight = ep.begin(placement.prompt_tokens, pick.uncached_tokens_estimate);
-        in_flight.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
-        (pick, ahead, in_flight)
-    };
+    let begin = |pick: Pick| count_local(pool, view, &placement, pick);
     loop {
         let (pick, ahead, in_flight) = match first.take() {
-            Some(pick) => begin(pick),
+            Some(placed) => placed,
             None => {
                 let request = placement.room.pick_request(PickRequest {
                     exclude: &tried,
@@ -551,6 +544,33 @@ async fn open_local(
     Err(no_endpoint(pool, &last))
 }
 
+/// A pick counted on its endpoint: the pick, the prefill tokens queued there before it, and
+/// the guard that counts it.
+type Placed = (Pick, u64, InFlight);
+
+/// Count a request that runs whole on `view[pick.index]` (call inside [`Pool::place`]): its
+/// prompt and expected prefill in the endpoint's load, its prompt in the working set.
+fn count_local(
+    pool: &Pool,
+    view: &[Arc<Endpoint>],
+    placement: &Placement<'_>,
+    pick: Pick,
+) -> Placed {
+    let ep = &view[pick.index];
+    let ahead = ep.pending_prefill_tokens();
+    let mut in_flight = ep.begin(placement.prompt_tokens, pick.uncached_tokens_estimate);
+    in_flight.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
+    (pick, ahead, in_flight)
+}
+
+/// Where the decode endpoint's pick leaves a request of a pool with prefill endpoints.
+enum DecodeLeg {
+    /// Cached enough there: it runs whole on the decode endpoint, already counted.
+    Local(Placed),
+    /// Its prompt is prefilled elsewhere: the decode endpoint counts it, without a prefill.
+    Split(Pick, InFlight),
+}
+
 /// `P * (1 - matched / chunks)`: the prompt tokens not covered by `matched` leading chunks.
 fn uncached_tokens(prompt_tokens: u64, matched: usize, chunks: usize) -> u64 {
     if chunks == 0 {
@@ -622,7 +642,10 @@ async fn open_split(
         room,
     };
 
-    // 1. The decode endpoint. Siblings of a burst spread by load, whatever they share.
+    // 1. The decode endpoint, counted there as it is picked. Siblings of a burst spread by
+    // load, whatever they share.
+    // 2. Does remote prefill pay off there?
+    let settings = &pool.disaggregation;
     let decode_prefix: &[u64] = if lineage.is_some() {
         &[]
     } else {
@@ -634,26 +657,39 @@ async fn open_split(
         pinned: pinned_in(&decode_view, placement.pin.as_ref()),
         ..PickRequest::default()
     });
-    let Some(mut decode) = pool.picker.pick(&decode_view, &request) else {
-        return Err(no_endpoint(pool, "no available decode endpoint"));
+    let leg = pool.place(|| {
+        let mut decode = pool.picker.pick(&decode_view, &request)?;
+        if lineage.is_some() {
+            let matched = pool.picker.prefix_index().map_or(0, |index| {
+                index.match_len(decode_view[decode.index].slot, &placement.prefix)
+            });
+            decode.matched_chunks = matched;
+            decode.uncached_tokens_estimate =
+                uncached_tokens(prompt_tokens, matched, placement.prefix.len());
+        }
+        Some(
+            match remote_prefill_pays_off(
+                decode.uncached_tokens_estimate,
+                settings.threshold_tokens,
+            ) {
+                false => DecodeLeg::Local(count_local(pool, &decode_view, &placement, decode)),
+                true => {
+                    let mut guard = decode_view[decode.index].begin(prompt_tokens, 0);
+                    guard.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
+                    DecodeLeg::Split(decode, guard)
+                }
+            },
+        )
+    });
+    let (decode, decode_guard) = match leg {
+        None => return Err(no_endpoint(pool, "no available decode endpoint")),
+        Some(DecodeLeg::Local(placed)) => {
+            state.metrics.pd_decision(&pool.name, "local", "cached");
+            return open_local(state, pool, &decode_view, placement, Some(placed)).await;
+        }
+        Some(DecodeLeg::Split(decode, guard)) => (decode, guard),
     };
     let d = decode_view[decode.index].clone();
-    if lineage.is_some() {
-        let matched = pool
-            .picker
-            .prefix_index()
-            .map_or(0, |index| index.match_len(d.slot, &placement.prefix));
-        decode.matched_chunks = matched;
-        decode.uncached_tokens_estimate =
-            uncached_tokens(prompt_tokens, matched, placement.prefix.len());
-    }
-
-    // 2. Does remote prefill pay off?
-    let settings = &pool.disaggregation;
-    if !remote_prefill_pays_off(decode.uncached_tokens_estimate, settings.threshold_tokens) {
-        state.metrics.pd_decision(&pool.name, "local", "cached");
-        return open_local(state, pool, &decode_view, placement, Some(decode)).await;
-    }
     let prefill_key = key.map(prefill_pin_key);
     let own_prefill_pin = session_pin(state, pool, prefill_key.as_deref()).await;
     let prefill_pin = match (&own_prefill_pin, lineage) {
@@ -672,15 +708,25 @@ async fn open_split(
         prompt_tokens,
         pinned: pinned_in(&prefill_view, prefill_pin.as_ref()),
     };
-    let Some(prefill) =
-        settings
-            .prefill
-            .pick(&prefill_view, pool.picker.prefix_index(), &prefill_request)
-    else {
+    let picked = pool.place(|| {
+        let prefill =
+            settings
+                .prefill
+                .pick(&prefill_view, pool.picker.prefix_index(), &prefill_request)?;
+        let p = &prefill_view[prefill.index];
+        let ahead = p.pending_prefill_tokens();
+        let guard = p.begin(prompt_tokens, prefill.uncached_tokens_estimate);
+        Some((prefill, ahead, guard))
+    });
+    let Some((prefill, prefill_ahead, prefill_guard)) = picked else {
         state
             .metrics
             .pd_decision(&pool.name, "local", "no_prefill_endpoint");
-        return open_local(state, pool, &decode_view, placement, Some(decode)).await;
+        let placed = pool.place(|| {
+            drop(decode_guard);
+            count_local(pool, &decode_view, &placement, decode)
+        });
+        return open_local(state, pool, &decode_view, placement, Some(placed)).await;
     };
     let p = prefill_view[prefill.index].clone();
     let why = if lineage.is_some() {
@@ -695,10 +741,6 @@ async fn open_split(
         base_url: p.base_url.clone(),
         bootstrap: pool.bootstrap(&p),
     };
-    let prefill_ahead = p.pending_prefill_tokens();
-    let prefill_guard = p.begin(prompt_tokens, prefill.uncached_tokens_estimate);
-    let mut decode_guard = d.begin(prompt_tokens, 0);
-    decode_guard.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
     let sent = Instant::now();
     let opened = state
         .engines
@@ -803,7 +845,8 @@ async fn open_split(
             state.metrics.pd_fallback(&pool.name, "transfer_failed");
         }
     }
-    open_local(state, pool, &decode_view, placement, Some(decode)).await
+    let placed = pool.place(|| count_local(pool, &decode_view, &placement, decode));
+    open_local(state, pool, &decode_view, placement, Some(placed)).await
 }
 
 /// Point the pin under `key` at `ep` when it points elsewhere (or nowhere yet). Returns the
