@@ -192,7 +192,7 @@ pub async fn open_turn(
             &turn.plan.body,
             turn.session.as_deref(),
             named_session(turn),
-            turn.lineage.as_ref(),
+            &mut turn.lineage,
             room,
             known_pin,
         );
@@ -302,7 +302,7 @@ pub async fn open_upstream(
     body: &Value,
     session: Option<&str>,
     named: bool,
-    lineage: Option<&Lineage>,
+    lineage: &mut Option<Lineage>,
     room: Room,
     known_pin: Option<Option<SessionPin>>,
 ) -> Result<(ChunkStream, Routed), HttpError> {
@@ -591,7 +591,7 @@ async fn open_split(
     prefix: Vec<u64>,
     session: Option<&str>,
     named: bool,
-    lineage: Option<&Lineage>,
+    lineage: &mut Option<Lineage>,
     room: Room,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let prefill_view: Vec<Arc<Endpoint>> = endpoints
@@ -609,24 +609,30 @@ async fn open_split(
         decode_view = endpoints.to_vec();
     }
     // A sub-agent's own pins live under its own key; without one it is placed afresh.
-    let key = match lineage {
-        Some(l) => l.own.as_deref(),
+    let own_key = lineage.as_ref().map(|l| l.own.clone());
+    let key = match &own_key {
+        Some(own) => own.as_deref(),
         None => session,
     };
     let pin = session_pin(state, pool, key).await;
     // A call whose headers name no parent may still be a sub-agent: its parent is found by
-    // the prefix it shares with an active session. Every call is recorded for the next.
+    // the prefix it shares with an active session. Every call is recorded for the next. The
+    // parent found is kept for the turn's later attempts (after `truncation: auto` shortened
+    // the history, the prompt may no longer share the parent's prefix).
     let inferred = match (&pool.disaggregation.parents, session) {
         (Some(parents), Some(session)) => parents.observe(&Observation {
             session,
-            lineage,
+            lineage: lineage.as_ref(),
             pinned: pin.is_some(),
             named,
             prefix: &prefix,
         }),
         _ => None,
     };
-    let lineage = lineage.or(inferred.as_ref());
+    if lineage.is_none() {
+        lineage.clone_from(&inferred);
+    }
+    let lineage = lineage.as_ref();
     if let Some(l) = lineage {
         state.metrics.pd_sub_agent(&pool.name, l.source);
         if inferred.is_some() {

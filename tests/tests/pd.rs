@@ -5,7 +5,8 @@
 //! disaggregation, and the stored conversation keeps exactly one response per turn; a burst of
 //! sub-agents sharing their parent's long prefix computes it about once while their decodes
 //! spread over the decode replicas, whether a header names their parent or only the shared
-//! prefix does.
+//! prefix does; one found by its prefix stays its parent's sub-agent when `truncation: auto`
+//! routes it again with a shortened history.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -734,4 +735,80 @@ async fn a_sub_agent_follows_its_parents_prefill_pin_when_the_prefix_index_has_f
     for s in prefills.into_iter().chain([decode]) {
         s.shutdown().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sub_agent_found_by_prefix_keeps_its_parent_when_truncation_retries() {
+    const MAX_LEN: usize = 12_000;
+    let small = |role| {
+        agentgate_sim::spawn(SimConfig {
+            role,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            model: "sim-model".into(),
+            kv_blocks: 4_096,
+            max_model_len: Some(MAX_LEN),
+            time_scale: 0.0,
+            seed: Some(7),
+            ..Default::default()
+        })
+    };
+    let prefill = small(Role::Prefill).await.expect("simulator starts");
+    let decode = small(Role::Decode).await.expect("simulator starts");
+    let gw = start_gateway(&pd_config(
+        Flavor::Vllm,
+        &[entry(&prefill, "prefill"), entry(&decode, "decode")],
+        "",
+    ))
+    .await;
+    let base = gw.base_url();
+    // The parent: two turns, about 10k tokens of context.
+    let parent = [("x-session-id", "parent-3")];
+    let (first, _) = create(
+        &base,
+        json!({"model": "sim-model", "max_output_tokens": 16, "input": long_text("a", 5_000)}),
+        &parent,
+    )
+    .await;
+    let (second, _) = create(
+        &base,
+        json!({"model": "sim-model", "max_output_tokens": 16,
+            "previous_response_id": first["id"], "input": long_text("b", 5_000)}),
+        &parent,
+    )
+    .await;
+    let decisions = |m: &str, reason: &str| {
+        series(
+            m,
+            &format!(
+                "agentgate_pd_decisions_total{{pool=\"pd\",decision=\"disaggregated\",reason=\"{reason}\"}}"
+            ),
+        )
+    };
+    let before = metrics_text(&base).await;
+
+    // A sub-agent forked from the parent's context, naming no parent: found by its prefix.
+    // With its own task it outgrows the context, so truncation drops the middle of the
+    // history and the call is routed again, still as the parent's sub-agent.
+    let (child, _) = create(
+        &base,
+        json!({"model": "sim-model", "max_output_tokens": 16, "truncation": "auto",
+            "previous_response_id": second["id"], "input": long_text("c", 3_000)}),
+        &[("x-session-id", "child-3")],
+    )
+    .await;
+    assert_eq!(child["truncation"], "auto");
+    assert!(input_tokens(&child) < MAX_LEN as u64, "{child}");
+    let after = metrics_text(&base).await;
+    assert!(
+        decisions(&after, "sub_agent") - decisions(&before, "sub_agent") >= 2.0,
+        "the first attempt and at least one retry placed as a sub-agent:\n{after}"
+    );
+    assert_eq!(
+        decisions(&after, "uncached"),
+        decisions(&before, "uncached"),
+        "the retry lost its parent:\n{after}"
+    );
+    gw.shutdown().await;
+    prefill.shutdown().await;
+    decode.shutdown().await;
 }
