@@ -158,19 +158,45 @@ fn components() -> Value {
                     "store": {"type": "boolean", "default": true},
                     "stream": {"type": "boolean", "default": false},
                     "background": {"type": "boolean", "default": false},
-                    "tools": {"type": "array", "items": {"type": "object"}},
+                    "tools": {"type": "array", "items": {
+                        "type": "object",
+                        "required": ["type"],
+                        "properties": {
+                            "type": {"type": "string"},
+                            "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                            "description": {"type": "string"},
+                            "parameters": {"type": "object"},
+                            "strict": {"type": "boolean"}
+                        }
+                    }},
                     "tool_choice": {},
                     "parallel_tool_calls": {"type": "boolean"},
                     "max_output_tokens": {"type": "integer", "minimum": 16},
                     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
                     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-                    "text": {"type": "object"},
+                    "text": {"type": "object", "properties": {
+                        "format": {
+                            "type": "object",
+                            "required": ["type"],
+                            "properties": {
+                                "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                                "description": {"type": "string"},
+                                "schema": {"type": "object"},
+                                "strict": {"type": "boolean"}
+                            }
+                        },
+                        "verbosity": {"type": "string"}
+                    }},
                     "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
                     "prompt_cache_key": {"type": "string"},
                     "user": {"type": "string"},
                     "safety_identifier": {"type": "string"},
                     "include": {"type": "array", "items": {"type": "string"}},
-                    "reasoning": {"type": "object"},
+                    "reasoning": {"type": "object", "properties": {
+                        "effort": {"type": "string"},
+                        "summary": {"type": "string"}
+                    }},
                     "truncation": {"type": "string", "enum": ["auto", "disabled"]}
                 }
             },

@@ -49,6 +49,135 @@ fn opt_str<'a>(body: &'a Value, key: &str) -> Result<Option<&'a str>, HttpError>
     }
 }
 
+fn missing(param: &str) -> HttpError {
+    HttpError::invalid(
+        format!("Missing required parameter: '{param}'."),
+        Some(param),
+        Some("missing_required_parameter"),
+    )
+}
+
+/// `body[key]` when it is an object; `None` when absent or null; a 400 naming `param`
+/// otherwise.
+fn opt_object<'a>(body: &'a Value, key: &str, param: &str) -> Result<Option<&'a Value>, HttpError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) if v.is_object() => Ok(Some(v)),
+        Some(_) => Err(invalid_type(param, "an object")),
+    }
+}
+
+/// Each of `keys` in `body`, when present and not null, is of the JSON type `check` accepts
+/// (`want` names it); the error's `param` is `{at}.{key}` (or `key` at the top level).
+fn typed(
+    body: &Value,
+    at: &str,
+    keys: &[&str],
+    check: fn(&Value) -> bool,
+    want: &str,
+) -> Result<(), HttpError> {
+    for key in keys {
+        if let Some(v) = body.get(*key).filter(|v| !v.is_null()) {
+            if !check(v) {
+                let param = match at {
+                    "" => key.to_string(),
+                    _ => format!("{at}.{key}"),
+                };
+                return Err(invalid_type(&param, want));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// OpenAI's rule for function and schema names: 1 to 64 of `[a-zA-Z0-9_-]`.
+fn check_name(name: &Value, param: &str) -> Result<(), HttpError> {
+    let Some(name) = name.as_str() else {
+        return Err(invalid_type(param, "a string"));
+    };
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    match ok {
+        true => Ok(()),
+        false => Err(HttpError::invalid(
+            format!(
+                "Invalid '{param}': expected 1 to 64 letters, digits, '_' or '-', got {name:?}."
+            ),
+            Some(param),
+            Some("invalid_value"),
+        )),
+    }
+}
+
+/// `tools`: an array of objects, each with a string `type`; a function tool's `name`,
+/// `description`, `parameters` and `strict` of the types OpenAI takes. Other tool types are
+/// left to translation (hosted tools are dropped or refused there, by configuration).
+fn validate_tools(tools: &[Value]) -> Result<(), HttpError> {
+    for (i, tool) in tools.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        if !tool.is_object() {
+            return Err(invalid_type(&at, "an object"));
+        }
+        let kind = match tool.get("type") {
+            None | Some(Value::Null) => return Err(missing(&format!("{at}.type"))),
+            Some(Value::String(kind)) => kind.as_str(),
+            Some(_) => return Err(invalid_type(&format!("{at}.type"), "a string")),
+        };
+        if kind != "function" {
+            continue;
+        }
+        match tool.get("name") {
+            None | Some(Value::Null) => return Err(missing(&format!("{at}.name"))),
+            Some(name) => check_name(name, &format!("{at}.name"))?,
+        }
+        typed(tool, &at, &["description"], Value::is_string, "a string")?;
+        typed(tool, &at, &["parameters"], Value::is_object, "an object")?;
+        typed(tool, &at, &["strict"], Value::is_boolean, "a boolean")?;
+    }
+    Ok(())
+}
+
+/// `text`: an object whose `format`, when given, is an object with a string `type`; a
+/// `json_schema` format's `name`, `description` and `strict` of the types OpenAI takes (the
+/// values are checked where the format is translated).
+fn validate_text(body: &Value) -> Result<(), HttpError> {
+    let Some(text) = opt_object(body, "text", "text")? else {
+        return Ok(());
+    };
+    typed(text, "text", &["verbosity"], Value::is_string, "a string")?;
+    let Some(format) = opt_object(text, "format", "text.format")? else {
+        return Ok(());
+    };
+    match format.get("type") {
+        None | Some(Value::Null) => return Err(missing("text.format.type")),
+        Some(Value::String(kind)) if kind == "json_schema" => {
+            if let Some(name) = format.get("name").filter(|n| !n.is_null()) {
+                check_name(name, "text.format.name")?;
+            }
+        }
+        Some(Value::String(_)) => {}
+        Some(_) => return Err(invalid_type("text.format.type", "a string")),
+    }
+    typed(
+        format,
+        "text.format",
+        &["description"],
+        Value::is_string,
+        "a string",
+    )?;
+    typed(
+        format,
+        "text.format",
+        &["strict"],
+        Value::is_boolean,
+        "a boolean",
+    )?;
+    Ok(())
+}
+
 fn number_in(body: &Value, key: &str, lo: f64, hi: f64) -> Result<(), HttpError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(()),
@@ -95,10 +224,32 @@ pub fn validate_common(body: &Value) -> Result<(), HttpError> {
     }
     opt_str(body, "instructions")?;
     opt_str(body, "previous_response_id")?;
-    if let Some(tools) = body.get("tools") {
-        if !tools.is_null() && !tools.is_array() {
-            return Err(invalid_type("tools", "an array"));
-        }
+    match body.get("tools") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(tools)) => validate_tools(tools)?,
+        Some(_) => return Err(invalid_type("tools", "an array")),
+    }
+    typed(
+        body,
+        "",
+        &["user", "prompt_cache_key", "safety_identifier"],
+        Value::is_string,
+        "a string",
+    )?;
+    if let Some(reasoning) = opt_object(body, "reasoning", "reasoning")? {
+        typed(
+            reasoning,
+            "reasoning",
+            &["effort", "summary"],
+            Value::is_string,
+            "a string",
+        )?;
+    }
+    validate_text(body)?;
+    match body.get("include") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(items)) if items.iter().all(Value::is_string) => {}
+        Some(_) => return Err(invalid_type("include", "an array of strings")),
     }
     if body.get("conversation").is_some_and(|c| !c.is_null()) {
         return Err(HttpError::invalid(
@@ -258,6 +409,112 @@ mod tests {
             param_of(json!({"model": "m", "input": "x", "metadata": {"k": 1}})).as_deref(),
             Some("metadata")
         );
+    }
+
+    #[test]
+    fn nested_fields_are_named_by_their_path() {
+        let bad = |extra: Value| {
+            let mut body = json!({"model": "m", "input": "x"});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let e = CreateRequest::from_body(body).unwrap_err().error;
+            (e.param.unwrap_or_default(), e.code.unwrap_or_default())
+        };
+        let function = |tool: Value| json!({"tools": [{"type": "function", "name": "f"}, tool]});
+        let cases = [
+            (json!({"tools": [3]}), "tools[0]", "invalid_type"),
+            (
+                json!({"tools": [{"name": "f"}]}),
+                "tools[0].type",
+                "missing_required_parameter",
+            ),
+            (
+                json!({"tools": [{"type": 1}]}),
+                "tools[0].type",
+                "invalid_type",
+            ),
+            (
+                function(json!({"type": "function"})),
+                "tools[1].name",
+                "missing_required_parameter",
+            ),
+            (
+                function(json!({"type": "function", "name": "read file"})),
+                "tools[1].name",
+                "invalid_value",
+            ),
+            (
+                function(json!({"type": "function", "name": "f", "description": 0})),
+                "tools[1].description",
+                "invalid_type",
+            ),
+            (
+                function(json!({"type": "function", "name": "f", "parameters": []})),
+                "tools[1].parameters",
+                "invalid_type",
+            ),
+            (
+                function(json!({"type": "function", "name": "f", "strict": "yes"})),
+                "tools[1].strict",
+                "invalid_type",
+            ),
+            (json!({"user": 7}), "user", "invalid_type"),
+            (
+                json!({"prompt_cache_key": ["a"]}),
+                "prompt_cache_key",
+                "invalid_type",
+            ),
+            (json!({"reasoning": "high"}), "reasoning", "invalid_type"),
+            (
+                json!({"reasoning": {"effort": 1}}),
+                "reasoning.effort",
+                "invalid_type",
+            ),
+            (json!({"text": "json"}), "text", "invalid_type"),
+            (
+                json!({"text": {"format": "json"}}),
+                "text.format",
+                "invalid_type",
+            ),
+            (
+                json!({"text": {"format": {}}}),
+                "text.format.type",
+                "missing_required_parameter",
+            ),
+            (
+                json!({"text": {"format": {"type": 1}}}),
+                "text.format.type",
+                "invalid_type",
+            ),
+            (
+                json!({"text": {"format": {"type": "json_schema", "name": "", "schema": {}}}}),
+                "text.format.name",
+                "invalid_value",
+            ),
+            (
+                json!({"text": {"format": {"type": "json_object", "strict": 1}}}),
+                "text.format.strict",
+                "invalid_type",
+            ),
+            (
+                json!({"include": "reasoning.encrypted_content"}),
+                "include",
+                "invalid_type",
+            ),
+        ];
+        for (extra, param, code) in cases {
+            assert_eq!(
+                bad(extra.clone()),
+                (param.to_string(), code.to_string()),
+                "{extra}"
+            );
+        }
+        // Tools of other types are left to translation, which drops or refuses hosted ones.
+        assert!(CreateRequest::from_body(
+            json!({"model": "m", "input": "x", "tools": [{"type": "web_search"}]})
+        )
+        .is_ok());
     }
 
     #[test]

@@ -1,0 +1,227 @@
+//! End-to-end: no request body makes the gateway fail. Every value of a few valid Responses
+//! requests (a plain one, one with tools, structured output and a tool-call history, a
+//! streamed one) is replaced in turn by a value of every JSON type, and every key is removed in
+//! turn. Each answer must be a success or a 4xx with an OpenAI-shaped error body (`message`,
+//! `type`, `param` and `code` keys); never a 5xx, a dropped connection or a stream that ends
+//! without a terminal event. The gateway still serves a plain request afterwards.
+
+use serde_json::{json, Value};
+
+use agentgate_tests::*;
+
+/// Values each field is replaced by: one of every JSON type, and the edges of the numbers
+/// and strings a parser might trip on.
+fn replacements() -> Vec<Value> {
+    vec![
+        Value::Null,
+        json!(true),
+        json!(0),
+        json!(-1),
+        json!(1e300),
+        json!(u64::MAX),
+        json!(0.5),
+        json!(""),
+        json!("x"),
+        json!("\u{0}\u{202e}\u{fffd}"),
+        json!([]),
+        json!([null]),
+        json!({}),
+        json!({"type": "nope"}),
+    ]
+}
+
+/// The JSON pointer of every value inside `v` (not `v` itself).
+fn pointers(v: &Value, at: String, out: &mut Vec<String>) {
+    match v {
+        Value::Object(map) => {
+            for (k, child) in map {
+                let p = format!("{at}/{}", k.replace('~', "~0").replace('/', "~1"));
+                out.push(p.clone());
+                pointers(child, p, out);
+            }
+        }
+        Value::Array(items) => {
+            for (i, child) in items.iter().enumerate() {
+                let p = format!("{at}/{i}");
+                out.push(p.clone());
+                pointers(child, p, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// `base` with the value at `pointer` removed (an object's key, or an array's element).
+fn without(base: &Value, pointer: &str) -> Value {
+    let mut v = base.clone();
+    let (parent, last) = pointer.rsplit_once('/').expect("a pointer below the root");
+    match v.pointer_mut(parent) {
+        Some(Value::Object(map)) => {
+            map.remove(&last.replace("~1", "/").replace("~0", "~"));
+        }
+        Some(Value::Array(items)) => {
+            if let Ok(i) = last.parse::<usize>() {
+                items.remove(i);
+            }
+        }
+        _ => {}
+    }
+    v
+}
+
+/// Variants of `base`: each value replaced by each of [`replacements`], each key removed.
+fn variants(base: &Value) -> Vec<(String, Value)> {
+    let mut paths = Vec::new();
+    pointers(base, String::new(), &mut paths);
+    let mut out = Vec::new();
+    for p in &paths {
+        for r in replacements() {
+            let mut v = base.clone();
+            *v.pointer_mut(p).expect("pointer from the walk") = r.clone();
+            out.push((format!("{p} = {r}"), v));
+        }
+        out.push((format!("{p} removed"), without(base, p)));
+    }
+    out
+}
+
+/// The requests the variants start from. Each is answered 200 as it stands.
+fn bases() -> Vec<Value> {
+    let schema = json!({
+        "type": "object",
+        "properties": {"path": {"type": "string"}, "lines": {"type": "integer"}},
+        "required": ["path", "lines"],
+        "additionalProperties": false
+    });
+    vec![
+        json!({"model": "sim-model", "input": "say hello", "max_output_tokens": 16}),
+        json!({
+            "model": "sim-model",
+            "instructions": "You are a careful coding agent.",
+            "input": [
+                {"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": "read src/main.rs"}]},
+                {"type": "function_call", "call_id": "call_1", "name": "read_file",
+                 "arguments": "{\"path\":\"src/main.rs\",\"lines\":40}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "fn main() {}"}
+            ],
+            "tools": [{"type": "function", "name": "read_file", "description": "Read a file",
+                       "parameters": schema, "strict": true}],
+            "tool_choice": "auto",
+            "parallel_tool_calls": false,
+            "text": {"format": {"type": "json_schema", "name": "summary", "strict": true,
+                                "schema": {"type": "object",
+                                           "properties": {"done": {"type": "boolean"}},
+                                           "required": ["done"],
+                                           "additionalProperties": false}}},
+            "reasoning": {"effort": "low"},
+            "temperature": 0.2,
+            "top_p": 0.9,
+            "max_output_tokens": 32,
+            "metadata": {"ticket": "T-1"},
+            "truncation": "disabled",
+            "prompt_cache_key": "repo-1",
+            "user": "dev-1",
+            "store": true
+        }),
+        json!({"model": "sim-model", "input": "stream a line", "stream": true,
+               "max_output_tokens": 16}),
+    ]
+}
+
+/// What is wrong with one answer, if anything.
+async fn check(resp: reqwest::Response) -> Result<(), String> {
+    let status = resp.status().as_u16();
+    let streamed = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let text = resp
+        .text()
+        .await
+        .map_err(|e| format!("{status}: body cut off: {e}"))?;
+    if status == 200 && streamed {
+        let terminal = [
+            "response.completed",
+            "response.incomplete",
+            "response.failed",
+        ];
+        let last = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("event: "))
+            .next_back()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        return match terminal.contains(&last.as_str()) {
+            true => Ok(()),
+            false => Err(format!("stream ended with {last:?}")),
+        };
+    }
+    let body: Value =
+        serde_json::from_str(&text).map_err(|e| format!("{status}: not JSON ({e}): {text}"))?;
+    match status {
+        200 if body["object"] == "response" => Ok(()),
+        400..=499 => {
+            let error = &body["error"];
+            let shaped = error["message"].as_str().is_some_and(|m| !m.is_empty())
+                && error["type"].is_string()
+                && error.get("param").is_some()
+                && error.get("code").is_some();
+            match shaped {
+                true => Ok(()),
+                false => Err(format!("{status}: not an OpenAI error body: {body}")),
+            }
+        }
+        _ => Err(format!("{status}: {body}")),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_body_gets_a_5xx_or_a_broken_answer() {
+    let fleet = Fleet::of(1).start().await;
+    let base = fleet.base_url();
+    let client = reqwest::Client::new();
+    let mut failures = Vec::new();
+    let mut sent = 0;
+    for request in bases() {
+        let resp = post_response(&base, &request).await;
+        assert_eq!(resp.status(), 200, "the base request is valid: {request}");
+        check(resp)
+            .await
+            .expect("the base request is answered whole");
+        for (what, body) in variants(&request) {
+            sent += 1;
+            let resp = client
+                .post(format!("{base}/v1/responses"))
+                .json(&body)
+                .send()
+                .await;
+            let verdict = match resp {
+                Ok(resp) => {
+                    eprintln!("DBG {} {what}", resp.status().as_u16());
+                    check(resp).await
+                }
+                Err(e) => Err(format!("no answer: {e}")),
+            };
+            if let Err(e) = verdict {
+                failures.push(format!("{what}: {e}"));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {sent} variants failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    // Still serving.
+    let resp = post_response(
+        &base,
+        &json!({"model": "sim-model", "input": "still there?", "max_output_tokens": 16}),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    fleet.shutdown().await;
+}
