@@ -119,7 +119,36 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::map_response(openai_shaped_rejections))
         .with_state(state)
+}
+
+/// axum's extractors refuse a path or query string that does not decode (`%FF` in an id, a
+/// repeated `limit`) with a plain-text 4xx; give those OpenAI's error shape, like every other
+/// refusal, so SDKs can read them.
+async fn openai_shaped_rejections(resp: axum::response::Response) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let plain = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/plain"));
+    if !(plain && resp.status().is_client_error()) {
+        return resp;
+    }
+    let status = resp.status().as_u16();
+    let bytes = axum::body::to_bytes(resp.into_body(), 64 * 1024)
+        .await
+        .unwrap_or_default();
+    let message = String::from_utf8_lossy(&bytes).trim().to_string();
+    HttpError::new(
+        status,
+        "invalid_request_error",
+        message,
+        None,
+        Some("invalid_request"),
+    )
+    .into_response()
 }
 
 async fn unknown_route(method: Method, uri: Uri) -> HttpError {

@@ -41,8 +41,11 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "Retrieve a stored response.",
         request: None,
         response: "Response",
-        errors: &[401, 404],
-        query: &[],
+        errors: &[400, 401, 404],
+        query: &[(
+            "stream",
+            "false only; streaming a stored response is refused with 400",
+        )],
     },
     RouteDoc {
         method: "delete",
@@ -50,7 +53,7 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "Delete a stored response.",
         request: None,
         response: "DeletedResponse",
-        errors: &[401, 404],
+        errors: &[400, 401, 404],
         query: &[],
     },
     RouteDoc {

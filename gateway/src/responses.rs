@@ -424,13 +424,41 @@ fn with_headers(mut resp: Response, headers: Vec<(&'static str, String)>) -> Res
     resp
 }
 
-/// `GET /v1/responses/{id}`.
+/// Query of `GET /v1/responses/{id}`.
+#[derive(Debug, Deserialize)]
+pub struct RetrieveQuery {
+    stream: Option<String>,
+}
+
+/// `GET /v1/responses/{id}`. `stream=true` (OpenAI's resumption of a background response's
+/// event stream) is refused with a 400 naming `stream`: the event stream is only sent to the
+/// request that creates the response, so a client polls for the result instead.
 pub async fn retrieve(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     Path(id): Path<String>,
+    Query(q): Query<RetrieveQuery>,
 ) -> Result<Json<Value>, HttpError> {
     let team = state.keys.authenticate(&headers)?;
+    match q.stream.as_deref() {
+        None | Some("false") => {}
+        Some("true") => {
+            return Err(HttpError::invalid(
+                "Streaming a stored response ('stream=true') is not supported by this gateway: \
+                 stream it from the request that creates it, or retrieve it without 'stream' \
+                 and poll until its status is final.",
+                Some("stream"),
+                Some("unsupported_parameter"),
+            ))
+        }
+        Some(other) => {
+            return Err(HttpError::invalid(
+                format!("Invalid 'stream': {other:?}; expected true or false."),
+                Some("stream"),
+                Some("invalid_value"),
+            ))
+        }
+    }
     let rec = load_record(&state, &team, &id).await?;
     Ok(Json(rec.response))
 }

@@ -3,7 +3,8 @@
 //! streamed one) is replaced in turn by a value of every JSON type, and every key is removed in
 //! turn. Each answer must be a success or a 4xx with an OpenAI-shaped error body (`message`,
 //! `type`, `param` and `code` keys); never a 5xx, a dropped connection or a stream that ends
-//! without a terminal event. The gateway still serves a plain request afterwards.
+//! without a terminal event. The gateway still serves a plain request afterwards. Paths and
+//! query strings that do not decode get the same error shape.
 
 use serde_json::{json, Value};
 
@@ -222,6 +223,99 @@ async fn no_request_body_gets_a_5xx_or_a_broken_answer() {
         &json!({"model": "sim-model", "input": "still there?", "max_output_tokens": 16}),
     )
     .await;
+    assert_eq!(resp.status(), 200);
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn urls_that_do_not_decode_get_openai_errors() {
+    let fleet = Fleet::of(1).start().await;
+    let base = fleet.base_url();
+    let created: Value = post_response(
+        &base,
+        &json!({"model": "sim-model", "input": "hello", "max_output_tokens": 16}),
+    )
+    .await
+    .json()
+    .await
+    .expect("json body");
+    let id = created["id"].as_str().expect("an id");
+    let client = reqwest::Client::new();
+    let cases = [
+        (
+            "GET",
+            format!("/v1/responses/{id}?stream=true"),
+            400,
+            Some("stream"),
+        ),
+        (
+            "GET",
+            format!("/v1/responses/{id}?stream=maybe"),
+            400,
+            Some("stream"),
+        ),
+        (
+            "GET",
+            format!("/v1/responses/{id}?stream=a&stream=b"),
+            400,
+            None,
+        ),
+        (
+            "GET",
+            format!("/v1/responses/{id}/input_items?limit=1&limit=2"),
+            400,
+            None,
+        ),
+        (
+            "GET",
+            format!("/v1/responses/{id}/input_items?limit=0"),
+            400,
+            Some("limit"),
+        ),
+        (
+            "GET",
+            format!("/v1/responses/{id}/input_items?order=up"),
+            400,
+            Some("order"),
+        ),
+        ("GET", "/v1/responses/%FF".to_string(), 400, None),
+        ("DELETE", "/v1/responses/%FF".to_string(), 400, None),
+        (
+            "GET",
+            "/v1/responses/%FF/input_items".to_string(),
+            400,
+            None,
+        ),
+        ("POST", "/v1/responses/%FF/cancel".to_string(), 400, None),
+        ("GET", "/v1/responses/resp_missing".to_string(), 404, None),
+        ("PUT", "/v1/responses".to_string(), 405, None),
+    ];
+    for (method, path, status, param) in cases {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("a method");
+        let resp = client
+            .request(method.clone(), format!("{base}{path}"))
+            .send()
+            .await
+            .expect("an answer");
+        assert_eq!(resp.status().as_u16(), status, "{method} {path}");
+        let body: Value = resp.json().await.unwrap_or_else(|e| {
+            panic!("{method} {path}: not JSON ({e})");
+        });
+        let error = &body["error"];
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty())
+                && error["type"].is_string()
+                && error.get("code").is_some(),
+            "{method} {path}: {body}"
+        );
+        assert_eq!(error["param"].as_str(), param, "{method} {path}: {body}");
+    }
+    // `stream=false` is the plain retrieval.
+    let resp = client
+        .get(format!("{base}/v1/responses/{id}?stream=false"))
+        .send()
+        .await
+        .expect("an answer");
     assert_eq!(resp.status(), 200);
     fleet.shutdown().await;
 }
