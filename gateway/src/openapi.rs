@@ -32,7 +32,7 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "Create a model response (streaming when the body has \"stream\": true).",
         request: Some("CreateResponse"),
         response: "Response",
-        errors: &[400, 401, 403, 404, 413, 429, 502, 503],
+        errors: &[400, 401, 403, 404, 413, 415, 429, 502, 503],
         query: &[],
     },
     RouteDoc {
@@ -84,7 +84,7 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "Count the input tokens a create request would use.",
         request: Some("CreateResponse"),
         response: "InputTokens",
-        errors: &[400, 401, 404, 502],
+        errors: &[400, 401, 404, 413, 415, 502],
         query: &[],
     },
     RouteDoc {

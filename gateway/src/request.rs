@@ -197,8 +197,24 @@ fn number_in(body: &Value, key: &str, lo: f64, hi: f64) -> Result<(), HttpError>
     }
 }
 
-/// Parse a request body into JSON, with OpenAI's error for malformed bodies.
-pub fn parse_json(bytes: &[u8]) -> Result<Value, HttpError> {
+/// Parse a request body into JSON, with OpenAI's error for malformed bodies. A body sent with
+/// a `Content-Encoding` other than `identity` is refused with 415 rather than misread as
+/// malformed JSON.
+pub fn parse_json(headers: &axum::http::HeaderMap, bytes: &[u8]) -> Result<Value, HttpError> {
+    if let Some(encoding) = headers.get(axum::http::header::CONTENT_ENCODING) {
+        let encoding = String::from_utf8_lossy(encoding.as_bytes())
+            .trim()
+            .to_string();
+        if !encoding.eq_ignore_ascii_case("identity") {
+            return Err(HttpError::new(
+                415,
+                "invalid_request_error",
+                format!("Request bodies with Content-Encoding '{encoding}' are not supported; send the JSON uncompressed."),
+                None,
+                Some("unsupported_content_encoding"),
+            ));
+        }
+    }
     let body: Value = serde_json::from_slice(bytes).map_err(|e| {
         HttpError::invalid(
             format!("We could not parse the JSON body of your request ({e}). The body must be a JSON object."),
@@ -518,8 +534,35 @@ mod tests {
     }
 
     #[test]
+    fn compressed_bodies_are_415_not_malformed_json() {
+        let mut headers = axum::http::HeaderMap::new();
+        headers.insert("content-encoding", "zstd".parse().unwrap());
+        let e = parse_json(&headers, br#"{"model": "m"}"#)
+            .unwrap_err()
+            .error;
+        assert_eq!(
+            (e.status, e.code.as_deref()),
+            (415, Some("unsupported_content_encoding"))
+        );
+        headers.insert("content-encoding", "identity".parse().unwrap());
+        assert!(parse_json(&headers, br#"{"model": "m"}"#).is_ok());
+    }
+
+    #[test]
     fn malformed_json_is_400() {
-        assert_eq!(parse_json(b"{nope").unwrap_err().error.status, 400);
-        assert_eq!(parse_json(b"[1]").unwrap_err().error.status, 400);
+        assert_eq!(
+            parse_json(&Default::default(), b"{nope")
+                .unwrap_err()
+                .error
+                .status,
+            400
+        );
+        assert_eq!(
+            parse_json(&Default::default(), b"[1]")
+                .unwrap_err()
+                .error
+                .status,
+            400
+        );
     }
 }

@@ -249,7 +249,7 @@ pub async fn create(
 ) -> Result<Response, HttpError> {
     let team = state.keys.authenticate(&headers)?;
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
-    let req = CreateRequest::from_body(parse_json(&bytes)?)?;
+    let req = CreateRequest::from_body(parse_json(&headers, &bytes)?)?;
     let prepared = prepare(
         &state,
         &team,
@@ -634,7 +634,7 @@ pub async fn input_tokens(
 ) -> Result<Json<Value>, HttpError> {
     let team = state.keys.authenticate(&headers)?;
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
-    let body = parse_json(&bytes)?;
+    let body = parse_json(&headers, &bytes)?;
     validate_common(&body)?;
     let model = match body.get("model").and_then(Value::as_str) {
         Some(m) => m.to_string(),
