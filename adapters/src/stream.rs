@@ -622,7 +622,7 @@ impl ResponseStream {
         let reasoning = number(&["completion_tokens_details", "reasoning_tokens"])
             .unwrap_or(self.reasoning_deltas)
             .min(output.max(self.reasoning_deltas));
-        let total = number(&["total_tokens"]).unwrap_or(input + output);
+        let total = number(&["total_tokens"]).unwrap_or(input.saturating_add(output));
         json!({
             "input_tokens": input,
             "input_tokens_details": {"cached_tokens": cached},
@@ -963,6 +963,100 @@ mod tests {
             stream.response()["usage"]["input_tokens_details"]["cached_tokens"],
             96
         );
+    }
+
+    /// Every value of every chunk of a stream with reasoning, text and two tool calls replaced
+    /// in turn by a value of every JSON type, and every key removed: whatever an engine sends,
+    /// the events stay a well-formed Responses stream that ends in one terminal event.
+    #[test]
+    fn malformed_engine_chunks_still_give_a_well_formed_stream() {
+        let chunks = vec![
+            chunk(json!({"role": "assistant", "content": ""}), None),
+            chunk(json!({"reasoning_content": "Think."}), None),
+            chunk(json!({"content": "Checking."}), None),
+            chunk(
+                json!({"tool_calls": [{"id": "t-a", "type": "function", "index": 0,
+                                     "function": {"name": "get_weather", "arguments": "{\"c\": 1}"}}]}),
+                None,
+            ),
+            chunk(
+                json!({"tool_calls": [{"id": "t-b", "type": "function", "index": 1,
+                                     "function": {"name": "f", "arguments": "{}"}}]}),
+                None,
+            ),
+            chunk(json!({}), Some("tool_calls")),
+            usage_chunk(10, 5, 4),
+        ];
+        let replacements = [
+            Value::Null,
+            json!(true),
+            json!(-1),
+            json!(1e300),
+            json!(u64::MAX),
+            json!(""),
+            json!("x"),
+            json!([]),
+            json!([null]),
+            json!({}),
+        ];
+        fn paths(v: &Value, at: String, out: &mut Vec<String>) {
+            match v {
+                Value::Object(map) => {
+                    for (k, child) in map {
+                        let p = format!("{at}/{k}");
+                        out.push(p.clone());
+                        paths(child, p, out);
+                    }
+                }
+                Value::Array(items) => {
+                    for (i, child) in items.iter().enumerate() {
+                        let p = format!("{at}/{i}");
+                        out.push(p.clone());
+                        paths(child, p, out);
+                    }
+                }
+                _ => {}
+            }
+        }
+        let mut variants = 0;
+        for (c, original) in chunks.iter().enumerate() {
+            let mut pointers = Vec::new();
+            paths(original, String::new(), &mut pointers);
+            for pointer in &pointers {
+                let mut changed: Vec<Value> = replacements
+                    .iter()
+                    .map(|r| {
+                        let mut v = original.clone();
+                        *v.pointer_mut(pointer).unwrap() = r.clone();
+                        v
+                    })
+                    .collect();
+                let mut removed = original.clone();
+                let (parent, key) = pointer.rsplit_once('/').unwrap();
+                match removed.pointer_mut(parent) {
+                    Some(Value::Object(map)) => {
+                        map.remove(key);
+                    }
+                    Some(Value::Array(items)) => {
+                        items.remove(key.parse::<usize>().unwrap());
+                    }
+                    _ => {}
+                }
+                changed.push(removed);
+                for variant in changed {
+                    let mut sequence = chunks.clone();
+                    sequence[c] = variant.clone();
+                    let mut names = ToolNameMap::new();
+                    names.insert(ToolName::plain("get_weather"));
+                    let mut stream = ResponseStream::new(skeleton(), names);
+                    let events = run(&mut stream, &sequence);
+                    let result = std::panic::catch_unwind(|| replay(&events));
+                    assert!(result.is_ok(), "chunk {c} with {pointer} = {variant}");
+                    variants += 1;
+                }
+            }
+        }
+        assert!(variants > 500, "{variants}");
     }
 
     #[test]

@@ -759,7 +759,10 @@ async fn open_split(
             let computed = opened
                 .prefill_usage
                 .map_or(prefill.uncached_tokens_estimate, |u| u.uncached_tokens());
-            p.observe_prefill(prefill_ahead + computed, opened.prefill_latency);
+            p.observe_prefill(
+                prefill_ahead.saturating_add(computed),
+                opened.prefill_latency,
+            );
             state
                 .metrics
                 .pd_leg(&pool.name, "prefill", opened.prefill_latency);
@@ -980,7 +983,7 @@ pub async fn drive(
             .and_then(Value::as_u64)
             .unwrap_or(0);
         if let (None, Some(first)) = (&routed.prefill, first_token) {
-            let work = routed.ahead + input.saturating_sub(cached);
+            let work = routed.ahead.saturating_add(input.saturating_sub(cached));
             endpoint.observe_prefill(work, first.saturating_duration_since(routed.sent));
         }
     }
