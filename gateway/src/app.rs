@@ -3,14 +3,13 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
 use axum::http::{Method, Uri};
 use axum::routing::{get, post};
 use axum::Router;
 
-use agentgate_adapters::{ClientOptions, EngineClient, HostedToolPolicy};
+use agentgate_adapters::{EngineClient, HostedToolPolicy};
 use agentgate_sessions::{AnyStore, StoreOptions};
 
 use crate::auth::KeyRing;
@@ -61,12 +60,7 @@ impl AppState {
         )
         .await
         .map_err(|e| format!("store: {e}"))?;
-        let engines = EngineClient::new(ClientOptions {
-            connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
-            first_byte_timeout: Duration::from_secs_f64(config.upstream.first_byte_timeout_s),
-            idle_timeout: Duration::from_secs_f64(config.upstream.idle_timeout_s),
-            ..ClientOptions::default()
-        });
+        let engines = EngineClient::new(config.client_options());
         let pools = Pools::start(&config, &engines)
             .await
             .map_err(|e| format!("starting pools: {e}"))?;

@@ -532,10 +532,15 @@ pub struct SimulateConfig {
     pub decode_replicas: usize,
 }
 
+/// Most simulated replicas one pool may start.
+pub const MAX_SIMULATED_REPLICAS: usize = 64;
+
 impl SimulateConfig {
     /// Every replica to start, of every role.
     pub fn total_replicas(&self) -> usize {
-        self.replicas + self.prefill_replicas + self.decode_replicas
+        self.replicas
+            .saturating_add(self.prefill_replicas)
+            .saturating_add(self.decode_replicas)
     }
 }
 
@@ -814,7 +819,7 @@ impl Config {
                 ));
             }
         }
-        if self.store.ttl_days.is_nan() || self.store.ttl_days <= 0.0 {
+        if !(self.store.ttl_days.is_finite() && self.store.ttl_days > 0.0) {
             return Err(err("store.ttl_days", "must be a positive number of days"));
         }
         if self.routing.session_header.trim().is_empty()
@@ -870,8 +875,16 @@ impl Config {
         if self.background.max_concurrent == 0 {
             return Err(err("background.max_concurrent", "must be at least 1"));
         }
-        if self.upstream.first_byte_timeout_s <= 0.0 || self.upstream.idle_timeout_s <= 0.0 {
-            return Err(err("upstream", "timeouts must be positive"));
+        for (key, value) in [
+            (
+                "upstream.first_byte_timeout_s",
+                self.upstream.first_byte_timeout_s,
+            ),
+            ("upstream.idle_timeout_s", self.upstream.idle_timeout_s),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(err(key, "must be a positive number of seconds"));
+            }
         }
         if self.pools.is_empty() {
             return Err(err(
@@ -988,17 +1001,21 @@ impl Config {
                 ));
             }
             if let Some(sim) = &pool.simulate {
-                if sim.block_size == 0 || sim.kv_blocks == 0 || sim.max_num_seqs == 0 {
+                if sim.total_replicas() > MAX_SIMULATED_REPLICAS {
                     return Err(err(
                         at("simulate"),
-                        "block_size, kv_blocks and max_num_seqs must be positive",
+                        format!(
+                            "at most {MAX_SIMULATED_REPLICAS} simulated replicas per pool \
+                             (replicas + prefill_replicas + decode_replicas)"
+                        ),
                     ));
                 }
-                if sim.time_scale < 0.0 || sim.prefill_tokens_per_s <= 0.0 {
-                    return Err(err(
-                        at("simulate"),
-                        "time_scale must be >= 0 and prefill_tokens_per_s > 0",
-                    ));
+                for (_, replica) in crate::pools::simulated_replicas(pool) {
+                    replica.validate().map_err(|e| {
+                        // the simulator names its command-line flags; here they are keys
+                        let key = e.flag.trim_start_matches("--").replace('-', "_");
+                        err(at(&format!("simulate.{key}")), e.reason)
+                    })?;
                 }
             }
         }
@@ -1024,7 +1041,17 @@ impl Config {
 
     /// The store TTL as a duration.
     pub fn store_ttl(&self) -> Duration {
-        Duration::from_secs_f64(self.store.ttl_days * 86_400.0)
+        seconds(self.store.ttl_days * 86_400.0)
+    }
+
+    /// The engine client's settings, from `[upstream]`.
+    pub fn client_options(&self) -> agentgate_adapters::ClientOptions {
+        agentgate_adapters::ClientOptions {
+            connect_timeout: Duration::from_millis(self.upstream.connect_timeout_ms),
+            first_byte_timeout: seconds(self.upstream.first_byte_timeout_s),
+            idle_timeout: seconds(self.upstream.idle_timeout_s),
+            ..agentgate_adapters::ClientOptions::default()
+        }
     }
 }
 
@@ -1749,6 +1776,124 @@ endpoints = ["http://127.0.0.1:8000"]
             .replace("decode_replicas = 2", "decode_replicas = 0");
         let e = Config::parse(&none).unwrap_err();
         assert_eq!(e.key, "pools[0].endpoints");
+    }
+
+    /// Everything the gateway derives from a validated configuration before it serves (the
+    /// pure parts of `AppState::new` and `Pools::start`: no sockets, no store).
+    fn derive_startup_settings(config: &Config) -> Result<(), String> {
+        config.store_ttl();
+        config.client_options();
+        config
+            .flow_config()
+            .validate()
+            .map_err(|e| format!("flow: {e}"))?;
+        let _ = (
+            config.routing.scrape_interval(),
+            config.routing.health_interval(),
+            config.routing.metrics_staleness(),
+        );
+        for pool in &config.pools {
+            for (_, replica) in crate::pools::simulated_replicas(pool) {
+                replica.validate().map_err(|e| format!("simulate: {e}"))?;
+            }
+            let policy = agentgate_scheduler::Policy::parse(&pool.policy)?;
+            let mut scoring = pool.scoring.resolve(policy);
+            scoring.saturation = config.routing.saturation(pool.flavor);
+            let index = agentgate_scheduler::PrefixIndexConfig {
+                bytes_per_token: pool.prefix_bytes_per_token,
+                ..agentgate_scheduler::PrefixIndexConfig::default()
+            };
+            policy
+                .picker(index, &scoring)
+                .map_err(|e| format!("picker: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Every value of every example configuration replaced in turn by a value of every TOML
+    /// type (and the floats that are not numbers): each variant is refused by validation with
+    /// a message, or everything the gateway derives from it at startup works.
+    #[test]
+    fn mutated_examples_are_refused_or_usable() {
+        fn leaves(v: &toml::Value, at: Vec<String>, out: &mut Vec<Vec<String>>) {
+            match v {
+                toml::Value::Table(t) => {
+                    for (k, child) in t {
+                        let mut p = at.clone();
+                        p.push(k.clone());
+                        out.push(p.clone());
+                        leaves(child, p, out);
+                    }
+                }
+                toml::Value::Array(items) => {
+                    for (i, child) in items.iter().enumerate() {
+                        let mut p = at.clone();
+                        p.push(i.to_string());
+                        out.push(p.clone());
+                        leaves(child, p, out);
+                    }
+                }
+                _ => {}
+            }
+        }
+        fn at<'a>(v: &'a mut toml::Value, path: &[String]) -> &'a mut toml::Value {
+            path.iter().fold(v, |v, k| match v {
+                toml::Value::Table(t) => t.get_mut(k).unwrap(),
+                toml::Value::Array(a) => &mut a[k.parse::<usize>().unwrap()],
+                _ => unreachable!(),
+            })
+        }
+        let replacements = [
+            toml::Value::String("x".into()),
+            toml::Value::String(String::new()),
+            toml::Value::Integer(-1),
+            toml::Value::Integer(0),
+            toml::Value::Integer(i64::MAX),
+            toml::Value::Float(0.5),
+            toml::Value::Float(-1.5),
+            toml::Value::Float(f64::INFINITY),
+            toml::Value::Float(f64::NAN),
+            toml::Value::Boolean(true),
+            toml::Value::Array(Vec::new()),
+            toml::Value::Table(toml::Table::new()),
+        ];
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        let (mut variants, mut usable) = (0, 0);
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "toml") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let base = toml::Value::Table(text.parse::<toml::Table>().unwrap());
+            let mut paths = Vec::new();
+            leaves(&base, Vec::new(), &mut paths);
+            for p in &paths {
+                for r in &replacements {
+                    let mut v = base.clone();
+                    *at(&mut v, p) = r.clone();
+                    variants += 1;
+                    let what = format!("{} {} = {r:?}", path.display(), p.join("."));
+                    let Ok(config) = Config::deserialize(v) else {
+                        continue;
+                    };
+                    if let Err(e) = config.validate() {
+                        assert!(!e.to_string().is_empty(), "{what}");
+                        continue;
+                    }
+                    usable += 1;
+                    let startup = std::panic::catch_unwind(|| derive_startup_settings(&config));
+                    assert!(
+                        matches!(startup, Ok(Ok(()))),
+                        "{what}: validated, then failed at startup: {startup:?}"
+                    );
+                }
+            }
+        }
+        assert!(
+            variants > 1000 && usable > 0,
+            "{variants} variants, {usable} usable"
+        );
     }
 
     #[test]

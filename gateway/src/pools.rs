@@ -275,24 +275,19 @@ impl Pools {
                     (url, e.role(role), e.labels(&pc.labels))
                 })
                 .collect();
-            if let Some(sim) = &pc.simulate {
-                let roles = std::iter::repeat_n(role, sim.replicas)
-                    .chain(std::iter::repeat_n(Role::Prefill, sim.prefill_replicas))
-                    .chain(std::iter::repeat_n(Role::Decode, sim.decode_replicas));
-                for (r, replica_role) in roles.enumerate() {
-                    let handle = agentgate_sim::spawn(sim_config(pc, sim, r, replica_role)).await?;
-                    tracing::info!(pool = %pc.name, replica = r, role = replica_role.name(), url = %handle.base_url(), "simulated replica started");
-                    let mut labels = pc.labels.clone();
-                    if pc.flavor == Flavor::Sglang && replica_role == Role::Prefill {
-                        // A simulated replica serves its bootstrap routes on its HTTP port.
-                        labels.insert(
-                            BOOTSTRAP_PORT_LABEL.to_string(),
-                            handle.addr().port().to_string(),
-                        );
-                    }
-                    entries.push((handle.base_url(), replica_role, labels));
-                    sims.push(handle);
+            for (r, (replica_role, sim_config)) in simulated_replicas(pc).into_iter().enumerate() {
+                let handle = agentgate_sim::spawn(sim_config).await?;
+                tracing::info!(pool = %pc.name, replica = r, role = replica_role.name(), url = %handle.base_url(), "simulated replica started");
+                let mut labels = pc.labels.clone();
+                if pc.flavor == Flavor::Sglang && replica_role == Role::Prefill {
+                    // A simulated replica serves its bootstrap routes on its HTTP port.
+                    labels.insert(
+                        BOOTSTRAP_PORT_LABEL.to_string(),
+                        handle.addr().port().to_string(),
+                    );
                 }
+                entries.push((handle.base_url(), replica_role, labels));
+                sims.push(handle);
             }
             let fixed: Vec<Arc<Endpoint>> = entries
                 .into_iter()
@@ -434,6 +429,24 @@ impl Pools {
             sim.shutdown().await;
         }
     }
+}
+
+/// The simulated replicas `[pools.simulate]` asks for, in order: the aggregated ones, then
+/// the prefill-only and the decode-only ones; each with its role and its simulator settings.
+pub fn simulated_replicas(pool: &PoolConfig) -> Vec<(Role, agentgate_sim::SimConfig)> {
+    let Some(sim) = &pool.simulate else {
+        return Vec::new();
+    };
+    let total = sim
+        .total_replicas()
+        .min(crate::config::MAX_SIMULATED_REPLICAS);
+    std::iter::repeat_n(pool.role(), sim.replicas)
+        .chain(std::iter::repeat_n(Role::Prefill, sim.prefill_replicas))
+        .chain(std::iter::repeat_n(Role::Decode, sim.decode_replicas))
+        .take(total)
+        .enumerate()
+        .map(|(r, role)| (role, sim_config(pool, sim, r, role)))
+        .collect()
 }
 
 fn sim_config(

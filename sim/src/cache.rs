@@ -94,7 +94,11 @@ pub struct KvCache {
     capacity: usize,
     blocks: HashMap<u64, CachedBlock>,
     evictable: BTreeMap<u64, u64>,
+    /// Slots freed by eviction, reused last-freed first.
     free_slots: Vec<u32>,
+    /// Slots never used yet are `next_slot..capacity` (allocated lazily, so a large capacity
+    /// costs nothing up front).
+    next_slot: u32,
     private_in_use: usize,
     next_stamp: u64,
     sink: Option<KvEventSink>,
@@ -103,13 +107,13 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache of `capacity` blocks of `block_size` tokens.
     pub fn new(block_size: usize, capacity: usize, sink: Option<KvEventSink>) -> Self {
-        let slots = u32::try_from(capacity).unwrap_or(u32::MAX);
         KvCache {
             block_size: block_size.max(1),
             capacity,
             blocks: HashMap::new(),
             evictable: BTreeMap::new(),
-            free_slots: (0..slots).rev().collect(),
+            free_slots: Vec::new(),
+            next_slot: 0,
             private_in_use: 0,
             next_stamp: 0,
             sink,
@@ -301,18 +305,27 @@ impl KvCache {
         }
         self.blocks.clear();
         self.evictable.clear();
-        self.free_slots = (0..u32::try_from(self.capacity).unwrap_or(u32::MAX))
-            .rev()
-            .collect();
+        self.free_slots.clear();
+        self.next_slot = 0;
         self.emit(KvEvent::AllBlocksCleared);
         true
     }
 
     fn take_slot(&mut self, removed: &mut Vec<u64>) -> u32 {
-        if self.blocks.len() + self.private_in_use >= self.capacity || self.free_slots.is_empty() {
+        let slots = u32::try_from(self.capacity).unwrap_or(u32::MAX);
+        if self.blocks.len() + self.private_in_use >= self.capacity
+            || (self.free_slots.is_empty() && self.next_slot >= slots)
+        {
             self.evict_one(removed);
         }
-        self.free_slots.pop().unwrap_or(0)
+        if let Some(slot) = self.free_slots.pop() {
+            return slot;
+        }
+        if self.next_slot < slots {
+            self.next_slot += 1;
+            return self.next_slot - 1;
+        }
+        0
     }
 
     fn evict_one(&mut self, removed: &mut Vec<u64>) {

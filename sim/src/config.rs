@@ -132,7 +132,70 @@ impl Default for SimConfig {
     }
 }
 
+/// A setting [`SimConfig::validate`] refuses: the command-line flag and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidSetting {
+    /// The flag, e.g. `--kv-blocks`.
+    pub flag: &'static str,
+    /// What is wrong with its value.
+    pub reason: String,
+}
+
+impl std::fmt::Display for InvalidSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.flag, self.reason)
+    }
+}
+
+impl std::error::Error for InvalidSetting {}
+
+/// Most KV blocks a replica may have (2^24: 268M tokens at 16 per block, beyond any
+/// accelerator's KV cache).
+pub const MAX_KV_BLOCKS: usize = 1 << 24;
+
 impl SimConfig {
+    /// Check the settings [`crate::spawn`] cannot run with.
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
+        let invalid = |flag, reason: String| Err(InvalidSetting { flag, reason });
+        for (flag, value) in [
+            ("--block-size", self.block_size),
+            ("--max-num-seqs", self.max_num_seqs),
+        ] {
+            if value == 0 {
+                return invalid(flag, "must be at least 1".into());
+            }
+        }
+        if !(1..=MAX_KV_BLOCKS).contains(&self.kv_blocks) {
+            return invalid(
+                "--kv-blocks",
+                format!(
+                    "must be between 1 and {MAX_KV_BLOCKS}, got {}",
+                    self.kv_blocks
+                ),
+            );
+        }
+        let positive = [
+            ("--prefill-tokens-per-s", self.prefill_tokens_per_s),
+            ("--kv-transfer-gbps", self.kv_transfer_gbps),
+        ];
+        for (flag, value) in positive {
+            if !(value.is_finite() && value > 0.0) {
+                return invalid(flag, format!("must be a positive number, got {value}"));
+            }
+        }
+        let non_negative = [
+            ("--decode-ms-per-token", self.decode_ms_per_token),
+            ("--time-scale", self.time_scale),
+            ("--kv-transfer-timeout-s", self.kv_transfer_timeout_s),
+        ];
+        for (flag, value) in non_negative {
+            if !(value.is_finite() && value >= 0.0) {
+                return invalid(flag, format!("must be a number >= 0, got {value}"));
+            }
+        }
+        Ok(())
+    }
+
     /// Maximum prompt + output tokens per request.
     pub fn effective_max_model_len(&self) -> usize {
         let capacity = self.kv_blocks.saturating_mul(self.block_size.max(1));
@@ -152,5 +215,23 @@ mod tests {
         assert_eq!(config.kv_blocks, 4096);
         assert_eq!(config.effective_max_model_len(), 65536);
         assert!(config.kv_events.is_none());
+        assert_eq!(config.validate(), Ok(()));
+    }
+
+    #[test]
+    fn settings_the_engine_cannot_run_with_are_refused() {
+        let refused = |change: fn(&mut SimConfig)| {
+            let mut config = SimConfig::default();
+            change(&mut config);
+            config.validate().unwrap_err().to_string()
+        };
+        assert!(refused(|c| c.kv_blocks = 0).contains("--kv-blocks"));
+        assert!(refused(|c| c.kv_blocks = MAX_KV_BLOCKS + 1).contains("--kv-blocks"));
+        assert!(refused(|c| c.time_scale = f64::NAN).contains("--time-scale"));
+        assert!(refused(|c| c.kv_transfer_timeout_s = f64::INFINITY)
+            .contains("--kv-transfer-timeout-s"));
+        assert!(refused(|c| c.prefill_tokens_per_s = 0.0).contains("--prefill-tokens-per-s"));
+        assert!(refused(|c| c.decode_ms_per_token = -1.0).contains("--decode-ms-per-token"));
+        assert!(refused(|c| c.max_num_seqs = 0).contains("--max-num-seqs"));
     }
 }

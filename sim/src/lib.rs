@@ -140,12 +140,9 @@ fn listen(addr: SocketAddr, buffer_bytes: u32) -> std::io::Result<tokio::net::Tc
 
 /// Start a replica: bind `config.listen` (port 0 picks one), start the engine loop and serve.
 pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
-    if config.block_size == 0 || config.kv_blocks == 0 || config.max_num_seqs == 0 {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "block_size, kv_blocks and max_num_seqs must all be at least 1",
-        ));
-    }
+    config
+        .validate()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
     let listener = listen(config.listen, config.socket_buffer_bytes)?;
     let addr = listener.local_addr()?;
     let mut listeners = vec![listener];
