@@ -10,8 +10,10 @@
 //!   figures, and the gateway's own CPU time is magnified by `1 / time scale`.
 //! - `virtual`: one thread on a paused clock at time scale 1. Whenever every task waits, the
 //!   clock jumps to the next timer; it never moves while a task computes. The simulated engines'
-//!   step times are then the only time that passes, the gateway's CPU time counts as zero, and
-//!   the machine's load changes how long a run takes but not what it measures. Everything must
+//!   step times are then the only time that passes and the gateway's CPU time counts as zero.
+//!   On an otherwise idle machine same-seed runs repeat each other to the request. Under heavy
+//!   CPU load (a parallel build) the kernel may deliver loopback data after the runtime found
+//!   nothing to do and jumped the clock, and a run can then part from the others. Everything must
 //!   run in this process: a Redis server (`--gateways` above 1, `--redis-url`) answers on its own
 //!   clock, so those runs need `wall`.
 
