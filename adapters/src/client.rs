@@ -364,6 +364,16 @@ async fn next_chunk(
             Ok(None) => {
                 let tail: Vec<String> = reader.decoder.finish().into_iter().collect();
                 reader.accept(tail);
+                if !reader.done {
+                    // vLLM, SGLang and OpenAI end every stream with `data: [DONE]`: without
+                    // it the answer was cut off, or was not an event stream at all.
+                    reader
+                        .pending
+                        .push_back(Err(UpstreamError::Protocol(format!(
+                            "the stream from {} ended without [DONE]",
+                            reader.url
+                        ))));
+                }
                 reader.done = true;
             }
         }

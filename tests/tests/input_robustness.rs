@@ -319,3 +319,102 @@ async fn urls_that_do_not_decode_get_openai_errors() {
     assert_eq!(resp.status(), 200);
     fleet.shutdown().await;
 }
+
+/// A fake engine on a free port: every connection gets `answer` (the raw HTTP response) after
+/// its request head, then the connection closes.
+async fn broken_engine(answer: &'static str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 1 << 16];
+                let mut seen = Vec::new();
+                // read the head and whatever body arrives with it
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = socket.write_all(answer.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_answers_that_break_the_protocol_end_cleanly() {
+    let sse = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+    let answers: Vec<(&str, String)> = vec![
+        (
+            "an HTML page with status 200",
+            "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\nconnection: close\r\n\r\n<html>proxy error</html>".into(),
+        ),
+        (
+            "a 500 with a plain-text body",
+            "HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\ncontent-length: 4\r\nconnection: close\r\n\r\noops".into(),
+        ),
+        ("an event stream that closes at once", sse.into()),
+        (
+            "an event stream of non-JSON data",
+            format!("{sse}data: {{not json\n\ndata: [DONE]\n\n"),
+        ),
+        (
+            "an event stream cut inside a chunk",
+            format!("{sse}data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"hel"),
+        ),
+        (
+            "a body shorter than its content-length",
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 500\r\nconnection: close\r\n\r\ndata: {}\n\n".into(),
+        ),
+        ("a status line that is not HTTP", "SSH-2.0-OpenSSH_9.6\r\n".into()),
+    ];
+    for (what, answer) in answers {
+        let url = broken_engine(Box::leak(answer.into_boxed_str())).await;
+        let gw = start_gateway(&format!(
+            "[routing]\nscrape_interval_ms = 0\nhealth_interval_ms = 0\n\
+             [[pools]]\nname = \"p\"\nmodel = \"sim-model\"\nendpoints = [\"{url}\"]\n"
+        ))
+        .await;
+        let base = gw.base_url();
+        // Not streamed: an OpenAI error, or a response object that says it failed.
+        let resp = post_response(
+            &base,
+            &json!({"model": "sim-model", "input": "hi", "max_output_tokens": 16}),
+        )
+        .await;
+        let status = resp.status().as_u16();
+        let body: Value = resp.json().await.unwrap_or_else(|e| panic!("{what}: {e}"));
+        let failed = body["status"] == "failed" && body["error"]["message"].is_string();
+        let error = status >= 500 && body["error"]["message"].is_string();
+        assert!(failed || error, "{what}: {status} {body}");
+        // Streamed: the events end with response.failed (or an error answer before any).
+        let resp = post_response(
+            &base,
+            &json!({"model": "sim-model", "input": "hi", "max_output_tokens": 16, "stream": true}),
+        )
+        .await;
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap_or_else(|e| panic!("{what}: {e}"));
+        if status == 200 {
+            let last = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("event: "))
+                .next_back()
+                .unwrap_or_default();
+            assert_eq!(last.trim(), "response.failed", "{what}: {text}");
+        } else {
+            let body: Value =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: {e}: {text}"));
+            assert!(
+                status >= 500 && body["error"]["message"].is_string(),
+                "{what}: {status} {body}"
+            );
+        }
+        gw.shutdown().await;
+    }
+}
