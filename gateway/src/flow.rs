@@ -725,6 +725,7 @@ impl FlowControl {
     /// A band the team may not use is refused here, before any work.
     pub fn pending(&self, request: FlowRequest<'_>) -> Result<Option<Pending>, HttpError> {
         let settings = self.settings();
+        check_service_tier(&settings, request.body)?;
         if !settings.enabled {
             return Ok(None);
         }
@@ -762,6 +763,41 @@ impl FlowControl {
             ticket,
             param,
         }))
+    }
+}
+
+/// OpenAI's `service_tier` values; `[flow] service_tier` may map these and others to bands.
+const OPENAI_SERVICE_TIERS: [&str; 5] = ["auto", "default", "flex", "scale", "priority"];
+
+/// `service_tier`, when given, is one of OpenAI's values or a key of `[flow] service_tier`.
+fn check_service_tier(settings: &Settings, body: &Value) -> Result<(), HttpError> {
+    match body.get("service_tier") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(tier))
+            if OPENAI_SERVICE_TIERS.contains(&tier.as_str())
+                || settings.service_tier.contains_key(tier) =>
+        {
+            Ok(())
+        }
+        Some(Value::String(tier)) => {
+            let mut known: Vec<&str> = OPENAI_SERVICE_TIERS.to_vec();
+            known.extend(settings.service_tier.keys().map(String::as_str));
+            known.sort_unstable();
+            known.dedup();
+            Err(HttpError::invalid(
+                format!(
+                    "Invalid 'service_tier': {tier:?}. Supported values are: {}.",
+                    known.join(", ")
+                ),
+                Some("service_tier"),
+                Some("invalid_value"),
+            ))
+        }
+        Some(_) => Err(HttpError::invalid(
+            "Invalid type for 'service_tier': expected a string.",
+            Some("service_tier"),
+            Some("invalid_type"),
+        )),
     }
 }
 
@@ -1184,6 +1220,15 @@ mod tests {
             "unmapped tiers use the default"
         );
         assert_eq!(pending.ticket().cost_tokens, 10 + 1024);
+        let unknown = json!({"service_tier": "fastest"});
+        let e = flow.pending(request(&headers, &unknown)).unwrap_err();
+        assert_eq!(
+            (e.error.param.as_deref(), e.error.code.as_deref()),
+            (Some("service_tier"), Some("invalid_value"))
+        );
+        let number = json!({"service_tier": 1});
+        let e = flow.pending(request(&headers, &number)).unwrap_err();
+        assert_eq!(e.error.code.as_deref(), Some("invalid_type"));
         let priority = json!({"service_tier": "priority"});
         let e = flow.pending(request(&headers, &priority)).unwrap_err();
         assert_eq!(e.error.status, 403);

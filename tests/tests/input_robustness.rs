@@ -123,6 +123,7 @@ fn bases() -> Vec<Value> {
             "truncation": "disabled",
             "prompt_cache_key": "repo-1",
             "user": "dev-1",
+            "service_tier": "flex",
             "store": true
         }),
         json!({"model": "sim-model", "input": "stream a line", "stream": true,
