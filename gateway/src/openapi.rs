@@ -200,7 +200,11 @@ fn components() -> Value {
                         "effort": {"type": "string"},
                         "summary": {"type": "string"}
                     }},
-                    "truncation": {"type": "string", "enum": ["auto", "disabled"]}
+                    "truncation": {"type": "string", "enum": ["auto", "disabled"]},
+                    "max_tool_calls": {"type": "integer", "minimum": 0},
+                    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                    "service_tier": {"type": "string", "description": "auto, default, flex, scale, priority, or a key of [flow] service_tier"},
+                    "prompt": {"description": "not supported: a request that sets it is refused with 400"}
                 }
             },
             "Response": {

@@ -178,6 +178,25 @@ fn validate_text(body: &Value) -> Result<(), HttpError> {
     Ok(())
 }
 
+fn integer_in(body: &Value, key: &str, lo: i64, hi: i64) -> Result<(), HttpError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(()),
+        Some(v) => {
+            let n = v.as_i64().ok_or_else(|| invalid_type(key, "an integer"))?;
+            if n < lo || n > hi {
+                return Err(HttpError::invalid(
+                    format!(
+                        "Invalid '{key}': {n} is out of range; it must be between {lo} and {hi}."
+                    ),
+                    Some(key),
+                    Some("invalid_value"),
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
 fn number_in(body: &Value, key: &str, lo: f64, hi: f64) -> Result<(), HttpError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(()),
@@ -321,6 +340,15 @@ impl CreateRequest {
                 Some("invalid_value"),
             ));
         }
+        if body.get("prompt").is_some_and(|p| !p.is_null()) {
+            return Err(HttpError::invalid(
+                "Reusable prompts ('prompt') are not supported by this gateway; send the instructions and input in the request.",
+                Some("prompt"),
+                Some("unsupported_parameter"),
+            ));
+        }
+        integer_in(&body, "max_tool_calls", 0, i64::MAX)?;
+        integer_in(&body, "top_logprobs", 0, 20)?;
         number_in(&body, "temperature", 0.0, 2.0)?;
         number_in(&body, "top_p", 0.0, 1.0)?;
         if let Some(v) = body.get("max_output_tokens").filter(|v| !v.is_null()) {
@@ -517,6 +545,17 @@ mod tests {
                 json!({"include": "reasoning.encrypted_content"}),
                 "include",
                 "invalid_type",
+            ),
+            (json!({"top_logprobs": 21}), "top_logprobs", "invalid_value"),
+            (
+                json!({"max_tool_calls": "3"}),
+                "max_tool_calls",
+                "invalid_type",
+            ),
+            (
+                json!({"prompt": {"id": "pmpt_1"}}),
+                "prompt",
+                "unsupported_parameter",
             ),
         ];
         for (extra, param, code) in cases {
