@@ -178,42 +178,35 @@ fn validate_text(body: &Value) -> Result<(), HttpError> {
     Ok(())
 }
 
-fn integer_in(body: &Value, key: &str, lo: i64, hi: i64) -> Result<(), HttpError> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(()),
-        Some(v) => {
-            let n = v.as_i64().ok_or_else(|| invalid_type(key, "an integer"))?;
-            if n < lo || n > hi {
-                return Err(HttpError::invalid(
-                    format!(
-                        "Invalid '{key}': {n} is out of range; it must be between {lo} and {hi}."
-                    ),
-                    Some(key),
-                    Some("invalid_value"),
-                ));
-            }
-            Ok(())
-        }
+/// `body[key]`, when present and not null, is a number (an integer when `integer`) of at least
+/// `lo` and at most `hi` (when given).
+fn in_range(
+    body: &Value,
+    key: &str,
+    integer: bool,
+    lo: f64,
+    hi: Option<f64>,
+) -> Result<(), HttpError> {
+    let Some(v) = body.get(key).filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let (x, want) = match integer {
+        true => (v.as_i64().map(|n| n as f64), "an integer"),
+        false => (v.as_f64(), "a number"),
+    };
+    let x = x.ok_or_else(|| invalid_type(key, want))?;
+    if x < lo || hi.is_some_and(|hi| x > hi) {
+        let range = match hi {
+            Some(hi) => format!("between {lo} and {hi}"),
+            None => format!("at least {lo}"),
+        };
+        return Err(HttpError::invalid(
+            format!("Invalid '{key}': {v} is out of range; it must be {range}."),
+            Some(key),
+            Some("invalid_value"),
+        ));
     }
-}
-
-fn number_in(body: &Value, key: &str, lo: f64, hi: f64) -> Result<(), HttpError> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(()),
-        Some(v) => {
-            let x = v.as_f64().ok_or_else(|| invalid_type(key, "a number"))?;
-            if x < lo || x > hi {
-                return Err(HttpError::invalid(
-                    format!(
-                        "Invalid '{key}': {x} is out of range; it must be between {lo} and {hi}."
-                    ),
-                    Some(key),
-                    Some("invalid_value"),
-                ));
-            }
-            Ok(())
-        }
-    }
+    Ok(())
 }
 
 /// Parse a request body into JSON, with OpenAI's error for malformed bodies. A body sent with
@@ -347,10 +340,10 @@ impl CreateRequest {
                 Some("unsupported_parameter"),
             ));
         }
-        integer_in(&body, "max_tool_calls", 0, i64::MAX)?;
-        integer_in(&body, "top_logprobs", 0, 20)?;
-        number_in(&body, "temperature", 0.0, 2.0)?;
-        number_in(&body, "top_p", 0.0, 1.0)?;
+        in_range(&body, "max_tool_calls", true, 0.0, None)?;
+        in_range(&body, "top_logprobs", true, 0.0, Some(20.0))?;
+        in_range(&body, "temperature", false, 0.0, Some(2.0))?;
+        in_range(&body, "top_p", false, 0.0, Some(1.0))?;
         if let Some(v) = body.get("max_output_tokens").filter(|v| !v.is_null()) {
             let n = v
                 .as_i64()
