@@ -396,7 +396,12 @@ pub async fn create(
             .and_then(Value::as_str)
             .unwrap_or("The model backend failed.")
             .to_string();
-        return Err(HttpError::server(502, message, "upstream_error").with_retry_after(1));
+        let code = response.pointer("/error/code").and_then(Value::as_str);
+        let (status, code) = match code {
+            Some(turn::UNSTORED_CODE) => (503, turn::UNSTORED_CODE),
+            _ => (502, "upstream_error"),
+        };
+        return Err(HttpError::server(status, message, code).with_retry_after(1));
     }
     let resp = with_reason(json_with_endpoint(response, Some(&endpoint)), reason);
     Ok(with_headers(resp, flow_headers))

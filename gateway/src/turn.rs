@@ -5,6 +5,9 @@
 //! result (unless `store: false`). Streaming clients read the task's events through a channel;
 //! non-streaming clients await its final Response object. The terminal event is sent only after
 //! the response is persisted, so a client that saw `response.completed` can chain on it at once.
+//! When the store cannot keep it (three tries over about a second), the turn ends as `failed`
+//! with code `store_unavailable` instead (503 when not streamed): an id that can be neither
+//! retrieved nor continued is never handed out as a finished response.
 //!
 //! # Placement
 //!
@@ -954,8 +957,8 @@ pub async fn drive(
             None => break rs.finish(),
         }
     };
-    let response = rs.response().clone();
-    persist(&state, &turn, &response, rs.output_items()).await;
+    let mut response = rs.response().clone();
+    let stored = persist(&state, &turn, &response, rs.output_items()).await;
     let status = response
         .get("status")
         .and_then(|s| s.as_str())
@@ -991,16 +994,63 @@ pub async fn drive(
     if let Some(permit) = turn.permit.take() {
         flow::finish(permit, &response);
     }
+    let mut terminal = terminal;
+    if !stored && !turn.background {
+        // The client would get an id it cannot retrieve or continue from: say so instead.
+        fail_unstored(&mut response, &mut terminal);
+    }
     emit(&tx, terminal).await;
     response
 }
 
-/// Store the finished response (or update the background record in place).
-pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[Value]) {
-    if !turn.store {
-        return;
+/// Code of a response generated but not stored (the store failed).
+pub const UNSTORED_CODE: &str = "store_unavailable";
+
+/// Turn a finished `response` and its terminal event into a failure: the store could not keep
+/// it, so its id can be neither retrieved nor continued (`previous_response_id`).
+fn fail_unstored(response: &mut Value, terminal: &mut [agentgate_adapters::SseEvent]) {
+    response["status"] = Value::from("failed");
+    response["incomplete_details"] = Value::Null;
+    response["error"] = serde_json::json!({
+        "code": UNSTORED_CODE,
+        "message": "The response was generated but the conversation store could not keep it, \
+                    so its id cannot be retrieved or continued. Retry the request.",
+    });
+    if let Some(last) = terminal.last_mut() {
+        last.event = "response.failed".into();
+        last.data["type"] = Value::from("response.failed");
+        last.data["response"] = response.clone();
     }
-    let result = if turn.background {
+}
+
+/// Store the finished response (or update the background record in place), trying three times
+/// over about a second when the store fails. False when it could not be stored.
+pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[Value]) -> bool {
+    if !turn.store {
+        return true;
+    }
+    for (attempt, pause_ms) in [(1, 200), (2, 800), (3, 0)] {
+        match persist_once(state, turn, response, output).await {
+            Ok(()) => return true,
+            Err(e) if pause_ms > 0 => {
+                tracing::warn!(response = %turn.id, attempt, "could not store the response ({e}); retrying");
+                tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+            }
+            Err(e) => {
+                tracing::error!(response = %turn.id, "could not store the response: {e}");
+            }
+        }
+    }
+    false
+}
+
+async fn persist_once(
+    state: &AppState,
+    turn: &Turn,
+    response: &Value,
+    output: &[Value],
+) -> Result<(), agentgate_sessions::StoreError> {
+    if turn.background {
         state
             .store
             .update_if_active(&turn.team, &turn.id, response, output)
@@ -1020,9 +1070,6 @@ pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[
             response: response.clone(),
         };
         state.store.put(&record).await
-    };
-    if let Err(e) = result {
-        tracing::error!(response = %turn.id, "could not store the response: {e}");
     }
 }
 
@@ -1112,6 +1159,7 @@ async fn fail_background(
         err.error.code.as_deref().unwrap_or("server_error"),
         &err.error.message,
     ));
+    // Nothing was generated: a record that cannot be written leaves nothing to lose.
     persist(state, turn, rs.response(), rs.output_items()).await;
     emit(tx, events).await;
 }

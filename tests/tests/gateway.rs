@@ -803,3 +803,46 @@ async fn a_chained_conversation_without_session_headers_is_pinned_by_its_root() 
     );
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_the_store_cannot_keep_fails_instead_of_completing() {
+    let mut redis = TestRedis::start_private();
+    let prefix = unique_prefix("unstored");
+    let fleet = Fleet::of(1).store(redis.url(), &prefix).start().await;
+    let base = fleet.base_url();
+    let body = json!({"model": "sim-model", "input": "hello", "max_output_tokens": 16});
+    let (s, first) = create(&base, body.clone()).await;
+    assert_eq!(s, 200, "{first}");
+
+    // The store is gone: the answer is generated, but an id that cannot be retrieved or
+    // continued is not handed out as if it could.
+    redis.stop();
+    let (s, e) = create(&base, body.clone()).await;
+    assert_eq!(s, 503, "{e}");
+    assert_eq!(e["error"]["code"], "store_unavailable", "{e}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let text = post_response(&base, &streamed).await.text().await.unwrap();
+    let last = text
+        .lines()
+        .rfind(|l| l.starts_with("data: "))
+        .and_then(|l| serde_json::from_str::<Value>(&l["data: ".len()..]).ok())
+        .expect("a terminal event");
+    assert_eq!(last["type"], "response.failed", "{text}");
+    assert_eq!(last["response"]["error"]["code"], "store_unavailable");
+    // Not stored, not asked to be: nothing is lost.
+    let mut ephemeral = body.clone();
+    ephemeral["store"] = json!(false);
+    let (s, r) = create(&base, ephemeral).await;
+    assert_eq!((s, r["status"].as_str()), (200, Some("incomplete")), "{r}");
+
+    // Back: stored and chained again.
+    redis.restart();
+    let (s, again) = create(&base, body).await;
+    assert_eq!(s, 200, "{again}");
+    let next = json!({"model": "sim-model", "input": "and then?", "max_output_tokens": 16,
+                      "previous_response_id": again["id"]});
+    let (s, r) = create(&base, next).await;
+    assert_eq!(s, 200, "{r}");
+    fleet.shutdown().await;
+}
