@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
 use axum::http::{Method, Uri};
@@ -40,6 +41,9 @@ pub struct AppState {
     pub background: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
     /// Bounds how many background runs execute at once.
     pub background_slots: Arc<tokio::sync::Semaphore>,
+    /// Raised when the gateway shuts down and `[background] shutdown_grace_s` has run out:
+    /// background runs still going record themselves as failed (`server_shutdown`).
+    pub stopping: tokio::sync::watch::Sender<bool>,
     /// The gateway's Prometheus metrics (`GET /metrics`).
     pub metrics: Arc<Metrics>,
     /// Flow control: one controller per pool, admission before routing.
@@ -84,6 +88,7 @@ impl AppState {
             hosted_tools,
             background: Mutex::new(HashMap::new()),
             background_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
+            stopping: tokio::sync::watch::Sender::new(false),
             metrics,
             flow,
         }))
@@ -178,6 +183,22 @@ pub struct Gateway {
     reload: Option<ConfigWatcher>,
 }
 
+/// Wait up to `limit` until no background run of this process is left; true if none is.
+async fn background_runs_end(state: &AppState, limit: Duration) -> bool {
+    // a grace too long to add to the clock waits as long as it takes
+    let deadline = tokio::time::Instant::now().checked_add(limit);
+    loop {
+        let left = state.background.lock().map_or(0, |runs| runs.len());
+        if left == 0 {
+            return true;
+        }
+        if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A listener on `addr` whose accepted connections have `buffer_bytes` send and receive buffers
 /// (they inherit the listener's; 0 leaves the kernel's autotuning).
 fn listen_tcp(addr: SocketAddr, buffer_bytes: u32) -> std::io::Result<tokio::net::TcpListener> {
@@ -264,10 +285,22 @@ impl Gateway {
         result
     }
 
-    /// Stop accepting connections, finish in-flight requests, then stop the background tasks.
+    /// Stop accepting connections, finish in-flight requests, give background runs up to
+    /// `[background] shutdown_grace_s` to finish (then record the rest as failed,
+    /// `server_shutdown`), then stop the background tasks.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(());
         let _ = self.task.await;
+        let grace = self.state.config.background.shutdown_grace();
+        if !background_runs_end(&self.state, grace).await {
+            let left = self.state.background.lock().map_or(0, |runs| runs.len());
+            tracing::warn!(
+                runs = left,
+                "background runs still going at shutdown; recording them as failed"
+            );
+            let _ = self.state.stopping.send(true);
+            background_runs_end(&self.state, Duration::from_secs(10)).await;
+        }
         self.live.shutdown().await;
         if let Some(reload) = self.reload {
             reload.shutdown().await;

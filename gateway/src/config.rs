@@ -239,11 +239,25 @@ pub struct BackgroundConfig {
     /// Background responses run at most this many at once per gateway process; the rest wait
     /// in `queued`, so detached work never crowds out interactive requests.
     pub max_concurrent: usize,
+    /// On shutdown, how long background runs may take to finish once the HTTP server has
+    /// stopped; those still running or queued then are recorded as failed with code
+    /// `server_shutdown`, so clients polling them learn to create them again.
+    pub shutdown_grace_s: f64,
 }
 
 impl Default for BackgroundConfig {
     fn default() -> Self {
-        BackgroundConfig { max_concurrent: 4 }
+        BackgroundConfig {
+            max_concurrent: 4,
+            shutdown_grace_s: 25.0,
+        }
+    }
+}
+
+impl BackgroundConfig {
+    /// [`BackgroundConfig::shutdown_grace_s`] as a duration.
+    pub fn shutdown_grace(&self) -> Duration {
+        seconds(self.shutdown_grace_s)
     }
 }
 
@@ -874,6 +888,13 @@ impl Config {
         }
         if self.background.max_concurrent == 0 {
             return Err(err("background.max_concurrent", "must be at least 1"));
+        }
+        let grace = self.background.shutdown_grace_s;
+        if !(grace.is_finite() && grace >= 0.0) {
+            return Err(err(
+                "background.shutdown_grace_s",
+                "must be a number of seconds >= 0",
+            ));
         }
         for (key, value) in [
             (

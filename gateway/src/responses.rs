@@ -337,12 +337,13 @@ pub async fn create(
         if let Ok(mut runs) = state.background.lock() {
             runs.insert(id, cancel_tx);
         }
+        let stops = turn::StopSignals::new(cancel_rx, state.stopping.subscribe());
         tokio::spawn(turn::run_background(
             state.clone(),
             turn,
             admission,
             tx,
-            cancel_rx,
+            stops,
         ));
         return Ok(match rx {
             Some(rx) => sse_response(rx, None),

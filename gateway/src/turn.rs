@@ -915,19 +915,19 @@ pub async fn drive(
     mut chunks: ChunkStream,
     mut routed: Routed,
     tx: Option<mpsc::Sender<Bytes>>,
-    mut cancel: Option<watch::Receiver<bool>>,
+    mut stops: Option<StopSignals>,
 ) -> Value {
     let endpoint = routed.endpoint().clone();
     let mut first_token: Option<Instant> = None;
     let mut rs = new_stream(&turn);
     emit(&tx, rs.start()).await;
     let terminal = loop {
-        let next = match cancel.as_mut() {
-            Some(cancel) => tokio::select! {
+        let next = match stops.as_mut() {
+            Some(stops) => tokio::select! {
                 chunk = chunks.next() => chunk,
-                _ = cancel.wait_for(|c| *c) => {
-                    tracing::info!(response = %turn.id, "background response cancelled while running");
-                    break rs.fail("response_cancelled", "The response was cancelled.");
+                stop = stops.stopped() => {
+                    tracing::info!(response = %turn.id, why = stop.code(), "background response stopped while running");
+                    break rs.fail(stop.code(), stop.message());
                 }
             },
             None => chunks.next().await,
@@ -1094,22 +1094,22 @@ pub async fn run_background(
     mut turn: Turn,
     admission: Option<Pending>,
     tx: Option<mpsc::Sender<Bytes>>,
-    mut cancel: watch::Receiver<bool>,
+    mut stops: StopSignals,
 ) {
     let id = turn.id.clone();
     let _permit = tokio::select! {
         permit = state.background_slots.clone().acquire_owned() => permit,
-        _ = cancel.wait_for(|c| *c) => {
-            forget_run(&state, &id);
-            return; // cancelled while queued
+        stop = stops.stopped() => {
+            stop_queued(&state, &turn, &tx, stop).await;
+            return;
         }
     };
     if let Some(pending) = admission {
         let admitted = tokio::select! {
             admitted = pending.admit() => admitted,
-            _ = cancel.wait_for(|c| *c) => {
-                forget_run(&state, &id);
-                return; // cancelled while queued
+            stop = stops.stopped() => {
+                stop_queued(&state, &turn, &tx, stop).await;
+                return;
             }
         };
         match admitted {
@@ -1138,11 +1138,71 @@ pub async fn run_background(
     turn.skeleton = in_progress;
     match open_turn(&state, &mut turn).await {
         Ok((chunks, ep)) => {
-            drive(state.clone(), turn, chunks, ep, tx, Some(cancel)).await;
+            drive(state.clone(), turn, chunks, ep, tx, Some(stops)).await;
         }
         Err(err) => fail_background(&state, &turn, &tx, &err).await,
     }
     forget_run(&state, &id);
+}
+
+/// Why a background run stops before its engine stream ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// `POST /v1/responses/{id}/cancel` (the record already says `cancelled`).
+    Cancelled,
+    /// The gateway is shutting down and `[background] shutdown_grace_s` has run out.
+    Shutdown,
+}
+
+impl Stop {
+    /// The `error.code` the stopped response records.
+    pub fn code(self) -> &'static str {
+        match self {
+            Stop::Cancelled => "response_cancelled",
+            Stop::Shutdown => "server_shutdown",
+        }
+    }
+
+    fn message(self) -> &'static str {
+        match self {
+            Stop::Cancelled => "The response was cancelled.",
+            Stop::Shutdown => {
+                "The gateway running this response shut down before it finished. Create it again."
+            }
+        }
+    }
+}
+
+/// What can stop a background run early: its own cancel signal and the gateway's shutdown
+/// (`AppState::stopping`).
+pub struct StopSignals {
+    cancel: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl StopSignals {
+    /// Signals from the run's cancel channel and the gateway's shutdown channel.
+    pub fn new(cancel: watch::Receiver<bool>, shutdown: watch::Receiver<bool>) -> Self {
+        StopSignals { cancel, shutdown }
+    }
+
+    /// Resolves when either signal is raised (a dropped cancel sender counts as a cancel).
+    async fn stopped(&mut self) -> Stop {
+        tokio::select! {
+            _ = self.cancel.wait_for(|c| *c) => Stop::Cancelled,
+            Ok(_) = self.shutdown.wait_for(|s| *s) => Stop::Shutdown,
+        }
+    }
+}
+
+/// A background run stopped before it started: cancelled (the record already says so), or
+/// cut short by shutdown (recorded as failed, so a client polling it stops waiting).
+async fn stop_queued(state: &AppState, turn: &Turn, tx: &Option<mpsc::Sender<Bytes>>, stop: Stop) {
+    if stop == Stop::Shutdown {
+        let err = HttpError::server(503, stop.message(), stop.code());
+        fail_background(state, turn, tx, &err).await;
+    }
+    forget_run(state, &turn.id);
 }
 
 /// Record a background response that could not run as failed with `err`'s code and message,

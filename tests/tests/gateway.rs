@@ -846,3 +846,59 @@ async fn a_response_the_store_cannot_keep_fails_instead_of_completing() {
     assert_eq!(s, 200, "{r}");
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_runs_cut_short_by_shutdown_are_recorded_as_failed() {
+    // 20 simulated ms per token in real time: a 2000-token answer would run for 40 s.
+    let sim = start_sim_with("sim-model", 1.0).await;
+    let fleet = Fleet::over(vec![sim])
+        .extra("[background]\nmax_concurrent = 1\nshutdown_grace_s = 0.2\n")
+        .start()
+        .await;
+    let base = fleet.base_url();
+    let body = json!({"model": "sim-model", "input": "write a long story", "background": true,
+                      "max_output_tokens": 2000});
+    let (s, running) = create(&base, body.clone()).await;
+    assert_eq!(
+        (s, running["status"].as_str()),
+        (200, Some("queued")),
+        "{running}"
+    );
+    // the second waits for the only slot
+    let (s, queued) = create(&base, body).await;
+    assert_eq!(s, 200, "{queued}");
+    let running_id = running["id"].as_str().unwrap().to_string();
+    let queued_id = queued["id"].as_str().unwrap().to_string();
+    let mut status = String::new();
+    for _ in 0..500 {
+        status = retrieve(&base, &running_id).await["status"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        if status == "in_progress" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(status, "in_progress");
+    assert_eq!(retrieve(&base, &queued_id).await["status"], "queued");
+
+    // Neither can finish within the grace: both are recorded as failed, not left running or
+    // queued for clients to poll forever.
+    let state = fleet.gateway().state().clone();
+    fleet.shutdown().await;
+    for id in [&running_id, &queued_id] {
+        let record = state
+            .store
+            .get(agentgate::auth::OPEN_TEAM, id)
+            .await
+            .unwrap()
+            .expect("still stored");
+        assert_eq!(
+            record.response["status"], "failed",
+            "{id}: {}",
+            record.response
+        );
+        assert_eq!(record.response["error"]["code"], "server_shutdown");
+    }
+}
