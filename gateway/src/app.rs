@@ -285,20 +285,31 @@ impl Gateway {
         result
     }
 
-    /// Stop accepting connections, finish in-flight requests, give background runs up to
-    /// `[background] shutdown_grace_s` to finish (then record the rest as failed,
-    /// `server_shutdown`), then stop the background tasks.
+    /// Stop accepting connections and give the turns in flight (requests, streams, background
+    /// runs) up to `[server] shutdown_grace_s` to finish; then end the rest as failed
+    /// (`server_shutdown`, stored), and stop the background tasks.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(());
-        let _ = self.task.await;
-        let grace = self.state.config.background.shutdown_grace();
-        if !background_runs_end(&self.state, grace).await {
-            let left = self.state.background.lock().map_or(0, |runs| runs.len());
+        let grace = self.state.config.server.shutdown_grace();
+        let started = tokio::time::Instant::now();
+        let mut task = self.task;
+        let drained = tokio::time::timeout(grace, &mut task).await.is_ok();
+        let left = grace.saturating_sub(started.elapsed());
+        if !drained || !background_runs_end(&self.state, left).await {
+            let runs = self.state.background.lock().map_or(0, |runs| runs.len());
             tracing::warn!(
-                runs = left,
-                "background runs still going at shutdown; recording them as failed"
+                requests_drained = drained,
+                background_runs = runs,
+                "turns still running after server.shutdown_grace_s; ending them as failed"
             );
             let _ = self.state.stopping.send(true);
+            if !drained
+                && tokio::time::timeout(Duration::from_secs(10), &mut task)
+                    .await
+                    .is_err()
+            {
+                task.abort();
+            }
             background_runs_end(&self.state, Duration::from_secs(10)).await;
         }
         self.live.shutdown().await;

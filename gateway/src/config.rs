@@ -71,6 +71,10 @@ pub struct ServerConfig {
     /// (agent histories of several hundred KB) can complete in a different order from run to
     /// run; a fixed buffer larger than the largest request keeps them in send order.
     pub socket_buffer_bytes: u32,
+    /// On shutdown (SIGTERM, Ctrl-C), how long turns in flight (streams, waiting requests,
+    /// background runs) may take to finish once no new connection is accepted; those still
+    /// going then end as failed with code `server_shutdown`, and the failure is stored.
+    pub shutdown_grace_s: f64,
 }
 
 impl Default for ServerConfig {
@@ -80,7 +84,15 @@ impl Default for ServerConfig {
             max_body_bytes: 32 * 1024 * 1024,
             reload_interval_ms: 1_000,
             socket_buffer_bytes: 0,
+            shutdown_grace_s: 25.0,
         }
+    }
+}
+
+impl ServerConfig {
+    /// [`ServerConfig::shutdown_grace_s`] as a duration.
+    pub fn shutdown_grace(&self) -> Duration {
+        seconds(self.shutdown_grace_s)
     }
 }
 
@@ -239,25 +251,11 @@ pub struct BackgroundConfig {
     /// Background responses run at most this many at once per gateway process; the rest wait
     /// in `queued`, so detached work never crowds out interactive requests.
     pub max_concurrent: usize,
-    /// On shutdown, how long background runs may take to finish once the HTTP server has
-    /// stopped; those still running or queued then are recorded as failed with code
-    /// `server_shutdown`, so clients polling them learn to create them again.
-    pub shutdown_grace_s: f64,
 }
 
 impl Default for BackgroundConfig {
     fn default() -> Self {
-        BackgroundConfig {
-            max_concurrent: 4,
-            shutdown_grace_s: 25.0,
-        }
-    }
-}
-
-impl BackgroundConfig {
-    /// [`BackgroundConfig::shutdown_grace_s`] as a duration.
-    pub fn shutdown_grace(&self) -> Duration {
-        seconds(self.shutdown_grace_s)
+        BackgroundConfig { max_concurrent: 4 }
     }
 }
 
@@ -889,10 +887,10 @@ impl Config {
         if self.background.max_concurrent == 0 {
             return Err(err("background.max_concurrent", "must be at least 1"));
         }
-        let grace = self.background.shutdown_grace_s;
+        let grace = self.server.shutdown_grace_s;
         if !(grace.is_finite() && grace >= 0.0) {
             return Err(err(
-                "background.shutdown_grace_s",
+                "server.shutdown_grace_s",
                 "must be a number of seconds >= 0",
             ));
         }

@@ -355,8 +355,15 @@ pub async fn create(
     let mut flow_headers = Vec::new();
     if let Some(pending) = admission {
         // Waits here while the pool is full; a client that leaves drops this future, which
-        // takes the request out of the queue.
-        let permit = pending.admit().await?;
+        // takes the request out of the queue, and so does a shutdown whose grace ran out.
+        let mut stopping = state.stopping.subscribe();
+        let permit = tokio::select! {
+            permit = pending.admit() => permit?,
+            Ok(_) = stopping.wait_for(|s| *s) => {
+                let stop = turn::Stop::Shutdown;
+                return Err(HttpError::server(503, stop.message(), stop.code()).with_retry_after(1));
+            }
+        };
         flow_headers = flow::response_headers(&permit);
         turn.permit = Some(permit);
     }
@@ -371,7 +378,7 @@ pub async fn create(
             chunks,
             in_flight,
             Some(tx),
-            None,
+            Some(turn::StopSignals::shutdown_only(state.stopping.subscribe())),
         ));
         let resp = with_reason(sse_response(rx, Some(&endpoint)), reason);
         return Ok(with_headers(resp, flow_headers));
@@ -382,7 +389,7 @@ pub async fn create(
         chunks,
         in_flight,
         None,
-        None,
+        Some(turn::StopSignals::shutdown_only(state.stopping.subscribe())),
     ));
     let response = task.await.map_err(|e| {
         HttpError::server(
@@ -399,7 +406,7 @@ pub async fn create(
             .to_string();
         let code = response.pointer("/error/code").and_then(Value::as_str);
         let (status, code) = match code {
-            Some(turn::UNSTORED_CODE) => (503, turn::UNSTORED_CODE),
+            Some(code @ (turn::UNSTORED_CODE | turn::SHUTDOWN_CODE)) => (503, code),
             _ => (502, "upstream_error"),
         };
         return Err(HttpError::server(status, message, code).with_retry_after(1));

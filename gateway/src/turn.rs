@@ -7,7 +7,10 @@
 //! the response is persisted, so a client that saw `response.completed` can chain on it at once.
 //! When the store cannot keep it (three tries over about a second), the turn ends as `failed`
 //! with code `store_unavailable` instead (503 when not streamed): an id that can be neither
-//! retrieved nor continued is never handed out as a finished response.
+//! retrieved nor continued is never handed out as a finished response. A turn still running
+//! when the gateway shuts down and `[server] shutdown_grace_s` has run out ends the same way
+//! with code `server_shutdown` (a background run still queued is recorded so too), so no
+//! client is left with a cut stream or a response that stays `in_progress` for ever.
 //!
 //! # Placement
 //!
@@ -926,7 +929,7 @@ pub async fn drive(
             Some(stops) => tokio::select! {
                 chunk = chunks.next() => chunk,
                 stop = stops.stopped() => {
-                    tracing::info!(response = %turn.id, why = stop.code(), "background response stopped while running");
+                    tracing::info!(response = %turn.id, why = stop.code(), "response stopped while running");
                     break rs.fail(stop.code(), stop.message());
                 }
             },
@@ -1154,16 +1157,20 @@ pub enum Stop {
     Shutdown,
 }
 
+/// Code of a turn ended by the gateway's shutdown.
+pub const SHUTDOWN_CODE: &str = "server_shutdown";
+
 impl Stop {
     /// The `error.code` the stopped response records.
     pub fn code(self) -> &'static str {
         match self {
             Stop::Cancelled => "response_cancelled",
-            Stop::Shutdown => "server_shutdown",
+            Stop::Shutdown => SHUTDOWN_CODE,
         }
     }
 
-    fn message(self) -> &'static str {
+    /// The `error.message` the stopped response records.
+    pub fn message(self) -> &'static str {
         match self {
             Stop::Cancelled => "The response was cancelled.",
             Stop::Shutdown => {
@@ -1173,23 +1180,42 @@ impl Stop {
     }
 }
 
-/// What can stop a background run early: its own cancel signal and the gateway's shutdown
-/// (`AppState::stopping`).
+/// What can stop a turn early: a background run's cancel signal, and for every turn the
+/// gateway's shutdown once its grace has run out (`AppState::stopping`).
 pub struct StopSignals {
-    cancel: watch::Receiver<bool>,
+    cancel: Option<watch::Receiver<bool>>,
     shutdown: watch::Receiver<bool>,
 }
 
 impl StopSignals {
-    /// Signals from the run's cancel channel and the gateway's shutdown channel.
+    /// A background run's signals: its cancel channel and the gateway's shutdown channel.
     pub fn new(cancel: watch::Receiver<bool>, shutdown: watch::Receiver<bool>) -> Self {
-        StopSignals { cancel, shutdown }
+        StopSignals {
+            cancel: Some(cancel),
+            shutdown,
+        }
     }
 
-    /// Resolves when either signal is raised (a dropped cancel sender counts as a cancel).
+    /// A foreground turn's: the gateway's shutdown only.
+    pub fn shutdown_only(shutdown: watch::Receiver<bool>) -> Self {
+        StopSignals {
+            cancel: None,
+            shutdown,
+        }
+    }
+
+    /// Resolves when a signal is raised (a dropped cancel sender counts as a cancel).
     async fn stopped(&mut self) -> Stop {
+        let cancel = async {
+            match self.cancel.as_mut() {
+                Some(cancel) => {
+                    let _ = cancel.wait_for(|c| *c).await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
         tokio::select! {
-            _ = self.cancel.wait_for(|c| *c) => Stop::Cancelled,
+            _ = cancel => Stop::Cancelled,
             Ok(_) = self.shutdown.wait_for(|s| *s) => Stop::Shutdown,
         }
     }

@@ -848,11 +848,19 @@ async fn a_response_the_store_cannot_keep_fails_instead_of_completing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn background_runs_cut_short_by_shutdown_are_recorded_as_failed() {
-    // 20 simulated ms per token in real time: a 2000-token answer would run for 40 s.
-    let sim = start_sim_with("sim-model", 1.0).await;
+async fn turns_cut_short_by_shutdown_end_as_failed() {
+    // Two real seconds per token: no answer finishes within the test.
+    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        model: "sim-model".into(),
+        decode_ms_per_token: 2_000.0,
+        time_scale: 1.0,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let fleet = Fleet::over(vec![sim])
-        .extra("[background]\nmax_concurrent = 1\nshutdown_grace_s = 0.2\n")
+        .extra("[server]\nshutdown_grace_s = 0.2\n[background]\nmax_concurrent = 1\n")
         .start()
         .await;
     let base = fleet.base_url();
@@ -882,11 +890,26 @@ async fn background_runs_cut_short_by_shutdown_are_recorded_as_failed() {
     }
     assert_eq!(status, "in_progress");
     assert_eq!(retrieve(&base, &queued_id).await["status"], "queued");
+    // and a stream in the foreground
+    let streamed = json!({"model": "sim-model", "input": "another long story", "stream": true,
+                          "max_output_tokens": 2000});
+    let resp = post_response(&base, &streamed).await;
+    assert_eq!(resp.status(), 200);
+    let stream = tokio::spawn(async move { resp.text().await.unwrap_or_default() });
 
-    // Neither can finish within the grace: both are recorded as failed, not left running or
-    // queued for clients to poll forever.
+    // None can finish within the grace: the stream ends with response.failed and both
+    // background responses are recorded as failed, not left running or queued for clients to
+    // poll for ever.
     let state = fleet.gateway().state().clone();
     fleet.shutdown().await;
+    let text = stream.await.unwrap();
+    let last = text
+        .lines()
+        .rfind(|l| l.starts_with("data: "))
+        .and_then(|l| serde_json::from_str::<Value>(&l["data: ".len()..]).ok())
+        .expect("a terminal event");
+    assert_eq!(last["type"], "response.failed", "{last}");
+    assert_eq!(last["response"]["error"]["code"], "server_shutdown");
     for id in [&running_id, &queued_id] {
         let record = state
             .store
