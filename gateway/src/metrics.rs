@@ -8,7 +8,11 @@
 //!
 //! Two kinds of series:
 //!
-//! - **events**, counted as they happen through [`Metrics`]' methods: routing decisions and
+//! - **events**, counted as they happen through [`Metrics`]' methods: responses by how they
+//!   ended (`agentgate_responses_total{pool,status,code}`: `completed`, `incomplete` or
+//!   `failed`, with a failure's error code: the engine failure's, `store_unavailable`,
+//!   `server_shutdown`, or `response_cancelled` for a cancelled background run; empty
+//!   otherwise), routing decisions and
 //!   their reason, session pin moves and their cause, discovery reloads, endpoint health
 //!   transitions, probe failures and probe latency, config reloads, rate-limit store errors;
 //! - **flow control**, read from each pool's controller at scrape time ([`flow_state`]): queue
@@ -331,6 +335,8 @@ pub struct Metrics {
     pub config_reloads: CounterVec<1>,
     /// `agentgate_flow_rate_limit_store_errors_total`.
     pub rate_limit_store_errors: CounterVec<0>,
+    /// `agentgate_responses_total{pool,status,code}`.
+    pub responses: CounterVec<3>,
     /// `agentgate_pd_decisions_total{pool,decision,reason}`.
     pub pd_decisions: CounterVec<3>,
     /// `agentgate_pd_transfer_failures_total{pool,prefill,decode}`.
@@ -416,6 +422,11 @@ impl Metrics {
                 "Prefill halves of session pins moved to another prefill endpoint, by cause.",
                 ["pool", "cause"],
             ),
+            responses: CounterVec::new(
+                "agentgate_responses_total",
+                "Responses that ended, by pool, final status (completed, incomplete, failed) and error code (empty unless failed).",
+                ["pool", "status", "code"],
+            ),
             pd_sub_agent_calls: CounterVec::new(
                 "agentgate_pd_sub_agent_calls_total",
                 "Calls of pools with prefill endpoints placed as a sub-agent's, by where the parent came from (header, codex, claude_code, or prefix: found by the prefix shared with an active session).",
@@ -449,6 +460,22 @@ impl Metrics {
     /// The prefill half of a session's pin moved for `cause`.
     pub fn pd_prefill_pin_moved(&self, pool: &str, cause: &str) {
         self.pd_prefill_pin_moves.inc([pool, cause]);
+    }
+
+    /// A turn ended as `response` says: its status and, when it failed, its error code.
+    pub fn response_ended(&self, pool: &str, response: &serde_json::Value) {
+        let status = response
+            .get("status")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("unknown");
+        let code = match status {
+            "failed" => response
+                .pointer("/error/code")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("unknown"),
+            _ => "",
+        };
+        self.responses.inc([pool, status, code]);
     }
 
     /// A call was placed as a sub-agent's; `source` says where its parent came from.
@@ -489,6 +516,7 @@ impl Metrics {
         self.probe_duration.encode(&mut out);
         self.config_reloads.encode(&mut out);
         self.rate_limit_store_errors.encode(&mut out);
+        self.responses.encode(&mut out);
         self.pd_decisions.encode(&mut out);
         self.pd_transfer_failures.encode(&mut out);
         self.pd_fallbacks.encode(&mut out);

@@ -1002,6 +1002,7 @@ pub async fn drive(
         // The client would get an id it cannot retrieve or continue from: say so instead.
         fail_unstored(&mut response, &mut terminal);
     }
+    state.metrics.response_ended(&turn.pool.name, &response);
     emit(&tx, terminal).await;
     response
 }
@@ -1247,6 +1248,7 @@ async fn fail_background(
     ));
     // Nothing was generated: a record that cannot be written leaves nothing to lose.
     persist(state, turn, rs.response(), rs.output_items()).await;
+    state.metrics.response_ended(&turn.pool.name, rs.response());
     emit(tx, events).await;
 }
 

@@ -836,6 +836,28 @@ async fn a_response_the_store_cannot_keep_fails_instead_of_completing() {
     let (s, r) = create(&base, ephemeral).await;
     assert_eq!((s, r["status"].as_str()), (200, Some("incomplete")), "{r}");
 
+    let m = metrics_text(&base).await;
+    let count = |series: &str| {
+        m.lines()
+            .find_map(|l| {
+                l.strip_prefix(series)
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            })
+            .unwrap_or(0.0)
+    };
+    assert_eq!(
+        count(
+            "agentgate_responses_total{pool=\"sim\",status=\"failed\",code=\"store_unavailable\"}"
+        ),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(
+        count("agentgate_responses_total{pool=\"sim\",status=\"incomplete\",code=\"\"}"),
+        2.0,
+        "the first turn and the store: false one: {m}"
+    );
+
     // Back: stored and chained again.
     redis.restart();
     let (s, again) = create(&base, body).await;
