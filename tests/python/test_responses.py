@@ -232,3 +232,24 @@ def test_input_tokens_counts_like_create(client):
     counted = client.responses.input_tokens.count(model=MODEL, input="Count these words please.")
     created = client.responses.create(model=MODEL, input="Count these words please.")
     assert counted.input_tokens == created.usage.input_tokens
+
+
+def test_ill_typed_nested_fields_name_their_path(client):
+    tool = {"type": "function", "name": "read file", "parameters": {"type": "object"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", tools=[tool])
+    assert (e.value.param, e.value.code) == ("tools[0].name", "invalid_value")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", text={"format": {"name": "s"}})
+    assert (e.value.param, e.value.code) == ("text.format.type", "missing_required_parameter")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", service_tier="fastest")
+    assert (e.value.param, e.value.code) == ("service_tier", "invalid_value")
+
+
+def test_streaming_a_stored_response_is_refused_not_ignored(client):
+    r = client.responses.create(model=MODEL, input="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.retrieve(r.id, stream=True)
+    assert (e.value.param, e.value.code) == ("stream", "unsupported_parameter")
+    assert client.responses.retrieve(r.id).id == r.id
