@@ -199,22 +199,6 @@ async fn background_runs_end(state: &AppState, limit: Duration) -> bool {
     }
 }
 
-/// A listener on `addr` whose accepted connections have `buffer_bytes` send and receive buffers
-/// (they inherit the listener's; 0 leaves the kernel's autotuning).
-fn listen_tcp(addr: SocketAddr, buffer_bytes: u32) -> std::io::Result<tokio::net::TcpListener> {
-    let socket = match addr {
-        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
-        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
-    };
-    socket.set_reuseaddr(true)?;
-    if buffer_bytes > 0 {
-        socket.set_send_buffer_size(buffer_bytes)?;
-        socket.set_recv_buffer_size(buffer_bytes)?;
-    }
-    socket.bind(addr)?;
-    socket.listen(1024)
-}
-
 impl Gateway {
     /// Bind `listen` (port 0 picks a free one) and serve until [`Gateway::shutdown`].
     pub async fn start(
@@ -223,7 +207,7 @@ impl Gateway {
     ) -> Result<Gateway, Box<dyn std::error::Error>> {
         let buffer_bytes = config.server.socket_buffer_bytes;
         let state = AppState::new(config).await?;
-        let listener = listen_tcp(listen, buffer_bytes)
+        let listener = agentgate_sim::listen_tcp(listen, buffer_bytes)
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr()?;
         // A scrape, a health verdict or an endpoints file can change a pool's capacity
@@ -321,7 +305,7 @@ impl Gateway {
 
 #[cfg(test)]
 mod tests {
-    use super::listen_tcp;
+    use agentgate_sim::listen_tcp;
 
     /// Accepted connections inherit the listener's fixed buffers: Linux reports exactly twice
     /// the size asked for (its bookkeeping included), which autotuning would not land on.

@@ -1815,16 +1815,7 @@ endpoints = ["http://127.0.0.1:8000"]
             for (_, replica) in crate::pools::simulated_replicas(pool) {
                 replica.validate().map_err(|e| format!("simulate: {e}"))?;
             }
-            let policy = agentgate_scheduler::Policy::parse(&pool.policy)?;
-            let mut scoring = pool.scoring.resolve(policy);
-            scoring.saturation = config.routing.saturation(pool.flavor);
-            let index = agentgate_scheduler::PrefixIndexConfig {
-                bytes_per_token: pool.prefix_bytes_per_token,
-                ..agentgate_scheduler::PrefixIndexConfig::default()
-            };
-            policy
-                .picker(index, &scoring)
-                .map_err(|e| format!("picker: {e}"))?;
+            crate::pools::pool_routing(config, pool).map_err(|e| format!("routing: {e}"))?;
         }
         Ok(())
     }

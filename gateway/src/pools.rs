@@ -28,7 +28,7 @@ use agentgate_adapters::{EngineClient, Flavor};
 pub use agentgate_scheduler::{Endpoint, PickRequest, Picker, Policy};
 use agentgate_scheduler::{
     LineageConfig, PinRule, PrefillPicker, PrefixIndex, PrefixIndexConfig, PrefixLineage,
-    PrefixLineageConfig, Role, Saturation,
+    PrefixLineageConfig, Role, Saturation, ScoringConfig,
 };
 
 use crate::config::{Config, PoolConfig, SimulateConfig, BOOTSTRAP_PORT_LABEL};
@@ -323,18 +323,15 @@ impl Pools {
             let fixed_count = fixed.len();
             let mut endpoints = fixed;
             endpoints.extend(discovered);
-            let policy = Policy::parse(&pc.policy).map_err(invalid)?;
+            let PoolRouting {
+                policy,
+                picker,
+                saturation,
+                scoring,
+            } = pool_routing(config, pc).map_err(invalid)?;
             for name in std::iter::once(&pc.model).chain(pc.aliases.iter()) {
                 by_model.insert(name.clone(), i);
             }
-            let index_config = PrefixIndexConfig {
-                bytes_per_token: pc.prefix_bytes_per_token,
-                ..PrefixIndexConfig::default()
-            };
-            let saturation = config.routing.saturation(pc.flavor);
-            let mut scoring = pc.scoring.resolve(policy);
-            scoring.saturation = saturation;
-            let picker = policy.picker(index_config, &scoring).map_err(invalid)?;
             let pd = &pc.disaggregation;
             let parents = match picker.prefix_index() {
                 Some(index) if pd.parent_by_prefix => {
@@ -429,6 +426,39 @@ impl Pools {
             sim.shutdown().await;
         }
     }
+}
+
+/// How a pool routes, built from its config alone (no sockets): its policy, its picker (the
+/// pool's `scoring` with the routing section's saturation limits for its flavor), those limits
+/// and the resolved scoring settings.
+pub struct PoolRouting {
+    /// The pool's policy.
+    pub policy: Policy,
+    /// Its picker.
+    pub picker: Box<dyn Picker>,
+    /// When its endpoints count as saturated.
+    pub saturation: Saturation,
+    /// Its scoring settings, defaults resolved for the policy.
+    pub scoring: ScoringConfig,
+}
+
+/// The routing of pool `pc` under `config` (see [`PoolRouting`]).
+pub fn pool_routing(config: &Config, pc: &PoolConfig) -> Result<PoolRouting, String> {
+    let policy = Policy::parse(&pc.policy)?;
+    let index_config = PrefixIndexConfig {
+        bytes_per_token: pc.prefix_bytes_per_token,
+        ..PrefixIndexConfig::default()
+    };
+    let saturation = config.routing.saturation(pc.flavor);
+    let mut scoring = pc.scoring.resolve(policy);
+    scoring.saturation = saturation;
+    let picker = policy.picker(index_config, &scoring)?;
+    Ok(PoolRouting {
+        policy,
+        picker,
+        saturation,
+        scoring,
+    })
 }
 
 /// The simulated replicas `[pools.simulate]` asks for, in order: the aggregated ones, then

@@ -123,8 +123,9 @@ fn advertised(addr: SocketAddr) -> SocketAddr {
 }
 
 /// A listener on `addr` whose accepted connections have `buffer_bytes` send and receive buffers
-/// (they inherit the listener's; 0 leaves the kernel's autotuning).
-fn listen(addr: SocketAddr, buffer_bytes: u32) -> std::io::Result<tokio::net::TcpListener> {
+/// (they inherit the listener's; 0 leaves the kernel's autotuning). The gateway listens with it
+/// too (`[server] socket_buffer_bytes`).
+pub fn listen_tcp(addr: SocketAddr, buffer_bytes: u32) -> std::io::Result<tokio::net::TcpListener> {
     let socket = match addr {
         SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
         SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
@@ -143,12 +144,12 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
     config
         .validate()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
-    let listener = listen(config.listen, config.socket_buffer_bytes)?;
+    let listener = listen_tcp(config.listen, config.socket_buffer_bytes)?;
     let addr = listener.local_addr()?;
     let mut listeners = vec![listener];
     if let Some(port) = config.bootstrap_port {
         let bootstrap = SocketAddr::new(config.listen.ip(), port);
-        listeners.push(listen(bootstrap, config.socket_buffer_bytes)?);
+        listeners.push(listen_tcp(bootstrap, config.socket_buffer_bytes)?);
     }
     let sink = match &config.kv_events {
         Some(endpoint) => Some(kv_events::start_publisher(
