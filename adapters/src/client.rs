@@ -351,10 +351,17 @@ async fn next_chunk(
                 };
                 return Some((Err(UpstreamError::Timeout(what)), reader));
             }
-            Ok(Some(Ok(bytes))) => {
-                let payloads = reader.decoder.push(&bytes);
-                reader.accept(payloads);
-            }
+            Ok(Some(Ok(bytes))) => match reader.decoder.push(&bytes) {
+                Ok(payloads) => reader.accept(payloads),
+                Err(oversized) => {
+                    reader.done = true;
+                    let error = UpstreamError::Protocol(format!(
+                        "the stream from {} broke: {oversized}",
+                        reader.url
+                    ));
+                    return Some((Err(error), reader));
+                }
+            },
             Ok(Some(Err(err))) => {
                 reader.done = true;
                 let error =

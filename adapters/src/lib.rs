@@ -14,7 +14,7 @@ mod input;
 mod prompt_text;
 mod reasoning_blob;
 mod request;
-mod sse;
+pub mod sse;
 mod stream;
 mod tools;
 
