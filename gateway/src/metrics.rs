@@ -14,7 +14,8 @@
 //!   `server_shutdown`, or `response_cancelled` for a cancelled background run; empty
 //!   otherwise), routing decisions and
 //!   their reason, session pin moves and their cause, discovery reloads, endpoint health
-//!   transitions, probe failures and probe latency, config reloads, rate-limit store errors;
+//!   transitions, probe failures and probe latency, config reloads, response writes the store
+//!   refused (`agentgate_store_write_errors_total`, each try), rate-limit store errors;
 //! - **flow control**, read from each pool's controller at scrape time ([`flow_state`]): queue
 //!   depths, wait histograms and outcome counters per band and per team;
 //! - **live endpoint state**, read from the pools at scrape time (nothing to keep in step):
@@ -333,6 +334,8 @@ pub struct Metrics {
     pub probe_duration: HistogramVec<2>,
     /// `agentgate_config_reloads_total{result}`.
     pub config_reloads: CounterVec<1>,
+    /// `agentgate_store_write_errors_total`.
+    pub store_write_errors: CounterVec<0>,
     /// `agentgate_flow_rate_limit_store_errors_total`.
     pub rate_limit_store_errors: CounterVec<0>,
     /// `agentgate_responses_total{pool,status,code}`.
@@ -396,6 +399,11 @@ impl Metrics {
                 "agentgate_config_reloads_total",
                 "Config file reloads of [[bands]], [[teams]] and [flow], by result (ok or error).",
                 ["result"],
+            ),
+            store_write_errors: CounterVec::new(
+                "agentgate_store_write_errors_total",
+                "Writes of a response the store refused or could not be reached for; each retry counts.",
+                [],
             ),
             rate_limit_store_errors: CounterVec::new(
                 "agentgate_flow_rate_limit_store_errors_total",
@@ -515,6 +523,7 @@ impl Metrics {
         self.probe_failures.encode(&mut out);
         self.probe_duration.encode(&mut out);
         self.config_reloads.encode(&mut out);
+        self.store_write_errors.encode(&mut out);
         self.rate_limit_store_errors.encode(&mut out);
         self.responses.encode(&mut out);
         self.pd_decisions.encode(&mut out);

@@ -7,7 +7,9 @@
 //! the response is persisted, so a client that saw `response.completed` can chain on it at once.
 //! When the store cannot keep it (three tries over about a second), the turn ends as `failed`
 //! with code `store_unavailable` instead (503 when not streamed): an id that can be neither
-//! retrieved nor continued is never handed out as a finished response. A turn still running
+//! retrieved nor continued is never handed out as a finished response. A background run keeps
+//! trying for about ten minutes, since its record would otherwise stay `in_progress` (a client
+//! streaming it gets the terminal event once the write lands or is given up). A turn still running
 //! when the gateway shuts down and `[server] shutdown_grace_s` has run out ends the same way
 //! with code `server_shutdown` (a background run still queued is recorded so too), so no
 //! client is left with a cut stream or a response that stays `in_progress` for ever.
@@ -1027,25 +1029,52 @@ fn fail_unstored(response: &mut Value, terminal: &mut [agentgate_adapters::SseEv
     }
 }
 
-/// Store the finished response (or update the background record in place), trying three times
-/// over about a second when the store fails. False when it could not be stored.
+/// Store the finished response (or update the background record in place), trying again while
+/// the store fails ([`retry_pause`]). False when it could not be stored.
 pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[Value]) -> bool {
     if !turn.store {
         return true;
     }
-    for (attempt, pause_ms) in [(1, 200), (2, 800), (3, 0)] {
-        match persist_once(state, turn, response, output).await {
-            Ok(()) => return true,
-            Err(e) if pause_ms > 0 => {
-                tracing::warn!(response = %turn.id, attempt, "could not store the response ({e}); retrying");
-                tokio::time::sleep(Duration::from_millis(pause_ms)).await;
-            }
-            Err(e) => {
-                tracing::error!(response = %turn.id, "could not store the response: {e}");
+    let mut stopping = state.stopping.subscribe();
+    let mut failures = 0;
+    loop {
+        let Err(e) = persist_once(state, turn, response, output).await else {
+            return true;
+        };
+        failures += 1;
+        state.metrics.store_write_errors.inc([]);
+        let Some(pause) = retry_pause(turn.background, failures) else {
+            tracing::error!(response = %turn.id, tries = failures, "could not store the response: {e}");
+            return false;
+        };
+        tracing::warn!(response = %turn.id, tries = failures, "could not store the response ({e}); retrying in {pause:?}");
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            _ = stopping.wait_for(|stop| *stop) => {
+                tracing::error!(response = %turn.id, tries = failures, "could not store the response before shutdown: {e}");
+                return false;
             }
         }
     }
-    false
+}
+
+/// The pause before trying a response write again after its `failures`-th failure, or `None`
+/// to give up. A foreground turn tries three times over about a second: its client is waiting,
+/// and is told the response could not be kept. A background run keeps trying for about ten
+/// minutes (until the gateway shuts down): nobody waits on it, and a record left `in_progress`
+/// would keep every client polling it waiting for ever.
+fn retry_pause(background: bool, failures: u32) -> Option<Duration> {
+    let ms = match (background, failures) {
+        (_, 1) => 200,
+        (_, 2) => 800,
+        (false, _) => return None,
+        (true, 3) => 2_000,
+        (true, 4) => 5_000,
+        (true, 5) => 10_000,
+        (true, 6..=24) => 30_000,
+        (true, _) => return None,
+    };
+    Some(Duration::from_millis(ms))
 }
 
 async fn persist_once(
@@ -1265,6 +1294,23 @@ mod tests {
 
     fn item(kind: &str, n: usize) -> Value {
         json!({"type": kind, "id": format!("{kind}_{n}")})
+    }
+
+    #[test]
+    fn background_writes_are_retried_for_about_ten_minutes_foreground_for_one_second() {
+        let total = |background| {
+            (1..)
+                .map_while(|failures| retry_pause(background, failures))
+                .sum::<Duration>()
+        };
+        assert_eq!(total(false), Duration::from_millis(1_000));
+        assert_eq!(
+            (1..).map_while(|f| retry_pause(false, f)).count() + 1,
+            3,
+            "three tries"
+        );
+        let background = total(true).as_secs();
+        assert!((540..=660).contains(&background), "{background} s");
     }
 
     #[test]

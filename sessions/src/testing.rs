@@ -69,6 +69,29 @@ impl TestRedis {
         let _ = child.wait();
     }
 
+    /// Make the private server refuse every write (`maxmemory` 1 byte, no eviction: Redis
+    /// answers writes with an OOM error and still serves reads), or accept them again; its data
+    /// stays. Panics on a Redis from `AGENTGATE_TEST_REDIS_URL`, which is not ours to change.
+    pub fn refuse_writes(&self, refuse: bool) {
+        assert!(
+            self.child.is_some(),
+            "only a running private redis-server (TestRedis::start_private) can refuse writes"
+        );
+        let addr = self.url.trim_start_matches("redis://");
+        let addr = addr.split('/').next().unwrap_or(addr);
+        let mut stream = TcpStream::connect(addr).expect("connect to the test redis-server");
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+        let command: &[u8] = if refuse {
+            b"CONFIG SET maxmemory-policy noeviction maxmemory 1\r\n"
+        } else {
+            b"CONFIG SET maxmemory 0\r\n"
+        };
+        let mut reply = [0u8; 5];
+        stream.write_all(command).expect("send CONFIG SET");
+        stream.read_exact(&mut reply).expect("CONFIG SET answers");
+        assert_eq!(&reply, b"+OK\r\n", "CONFIG SET refused");
+    }
+
     /// Start the private server again on the same port, empty.
     pub fn restart(&mut self) {
         if self.child.is_some() {

@@ -870,6 +870,65 @@ async fn a_response_the_store_cannot_keep_fails_instead_of_completing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_result_is_kept_once_the_store_takes_writes_again() {
+    let redis = TestRedis::start_private();
+    let prefix = unique_prefix("background_store_outage");
+    let fleet = Fleet::of(1)
+        .time_scale(1.0)
+        .store(redis.url(), &prefix)
+        .start()
+        .await;
+    let base = fleet.base_url();
+    let body = json!({"model": "sim-model", "input": "a job", "background": true,
+                      "max_output_tokens": 16});
+    let (s, r) = create(&base, body).await;
+    assert_eq!(s, 200, "{r}");
+    let id = r["id"].as_str().unwrap().to_string();
+
+    // The store refuses writes while the run finishes: past the three tries a waiting client
+    // gets, the record must not be left active.
+    redis.refuse_writes(true);
+    let write_errors = || async {
+        metrics_text(&base)
+            .await
+            .lines()
+            .find_map(|l| l.strip_prefix("agentgate_store_write_errors_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let mut errors = 0.0;
+    for _ in 0..600 {
+        errors = write_errors().await;
+        if errors >= 3.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        errors >= 3.0,
+        "the final write fails three times ({errors})"
+    );
+    let status = retrieve(&base, &id).await["status"].clone();
+    assert!(status == "queued" || status == "in_progress", "{status}");
+
+    redis.refuse_writes(false);
+    let mut got = Value::Null;
+    for _ in 0..600 {
+        got = retrieve(&base, &id).await;
+        if got["status"] != "queued" && got["status"] != "in_progress" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        got["status"] == "completed" || got["status"] == "incomplete",
+        "{got}"
+    );
+    assert!(!output_text(&got).is_empty(), "{got}");
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_cut_short_by_shutdown_end_as_failed() {
     // Two real seconds per token: no answer finishes within the test.
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
