@@ -59,6 +59,7 @@ impl AppState {
             StoreOptions {
                 ttl: config.store_ttl(),
                 key_prefix: config.store.key_prefix.clone(),
+                max_memory_bytes: config.store.memory_max_mb.saturating_mul(1 << 20),
                 ..StoreOptions::default()
             },
         )

@@ -106,6 +106,9 @@ pub struct StoreConfig {
     pub ttl_days: f64,
     /// Prefix of every Redis key, so several deployments can share one Redis.
     pub key_prefix: String,
+    /// In-memory store only: MiB its responses may take (estimated) before the least recently
+    /// used are dropped; 0: no bound.
+    pub memory_max_mb: u64,
 }
 
 impl Default for StoreConfig {
@@ -114,6 +117,7 @@ impl Default for StoreConfig {
             url: None,
             ttl_days: 30.0,
             key_prefix: "agentgate:".into(),
+            memory_max_mb: 1024,
         }
     }
 }

@@ -16,6 +16,8 @@
 //!   their reason, session pin moves and their cause, discovery reloads, endpoint health
 //!   transitions, probe failures and probe latency, config reloads, response writes the store
 //!   refused (`agentgate_store_write_errors_total`, each try), rate-limit store errors;
+//! - **the in-memory store**, read at scrape time: `agentgate_store_memory_bytes` and
+//!   `agentgate_store_evictions_total` (absent with Redis);
 //! - **flow control**, read from each pool's controller at scrape time ([`flow_state`]): queue
 //!   depths, wait histograms and outcome counters per band and per team;
 //! - **live endpoint state**, read from the pools at scrape time (nothing to keep in step):
@@ -836,11 +838,36 @@ fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
     }
 }
 
+/// The in-memory store's size and memory evictions (nothing for Redis, whose own metrics say).
+fn memory_store_state(store: &agentgate_sessions::AnyStore, out: &mut String) {
+    if let agentgate_sessions::AnyStore::Memory(memory) = store {
+        header(
+            "agentgate_store_memory_bytes",
+            "Estimated bytes of the responses the in-memory store holds (bound: store.memory_max_mb).",
+            "gauge",
+            out,
+        );
+        let _ = writeln!(
+            out,
+            "agentgate_store_memory_bytes {}",
+            memory.memory_bytes()
+        );
+        header(
+            "agentgate_store_evictions_total",
+            "Responses the in-memory store dropped, least recently used first, to stay within store.memory_max_mb.",
+            "counter",
+            out,
+        );
+        let _ = writeln!(out, "agentgate_store_evictions_total {}", memory.evicted());
+    }
+}
+
 /// `GET /metrics`: the text exposition (unauthenticated, like the health checks; it names
 /// pools, endpoints, bands and teams, never keys).
 pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
     let mut body = state.metrics.render(&state.pools, Instant::now());
     flow_state(&state.flow, &mut body);
+    memory_store_state(&state.store, &mut body);
     ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], body).into_response()
 }
 

@@ -4,8 +4,18 @@
 //! entries are invisible at once and are purged in a sweep at most once per sweep interval,
 //! piggybacked on writes, so no background task is needed. Pins are keyed like in Redis
 //! ([`pin_key`]), so a client's session key costs bounded memory however long it is.
+//!
+//! **Memory bound.** A TTL alone does not bound memory: thirty days of a busy gateway's
+//! conversations do not fit in RAM. Each record's size is estimated as serde_json holds it (a
+//! `Value` node per JSON value, each object key and string's bytes, see [`record_bytes`]), and
+//! when the records together pass `StoreOptions::max_memory_bytes` the least recently used go
+//! first, as Redis does with `maxmemory-policy allkeys-lru`. "Used" means what refreshes a TTL:
+//! written, or loaded as part of a history, so a conversation still being continued keeps its
+//! whole chain while abandoned ones make room. A dropped record answers like an expired one
+//! (404 on retrieve, `previous_response_not_found` when continued); [`MemoryStore::evicted`]
+//! counts them. The last record written is never dropped, even when it alone is over the bound.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -24,6 +34,10 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
 struct Entry {
     rec: ResponseRecord,
     expires_at: Instant,
+    /// Estimated size ([`record_bytes`]).
+    bytes: u64,
+    /// Tick of its last use: the position in `Records::lru` that counts.
+    used: u64,
 }
 
 /// A session pin and when it stops being in force.
@@ -32,11 +46,22 @@ struct PinEntry {
     expires_at: Instant,
 }
 
-/// The maps and their sweep bookkeeping, guarded together.
+/// The maps and their sweep and memory bookkeeping, guarded together.
 struct Records {
     by_id: HashMap<String, Entry>,
     pins: HashMap<String, PinEntry>,
     next_sweep: Instant,
+    /// Record ids by use, oldest first. A record is pushed again on each use; only the
+    /// occurrence whose tick equals its entry's `used` counts, the others are skipped.
+    lru: VecDeque<(u64, String)>,
+    /// Last tick handed out.
+    tick: u64,
+    /// Sum of the entries' `bytes`.
+    bytes: u64,
+    /// Most `bytes` before records are dropped; 0: no bound.
+    max_bytes: u64,
+    /// Records dropped for memory.
+    evicted: u64,
 }
 
 impl Records {
@@ -55,10 +80,124 @@ impl Records {
     /// Drop expired entries if the sweep interval has passed.
     fn maybe_sweep(&mut self, now: Instant) {
         if now >= self.next_sweep {
-            self.by_id.retain(|_, e| e.expires_at > now);
+            let bytes = &mut self.bytes;
+            self.by_id.retain(|_, e| {
+                let live = e.expires_at > now;
+                if !live {
+                    *bytes -= e.bytes;
+                }
+                live
+            });
             self.pins.retain(|_, e| e.expires_at > now);
+            self.compact_lru(true);
             self.next_sweep = now + SWEEP_INTERVAL;
         }
+    }
+
+    /// Store `rec` (replacing a record with its id), then drop the least recently used records
+    /// while over the bound.
+    fn insert(&mut self, rec: ResponseRecord, expires_at: Instant) {
+        let bytes = record_bytes(&rec);
+        self.tick += 1;
+        let id = rec.id.clone();
+        let entry = Entry {
+            rec,
+            expires_at,
+            bytes,
+            used: self.tick,
+        };
+        if let Some(old) = self.by_id.insert(id.clone(), entry) {
+            self.bytes -= old.bytes;
+        }
+        self.bytes += bytes;
+        self.lru.push_back((self.tick, id));
+        self.evict();
+    }
+
+    /// Mark `id` as just used.
+    fn mark_used(&mut self, id: &str) {
+        if let Some(entry) = self.by_id.get_mut(id) {
+            self.tick += 1;
+            entry.used = self.tick;
+            self.lru.push_back((self.tick, id.to_string()));
+            self.compact_lru(false);
+        }
+    }
+
+    /// Re-estimate `id`'s size after its record changed in place.
+    fn resize(&mut self, id: &str) {
+        if let Some(entry) = self.by_id.get_mut(id) {
+            let bytes = record_bytes(&entry.rec);
+            self.bytes = self.bytes - entry.bytes + bytes;
+            entry.bytes = bytes;
+        }
+    }
+
+    fn remove(&mut self, id: &str) -> Option<Entry> {
+        let entry = self.by_id.remove(id)?;
+        self.bytes -= entry.bytes;
+        Some(entry)
+    }
+
+    /// While over the bound, drop the least recently used record, never the last one used.
+    fn evict(&mut self) {
+        if self.max_bytes == 0 {
+            return;
+        }
+        while self.bytes > self.max_bytes {
+            let Some((used, id)) = self.lru.pop_front() else {
+                break;
+            };
+            if self.by_id.get(&id).is_some_and(|e| e.used == used) {
+                if used == self.tick {
+                    self.lru.push_front((used, id));
+                    break;
+                }
+                self.remove(&id);
+                self.evicted += 1;
+            }
+        }
+        self.compact_lru(false);
+    }
+
+    /// Drop the skipped occurrences from `lru` once they outnumber the records (or `always`).
+    fn compact_lru(&mut self, always: bool) {
+        if always || self.lru.len() > 2 * self.by_id.len() + 1024 {
+            let by_id = &self.by_id;
+            self.lru
+                .retain(|(used, id)| by_id.get(id).is_some_and(|e| e.used == *used));
+        }
+    }
+}
+
+/// Estimated heap bytes of a record as stored: its ids, and every JSON value it holds.
+fn record_bytes(rec: &ResponseRecord) -> u64 {
+    const ENTRY: u64 = std::mem::size_of::<Entry>() as u64;
+    let ids =
+        rec.id.len() + rec.team.len() + rec.previous_response_id.as_ref().map_or(0, String::len);
+    let items: u64 = rec
+        .input_items
+        .iter()
+        .chain(&rec.output_items)
+        .map(value_bytes)
+        .sum();
+    // The id is held twice: as the map key and in the record; and once more in `lru`.
+    ENTRY + 3 * ids as u64 + items + value_bytes(&rec.response)
+}
+
+/// Estimated heap bytes of a JSON value as serde_json holds it: one `Value` per node, each
+/// string's and object key's bytes, and a map entry's bookkeeping.
+fn value_bytes(value: &Value) -> u64 {
+    const NODE: u64 = std::mem::size_of::<Value>() as u64;
+    const KEY: u64 = std::mem::size_of::<String>() as u64;
+    NODE + match value {
+        Value::String(s) => s.len() as u64,
+        Value::Array(items) => items.iter().map(value_bytes).sum(),
+        Value::Object(map) => map
+            .iter()
+            .map(|(k, v)| KEY + k.len() as u64 + value_bytes(v))
+            .sum(),
+        Value::Null | Value::Bool(_) | Value::Number(_) => 0,
     }
 }
 
@@ -80,6 +219,11 @@ impl MemoryStore {
                 by_id: HashMap::new(),
                 pins: HashMap::new(),
                 next_sweep: Instant::now() + SWEEP_INTERVAL,
+                lru: VecDeque::new(),
+                tick: 0,
+                bytes: 0,
+                max_bytes: opts.max_memory_bytes,
+                evicted: 0,
             }),
             rates: Mutex::new(HashMap::new()),
             epoch: Instant::now(),
@@ -96,6 +240,17 @@ impl MemoryStore {
     /// Number of records held, including expired ones not yet swept.
     pub fn len(&self) -> usize {
         self.lock().by_id.len()
+    }
+
+    /// Estimated bytes of the records held ([`record_bytes`]), expired ones not yet swept
+    /// included.
+    pub fn memory_bytes(&self) -> u64 {
+        self.lock().bytes
+    }
+
+    /// Records dropped so far to stay within `StoreOptions::max_memory_bytes`.
+    pub fn evicted(&self) -> u64 {
+        self.lock().evicted
     }
 
     /// Whether the store holds no records at all.
@@ -134,13 +289,7 @@ impl Store for MemoryStore {
         let expires_at = self.expiry_from(now);
         let mut records = self.lock();
         records.maybe_sweep(now);
-        records.by_id.insert(
-            rec.id.clone(),
-            Entry {
-                rec: rec.clone(),
-                expires_at,
-            },
-        );
+        records.insert(rec.clone(), expires_at);
         Ok(())
     }
 
@@ -159,6 +308,7 @@ impl Store for MemoryStore {
         let mut next = Some(id.to_string());
         let mut walked = 0usize;
         let mut root_id = id.to_string();
+        let mut chain = Vec::new();
         while let Some(current) = next.take() {
             let Some(entry) = records.live_mut(team, &current, now) else {
                 if walked == 0 {
@@ -180,6 +330,11 @@ impl Store for MemoryStore {
             reversed.extend(entry.rec.output_items.iter().rev().cloned());
             reversed.extend(entry.rec.input_items.iter().rev().cloned());
             next = entry.rec.previous_response_id.clone();
+            chain.push(current);
+        }
+        // Oldest first, so the newest turn is the most recently used.
+        for used in chain.iter().rev() {
+            records.mark_used(used);
         }
         reversed.reverse();
         Ok(Some(History {
@@ -207,6 +362,9 @@ impl Store for MemoryStore {
         entry.rec.response = response.clone();
         entry.rec.output_items = output_items.to_vec();
         entry.expires_at = expires_at;
+        records.resize(id);
+        records.mark_used(id);
+        records.evict();
         Ok(true)
     }
 
@@ -216,7 +374,7 @@ impl Store for MemoryStore {
         if records.live_mut(team, id, now).is_none() {
             return Ok(false);
         }
-        records.by_id.remove(id);
+        records.remove(id);
         Ok(true)
     }
 
@@ -293,10 +451,97 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
     use crate::testing::{pin, pin_expiry_suite, record, suite};
+    use serde_json::json;
 
     #[tokio::test]
     async fn passes_the_store_suite() {
         suite(&MemoryStore::default()).await;
+    }
+
+    /// A store bounded to about `records` records the size of `record(.., 1_000)`.
+    fn bounded(records: u64) -> MemoryStore {
+        let one = record_bytes(&record("t", "r00", Some("r00"), 1_000));
+        MemoryStore::new(StoreOptions {
+            max_memory_bytes: records * one + one / 2,
+            ..StoreOptions::default()
+        })
+    }
+
+    #[tokio::test]
+    async fn past_its_memory_bound_the_least_recently_used_records_go() {
+        let store = bounded(4);
+        let bound = store.lock().max_bytes;
+        // Two conversations: a, then b; a is continued after b started.
+        store.put(&record("t", "a1", None, 1_000)).await.unwrap();
+        store.put(&record("t", "b1", None, 1_000)).await.unwrap();
+        store
+            .put(&record("t", "b2", Some("b1"), 1_000))
+            .await
+            .unwrap();
+        store.history("t", "a1").await.unwrap();
+        store
+            .put(&record("t", "a2", Some("a1"), 1_000))
+            .await
+            .unwrap();
+        assert_eq!((store.len(), store.evicted()), (4, 0));
+        // Two more records: b's two go, a's chain stays whole.
+        store.put(&record("t", "c1", None, 1_000)).await.unwrap();
+        store
+            .put(&record("t", "c2", Some("c1"), 1_000))
+            .await
+            .unwrap();
+        assert_eq!(store.evicted(), 2);
+        assert!(store.memory_bytes() <= bound);
+        assert_eq!(store.get("t", "b1").await.unwrap(), None);
+        assert_eq!(store.get("t", "b2").await.unwrap(), None);
+        let history = store.history("t", "a2").await.unwrap().unwrap();
+        assert_eq!(history.root_id, "a1");
+        assert_eq!(history.items.len(), 4);
+        // A deleted record frees its bytes; the sum stays exact through every change.
+        let before = store.memory_bytes();
+        assert!(store.delete("t", "c1").await.unwrap());
+        let c1 = record_bytes(&record("t", "c1", None, 1_000));
+        assert_eq!(store.memory_bytes(), before - c1);
+        let sum: u64 = store.lock().by_id.values().map(|e| e.bytes).sum();
+        assert_eq!(store.memory_bytes(), sum);
+    }
+
+    #[tokio::test]
+    async fn the_last_record_written_stays_even_alone_over_the_bound() {
+        let store = bounded(1);
+        store.put(&record("t", "small", None, 1_000)).await.unwrap();
+        store
+            .put(&record("t", "huge", None, 100_000))
+            .await
+            .unwrap();
+        assert_eq!(store.len(), 1);
+        assert!(store.get("t", "huge").await.unwrap().is_some());
+        // A background record growing in place counts its new size.
+        let store = bounded(2);
+        let mut queued = record("t", "bg", None, 1_000);
+        queued.response["status"] = json!("in_progress");
+        store.put(&queued).await.unwrap();
+        store.put(&record("t", "other", None, 1_000)).await.unwrap();
+        let done = record("t", "bg", None, 50_000);
+        assert!(store
+            .update_if_active("t", "bg", &done.response, &done.output_items)
+            .await
+            .unwrap());
+        assert_eq!(store.get("t", "other").await.unwrap(), None);
+        assert_eq!(
+            store.memory_bytes(),
+            record_bytes(&store.lock().by_id["bg"].rec)
+        );
+    }
+
+    #[tokio::test]
+    async fn reuse_does_not_grow_the_use_list_without_bound() {
+        let store = bounded(4);
+        store.put(&record("t", "a1", None, 10)).await.unwrap();
+        for _ in 0..10_000 {
+            store.history("t", "a1").await.unwrap();
+        }
+        assert!(store.lock().lru.len() <= 2 + 1024);
     }
 
     #[tokio::test]

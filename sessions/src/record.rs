@@ -58,6 +58,10 @@ pub struct StoreOptions {
     pub key_prefix: String,
     /// How long a session pin stays after it was last set or touched.
     pub pin_ttl: Duration,
+    /// In-memory backend only: most bytes its records may take (estimated, see
+    /// [`crate::MemoryStore`]); past it the least recently used records are dropped. 0: no
+    /// limit. Redis bounds its memory with its own `maxmemory`.
+    pub max_memory_bytes: u64,
 }
 
 /// Default time a stored response is kept: 30 days.
@@ -66,12 +70,16 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 /// Default time a session pin is kept after its last use: 1 hour.
 pub const DEFAULT_PIN_TTL: Duration = Duration::from_secs(60 * 60);
 
+/// Default memory bound of the in-memory backend's records: 1 GiB.
+pub const DEFAULT_MAX_MEMORY_BYTES: u64 = 1 << 30;
+
 impl Default for StoreOptions {
     fn default() -> Self {
         StoreOptions {
             ttl: DEFAULT_TTL,
             key_prefix: "agentgate:".to_string(),
             pin_ttl: DEFAULT_PIN_TTL,
+            max_memory_bytes: DEFAULT_MAX_MEMORY_BYTES,
         }
     }
 }

@@ -929,6 +929,66 @@ async fn a_background_result_is_kept_once_the_store_takes_writes_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_in_memory_store_drops_its_least_recently_used_responses_past_its_bound() {
+    let fleet = Fleet::of(1)
+        .extra("[store]\nmemory_max_mb = 1\n")
+        .start()
+        .await;
+    let base = fleet.base_url();
+    let gauge = |text: &str, name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(-1.0)
+    };
+    // A conversation continued throughout, and unrelated one-off requests of about 160 KB of
+    // input each that push past the 1 MiB bound.
+    let big = "lorem ipsum dolor sit amet ".repeat(6_000);
+    let one_off = json!({"model": "sim-model", "input": big, "max_output_tokens": 16});
+    let turn = |previous: Option<&str>| {
+        let mut body = json!({"model": "sim-model", "input": "and then?", "max_output_tokens": 16});
+        if let Some(id) = previous {
+            body["previous_response_id"] = json!(id);
+        }
+        body
+    };
+    let (s, first) = create(&base, turn(None)).await;
+    assert_eq!(s, 200, "{first}");
+    let mut conversation = vec![first["id"].as_str().unwrap().to_string()];
+    let mut one_offs = Vec::new();
+    for _ in 0..8 {
+        let (s, r) = create(&base, one_off.clone()).await;
+        assert_eq!(s, 200, "{r}");
+        one_offs.push(r["id"].as_str().unwrap().to_string());
+        let (s, r) = create(&base, turn(conversation.last().map(String::as_str))).await;
+        assert_eq!(s, 200, "{r}");
+        conversation.push(r["id"].as_str().unwrap().to_string());
+    }
+    let m = metrics_text(&base).await;
+    assert!(gauge(&m, "agentgate_store_evictions_total ") > 0.0, "{m}");
+    let bytes = gauge(&m, "agentgate_store_memory_bytes ");
+    assert!(bytes > 0.0 && bytes <= (1 << 20) as f64, "{bytes}");
+    let status = |id: String| {
+        let url = format!("{base}/v1/responses/{id}");
+        async move { client().get(url).send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(
+        status(one_offs[0].clone()).await,
+        404,
+        "the oldest one-off went"
+    );
+    assert_eq!(status(one_offs[5].clone()).await, 200, "the newest stays");
+    for id in &conversation {
+        assert_eq!(
+            status(id.clone()).await,
+            200,
+            "the conversation's last turns stay"
+        );
+    }
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_cut_short_by_shutdown_end_as_failed() {
     // Two real seconds per token: no answer finishes within the test.
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
