@@ -120,6 +120,27 @@ fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
             require_string(&object, "id", param)?;
             "ref_"
         }
+        "compaction" | "compaction_summary" => {
+            require_string(&object, "encrypted_content", param)?;
+            let blob = object
+                .get("encrypted_content")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            if crate::compaction::decode_compaction_blob(blob).is_none() {
+                return Err(ApiError::invalid(
+                    format!("{param}.encrypted_content"),
+                    format!(
+                        "{param} is a compaction item this gateway did not produce; its \
+                         encrypted_content cannot be read here. Send the conversation itself, \
+                         or compact it again through this gateway."
+                    ),
+                )
+                .with_code("invalid_encrypted_content"));
+            }
+            object.insert("type".into(), json!("compaction"));
+            "cmp_"
+        }
+        "compaction_trigger" => "ctrg_",
         _ => "item_",
     };
     let has_id = matches!(object.get("id"), Some(Value::String(id)) if !id.is_empty());

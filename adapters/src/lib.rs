@@ -6,6 +6,7 @@
 //! -> [`ResponseStream::on_chunk`] for every chunk -> [`ResponseStream::finish`] (or `fail`).
 
 mod client;
+pub mod compaction;
 pub mod disagg;
 pub mod engine_metrics;
 mod error;
@@ -19,6 +20,7 @@ mod stream;
 mod tools;
 
 pub use client::{estimate_prompt_tokens, ChunkStream, ClientOptions, EngineClient};
+pub use compaction::CompactionOptions;
 pub use disagg::{DisaggError, Disaggregated, PrefillTarget, PrefillUsage};
 pub use engine_metrics::{parse_metrics, EngineMetrics};
 pub use error::{ApiError, UpstreamError};

@@ -28,7 +28,7 @@ pub fn decode_reasoning_blob(blob: &str) -> Option<String> {
     value.get("text")?.as_str().map(str::to_owned)
 }
 
-fn base64_encode(input: &[u8]) -> String {
+pub(crate) fn base64_encode(input: &[u8]) -> String {
     let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
     for chunk in input.chunks(3) {
         let b = [
@@ -48,7 +48,7 @@ fn base64_encode(input: &[u8]) -> String {
     out
 }
 
-fn base64_decode(input: &str) -> Option<Vec<u8>> {
+pub(crate) fn base64_decode(input: &str) -> Option<Vec<u8>> {
     let trimmed = input.trim_end_matches('=');
     let mut out = Vec::with_capacity(trimmed.len() * 3 / 4);
     let mut acc: u32 = 0;

@@ -20,6 +20,9 @@
 //! - hosted-tool items (`web_search_call`, ...) are skipped; `item_reference` is rejected (the
 //!   caller resolves references before translating).
 
+use crate::compaction::{
+    decode_compaction_blob, requests_compaction, CompactionOptions, SUMMARY_PREFIX,
+};
 use crate::error::ApiError;
 use crate::reasoning_blob::decode_reasoning_blob;
 use crate::tools::{translate_tool_choice, translate_tools, ToolNameMap};
@@ -38,20 +41,23 @@ pub enum HostedToolPolicy {
 }
 
 /// Per-endpoint translation settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TranslateOptions {
     /// The engine dialect of the target endpoint.
     pub flavor: Flavor,
     /// What to do with hosted tools.
     pub hosted_tools: HostedToolPolicy,
+    /// How a compaction turn asks for its summary ([`crate::compaction`]).
+    pub compaction: CompactionOptions,
 }
 
 impl TranslateOptions {
-    /// Options for `flavor` with the default hosted-tool policy (drop).
+    /// Options for `flavor` with the default hosted-tool policy (drop) and compaction prompt.
     pub fn new(flavor: Flavor) -> Self {
         TranslateOptions {
             flavor,
             hosted_tools: HostedToolPolicy::Drop,
+            compaction: CompactionOptions::default(),
         }
     }
 }
@@ -65,6 +71,9 @@ pub struct ChatPlan {
     pub tool_names: ToolNameMap,
     /// Labels of hosted tools removed from the request.
     pub dropped_tools: Vec<String>,
+    /// A compaction turn (its input ends with a `compaction_trigger`): the answer is one
+    /// `compaction` item ([`crate::ResponseStream::with_compaction`]).
+    pub compaction: bool,
 }
 
 /// Builds the Chat Completions body for one turn (see the module doc for the item rules).
@@ -95,6 +104,12 @@ pub fn build_chat_request(
     for (index, item) in input.iter().enumerate() {
         builder.push_item(item, &format!("input[{index}]"))?;
     }
+    let compaction = requests_compaction(input);
+    if compaction {
+        builder
+            .messages
+            .push(json!({"role": "user", "content": opts.compaction.prompt}));
+    }
     let messages = builder.finish();
 
     let mut body = Map::new();
@@ -109,7 +124,10 @@ pub fn build_chat_request(
         translate_tool_choice(req.get("tool_choice"), &tools.names, opts.hosted_tools)?;
     if !tools.chat_tools.is_empty() {
         body.insert("tools".into(), Value::Array(tools.chat_tools));
-        if let Some(choice) = tool_choice {
+        if compaction {
+            // The tools stay declared so the prompt's prefix matches the turns before.
+            body.insert("tool_choice".into(), json!("none"));
+        } else if let Some(choice) = tool_choice {
             body.insert("tool_choice".into(), choice);
         }
         if let Some(parallel) = req.get("parallel_tool_calls").filter(|p| p.is_boolean()) {
@@ -117,8 +135,8 @@ pub fn build_chat_request(
         }
     }
 
-    match req.get("max_output_tokens") {
-        None | Some(Value::Null) => {}
+    let requested = match req.get("max_output_tokens") {
+        None | Some(Value::Null) => None,
         Some(value) => {
             let Some(limit) = value.as_u64().filter(|n| *n >= 1) else {
                 return Err(ApiError::invalid(
@@ -126,13 +144,22 @@ pub fn build_chat_request(
                     "max_output_tokens must be a positive integer",
                 ));
             };
-            let key = if opts.flavor == Flavor::Openai {
-                "max_completion_tokens"
-            } else {
-                "max_tokens"
-            };
-            body.insert(key.into(), json!(limit));
+            Some(limit)
         }
+    };
+    let limit = if compaction {
+        let most = opts.compaction.max_output_tokens.max(1);
+        Some(requested.map_or(most, |r| r.min(most)))
+    } else {
+        requested
+    };
+    if let Some(limit) = limit {
+        let key = if opts.flavor == Flavor::Openai {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        body.insert(key.into(), json!(limit));
     }
     for key in ["temperature", "top_p"] {
         match req.get(key) {
@@ -170,6 +197,7 @@ pub fn build_chat_request(
         body: Value::Object(body),
         tool_names: tools.names,
         dropped_tools: tools.dropped,
+        compaction,
     })
 }
 
@@ -299,6 +327,27 @@ impl<'a> MessageBuilder<'a> {
                 }
                 Ok(())
             }
+            "compaction" => {
+                let summary = item
+                    .get("encrypted_content")
+                    .and_then(Value::as_str)
+                    .and_then(decode_compaction_blob)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            format!("{param}.encrypted_content"),
+                            format!("{param} is a compaction item this gateway cannot read"),
+                        )
+                        .with_code("invalid_encrypted_content")
+                    })?;
+                self.messages.push(json!({
+                    "role": "user",
+                    "content": format!("{SUMMARY_PREFIX}{summary}"),
+                }));
+                Ok(())
+            }
+            // A request control, not context: it asks this turn for a compaction (handled by
+            // `build_chat_request`) and means nothing in a history.
+            "compaction_trigger" => Ok(()),
             "item_reference" => Err(ApiError::invalid(
                 param,
                 format!("{param} is an item_reference; send the referenced item itself or use previous_response_id"),
@@ -662,6 +711,69 @@ mod tests {
     }
 
     #[test]
+    fn a_trailing_compaction_trigger_asks_for_a_summary_and_compaction_items_read_back() {
+        use crate::compaction::{encode_compaction_blob, DEFAULT_PROMPT, SUMMARY_PREFIX};
+        let req = json!({"instructions": "base", "tool_choice": "required", "max_output_tokens": 99999,
+                         "tools": [{"type": "function", "name": "shell", "parameters": {}}]});
+        let history = normalize_input(&json!([
+            {"role": "user", "content": "fix the parser"},
+            {"type": "compaction_trigger"},
+            {"type": "compaction", "encrypted_content": encode_compaction_blob("did A")},
+        ]))
+        .unwrap();
+        let input = normalize_input(&json!([
+            {"role": "user", "content": "now docs"},
+            {"type": "compaction_trigger"},
+        ]))
+        .unwrap();
+        let mut opts = vllm();
+        opts.compaction.max_output_tokens = 500;
+        let plan = build_chat_request(&req, &history, &input, &opts).unwrap();
+        assert!(plan.compaction);
+        let messages = plan.body["messages"].as_array().unwrap();
+        let contents: Vec<&str> = messages
+            .iter()
+            .map(|m| m["content"].as_str().unwrap())
+            .collect();
+        // The trigger in the history is dropped; the earlier summary is read back.
+        assert_eq!(
+            contents,
+            [
+                "base",
+                "fix the parser",
+                &format!("{SUMMARY_PREFIX}did A"),
+                "now docs",
+                DEFAULT_PROMPT,
+            ]
+        );
+        assert_eq!(plan.body["tool_choice"], "none");
+        assert_eq!(plan.body["tools"].as_array().map(Vec::len), Some(1));
+        assert_eq!(plan.body["max_tokens"], 500);
+        // Without the trigger last, a turn is an ordinary one.
+        let plan = build_chat_request(&req, &history, &input[..1], &opts).unwrap();
+        assert!(!plan.compaction);
+        assert_eq!(plan.body["tool_choice"], "required");
+        assert_eq!(plan.body["max_tokens"], 99999);
+    }
+
+    #[test]
+    fn compaction_items_from_elsewhere_are_refused_with_their_path() {
+        let err = normalize_input(&json!([
+            {"role": "user", "content": "hi"},
+            {"type": "compaction", "encrypted_content": "gAAAAABopenai"},
+        ]))
+        .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("input[1].encrypted_content"));
+        assert_eq!(err.code.as_deref(), Some("invalid_encrypted_content"));
+        let err = normalize_input(&json!([{"type": "compaction"}])).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("input[0].encrypted_content"));
+        let alias = normalize_input(&json!([{"type": "compaction_summary",
+            "encrypted_content": crate::compaction::encode_compaction_blob("s")}]))
+        .unwrap();
+        assert_eq!(alias[0]["type"], "compaction");
+    }
+
+    #[test]
     fn later_turns_extend_earlier_prompts_without_rewriting_them() {
         let blob = encode_reasoning_blob("plan");
         let items = normalize_input(&json!([
@@ -714,8 +826,8 @@ mod tests {
     fn hosted_tool_reject_policy_answers_400() {
         let req = json!({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]});
         let opts = TranslateOptions {
-            flavor: Flavor::Vllm,
             hosted_tools: HostedToolPolicy::Reject,
+            ..TranslateOptions::new(Flavor::Vllm)
         };
         let err = build_chat_request(&req, &[], &[], &opts).unwrap_err();
         assert_eq!((err.status, err.param.as_deref()), (400, Some("tools")));

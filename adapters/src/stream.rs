@@ -24,6 +24,7 @@
 //! `incomplete`. When the engine reports no `completion_tokens_details.reasoning_tokens`, the
 //! number of reasoning deltas is used as the count.
 
+use crate::compaction::encode_compaction_blob;
 use crate::ids::new_item_id;
 use crate::reasoning_blob::encode_reasoning_blob;
 use crate::tools::ToolNameMap;
@@ -89,6 +90,8 @@ pub struct ResponseStream {
     reasoning_deltas: u64,
     started: bool,
     ended: bool,
+    /// `Some(summary so far)` for a compaction turn ([`ResponseStream::with_compaction`]).
+    compaction: Option<String>,
 }
 
 impl ResponseStream {
@@ -117,7 +120,17 @@ impl ResponseStream {
             reasoning_deltas: 0,
             started: false,
             ended: false,
+            compaction: None,
         }
+    }
+
+    /// A compaction turn ([`crate::compaction`]): the engine's text is the summary, collected
+    /// rather than streamed, and the output is one `compaction` item announced when the engine
+    /// is done (`output_item.added`, `output_item.done`). Reasoning and tool calls are dropped.
+    /// A summary cut at the token limit still completes.
+    pub fn with_compaction(mut self, enabled: bool) -> Self {
+        self.compaction = enabled.then(String::new);
+        self
     }
 
     /// Fill reasoning items' `encrypted_content` with the round-trip blob (set when the request's
@@ -174,7 +187,11 @@ impl ResponseStream {
         let Some(choice) = choice else {
             return events;
         };
-        if let Some(delta) = choice.get("delta") {
+        if let (Some(summary), Some(delta)) = (self.compaction.as_mut(), choice.get("delta")) {
+            if let Some(text) = delta.get("content").and_then(Value::as_str) {
+                summary.push_str(text);
+            }
+        } else if let Some(delta) = choice.get("delta") {
             let reasoning = delta
                 .get("reasoning_content")
                 .and_then(Value::as_str)
@@ -210,6 +227,12 @@ impl ResponseStream {
             return events;
         }
         self.start_into(&mut events);
+        if let Some(summary) = self.compaction.take() {
+            self.emit_compaction_item(&summary, &mut events);
+            if self.finish_reason.as_deref() == Some("length") {
+                self.finish_reason = None;
+            }
+        }
         let incomplete_reason = match self.finish_reason.as_deref() {
             Some("length") => Some("max_output_tokens"),
             Some("content_filter") => Some("content_filter"),
@@ -278,6 +301,27 @@ impl ResponseStream {
     /// True once `finish` or `fail` has produced the terminal event.
     pub fn is_finished(&self) -> bool {
         self.ended
+    }
+
+    /// The one output item of a compaction turn.
+    fn emit_compaction_item(&mut self, summary: &str, events: &mut Vec<SseEvent>) {
+        let output_index = self.output.len();
+        let item = json!({
+            "id": new_item_id("cmp_"),
+            "type": "compaction",
+            "encrypted_content": encode_compaction_blob(summary),
+        });
+        self.output.push(item.clone());
+        self.emit(
+            events,
+            "response.output_item.added",
+            json!({"output_index": output_index, "item": item.clone()}),
+        );
+        self.emit(
+            events,
+            "response.output_item.done",
+            json!({"output_index": output_index, "item": item}),
+        );
     }
 
     fn emit(&mut self, events: &mut Vec<SseEvent>, kind: &str, fields: Value) {
@@ -778,7 +822,9 @@ mod tests {
                 "response.output_item.done" => {
                     let final_item = &data["item"];
                     let mut built = item.clone();
-                    built["status"] = final_item["status"].clone();
+                    if let Some(status) = final_item.get("status") {
+                        built["status"] = status.clone();
+                    }
                     if final_item.get("encrypted_content").is_some() {
                         built["encrypted_content"] = final_item["encrypted_content"].clone();
                     }
@@ -799,6 +845,57 @@ mod tests {
             "final response matches the events"
         );
         output
+    }
+
+    #[test]
+    fn a_compaction_turn_answers_with_one_compaction_item_holding_the_summary() {
+        let stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let mut stream = stream.with_compaction(true);
+        let events = run(
+            &mut stream,
+            &[
+                chunk(
+                    json!({"role": "assistant", "reasoning_content": "hmm"}),
+                    None,
+                ),
+                chunk(json!({"content": "Goal: parser. "}), None),
+                chunk(
+                    json!({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                             "function": {"name": "shell", "arguments": "{}"}}]}),
+                    None,
+                ),
+                chunk(json!({"content": "Next: docs"}), Some("length")),
+                usage_chunk(100, 9, 64),
+            ],
+        );
+        let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.output_item.done",
+                "response.completed",
+            ],
+            "a summary cut at the token limit still completes"
+        );
+        let output = replay(&events);
+        assert_eq!(output.len(), 1);
+        assert_eq!(output[0]["type"], "compaction");
+        assert!(output[0]["id"].as_str().unwrap().starts_with("cmp_"));
+        let blob = output[0]["encrypted_content"].as_str().unwrap();
+        assert_eq!(
+            crate::compaction::decode_compaction_blob(blob).as_deref(),
+            Some("Goal: parser. Next: docs")
+        );
+        assert_eq!(stream.response()["usage"]["output_tokens"], 9);
+        // A failure yields no item.
+        let mut failing = ResponseStream::new(skeleton(), ToolNameMap::new()).with_compaction(true);
+        let mut events = failing.start();
+        events.extend(failing.on_chunk(&chunk(json!({"content": "Goal"}), None)));
+        events.extend(failing.fail("server_error", "engine gone"));
+        assert_eq!(replay(&events), Vec::<Value>::new());
     }
 
     #[test]
