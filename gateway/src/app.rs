@@ -10,7 +10,7 @@ use axum::http::{Method, Uri};
 use axum::routing::{get, post};
 use axum::Router;
 
-use agentgate_adapters::{EngineClient, HostedToolPolicy};
+use agentgate_adapters::{EngineClient, HostedToolPolicy, TranslateOptions};
 use agentgate_sessions::{AnyStore, StoreOptions};
 
 use crate::auth::KeyRing;
@@ -37,6 +37,8 @@ pub struct AppState {
     pub engines: EngineClient,
     /// Hosted-tool policy handed to the translator.
     pub hosted_tools: HostedToolPolicy,
+    /// How compaction turns ask for their summary (`[compaction]`).
+    pub compaction: agentgate_adapters::CompactionOptions,
     /// Background runs in this process: response id -> its cancel signal.
     pub background: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
     /// Bounds how many background runs execute at once.
@@ -81,6 +83,10 @@ impl AppState {
         let flow =
             FlowControl::new(&config, &pools, limiter).map_err(|e| format!("flow control: {e}"))?;
         Ok(Arc::new(AppState {
+            compaction: agentgate_adapters::CompactionOptions {
+                prompt: config.compaction.prompt.clone(),
+                max_output_tokens: config.compaction.max_output_tokens,
+            },
             config,
             keys,
             store,
@@ -96,12 +102,24 @@ impl AppState {
     }
 }
 
+impl AppState {
+    /// How to translate a turn for an engine of `flavor`.
+    pub fn translate_options(&self, flavor: agentgate_adapters::Flavor) -> TranslateOptions {
+        TranslateOptions {
+            flavor,
+            hosted_tools: self.hosted_tools,
+            compaction: self.compaction.clone(),
+        }
+    }
+}
+
 /// The HTTP routes, one line each; `openapi.rs` documents the same list.
 pub fn router(state: Arc<AppState>) -> Router {
     let limit = state.config.server.max_body_bytes;
     Router::new()
         .route("/v1/responses", post(responses::create))
         .route("/v1/responses/input_tokens", post(responses::input_tokens))
+        .route("/v1/responses/compact", post(responses::compact))
         .route(
             "/v1/responses/{id}",
             get(responses::retrieve).delete(responses::delete),

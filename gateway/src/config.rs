@@ -28,6 +28,10 @@ pub struct Config {
     /// `[tools]`: how tools the engines cannot run are treated.
     #[serde(default)]
     pub tools: ToolsConfig,
+    /// `[compaction]`: how a conversation is compacted (`compaction_trigger`,
+    /// `POST /v1/responses/compact`).
+    #[serde(default)]
+    pub compaction: CompactionConfig,
     /// `[routing]`: how sessions are identified.
     #[serde(default)]
     pub routing: RoutingConfig,
@@ -224,6 +228,26 @@ impl RoutingConfig {
 pub struct ToolsConfig {
     /// `drop` (default) or `reject`.
     pub hosted: HostedTools,
+}
+
+/// `[compaction]` section (see `agentgate_adapters::compaction`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CompactionConfig {
+    /// The user message that asks the model for the summary.
+    pub prompt: String,
+    /// Most tokens the summary may take.
+    pub max_output_tokens: u64,
+}
+
+impl Default for CompactionConfig {
+    fn default() -> Self {
+        let defaults = agentgate_adapters::CompactionOptions::default();
+        CompactionConfig {
+            prompt: defaults.prompt,
+            max_output_tokens: defaults.max_output_tokens,
+        }
+    }
 }
 
 /// `[upstream]` section.
@@ -834,6 +858,12 @@ impl Config {
                     "must be a redis:// URL such as redis://127.0.0.1:6379/0 (omit it for the in-memory store)",
                 ));
             }
+        }
+        if self.compaction.prompt.trim().is_empty() {
+            return Err(err("compaction.prompt", "must not be empty"));
+        }
+        if self.compaction.max_output_tokens == 0 {
+            return Err(err("compaction.max_output_tokens", "must be at least 1"));
         }
         if !(self.store.ttl_days.is_finite() && self.store.ttl_days > 0.0) {
             return Err(err("store.ttl_days", "must be a positive number of days"));

@@ -88,6 +88,15 @@ pub const ROUTES: &[RouteDoc] = &[
         query: &[],
     },
     RouteDoc {
+        method: "post",
+        path: "/v1/responses/compact",
+        summary: "Compact a conversation into its user messages and one compaction item (not stored).",
+        request: Some("CompactResponse"),
+        response: "CompactedResponse",
+        errors: &[400, 401, 404, 413, 415, 429, 502, 503],
+        query: &[],
+    },
+    RouteDoc {
         method: "get",
         path: "/v1/models",
         summary: "List the models the pools serve.",
@@ -155,7 +164,10 @@ fn components() -> Value {
                 "additionalProperties": true,
                 "properties": {
                     "model": {"type": "string"},
-                    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+                    "input": {
+                        "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}],
+                        "description": "A string, or items: messages, function_call, function_call_output, reasoning, compaction (only as produced by this gateway; others are refused with 400), and a last compaction_trigger, which makes the turn a compaction: its output is one compaction item"
+                    },
                     "instructions": {"type": "string", "nullable": true},
                     "previous_response_id": {"type": "string", "nullable": true},
                     "store": {"type": "boolean", "default": true},
@@ -224,6 +236,30 @@ fn components() -> Value {
                     "incomplete_details": {"type": "object", "nullable": true}
                 }
             },
+            "CompactResponse": {
+                "type": "object",
+                "description": "What to compact: the previous_response_id chain, then input. Other CreateResponse fields (instructions, tools, reasoning, prompt_cache_key, service_tier) shape the summarizing turn; stream and background are refused.",
+                "required": ["model"],
+                "additionalProperties": true,
+                "properties": {
+                    "model": {"type": "string"},
+                    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+                    "instructions": {"type": "string", "nullable": true},
+                    "previous_response_id": {"type": "string", "nullable": true}
+                }
+            },
+            "CompactionItem": obj(json!({
+                "type": {"type": "string", "enum": ["compaction"]},
+                "id": {"type": "string"},
+                "encrypted_content": {"type": "string", "description": "Opaque round-trip token (base64 of the summary; not encrypted)."}
+            }), &["type", "id", "encrypted_content"]),
+            "CompactedResponse": obj(json!({
+                "id": {"type": "string"},
+                "object": {"type": "string", "enum": ["response.compaction"]},
+                "created_at": {"type": "integer"},
+                "output": {"type": "array", "description": "Every user message of the conversation, then one compaction item.", "items": {"type": "object"}},
+                "usage": {"type": "object"}
+            }), &["id", "object", "created_at", "output", "usage"]),
             "DeletedResponse": obj(json!({"id": {"type": "string"}, "object": {"type": "string"}, "deleted": {"type": "boolean"}}), &["id", "object", "deleted"]),
             "InputItemList": obj(json!({
                 "object": {"type": "string", "enum": ["list"]},

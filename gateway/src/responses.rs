@@ -18,9 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use agentgate_adapters::{
-    build_chat_request, includes_encrypted_reasoning, normalize_input, TranslateOptions,
-};
+use agentgate_adapters::{build_chat_request, includes_encrypted_reasoning, normalize_input};
 use agentgate_sessions::{Store, StoreError};
 
 use crate::app::AppState;
@@ -170,10 +168,7 @@ async fn prepare(
             Some("empty_input"),
         ));
     }
-    let opts = TranslateOptions {
-        flavor: pool.flavor,
-        hosted_tools: state.hosted_tools,
-    };
+    let opts = state.translate_options(pool.flavor);
     let mut plan = build_chat_request(body, &history, &input_items, &opts)?;
     plan.body["model"] = Value::from(pool.model.clone());
     Ok(Prepared {
@@ -250,8 +245,155 @@ pub async fn create(
     let team = state.keys.authenticate(&headers)?;
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
     let req = CreateRequest::from_body(parse_json(&headers, &bytes)?)?;
+    match run(&state, &headers, team, req, bytes.len() as u64).await? {
+        Started::Answered(resp) => Ok(resp),
+        Started::Finished(done) => {
+            let response = finished_or_error(done.response)?;
+            let resp = with_reason(
+                json_with_endpoint(response, Some(&done.endpoint)),
+                done.reason,
+            );
+            Ok(with_headers(resp, done.flow_headers))
+        }
+    }
+}
+
+/// `POST /v1/responses/compact`: the conversation (`previous_response_id` and/or `input`)
+/// compacted into its user messages and one `compaction` item, as a `response.compaction`
+/// object. It runs as a turn whose input ends with a `compaction_trigger`
+/// (`agentgate_adapters::compaction`), not stored; `stream` and `background` do not apply.
+pub async fn compact(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
+    let mut body = parse_json(&headers, &bytes)?;
+    let Some(fields) = body.as_object_mut() else {
+        return Err(HttpError::invalid(
+            "The request body must be a JSON object.",
+            None,
+            Some("invalid_type"),
+        ));
+    };
+    for param in ["stream", "background"] {
+        if fields.get(param).is_some_and(|v| v == &Value::Bool(true)) {
+            return Err(HttpError::invalid(
+                format!("'{param}' is not supported by /v1/responses/compact."),
+                Some(param),
+                Some("unsupported_parameter"),
+            ));
+        }
+    }
+    let input = fields.get("input").cloned().unwrap_or(Value::Null);
+    let mut input = normalize_input(&input)?;
+    let previous = fields
+        .get("previous_response_id")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    if input.is_empty() && previous.is_none() {
+        return Err(HttpError::invalid(
+            "Nothing to compact: give 'input', 'previous_response_id', or both.",
+            Some("input"),
+            Some("missing_required_parameter"),
+        ));
+    }
+    let retained_input: Vec<Value> = input.clone();
+    input.push(json!({"type": "compaction_trigger"}));
+    fields.insert("input".into(), Value::Array(input));
+    fields.insert("stream".into(), Value::Bool(false));
+    fields.insert("background".into(), Value::Bool(false));
+    fields.insert("store".into(), Value::Bool(false));
+    let req = CreateRequest::from_body(body)?;
+    // The user messages of the history as well: loaded again, since the turn consumed its copy.
+    let history = match &previous {
+        Some(prev) => state
+            .store
+            .history(&team.0, prev)
+            .await
+            .map_err(store_error)?
+            .map(|h| h.items)
+            .unwrap_or_default(),
+        None => Vec::new(),
+    };
+    let done = match run(&state, &headers, team, req, bytes.len() as u64).await? {
+        Started::Finished(done) => done,
+        Started::Answered(resp) => return Ok(resp),
+    };
+    let response = finished_or_error(done.response)?;
+    let item = response
+        .get("output")
+        .and_then(Value::as_array)
+        .and_then(|output| output.iter().find(|i| i["type"] == "compaction"))
+        .cloned()
+        .ok_or_else(|| {
+            HttpError::server(502, "The compaction produced no summary.", "upstream_error")
+        })?;
+    let mut output: Vec<Value> =
+        agentgate_adapters::compaction::retained_user_messages(&history, &retained_input)
+            .cloned()
+            .collect();
+    output.push(item);
+    let compacted = json!({
+        "id": new_id("resp"),
+        "object": "response.compaction",
+        "created_at": now_secs(),
+        "output": output,
+        "usage": response.get("usage").cloned().unwrap_or(Value::Null),
+    });
+    let resp = with_reason(
+        json_with_endpoint(compacted, Some(&done.endpoint)),
+        done.reason,
+    );
+    Ok(with_headers(resp, done.flow_headers))
+}
+
+/// How [`run`] left a request.
+enum Started {
+    /// Answered already: a stream, or a background response's `queued` object.
+    Answered(Response),
+    /// Not streamed: the finished Response object, whatever its status.
+    Finished(Finished),
+}
+
+/// A non-streamed turn that ran to its end.
+struct Finished {
+    response: Value,
+    endpoint: Arc<Endpoint>,
+    reason: (&'static str, Option<&'static str>),
+    flow_headers: Vec<(&'static str, String)>,
+}
+
+/// A failed non-streamed response as the HTTP error it is: 503 when the store could not keep
+/// it or the gateway is shutting down, 502 for an engine failure.
+fn finished_or_error(response: Value) -> Result<Value, HttpError> {
+    if response.get("status").and_then(Value::as_str) != Some("failed") {
+        return Ok(response);
+    }
+    let message = response
+        .pointer("/error/message")
+        .and_then(Value::as_str)
+        .unwrap_or("The model backend failed.")
+        .to_string();
+    let code = response.pointer("/error/code").and_then(Value::as_str);
+    let (status, code) = match code {
+        Some(code @ (turn::UNSTORED_CODE | turn::SHUTDOWN_CODE)) => (503, code),
+        _ => (502, "upstream_error"),
+    };
+    Err(HttpError::server(status, message, code).with_retry_after(1))
+}
+
+/// Prepare, admit, place and run one Responses request from its parsed body.
+async fn run(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    team: Team,
+    req: CreateRequest,
+    body_bytes: u64,
+) -> Result<Started, HttpError> {
     let prepared = prepare(
-        &state,
+        state,
         &team,
         &req.body,
         &req.model,
@@ -282,8 +424,8 @@ pub async fn create(
         request: req.body.clone(),
         history: prepared.history,
         session: session_key_of(
-            &state,
-            &headers,
+            state,
+            headers,
             &req.body,
             prepared
                 .chain_root
@@ -294,16 +436,16 @@ pub async fn create(
         lineage: None,
         admission_pin: None,
     };
-    turn.lineage = turn::lineage_of(&turn.pool, &headers, turn.session.as_deref());
+    turn.lineage = turn::lineage_of(&turn.pool, headers, turn.session.as_deref());
     // Admission comes after the request is prepared (its token estimate exists) and before
     // an endpoint is picked; a band the team may not use is refused here.
     let admission = state.flow.pending(flow::FlowRequest {
         team: &turn.team,
         pool: &turn.pool.name,
-        headers: &headers,
+        headers,
         body: &req.body,
         prompt_tokens: agentgate_adapters::estimate_prompt_tokens(&turn.plan.body),
-        bytes: bytes.len() as u64,
+        bytes: body_bytes,
         session: turn.session.clone(),
         continuing,
         background: req.background,
@@ -312,7 +454,7 @@ pub async fn create(
     // is, rather than queueing in that engine or moving.
     let admission = match admission {
         Some(pending) if continuing => {
-            let pin = turn::session_pin(&state, &turn.pool, turn.session.as_deref()).await;
+            let pin = turn::session_pin(state, &turn.pool, turn.session.as_deref()).await;
             let endpoint = pin.as_ref().map(|p| p.endpoint.clone());
             turn.admission_pin = Some(pin);
             Some(pending.with_affinity(endpoint))
@@ -345,10 +487,10 @@ pub async fn create(
             tx,
             stops,
         ));
-        return Ok(match rx {
+        return Ok(Started::Answered(match rx {
             Some(rx) => sse_response(rx, None),
             None => Json(queued).into_response(),
-        });
+        }));
     }
 
     let mut turn = turn;
@@ -367,7 +509,7 @@ pub async fn create(
         flow_headers = flow::response_headers(&permit);
         turn.permit = Some(permit);
     }
-    let (chunks, in_flight) = turn::open_turn(&state, &mut turn).await?;
+    let (chunks, in_flight) = turn::open_turn(state, &mut turn).await?;
     let endpoint = in_flight.endpoint().clone();
     let reason = (in_flight.reason, in_flight.pin_moved);
     if req.stream {
@@ -381,7 +523,7 @@ pub async fn create(
             Some(turn::StopSignals::shutdown_only(state.stopping.subscribe())),
         ));
         let resp = with_reason(sse_response(rx, Some(&endpoint)), reason);
-        return Ok(with_headers(resp, flow_headers));
+        return Ok(Started::Answered(with_headers(resp, flow_headers)));
     }
     let task = tokio::spawn(turn::drive(
         state.clone(),
@@ -398,21 +540,12 @@ pub async fn create(
             "internal_error",
         )
     })?;
-    if response.get("status").and_then(Value::as_str) == Some("failed") {
-        let message = response
-            .pointer("/error/message")
-            .and_then(Value::as_str)
-            .unwrap_or("The model backend failed.")
-            .to_string();
-        let code = response.pointer("/error/code").and_then(Value::as_str);
-        let (status, code) = match code {
-            Some(code @ (turn::UNSTORED_CODE | turn::SHUTDOWN_CODE)) => (503, code),
-            _ => (502, "upstream_error"),
-        };
-        return Err(HttpError::server(status, message, code).with_retry_after(1));
-    }
-    let resp = with_reason(json_with_endpoint(response, Some(&endpoint)), reason);
-    Ok(with_headers(resp, flow_headers))
+    Ok(Started::Finished(Finished {
+        response,
+        endpoint,
+        reason,
+        flow_headers,
+    }))
 }
 
 fn with_reason(

@@ -214,10 +214,7 @@ pub async fn open_turn(
                 rounds += 1;
                 drop_middle(&mut turn.history);
                 tracing::info!(response = %turn.id, remaining = turn.history.len(), "context too long; truncating history");
-                let opts = agentgate_adapters::TranslateOptions {
-                    flavor: turn.pool.flavor,
-                    hosted_tools: state.hosted_tools,
-                };
+                let opts = state.translate_options(turn.pool.flavor);
                 let mut plan = agentgate_adapters::build_chat_request(
                     &turn.request,
                     &turn.history,
@@ -899,6 +896,7 @@ async fn repin(
 fn new_stream(turn: &Turn) -> ResponseStream {
     ResponseStream::new(turn.skeleton.clone(), turn.plan.tool_names.clone())
         .with_encrypted_reasoning(turn.encrypted_reasoning)
+        .with_compaction(turn.plan.compaction)
 }
 
 /// Send events to the client if it is still there; a gone client does not stop the turn.
@@ -974,6 +972,7 @@ pub async fn drive(
         team = %turn.team,
         endpoint = %endpoint.name,
         status = %status,
+        compaction = turn.plan.compaction,
         "turn finished"
     );
     if status == "completed" || status == "incomplete" {

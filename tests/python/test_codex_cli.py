@@ -188,7 +188,8 @@ class CodexRun:
 class Codex:
     """The Codex CLI with its own CODEX_HOME (config, sessions) and working directory."""
 
-    def __init__(self, binary: str, version: str, gateway: Gateway, root: Path) -> None:
+    def __init__(self, binary: str, version: str, gateway: Gateway, root: Path,
+                 provider_name: str = "agentgate", extra_config: str = "") -> None:
         self.binary = binary
         self.version = version
         self.gateway = gateway
@@ -203,7 +204,7 @@ model_provider = "agentgate"
 approval_policy = "never"
 sandbox_mode = "read-only"
 check_for_update_on_startup = false
-
+{extra_config}
 [analytics]
 enabled = false
 
@@ -213,7 +214,7 @@ plugins = false
 shell_snapshot = false
 
 [model_providers.agentgate]
-name = "agentgate"
+name = "{provider_name}"
 base_url = "{gateway.base_url}/v1"
 wire_api = "responses"
 env_key = "AGENTGATE_API_KEY"
@@ -392,3 +393,40 @@ def test_codex_exec_resume_second_turn(codex):
     assert prompts == ["Name three prime numbers.", "And what is their sum?"], ctx
     answers = [t for r, t in convo if r == "assistant"]
     assert answers == [first_text, second_text], ctx
+
+
+def test_codex_remote_compaction_round_trip(codex_bin, gateway, tmp_path):
+    """Codex compacting its context through the gateway, then carrying on.
+
+    Codex compacts remotely (a `/v1/responses` turn whose input ends with a
+    `compaction_trigger`, answered by exactly one `compaction` item) when its provider is named
+    "OpenAI", as the built-in provider is when users only change its base URL. A tiny
+    `model_auto_compact_token_limit` makes the second turn compact first; that turn then sends
+    the compaction item back, which the gateway must read."""
+    binary, version = codex_bin
+    codex = Codex(binary, version, gateway, tmp_path, provider_name="OpenAI",
+                  extra_config="model_auto_compact_token_limit = 200\n")
+    before = len(gateway.turns())
+    first = codex.exec("Name three prime numbers.")
+    assert_clean_json_run(codex, first)
+    thread_id = first.events[0]["thread_id"]
+    after_first = len(gateway.turns())
+
+    second = codex.exec("resume", thread_id, "And what is their sum?")
+    assert_clean_json_run(codex, second)
+    new = gateway.turns()[after_first:]
+    ctx = f"{_context(codex, second)}\nturns: {new}"
+    assert [t.get("compaction") for t in new] == ["true", "false"], ctx
+    assert all(t.get("status") == "completed" for t in new), ctx
+    assert all(t.get("compaction") == "false" for t in gateway.turns()[before:after_first]), ctx
+
+    # Codex replaced the thread's history with its user messages and the gateway's item.
+    files = sorted(codex.home.glob(f"sessions/**/*{thread_id}.jsonl"))
+    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    compacted = [r["payload"] for r in records if r.get("type") == "compacted"]
+    assert compacted, f"no compacted record in Codex's session\n{ctx}"
+    replacement = compacted[-1].get("replacement_history") or []
+    kinds = [i.get("type") for i in replacement]
+    assert kinds.count("compaction") == 1, f"{kinds}\n{ctx}"
+    item = next(i for i in replacement if i.get("type") == "compaction")
+    assert item["encrypted_content"], ctx

@@ -253,3 +253,39 @@ def test_streaming_a_stored_response_is_refused_not_ignored(client):
         client.responses.retrieve(r.id, stream=True)
     assert (e.value.param, e.value.code) == ("stream", "unsupported_parameter")
     assert client.responses.retrieve(r.id).id == r.id
+
+
+def test_compact_then_continue_from_the_compacted_history(client):
+    first = client.responses.create(model=MODEL, input="My name is Ada and I write compilers.")
+    second = client.responses.create(model=MODEL, input="What is my name?",
+                                     previous_response_id=first.id)
+    compacted = client.responses.compact(model=MODEL, previous_response_id=second.id,
+                                         input="Now help me with the parser.")
+    assert compacted.object == "response.compaction"
+    kinds = [item.type for item in compacted.output]
+    assert kinds == ["message", "message", "message", "compaction"], kinds
+    users = [item.content[0].text for item in compacted.output[:3]]
+    assert users == ["My name is Ada and I write compilers.", "What is my name?",
+                     "Now help me with the parser."]
+    assert compacted.output[-1].encrypted_content
+    _usage_is_complete(compacted.usage)
+
+    # As sent back: what the gateway returned (exclude_unset); the SDK types the user messages
+    # of a compaction's output as output messages, hence no serializer warnings.
+    history = [item.to_dict(warnings=False) for item in compacted.output]
+    ask = {"role": "user", "content": "Go on."}
+    continued = client.responses.create(model=MODEL, input=history + [ask])
+    fresh = client.responses.create(model=MODEL, input=[ask])
+    assert continued.status == "completed" and continued.output_text
+    # The summary is part of the prompt the engine saw.
+    assert continued.usage.input_tokens > fresh.usage.input_tokens + compacted.usage.output_tokens // 2
+    counted = client.responses.input_tokens.count(model=MODEL, input=history + [ask])
+    assert counted.input_tokens == continued.usage.input_tokens
+
+
+def test_a_compaction_item_from_elsewhere_is_refused(client):
+    foreign = {"type": "compaction", "encrypted_content": "gAAAAABpZ2VuY3J5cHRlZA=="}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input=[foreign, {"role": "user", "content": "hi"}])
+    assert (e.value.param, e.value.code) == ("input[0].encrypted_content",
+                                             "invalid_encrypted_content")

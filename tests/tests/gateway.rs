@@ -989,6 +989,96 @@ async fn the_in_memory_store_drops_its_least_recently_used_responses_past_its_bo
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compaction_turn_streams_one_item_that_later_turns_read_back() {
+    let fleet = Fleet::of(1).start().await;
+    let base = fleet.base_url();
+    let tools = json!([{"type": "function", "name": "shell", "parameters": {"type": "object"}}]);
+    let (s, first) = create(
+        &base,
+        json!({"model": "sim-model", "input": "fix the parser", "tools": tools,
+               "max_output_tokens": 16}),
+    )
+    .await;
+    assert_eq!(s, 200, "{first}");
+
+    // Codex's remote compaction: a streamed turn whose input ends with the trigger.
+    let body = json!({"model": "sim-model", "stream": true, "tools": tools,
+                      "previous_response_id": first["id"],
+                      "input": [{"role": "user", "content": "and the docs"},
+                                {"type": "compaction_trigger"}]});
+    let events = read_sse(post_response(&base, &body).await).await;
+    assert_sequence_numbers(&events);
+    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    let done = &events[4].data["response"];
+    let output = done["output"].as_array().unwrap();
+    assert_eq!(output.len(), 1, "{done}");
+    assert_eq!(output[0]["type"], "compaction");
+    assert_eq!(events[3].data["item"], output[0]);
+
+    // Its item as the history of a new turn, and the stored compaction turn chained on: both
+    // run, and the summary is in their prompts.
+    let ask = json!({"role": "user", "content": "go on"});
+    let (s, fresh) = create(&base, json!({"model": "sim-model", "input": [ask]})).await;
+    assert_eq!(s, 200, "{fresh}");
+    let (s, replayed) = create(
+        &base,
+        json!({"model": "sim-model", "input": [output[0].clone(), ask.clone()]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{replayed}");
+    let fresh_tokens = fresh["usage"]["input_tokens"].as_u64().unwrap();
+    let summary_tokens = done["usage"]["output_tokens"].as_u64().unwrap();
+    assert!(
+        replayed["usage"]["input_tokens"].as_u64().unwrap() > fresh_tokens + summary_tokens / 2,
+        "{replayed}"
+    );
+    let (s, chained) = create(
+        &base,
+        json!({"model": "sim-model", "input": [ask], "previous_response_id": done["id"]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{chained}");
+
+    // The compact endpoint's refusals.
+    let compact = |body: Value| {
+        let url = format!("{base}/v1/responses/compact");
+        async move {
+            let resp = client().post(url).json(&body).send().await.unwrap();
+            (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+        }
+    };
+    let (s, e) = compact(json!({"model": "sim-model"})).await;
+    assert_eq!(
+        (s, e["error"]["param"].as_str()),
+        (400, Some("input")),
+        "{e}"
+    );
+    let (s, e) = compact(json!({"model": "sim-model", "input": "x", "stream": true})).await;
+    assert_eq!(
+        (s, e["error"]["param"].as_str()),
+        (400, Some("stream")),
+        "{e}"
+    );
+    let (s, e) = compact(json!({"model": "sim-model", "previous_response_id": "resp_gone"})).await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (400, Some("previous_response_not_found")),
+        "{e}"
+    );
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_cut_short_by_shutdown_end_as_failed() {
     // Two real seconds per token: no answer finishes within the test.
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
