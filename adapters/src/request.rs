@@ -98,11 +98,22 @@ pub fn build_chat_request(
             ))
         }
     }
-    for item in history {
-        builder.push_item(item, "previous_response_id")?;
-    }
-    for (index, item) in input.iter().enumerate() {
-        builder.push_item(item, &format!("input[{index}]"))?;
+    // Before the last compaction item only the user, system and developer messages remain:
+    // the summary stands for the rest, as in the history a client replaces with it.
+    let is_compaction =
+        |item: &Value| item.get("type").and_then(Value::as_str) == Some("compaction");
+    let compacted_before = match input.iter().rposition(is_compaction) {
+        Some(at) => history.len() + at,
+        None => history.iter().rposition(is_compaction).unwrap_or(0),
+    };
+    let params = (0..history.len())
+        .map(|_| "previous_response_id".to_string())
+        .chain((0..input.len()).map(|index| format!("input[{index}]")));
+    for (position, (item, param)) in history.iter().chain(input).zip(params).enumerate() {
+        if position < compacted_before && !survives_compaction(item) {
+            continue;
+        }
+        builder.push_item(item, &param)?;
     }
     let compaction = requests_compaction(input);
     if compaction {
@@ -199,6 +210,15 @@ pub fn build_chat_request(
         dropped_tools: tools.dropped,
         compaction,
     })
+}
+
+/// Whether `item` stays in a history compacted after it: a user, system or developer message.
+fn survives_compaction(item: &Value) -> bool {
+    item.get("type").and_then(Value::as_str) == Some("message")
+        && matches!(
+            item.get("role").and_then(Value::as_str),
+            Some("user" | "system" | "developer")
+        )
 }
 
 /// True when the request's `include` asks for `reasoning.encrypted_content` (pass the answer to
@@ -717,6 +737,9 @@ mod tests {
                          "tools": [{"type": "function", "name": "shell", "parameters": {}}]});
         let history = normalize_input(&json!([
             {"role": "user", "content": "fix the parser"},
+            {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "a long listing"},
+            {"type": "message", "role": "assistant", "content": "fixed"},
             {"type": "compaction_trigger"},
             {"type": "compaction", "encrypted_content": encode_compaction_blob("did A")},
         ]))
@@ -735,7 +758,8 @@ mod tests {
             .iter()
             .map(|m| m["content"].as_str().unwrap())
             .collect();
-        // The trigger in the history is dropped; the earlier summary is read back.
+        // Before the compaction item only the user's message stays (the summary stands for the
+        // tool call, its output and the answer); the trigger is dropped; the summary read back.
         assert_eq!(
             contents,
             [

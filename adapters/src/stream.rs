@@ -127,7 +127,8 @@ impl ResponseStream {
     /// A compaction turn ([`crate::compaction`]): the engine's text is the summary, collected
     /// rather than streamed, and the output is one `compaction` item announced when the engine
     /// is done (`output_item.added`, `output_item.done`). Reasoning and tool calls are dropped.
-    /// A summary cut at the token limit still completes.
+    /// A summary cut short (token limit, content filter) still completes; no summary at all
+    /// fails the turn (`compaction_failed`).
     pub fn with_compaction(mut self, enabled: bool) -> Self {
         self.compaction = enabled.then(String::new);
         self
@@ -228,10 +229,17 @@ impl ResponseStream {
         }
         self.start_into(&mut events);
         if let Some(summary) = self.compaction.take() {
-            self.emit_compaction_item(&summary, &mut events);
-            if self.finish_reason.as_deref() == Some("length") {
-                self.finish_reason = None;
+            if summary.trim().is_empty() {
+                // Nothing to replace the history with (e.g. the whole budget went to reasoning).
+                events.extend(self.fail(
+                    "compaction_failed",
+                    "The model wrote no summary for the compaction; the history was left as it was.",
+                ));
+                return events;
             }
+            self.emit_compaction_item(&summary, &mut events);
+            // A summary cut short (length, content filter) still replaces the history.
+            self.finish_reason = None;
         }
         let incomplete_reason = match self.finish_reason.as_deref() {
             Some("length") => Some("max_output_tokens"),
@@ -890,6 +898,18 @@ mod tests {
             Some("Goal: parser. Next: docs")
         );
         assert_eq!(stream.response()["usage"]["output_tokens"], 9);
+        // No summary at all (the budget went to reasoning): the turn fails, with no item.
+        let mut empty = ResponseStream::new(skeleton(), ToolNameMap::new()).with_compaction(true);
+        let events = run(
+            &mut empty,
+            &[chunk(
+                json!({"reasoning_content": "thinking"}),
+                Some("length"),
+            )],
+        );
+        assert_eq!(events.last().unwrap().event, "response.failed");
+        assert_eq!(empty.response()["error"]["code"], "compaction_failed");
+        assert_eq!(replay(&events), Vec::<Value>::new());
         // A failure yields no item.
         let mut failing = ResponseStream::new(skeleton(), ToolNameMap::new()).with_compaction(true);
         let mut events = failing.start();
