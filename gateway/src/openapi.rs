@@ -38,14 +38,20 @@ pub const ROUTES: &[RouteDoc] = &[
     RouteDoc {
         method: "get",
         path: "/v1/responses/{id}",
-        summary: "Retrieve a stored response.",
+        summary: "Retrieve a stored response; with stream=true, a background response's events (replayed, then followed until the terminal event).",
         request: None,
         response: "Response",
         errors: &[400, 401, 404],
-        query: &[(
-            "stream",
-            "false only; streaming a stored response is refused with 400",
-        )],
+        query: &[
+            (
+                "stream",
+                "true: stream the events of a background response (others are refused with 400)",
+            ),
+            (
+                "starting_after",
+                "with stream=true: the sequence_number after which to start",
+            ),
+        ],
     },
     RouteDoc {
         method: "delete",
@@ -384,7 +390,8 @@ pub fn document() -> Value {
         } else {
             json!({"application/json": {"schema": schema_ref(r.response)}})
         };
-        if create {
+        let streams = create || (r.path == "/v1/responses/{id}" && r.method == "get");
+        if streams {
             content["text/event-stream"] = json!({"schema": {"type": "string", "description": "Server-sent Responses events (event: TYPE, data: JSON) with gapless sequence_number"}});
         }
         let mut ok = json!({"description": "OK", "content": content});

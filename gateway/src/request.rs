@@ -25,7 +25,7 @@ pub struct CreateRequest {
     pub previous_response_id: Option<String>,
 }
 
-fn invalid_type(param: &str, want: &str) -> HttpError {
+pub(crate) fn invalid_type(param: &str, want: &str) -> HttpError {
     HttpError::invalid(
         format!("Invalid type for '{param}': expected {want}."),
         Some(param),

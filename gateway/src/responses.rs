@@ -1,12 +1,18 @@
-//! The Responses API handlers: create, retrieve, delete, cancel, input items, input tokens.
+//! The Responses API handlers: create, compact, retrieve (and follow), delete, cancel, input
+//! items, input tokens.
 //!
 //! `create` resolves the conversation (`previous_response_id` -> the stored history, in one store
 //! round trip), translates the turn for the pool's engine flavor, admits it through flow control
 //! ([`crate::flow`]: it may wait there while the pool is full) and hands it to [`crate::turn`].
-//! Every stored object is scoped to the team whose key created it: other teams get 404.
+//! `compact` runs the same path for a turn ending with a `compaction_trigger`
+//! (`agentgate_adapters::compaction`). A background response logs its events in the store as it
+//! runs, and `retrieve` with `stream=true` replays and follows that log ([`stream_stored`]), so
+//! a client can pick its stream up again on any gateway replica. Every stored object is scoped
+//! to the team whose key created it: other teams get 404.
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
@@ -278,13 +284,26 @@ pub async fn compact(
         ));
     };
     for param in ["stream", "background"] {
-        if fields.get(param).is_some_and(|v| v == &Value::Bool(true)) {
-            return Err(HttpError::invalid(
-                format!("'{param}' is not supported by /v1/responses/compact."),
-                Some(param),
-                Some("unsupported_parameter"),
-            ));
+        match fields.get(param) {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+            Some(Value::Bool(true)) => {
+                return Err(HttpError::invalid(
+                    format!("'{param}' is not supported by /v1/responses/compact."),
+                    Some(param),
+                    Some("unsupported_parameter"),
+                ))
+            }
+            Some(_) => return Err(crate::request::invalid_type(param, "a boolean")),
         }
+    }
+    if !matches!(
+        fields.get("previous_response_id"),
+        None | Some(Value::Null | Value::String(_))
+    ) {
+        return Err(crate::request::invalid_type(
+            "previous_response_id",
+            "a string",
+        ));
     }
     let input = fields.get("input").cloned().unwrap_or(Value::Null);
     let mut input = normalize_input(&input)?;
@@ -435,6 +454,7 @@ async fn run(
         permit: None,
         lineage: None,
         admission_pin: None,
+        background_slot: None,
     };
     turn.lineage = turn::lineage_of(&turn.pool, headers, turn.session.as_deref());
     // Admission comes after the request is prepared (its token estimate exists) and before
@@ -574,29 +594,30 @@ fn with_headers(mut resp: Response, headers: Vec<(&'static str, String)>) -> Res
 #[derive(Debug, Deserialize)]
 pub struct RetrieveQuery {
     stream: Option<String>,
+    starting_after: Option<String>,
 }
 
-/// `GET /v1/responses/{id}`. `stream=true` (OpenAI's resumption of a background response's
-/// event stream) is refused with a 400 naming `stream`: the event stream is only sent to the
-/// request that creates the response, so a client polls for the result instead.
+/// How often a follower of a background response's events looks for new ones.
+const FOLLOW_POLL: Duration = Duration::from_millis(200);
+
+/// How long a follower waits for the terminal event once the stored response is final (the run
+/// logs it right after storing the response) before it ends the stream from the stored record.
+const FOLLOW_TERMINAL_GRACE: Duration = Duration::from_secs(1);
+
+/// `GET /v1/responses/{id}`: the stored response, or with `stream=true` the events of a
+/// background response (`background: true`) from its event log: from the first, or after
+/// `starting_after` (a `sequence_number`), then as they are generated until the terminal event.
+/// Any gateway replica can serve it; see [`stream_stored`].
 pub async fn retrieve(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     Path(id): Path<String>,
     Query(q): Query<RetrieveQuery>,
-) -> Result<Json<Value>, HttpError> {
+) -> Result<Response, HttpError> {
     let team = state.keys.authenticate(&headers)?;
-    match q.stream.as_deref() {
-        None | Some("false") => {}
-        Some("true") => {
-            return Err(HttpError::invalid(
-                "Streaming a stored response ('stream=true') is not supported by this gateway: \
-                 stream it from the request that creates it, or retrieve it without 'stream' \
-                 and poll until its status is final.",
-                Some("stream"),
-                Some("unsupported_parameter"),
-            ))
-        }
+    let stream = match q.stream.as_deref() {
+        None | Some("false") => false,
+        Some("true") => true,
         Some(other) => {
             return Err(HttpError::invalid(
                 format!("Invalid 'stream': {other:?}; expected true or false."),
@@ -604,9 +625,169 @@ pub async fn retrieve(
                 Some("invalid_value"),
             ))
         }
-    }
+    };
+    let starting_after = match q.starting_after.as_deref() {
+        None => None,
+        Some(text) => Some(text.parse::<u64>().map_err(|_| {
+            HttpError::invalid(
+                format!("Invalid 'starting_after': {text:?}; expected a sequence number (an integer >= 0)."),
+                Some("starting_after"),
+                Some("invalid_value"),
+            )
+        })?),
+    };
     let rec = load_record(&state, &team, &id).await?;
-    Ok(Json(rec.response))
+    if !stream {
+        return Ok(Json(rec.response).into_response());
+    }
+    if rec.response.get("background") != Some(&Value::Bool(true)) {
+        return Err(HttpError::invalid(
+            "Only background responses ('background': true) can be streamed after they were \
+             created; retrieve this one without 'stream'.",
+            Some("stream"),
+            Some("unsupported_parameter"),
+        ));
+    }
+    let (tx, rx) = mpsc::channel(256);
+    tokio::spawn(stream_stored(state.clone(), team, id, starting_after, tx));
+    Ok(sse_response(rx, None))
+}
+
+/// Follow a background response's event log (`Store::events`, written by the run wherever it
+/// runs): send what is logged after `starting_after`, then poll every [`FOLLOW_POLL`] for more,
+/// until the terminal event (`response.completed`, `.incomplete` or `.failed`) has been sent.
+/// When the stored response is final and no terminal event is logged within
+/// [`FOLLOW_TERMINAL_GRACE`] (a response cancelled before it ran, or a log the store lost), the
+/// stream ends with one made from the stored response. Ends early when the client leaves, the
+/// response is deleted or the store fails, and at shutdown (`response.failed`).
+async fn stream_stored(
+    state: Arc<AppState>,
+    team: Team,
+    id: String,
+    starting_after: Option<u64>,
+    tx: mpsc::Sender<Bytes>,
+) {
+    let mut next = starting_after.map_or(0, |n| {
+        usize::try_from(n).unwrap_or(usize::MAX).saturating_add(1)
+    });
+    let mut last_sequence = starting_after;
+    let mut final_since: Option<tokio::time::Instant> = None;
+    let mut stopping = state.stopping.subscribe();
+    loop {
+        if tx.is_closed() {
+            return;
+        }
+        let frames = match state.store.events(&id, next).await {
+            Ok(frames) => frames,
+            Err(e) => {
+                tracing::warn!(response = %id, "cannot read the response's events: {e}");
+                return end_followed(&tx, last_sequence, "store_unavailable", "The conversation store stopped answering while the response was streamed; retrieve it again.", None).await;
+            }
+        };
+        next += frames.len();
+        for frame in frames {
+            let (event, sequence) = frame_kind(&frame);
+            last_sequence = sequence.or(last_sequence);
+            if tx.send(Bytes::from(frame)).await.is_err() {
+                return;
+            }
+            if TERMINAL_EVENTS.contains(&event.as_str()) {
+                return;
+            }
+        }
+        let record = match state.store.get(&team.0, &id).await {
+            Ok(Some(record)) => record,
+            Ok(None) => {
+                return end_followed(
+                    &tx,
+                    last_sequence,
+                    "response_not_found",
+                    "The response was deleted while it was streamed.",
+                    None,
+                )
+                .await;
+            }
+            Err(e) => {
+                tracing::warn!(response = %id, "cannot read the response: {e}");
+                return end_followed(&tx, last_sequence, "store_unavailable", "The conversation store stopped answering while the response was streamed; retrieve it again.", None).await;
+            }
+        };
+        let status = record
+            .response
+            .get("status")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        if matches!(status, "queued" | "in_progress") {
+            final_since = None;
+        } else if final_since
+            .get_or_insert_with(tokio::time::Instant::now)
+            .elapsed()
+            >= FOLLOW_TERMINAL_GRACE
+        {
+            let event = match status {
+                "completed" => "response.completed",
+                "incomplete" => "response.incomplete",
+                _ => "response.failed",
+            };
+            return end_followed(&tx, last_sequence, event, "", Some(record.response)).await;
+        }
+        let shutting_down = tokio::select! {
+            () = tokio::time::sleep(FOLLOW_POLL) => false,
+            stop = stopping.wait_for(|stop| *stop) => stop.is_ok(),
+        };
+        if shutting_down {
+            let stop = turn::Stop::Shutdown;
+            return end_followed(&tx, last_sequence, stop.code(), stop.message(), None).await;
+        }
+    }
+}
+
+/// The events that end a Responses stream.
+const TERMINAL_EVENTS: [&str; 3] = [
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+];
+
+/// An SSE frame's event name and `sequence_number`.
+fn frame_kind(frame: &str) -> (String, Option<u64>) {
+    let mut event = String::new();
+    let mut sequence = None;
+    for line in frame.lines() {
+        if let Some(name) = line.strip_prefix("event: ") {
+            event = name.to_string();
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            sequence = serde_json::from_str::<Value>(data)
+                .ok()
+                .and_then(|d| d.get("sequence_number").and_then(Value::as_u64));
+        }
+    }
+    (event, sequence)
+}
+
+/// End a followed stream: with `response` (the stored one) under `event`, or when there is
+/// none with `response.failed` carrying `event` as the error code and `message`.
+async fn end_followed(
+    tx: &mpsc::Sender<Bytes>,
+    last_sequence: Option<u64>,
+    event: &str,
+    message: &str,
+    response: Option<Value>,
+) {
+    let (event, response) = match response {
+        Some(response) => (event, response),
+        None => (
+            "response.failed",
+            json!({"status": "failed", "error": {"code": event, "message": message}}),
+        ),
+    };
+    let sequence = last_sequence.map_or(0, |n| n.saturating_add(1));
+    let data = json!({"type": event, "sequence_number": sequence, "response": response});
+    let frame = agentgate_adapters::SseEvent {
+        event: event.to_string(),
+        data,
+    };
+    let _ = tx.send(Bytes::from(frame.to_sse_frame())).await;
 }
 
 /// `DELETE /v1/responses/{id}`.

@@ -113,6 +113,8 @@ pub struct Turn {
     /// without waiting, and reads the store again otherwise: a queued turn's pin may have
     /// moved meanwhile.
     pub admission_pin: Option<Option<SessionPin>>,
+    /// A background run's slot (`[background] max_concurrent`), released with the engine.
+    pub background_slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// The sub-agent lineage of a request to `pool` with these headers and session key, read as
@@ -899,6 +901,57 @@ fn new_stream(turn: &Turn) -> ResponseStream {
         .with_compaction(turn.plan.compaction)
 }
 
+/// Longest a background response's events wait before they are appended to its event log.
+const EVENT_LOG_BATCH: Duration = Duration::from_millis(100);
+
+/// Where a turn's events go: the client's stream when one is attached and, for a background
+/// response, its event log in the store, which `GET /v1/responses/{id}?stream=true` replays
+/// and follows from any gateway replica (`responses::stream_stored`). The log is appended in
+/// batches, at most [`EVENT_LOG_BATCH`] apart; the last batch, ending with the terminal event,
+/// is written after the response is stored, as the stream gets it. A batch the store refuses is
+/// dropped (logged): a reader then misses those events but still ends, on the stored status.
+struct Sink {
+    tx: Option<mpsc::Sender<Bytes>>,
+    log: Option<EventLog>,
+}
+
+struct EventLog {
+    id: String,
+    pending: Vec<String>,
+    written_at: Option<Instant>,
+}
+
+impl Sink {
+    fn new(turn: &Turn, tx: Option<mpsc::Sender<Bytes>>) -> Sink {
+        let log = (turn.background && turn.store).then(|| EventLog {
+            id: turn.id.clone(),
+            pending: Vec::new(),
+            written_at: None,
+        });
+        Sink { tx, log }
+    }
+
+    /// Send `events`; `last` writes the log's pending batch whatever its age.
+    async fn send(&mut self, state: &AppState, events: Vec<SseEvent>, last: bool) {
+        if let Some(log) = self.log.as_mut() {
+            log.pending
+                .extend(events.iter().map(SseEvent::to_sse_frame));
+            let due = last
+                || log
+                    .written_at
+                    .is_none_or(|t| t.elapsed() >= EVENT_LOG_BATCH);
+            if due && !log.pending.is_empty() {
+                if let Err(e) = state.store.append_events(&log.id, &log.pending).await {
+                    tracing::warn!(response = %log.id, events = log.pending.len(), "could not log the response's events: {e}");
+                }
+                log.pending.clear();
+                log.written_at = Some(Instant::now());
+            }
+        }
+        emit(&self.tx, events).await;
+    }
+}
+
 /// Send events to the client if it is still there; a gone client does not stop the turn.
 async fn emit(tx: &Option<mpsc::Sender<Bytes>>, events: Vec<SseEvent>) {
     if let Some(tx) = tx {
@@ -923,7 +976,8 @@ pub async fn drive(
     let endpoint = routed.endpoint().clone();
     let mut first_token: Option<Instant> = None;
     let mut rs = new_stream(&turn);
-    emit(&tx, rs.start()).await;
+    let mut sink = Sink::new(&turn, tx);
+    sink.send(&state, rs.start(), false).await;
     let terminal = loop {
         let next = match stops.as_mut() {
             Some(stops) => tokio::select! {
@@ -948,7 +1002,7 @@ pub async fn drive(
                     }
                 }
                 let events = rs.on_chunk(&chunk);
-                emit(&tx, events).await;
+                sink.send(&state, events, false).await;
             }
             Some(Err(e)) => {
                 tracing::warn!(response = %turn.id, endpoint = %endpoint.name, "engine stream failed: {e}");
@@ -961,7 +1015,6 @@ pub async fn drive(
         }
     };
     let mut response = rs.response().clone();
-    let stored = persist(&state, &turn, &response, rs.output_items()).await;
     let status = response
         .get("status")
         .and_then(|s| s.as_str())
@@ -994,17 +1047,21 @@ pub async fn drive(
             endpoint.observe_prefill(work, first.saturating_duration_since(routed.sent));
         }
     }
+    // The engine is done with it: its slot and admission permit go before the store write,
+    // which a background run may retry for minutes.
     drop(routed);
+    drop(turn.background_slot.take());
     if let Some(permit) = turn.permit.take() {
         flow::finish(permit, &response);
     }
+    let stored = persist(&state, &turn, &response, rs.output_items()).await;
     let mut terminal = terminal;
     if !stored && !turn.background {
         // The client would get an id it cannot retrieve or continue from: say so instead.
         fail_unstored(&mut response, &mut terminal);
     }
     state.metrics.response_ended(&turn.pool.name, &response);
-    emit(&tx, terminal).await;
+    sink.send(&state, terminal, true).await;
     response
 }
 
@@ -1047,6 +1104,10 @@ pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[
             return false;
         };
         tracing::warn!(response = %turn.id, tries = failures, "could not store the response ({e}); retrying in {pause:?}");
+        if !turn.background {
+            tokio::time::sleep(pause).await;
+            continue;
+        }
         tokio::select! {
             () = tokio::time::sleep(pause) => {}
             _ = stopping.wait_for(|stop| *stop) => {
@@ -1129,8 +1190,8 @@ pub async fn run_background(
     mut stops: StopSignals,
 ) {
     let id = turn.id.clone();
-    let _permit = tokio::select! {
-        permit = state.background_slots.clone().acquire_owned() => permit,
+    turn.background_slot = tokio::select! {
+        permit = state.background_slots.clone().acquire_owned() => permit.ok(),
         stop = stops.stopped() => {
             stop_queued(&state, &turn, &tx, stop).await;
             return;
@@ -1277,7 +1338,7 @@ async fn fail_background(
     // Nothing was generated: a record that cannot be written leaves nothing to lose.
     persist(state, turn, rs.response(), rs.output_items()).await;
     state.metrics.response_ended(&turn.pool.name, rs.response());
-    emit(tx, events).await;
+    Sink::new(turn, tx.clone()).send(state, events, true).await;
 }
 
 fn forget_run(state: &AppState, id: &str) {

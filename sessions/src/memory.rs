@@ -11,9 +11,12 @@
 //! when the records together pass `StoreOptions::max_memory_bytes` the least recently used go
 //! first, as Redis does with `maxmemory-policy allkeys-lru`. "Used" means what refreshes a TTL:
 //! written, or loaded as part of a history, so a conversation still being continued keeps its
-//! whole chain while abandoned ones make room. A dropped record answers like an expired one
-//! (404 on retrieve, `previous_response_not_found` when continued); [`MemoryStore::evicted`]
-//! counts them. The last record written is never dropped, even when it alone is over the bound.
+//! whole chain while abandoned ones make room. A record goes together with every record that
+//! continues it (`previous_response_id`, followed down through a child index), so a later turn
+//! never silently loses the beginning of its history: a dropped record answers like an expired
+//! one (404 on retrieve, `previous_response_not_found` when continued). [`MemoryStore::evicted`]
+//! counts them. Never dropped: the last record written, even when it alone is over the bound,
+//! and background responses still queued or running.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -38,6 +41,8 @@ struct Entry {
     bytes: u64,
     /// Tick of its last use: the position in `Records::lru` that counts.
     used: u64,
+    /// Its event log ([`Store::append_events`]); its bytes count in `bytes`.
+    events: Vec<String>,
 }
 
 /// A session pin and when it stops being in force.
@@ -62,6 +67,8 @@ struct Records {
     max_bytes: u64,
     /// Records dropped for memory.
     evicted: u64,
+    /// Record id -> the ids of the records continuing it (may name records since removed).
+    children: HashMap<String, Vec<String>>,
 }
 
 impl Records {
@@ -89,6 +96,8 @@ impl Records {
                 live
             });
             self.pins.retain(|_, e| e.expires_at > now);
+            let by_id = &self.by_id;
+            self.children.retain(|parent, _| by_id.contains_key(parent));
             self.compact_lru(true);
             self.next_sweep = now + SWEEP_INTERVAL;
         }
@@ -100,11 +109,24 @@ impl Records {
         let bytes = record_bytes(&rec);
         self.tick += 1;
         let id = rec.id.clone();
+        if let Some(parent) = &rec.previous_response_id {
+            let children = self.children.entry(parent.clone()).or_default();
+            if !children.contains(&id) {
+                children.push(id.clone());
+            }
+        }
+        let events = self
+            .by_id
+            .get_mut(&id)
+            .map(|old| std::mem::take(&mut old.events))
+            .unwrap_or_default();
+        let bytes = bytes + events_bytes(&events);
         let entry = Entry {
             rec,
             expires_at,
             bytes,
             used: self.tick,
+            events,
         };
         if let Some(old) = self.by_id.insert(id.clone(), entry) {
             self.bytes -= old.bytes;
@@ -124,10 +146,10 @@ impl Records {
         }
     }
 
-    /// Re-estimate `id`'s size after its record changed in place.
+    /// Re-estimate `id`'s size after its record or event log changed in place.
     fn resize(&mut self, id: &str) {
         if let Some(entry) = self.by_id.get_mut(id) {
-            let bytes = record_bytes(&entry.rec);
+            let bytes = record_bytes(&entry.rec) + events_bytes(&entry.events);
             self.bytes = self.bytes - entry.bytes + bytes;
             entry.bytes = bytes;
         }
@@ -139,25 +161,53 @@ impl Records {
         Some(entry)
     }
 
-    /// While over the bound, drop the least recently used record, never the last one used.
+    /// While over the bound, drop the least recently used record with the records continuing
+    /// it; never the last one written nor an active background response.
     fn evict(&mut self) {
         if self.max_bytes == 0 {
             return;
         }
+        let mut kept = Vec::new();
         while self.bytes > self.max_bytes {
             let Some((used, id)) = self.lru.pop_front() else {
                 break;
             };
-            if self.by_id.get(&id).is_some_and(|e| e.used == used) {
-                if used == self.tick {
-                    self.lru.push_front((used, id));
-                    break;
+            match self.by_id.get(&id) {
+                Some(entry) if entry.used == used => {
+                    if self.protected(&id) {
+                        kept.push((used, id));
+                    } else {
+                        self.drop_with_descendants(id);
+                    }
                 }
-                self.remove(&id);
+                _ => {}
+            }
+        }
+        for entry in kept.into_iter().rev() {
+            self.lru.push_front(entry);
+        }
+        self.compact_lru(false);
+    }
+
+    /// Whether eviction must keep `id`: the last record written, or a background response
+    /// still queued or running (its run writes its result there).
+    fn protected(&self, id: &str) -> bool {
+        self.by_id.get(id).is_some_and(|e| {
+            e.used == self.tick || is_active_status(response_status(&e.rec.response))
+        })
+    }
+
+    /// Evict `id` and, down the child index, every record continuing it (protected ones stay).
+    fn drop_with_descendants(&mut self, id: String) {
+        let mut stack = vec![id];
+        while let Some(id) = stack.pop() {
+            if let Some(children) = self.children.remove(&id) {
+                stack.extend(children);
+            }
+            if !self.protected(&id) && self.remove(&id).is_some() {
                 self.evicted += 1;
             }
         }
-        self.compact_lru(false);
     }
 
     /// Drop the skipped occurrences from `lru` once they outnumber the records (or `always`).
@@ -183,6 +233,12 @@ fn record_bytes(rec: &ResponseRecord) -> u64 {
         .sum();
     // The id is held twice: as the map key and in the record; and once more in `lru`.
     ENTRY + 3 * ids as u64 + items + value_bytes(&rec.response)
+}
+
+/// Heap bytes of an event log.
+fn events_bytes(events: &[String]) -> u64 {
+    const STRING: u64 = std::mem::size_of::<String>() as u64;
+    events.iter().map(|e| STRING + e.len() as u64).sum()
 }
 
 /// Estimated heap bytes of a JSON value as serde_json holds it: one `Value` per node, each
@@ -224,6 +280,7 @@ impl MemoryStore {
                 bytes: 0,
                 max_bytes: opts.max_memory_bytes,
                 evicted: 0,
+                children: HashMap::new(),
             }),
             rates: Mutex::new(HashMap::new()),
             epoch: Instant::now(),
@@ -375,7 +432,34 @@ impl Store for MemoryStore {
             return Ok(false);
         }
         records.remove(id);
+        records.children.remove(id);
         Ok(true)
+    }
+
+    async fn append_events(&self, id: &str, events: &[String]) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let expires_at = self.expiry_from(now);
+        let mut records = self.lock();
+        let Some(entry) = records.by_id.get_mut(id).filter(|e| e.expires_at > now) else {
+            return Ok(());
+        };
+        entry.events.extend_from_slice(events);
+        entry.expires_at = expires_at;
+        records.resize(id);
+        records.evict();
+        Ok(())
+    }
+
+    async fn events(&self, id: &str, from: usize) -> Result<Vec<String>, StoreError> {
+        let now = Instant::now();
+        let records = self.lock();
+        Ok(records
+            .by_id
+            .get(id)
+            .filter(|e| e.expires_at > now)
+            .and_then(|e| e.events.get(from..))
+            .map(<[String]>::to_vec)
+            .unwrap_or_default())
     }
 
     async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {
@@ -504,6 +588,55 @@ mod tests {
         assert_eq!(store.memory_bytes(), before - c1);
         let sum: u64 = store.lock().by_id.values().map(|e| e.bytes).sum();
         assert_eq!(store.memory_bytes(), sum);
+    }
+
+    #[tokio::test]
+    async fn an_idle_conversation_goes_whole_and_active_background_responses_stay() {
+        let store = bounded(4);
+        // A background response still queued, then an idle conversation x1 <- x2 <- x3.
+        let mut queued = record("t", "bg", None, 1_000);
+        queued.response["status"] = json!("queued");
+        store.put(&queued).await.unwrap();
+        store.put(&record("t", "x1", None, 1_000)).await.unwrap();
+        store
+            .put(&record("t", "x2", Some("x1"), 1_000))
+            .await
+            .unwrap();
+        store
+            .put(&record("t", "x3", Some("x2"), 1_000))
+            .await
+            .unwrap();
+        // Past the bound: the queued response is the least recently used but stays; the
+        // conversation's root is next, and the turns continuing it go with it.
+        store.put(&record("t", "y1", None, 1_000)).await.unwrap();
+        assert!(store.get("t", "bg").await.unwrap().is_some());
+        for id in ["x1", "x2", "x3"] {
+            assert_eq!(store.get("t", id).await.unwrap(), None, "{id}");
+        }
+        assert_eq!(store.evicted(), 3);
+        let sum: u64 = store.lock().by_id.values().map(|e| e.bytes).sum();
+        assert_eq!(store.memory_bytes(), sum);
+    }
+
+    #[tokio::test]
+    async fn evicting_a_root_takes_its_continuations_with_it() {
+        let store = bounded(3);
+        store.put(&record("t", "x1", None, 1_000)).await.unwrap();
+        store
+            .put(&record("t", "x2", Some("x1"), 1_000))
+            .await
+            .unwrap();
+        // x1 least recently used, x2 newer, then two unrelated records push past the bound.
+        store.put(&record("t", "z1", None, 1_000)).await.unwrap();
+        store.put(&record("t", "z2", None, 1_000)).await.unwrap();
+        assert_eq!(store.get("t", "x1").await.unwrap(), None);
+        assert_eq!(
+            store.get("t", "x2").await.unwrap(),
+            None,
+            "no truncated chain left"
+        );
+        assert_eq!(store.history("t", "x2").await.unwrap(), None);
+        assert_eq!(store.evicted(), 2);
     }
 
     #[tokio::test]

@@ -48,9 +48,28 @@ pub trait Store: Send + Sync + 'static {
         output_items: &[Value],
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Delete; returns whether it existed (for this team).
+    /// Delete (with its event log); returns whether it existed (for this team).
     fn delete(&self, team: &str, id: &str)
         -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Append streamed events (SSE frames, in sequence order) to the event log of response
+    /// `id`, which lives as long as the response (the TTL is refreshed). Background responses
+    /// log theirs, so `GET /v1/responses/{id}?stream=true` can replay and follow them from any
+    /// gateway replica. One round trip; the caller has checked the response is its team's.
+    fn append_events(
+        &self,
+        id: &str,
+        events: &[String],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The logged events of response `id` from position `from` (an event's position is its
+    /// `sequence_number`) to the end; empty when there are none. One round trip; the caller has
+    /// checked the response is its team's.
+    fn events(
+        &self,
+        id: &str,
+        from: usize,
+    ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
 
     /// The pin of `session` in `pool`, if one is in force (one round trip; does not refresh
     /// the TTL).
@@ -159,6 +178,20 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.delete(team, id).await,
             AnyStore::Redis(s) => s.delete(team, id).await,
+        }
+    }
+
+    async fn append_events(&self, id: &str, events: &[String]) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.append_events(id, events).await,
+            AnyStore::Redis(s) => s.append_events(id, events).await,
+        }
+    }
+
+    async fn events(&self, id: &str, from: usize) -> Result<Vec<String>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.events(id, from).await,
+            AnyStore::Redis(s) => s.events(id, from).await,
         }
     }
 

@@ -682,12 +682,45 @@ pub async fn response_suite<S: Store>(store: &S) {
         Some(bg_history)
     );
 
+    // Event logs: appended in order, read from a position, gone with their response.
+    let frames = |range: std::ops::Range<usize>| -> Vec<String> {
+        range
+            .map(|n| format!("event: e\ndata: {{\"sequence_number\":{n}}}\n\n"))
+            .collect()
+    };
+    assert_eq!(
+        one!("events of none", store.events("resp_2", 0)),
+        Vec::<String>::new()
+    );
+    one!(
+        "append events",
+        store.append_events("resp_2", &frames(0..3))
+    );
+    one!(
+        "append more events",
+        store.append_events("resp_2", &frames(3..5))
+    );
+    one!("append nothing", store.append_events("resp_2", &[]));
+    assert_eq!(one!("all events", store.events("resp_2", 0)), frames(0..5));
+    assert_eq!(
+        one!("events from 3", store.events("resp_2", 3)),
+        frames(3..5)
+    );
+    assert_eq!(
+        one!("events past the end", store.events("resp_2", 9)),
+        Vec::<String>::new()
+    );
+
     // delete: only by the owner; a deleted predecessor cuts the chain there.
     assert!(!one!("delete other team", store.delete(b, "resp_2")));
     assert!(one!("get", store.get(a, "resp_2")).is_some());
     assert!(one!("delete", store.delete(a, "resp_2")));
     assert_eq!(one!("get deleted", store.get(a, "resp_2")), None);
     assert!(!one!("delete again", store.delete(a, "resp_2")));
+    assert_eq!(
+        one!("events of deleted", store.events("resp_2", 0)),
+        Vec::<String>::new()
+    );
     assert_eq!(
         one!("history past deleted", store.history(a, "resp_3")).map(|h| h.items),
         Some(items_of(&[&r3_new]))

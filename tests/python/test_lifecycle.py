@@ -41,6 +41,24 @@ def test_background_response_completes(client):
     assert chained.status == "completed"
 
 
+def test_background_response_streams_again_with_retrieve(slow_gateway):
+    client = slow_gateway.client()
+    r = client.responses.create(model=MODEL, input="Tell me a story.", background=True,
+                                max_output_tokens=16)
+    # Followed while it runs: every event from the first, then the rest after one of them.
+    events = list(client.responses.retrieve(r.id, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response
+    assert final.id == r.id and final.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+        == final.output_text
+    rest = list(client.responses.retrieve(r.id, stream=True, starting_after=3))
+    assert [e.sequence_number for e in rest] == list(range(4, len(events)))
+    assert client.responses.retrieve(r.id).output_text == final.output_text
+
+
 def test_background_requires_store(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="x", background=True, store=False)

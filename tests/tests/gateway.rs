@@ -1078,6 +1078,85 @@ async fn a_compaction_turn_streams_one_item_that_later_turns_read_back() {
     fleet.shutdown().await;
 }
 
+/// `GET /v1/responses/{id}?stream=true[&starting_after=N]` on `base`, read to its end.
+async fn follow(base: &str, id: &str, starting_after: Option<u64>) -> Vec<Event> {
+    let mut url = format!("{base}/v1/responses/{id}?stream=true");
+    if let Some(n) = starting_after {
+        url.push_str(&format!("&starting_after={n}"));
+    }
+    let resp = client().get(url).send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    read_sse(resp).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_response_streams_again_from_any_gateway() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("follow");
+    // About 20 ms per token at time scale 1: the run lasts a second or so.
+    let fleet = Fleet::of(1)
+        .time_scale(1.0)
+        .store(redis.url(), &prefix)
+        .gateways(2)
+        .extra("[background]\nmax_concurrent = 1\n")
+        .start()
+        .await;
+    let (a, b) = (
+        fleet.gateways()[0].base_url(),
+        fleet.gateways()[1].base_url(),
+    );
+    let body = json!({"model": "sim-model", "input": "a long story", "background": true,
+                      "max_output_tokens": 48});
+    let (s, created) = create(&a, body.clone()).await;
+    assert_eq!(s, 200, "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+
+    // Followed on the other gateway while it runs: every event from the first, in order,
+    // ending with the terminal event, whose response is the stored one.
+    let events = follow(&b, &id, None).await;
+    assert_sequence_numbers(&events);
+    assert_eq!(events[0].event, "response.created");
+    let last = events.last().unwrap();
+    assert!(
+        last.event == "response.completed" || last.event == "response.incomplete",
+        "{}",
+        last.event
+    );
+    assert_eq!(last.data["response"], retrieve(&a, &id).await);
+    let deltas: String = events
+        .iter()
+        .filter(|e| e.event == "response.output_text.delta")
+        .map(|e| e.data["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, output_text(&last.data["response"]));
+
+    // Resumed after an event: the rest, the same events.
+    let after = 5;
+    let rest = follow(&a, &id, Some(after)).await;
+    assert_eq!(rest.len(), events.len() - 6);
+    for (resumed, original) in rest.iter().zip(&events[6..]) {
+        assert_eq!(resumed.data, original.data);
+    }
+
+    // Cancelled while still queued behind another run: nothing was generated, and the stream
+    // ends with the stored response (status cancelled).
+    let (_, busy) = create(&a, body.clone()).await;
+    let (_, waiting) = create(&a, body).await;
+    let waiting = waiting["id"].as_str().unwrap().to_string();
+    assert_eq!(cancel(&b, &waiting).await["status"], "cancelled");
+    let events = follow(&b, &waiting, None).await;
+    assert_eq!(
+        events.len(),
+        1,
+        "{:?}",
+        events.iter().map(|e| &e.event).collect::<Vec<_>>()
+    );
+    assert_eq!(events[0].event, "response.failed");
+    assert_eq!(events[0].data["response"]["status"], "cancelled");
+    cancel(&a, busy["id"].as_str().unwrap()).await;
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_cut_short_by_shutdown_end_as_failed() {
     // Two real seconds per token: no answer finishes within the test.

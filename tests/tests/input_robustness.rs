@@ -257,6 +257,12 @@ async fn urls_that_do_not_decode_get_openai_errors() {
         ),
         (
             "GET",
+            format!("/v1/responses/{id}?stream=true&starting_after=-1"),
+            400,
+            Some("starting_after"),
+        ),
+        (
+            "GET",
             format!("/v1/responses/{id}?stream=a&stream=b"),
             400,
             None,

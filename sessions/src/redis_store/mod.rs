@@ -7,6 +7,10 @@
 //! sets the TTL. Reads that need several keys or a check-then-write run as Lua scripts, sent with
 //! EVALSHA and falling back to EVAL when the server does not have the script cached.
 //!
+//! A background response's event log is a list `{prefix}events:{id}` of SSE frames, one per
+//! event in sequence order, with the response's TTL (RPUSH + PEXPIRE in one pipeline; read
+//! with LRANGE).
+//!
 //! Session pins are plain string keys `{prefix}pin:{pool}:{session}` (see [`crate::pins`])
 //! holding the pin as JSON, with their own TTL; a swap is one compare-and-set script, a touch
 //! one PEXPIRE.
@@ -97,6 +101,11 @@ impl RedisStore {
     /// The Redis key of response `id`.
     pub fn response_key(&self, id: &str) -> String {
         format!("{}{id}", self.resp_prefix)
+    }
+
+    /// The Redis key of response `id`'s event log.
+    pub fn events_key(&self, id: &str) -> String {
+        format!("{}events:{id}", self.key_prefix)
     }
 
     /// The Redis key of the pin of `session` in `pool` (see [`crate::pins::pin_key`]).
@@ -344,13 +353,37 @@ impl Store for RedisStore {
 
     async fn delete(&self, team: &str, id: &str) -> Result<bool, StoreError> {
         let deleted: i64 = self
-            .run_script(
+            .run_script_keys(
                 &self.delete_script,
-                &self.response_key(id),
+                &[&self.response_key(id), &self.events_key(id)],
                 &[team.as_bytes()],
             )
             .await?;
         Ok(deleted == 1)
+    }
+
+    async fn append_events(&self, id: &str, events: &[String]) -> Result<(), StoreError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let key = self.events_key(id);
+        let mut pipe = ::redis::pipe();
+        pipe.atomic()
+            .rpush(&key, events)
+            .ignore()
+            .pexpire(&key, i64::try_from(self.ttl_ms).unwrap_or(i64::MAX))
+            .ignore();
+        self.count_round_trip();
+        pipe.query_async::<()>(&mut self.conn.clone()).await?;
+        Ok(())
+    }
+
+    async fn events(&self, id: &str, from: usize) -> Result<Vec<String>, StoreError> {
+        let mut cmd = ::redis::cmd("LRANGE");
+        cmd.arg(self.events_key(id))
+            .arg(i64::try_from(from).unwrap_or(i64::MAX))
+            .arg(-1);
+        self.query(&cmd).await
     }
 
     async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {
