@@ -97,6 +97,24 @@ async fn load_record(
         .ok_or_else(|| response_not_found(id))
 }
 
+/// The items of the chain ending at `previous` (none without one, or when it is gone).
+async fn history_items(
+    state: &AppState,
+    team: &Team,
+    previous: Option<&str>,
+) -> Result<Vec<Value>, HttpError> {
+    let Some(previous) = previous else {
+        return Ok(Vec::new());
+    };
+    Ok(state
+        .store
+        .history(&team.0, previous)
+        .await
+        .map_err(store_error)?
+        .map(|h| h.items)
+        .unwrap_or_default())
+}
+
 fn previous_not_found(id: &str) -> HttpError {
     HttpError::invalid(
         format!("Previous response with id '{id}' not found."),
@@ -326,16 +344,7 @@ pub async fn compact(
     fields.insert("store".into(), Value::Bool(false));
     let req = CreateRequest::from_body(body)?;
     // The user messages of the history as well: loaded again, since the turn consumed its copy.
-    let history = match &previous {
-        Some(prev) => state
-            .store
-            .history(&team.0, prev)
-            .await
-            .map_err(store_error)?
-            .map(|h| h.items)
-            .unwrap_or_default(),
-        None => Vec::new(),
-    };
+    let history = history_items(&state, &team, previous.as_deref()).await?;
     let done = match run(&state, &headers, team, req, bytes.len() as u64).await? {
         Started::Finished(done) => done,
         Started::Answered(resp) => return Ok(resp),
@@ -396,11 +405,14 @@ fn finished_or_error(response: Value) -> Result<Value, HttpError> {
         .unwrap_or("The model backend failed.")
         .to_string();
     let code = response.pointer("/error/code").and_then(Value::as_str);
-    let (status, code) = match code {
-        Some(code @ (turn::UNSTORED_CODE | turn::SHUTDOWN_CODE)) => (503, code),
-        _ => (502, "upstream_error"),
-    };
-    Err(HttpError::server(status, message, code).with_retry_after(1))
+    Err(match code {
+        Some(code @ (turn::UNSTORED_CODE | turn::SHUTDOWN_CODE)) => {
+            HttpError::server(503, message, code).with_retry_after(1)
+        }
+        // The model wrote no summary: trying again the same way would do the same.
+        Some(code @ "compaction_failed") => HttpError::server(500, message, code),
+        _ => HttpError::server(502, message, "upstream_error").with_retry_after(1),
+    })
 }
 
 /// Prepare, admit, place and run one Responses request from its parsed body.
@@ -604,6 +616,13 @@ const FOLLOW_POLL: Duration = Duration::from_millis(200);
 /// logs it right after storing the response) before it ends the stream from the stored record.
 const FOLLOW_TERMINAL_GRACE: Duration = Duration::from_secs(1);
 
+/// Store failures in a row after which a follower closes its stream.
+const FOLLOW_STORE_TRIES: u32 = 5;
+
+/// How long a follower waits without a new event before it closes its stream (the client may
+/// resume it with `starting_after`).
+const FOLLOW_IDLE_LIMIT: Duration = Duration::from_secs(15 * 60);
+
 /// `GET /v1/responses/{id}`: the stored response, or with `stream=true` the events of a
 /// background response (`background: true`) from its event log: from the first, or after
 /// `starting_after` (a `sequence_number`), then as they are generated until the terminal event.
@@ -656,10 +675,15 @@ pub async fn retrieve(
 /// Follow a background response's event log (`Store::events`, written by the run wherever it
 /// runs): send what is logged after `starting_after`, then poll every [`FOLLOW_POLL`] for more,
 /// until the terminal event (`response.completed`, `.incomplete` or `.failed`) has been sent.
-/// When the stored response is final and no terminal event is logged within
-/// [`FOLLOW_TERMINAL_GRACE`] (a response cancelled before it ran, or a log the store lost), the
-/// stream ends with one made from the stored response. Ends early when the client leaves, the
-/// response is deleted or the store fails, and at shutdown (`response.failed`).
+/// Frames are sent in `sequence_number` order, each once. When the stored response is final and
+/// no terminal event is logged within [`FOLLOW_TERMINAL_GRACE`] (a response cancelled before it
+/// ran, or a log the store lost), the stream ends with one carrying the stored response.
+///
+/// A follow that cannot go on while the response itself goes on closes the stream without a
+/// terminal event, so the client picks it up again with `starting_after`: the client left, the
+/// store failed [`FOLLOW_STORE_TRIES`] times in a row, the response was deleted, nothing new
+/// arrived for [`FOLLOW_IDLE_LIMIT`] (a run lost with its replica stays `in_progress`), or this
+/// gateway is shutting down.
 async fn stream_stored(
     state: Arc<AppState>,
     team: Team,
@@ -672,22 +696,41 @@ async fn stream_stored(
     });
     let mut last_sequence = starting_after;
     let mut final_since: Option<tokio::time::Instant> = None;
+    let mut last_news = tokio::time::Instant::now();
+    let mut store_failures = 0;
     let mut stopping = state.stopping.subscribe();
     loop {
-        if tx.is_closed() {
+        if tx.is_closed() || last_news.elapsed() >= FOLLOW_IDLE_LIMIT {
             return;
         }
-        let frames = match state.store.events(&id, next).await {
-            Ok(frames) => frames,
+        let read = async {
+            let frames = state.store.events(&id, next).await?;
+            let record = state.store.get(&team.0, &id).await?;
+            Ok::<_, agentgate_sessions::StoreError>((frames, record))
+        };
+        let (frames, record) = match read.await {
+            Ok(read) => {
+                store_failures = 0;
+                read
+            }
             Err(e) => {
-                tracing::warn!(response = %id, "cannot read the response's events: {e}");
-                return end_followed(&tx, last_sequence, "store_unavailable", "The conversation store stopped answering while the response was streamed; retrieve it again.", None).await;
+                store_failures += 1;
+                tracing::warn!(response = %id, tries = store_failures, "cannot follow the response's events: {e}");
+                if store_failures >= FOLLOW_STORE_TRIES {
+                    return;
+                }
+                (Vec::new(), None)
             }
         };
         next += frames.len();
         for frame in frames {
             let (event, sequence) = frame_kind(&frame);
+            // A frame logged twice (a write retried after a lost reply) goes out once.
+            if sequence.is_some_and(|n| last_sequence.is_some_and(|last| n <= last)) {
+                continue;
+            }
             last_sequence = sequence.or(last_sequence);
+            last_news = tokio::time::Instant::now();
             if tx.send(Bytes::from(frame)).await.is_err() {
                 return;
             }
@@ -695,49 +738,43 @@ async fn stream_stored(
                 return;
             }
         }
-        let record = match state.store.get(&team.0, &id).await {
-            Ok(Some(record)) => record,
-            Ok(None) => {
-                return end_followed(
-                    &tx,
-                    last_sequence,
-                    "response_not_found",
-                    "The response was deleted while it was streamed.",
-                    None,
-                )
-                .await;
-            }
-            Err(e) => {
-                tracing::warn!(response = %id, "cannot read the response: {e}");
-                return end_followed(&tx, last_sequence, "store_unavailable", "The conversation store stopped answering while the response was streamed; retrieve it again.", None).await;
-            }
-        };
-        let status = record
-            .response
-            .get("status")
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        if matches!(status, "queued" | "in_progress") {
-            final_since = None;
-        } else if final_since
-            .get_or_insert_with(tokio::time::Instant::now)
-            .elapsed()
-            >= FOLLOW_TERMINAL_GRACE
-        {
-            let event = match status {
-                "completed" => "response.completed",
-                "incomplete" => "response.incomplete",
-                _ => "response.failed",
+        if store_failures == 0 {
+            let Some(record) = record else {
+                return; // deleted meanwhile
             };
-            return end_followed(&tx, last_sequence, event, "", Some(record.response)).await;
+            let status = record
+                .response
+                .get("status")
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            if matches!(status, "queued" | "in_progress") {
+                final_since = None;
+            } else if final_since
+                .get_or_insert_with(tokio::time::Instant::now)
+                .elapsed()
+                >= FOLLOW_TERMINAL_GRACE
+            {
+                let event = match status {
+                    "completed" => "response.completed",
+                    "incomplete" => "response.incomplete",
+                    _ => "response.failed",
+                };
+                let sequence = last_sequence.map_or(0, |n| n.saturating_add(1));
+                let data = json!({"type": event, "sequence_number": sequence, "response": record.response});
+                let frame = agentgate_adapters::SseEvent {
+                    event: event.to_string(),
+                    data,
+                };
+                let _ = tx.send(Bytes::from(frame.to_sse_frame())).await;
+                return;
+            }
         }
         let shutting_down = tokio::select! {
             () = tokio::time::sleep(FOLLOW_POLL) => false,
             stop = stopping.wait_for(|stop| *stop) => stop.is_ok(),
         };
         if shutting_down {
-            let stop = turn::Stop::Shutdown;
-            return end_followed(&tx, last_sequence, stop.code(), stop.message(), None).await;
+            return;
         }
     }
 }
@@ -763,31 +800,6 @@ fn frame_kind(frame: &str) -> (String, Option<u64>) {
         }
     }
     (event, sequence)
-}
-
-/// End a followed stream: with `response` (the stored one) under `event`, or when there is
-/// none with `response.failed` carrying `event` as the error code and `message`.
-async fn end_followed(
-    tx: &mpsc::Sender<Bytes>,
-    last_sequence: Option<u64>,
-    event: &str,
-    message: &str,
-    response: Option<Value>,
-) {
-    let (event, response) = match response {
-        Some(response) => (event, response),
-        None => (
-            "response.failed",
-            json!({"status": "failed", "error": {"code": event, "message": message}}),
-        ),
-    };
-    let sequence = last_sequence.map_or(0, |n| n.saturating_add(1));
-    let data = json!({"type": event, "sequence_number": sequence, "response": response});
-    let frame = agentgate_adapters::SseEvent {
-        event: event.to_string(),
-        data,
-    };
-    let _ = tx.send(Bytes::from(frame.to_sse_frame())).await;
 }
 
 /// `DELETE /v1/responses/{id}`.
@@ -905,16 +917,7 @@ pub async fn input_items(
         }
     };
     let rec = load_record(&state, &team, &id).await?;
-    let mut items = match &rec.previous_response_id {
-        Some(prev) => state
-            .store
-            .history(&team.0, prev)
-            .await
-            .map_err(store_error)?
-            .map(|h| h.items)
-            .unwrap_or_default(),
-        None => Vec::new(),
-    };
+    let mut items = history_items(&state, &team, rec.previous_response_id.as_deref()).await?;
     items.extend(rec.input_items);
     if descending {
         items.reverse();

@@ -907,9 +907,10 @@ const EVENT_LOG_BATCH: Duration = Duration::from_millis(100);
 /// Where a turn's events go: the client's stream when one is attached and, for a background
 /// response, its event log in the store, which `GET /v1/responses/{id}?stream=true` replays
 /// and follows from any gateway replica (`responses::stream_stored`). The log is appended in
-/// batches, at most [`EVENT_LOG_BATCH`] apart; the last batch, ending with the terminal event,
-/// is written after the response is stored, as the stream gets it. A batch the store refuses is
-/// dropped (logged): a reader then misses those events but still ends, on the stored status.
+/// batches as events arrive, at most one write per [`EVENT_LOG_BATCH`]; the last batch, ending
+/// with the terminal event, is written after the response is stored, as the stream gets it. A
+/// batch the store refuses is kept for the next write; the last is tried three times and then
+/// dropped (logged): a follower then misses those events but still ends, on the stored status.
 struct Sink {
     tx: Option<mpsc::Sender<Bytes>>,
     log: Option<EventLog>,
@@ -941,10 +942,27 @@ impl Sink {
                     .written_at
                     .is_none_or(|t| t.elapsed() >= EVENT_LOG_BATCH);
             if due && !log.pending.is_empty() {
-                if let Err(e) = state.store.append_events(&log.id, &log.pending).await {
-                    tracing::warn!(response = %log.id, events = log.pending.len(), "could not log the response's events: {e}");
+                // A batch the store refuses waits for the next one; the last is tried three
+                // times, then dropped (a follower then ends on the stored status).
+                let tries = if last { 3 } else { 1 };
+                for attempt in 1..=tries {
+                    match state.store.append_events(&log.id, &log.pending).await {
+                        Ok(()) => {
+                            log.pending.clear();
+                            break;
+                        }
+                        Err(e) if attempt < tries => {
+                            tracing::warn!(response = %log.id, attempt, "could not log the response's events ({e}); retrying");
+                            tokio::time::sleep(EVENT_LOG_BATCH * 2 * attempt).await;
+                        }
+                        Err(e) => {
+                            tracing::warn!(response = %log.id, events = log.pending.len(), "could not log the response's events: {e}");
+                            if last {
+                                log.pending.clear();
+                            }
+                        }
+                    }
                 }
-                log.pending.clear();
                 log.written_at = Some(Instant::now());
             }
         }

@@ -16,9 +16,9 @@
 //! never silently loses the beginning of its history: a dropped record answers like an expired
 //! one (404 on retrieve, `previous_response_not_found` when continued). [`MemoryStore::evicted`]
 //! counts them. Never dropped: the last record written, even when it alone is over the bound,
-//! and background responses still queued or running.
+//! background responses still queued or running, and the records these continue.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -67,8 +67,8 @@ struct Records {
     max_bytes: u64,
     /// Records dropped for memory.
     evicted: u64,
-    /// Record id -> the ids of the records continuing it (may name records since removed).
-    children: HashMap<String, Vec<String>>,
+    /// Record id -> the ids of the stored records continuing it.
+    children: HashMap<String, HashSet<String>>,
 }
 
 impl Records {
@@ -97,7 +97,10 @@ impl Records {
             });
             self.pins.retain(|_, e| e.expires_at > now);
             let by_id = &self.by_id;
-            self.children.retain(|parent, _| by_id.contains_key(parent));
+            self.children.retain(|parent, children| {
+                children.retain(|child| by_id.contains_key(child));
+                by_id.contains_key(parent) && !children.is_empty()
+            });
             self.compact_lru(true);
             self.next_sweep = now + SWEEP_INTERVAL;
         }
@@ -110,10 +113,10 @@ impl Records {
         self.tick += 1;
         let id = rec.id.clone();
         if let Some(parent) = &rec.previous_response_id {
-            let children = self.children.entry(parent.clone()).or_default();
-            if !children.contains(&id) {
-                children.push(id.clone());
-            }
+            self.children
+                .entry(parent.clone())
+                .or_default()
+                .insert(id.clone());
         }
         let events = self
             .by_id
@@ -155,14 +158,24 @@ impl Records {
         }
     }
 
+    /// Remove `id` (its own list of continuations stays until it is dropped or swept).
     fn remove(&mut self, id: &str) -> Option<Entry> {
         let entry = self.by_id.remove(id)?;
         self.bytes -= entry.bytes;
+        if let Some(parent) = &entry.rec.previous_response_id {
+            if let Some(siblings) = self.children.get_mut(parent) {
+                siblings.remove(id);
+                if siblings.is_empty() {
+                    self.children.remove(parent);
+                }
+            }
+        }
         Some(entry)
     }
 
     /// While over the bound, drop the least recently used record with the records continuing
-    /// it; never the last one written nor an active background response.
+    /// it; never the last one written nor an active background response, nor a record that
+    /// one of those continues.
     fn evict(&mut self) {
         if self.max_bytes == 0 {
             return;
@@ -172,15 +185,19 @@ impl Records {
             let Some((used, id)) = self.lru.pop_front() else {
                 break;
             };
-            match self.by_id.get(&id) {
-                Some(entry) if entry.used == used => {
-                    if self.protected(&id) {
-                        kept.push((used, id));
-                    } else {
-                        self.drop_with_descendants(id);
-                    }
+            if self.by_id.get(&id).is_none_or(|e| e.used != used) {
+                continue;
+            }
+            let family = self.descendants(&id);
+            if family.iter().any(|member| self.protected(member)) {
+                kept.push((used, id));
+                continue;
+            }
+            for member in family {
+                if self.remove(&member).is_some() {
+                    self.evicted += 1;
                 }
-                _ => {}
+                self.children.remove(&member);
             }
         }
         for entry in kept.into_iter().rev() {
@@ -197,17 +214,23 @@ impl Records {
         })
     }
 
-    /// Evict `id` and, down the child index, every record continuing it (protected ones stay).
-    fn drop_with_descendants(&mut self, id: String) {
-        let mut stack = vec![id];
-        while let Some(id) = stack.pop() {
-            if let Some(children) = self.children.remove(&id) {
-                stack.extend(children);
+    /// `id` and every stored record continuing it, down the child index.
+    fn descendants(&self, id: &str) -> Vec<String> {
+        let mut family = vec![id.to_string()];
+        let mut seen: HashSet<&str> = HashSet::from([id]);
+        let mut at = 0;
+        while let Some(member) = family.get(at) {
+            if let Some(children) = self.children.get(member) {
+                for child in children {
+                    // A chain may loop (ids are the client's to give as predecessors).
+                    if seen.insert(child) {
+                        family.push(child.clone());
+                    }
+                }
             }
-            if !self.protected(&id) && self.remove(&id).is_some() {
-                self.evicted += 1;
-            }
+            at += 1;
         }
+        family
     }
 
     /// Drop the skipped occurrences from `lru` once they outnumber the records (or `always`).
@@ -616,6 +639,38 @@ mod tests {
         assert_eq!(store.evicted(), 3);
         let sum: u64 = store.lock().by_id.values().map(|e| e.bytes).sum();
         assert_eq!(store.memory_bytes(), sum);
+    }
+
+    #[tokio::test]
+    async fn a_looping_chain_is_evicted_without_looping() {
+        let store = bounded(2);
+        store
+            .put(&record("t", "a", Some("b"), 1_000))
+            .await
+            .unwrap();
+        store
+            .put(&record("t", "b", Some("a"), 1_000))
+            .await
+            .unwrap();
+        store.put(&record("t", "c", None, 1_000)).await.unwrap();
+        store.put(&record("t", "d", None, 1_000)).await.unwrap();
+        assert_eq!(store.get("t", "a").await.unwrap(), None);
+        assert_eq!(store.get("t", "b").await.unwrap(), None);
+        assert_eq!(store.evicted(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_chain_a_running_background_response_continues_stays() {
+        let store = bounded(3);
+        store.put(&record("t", "x1", None, 1_000)).await.unwrap();
+        let mut running = record("t", "x2", Some("x1"), 1_000);
+        running.response["status"] = json!("in_progress");
+        store.put(&running).await.unwrap();
+        for id in ["y1", "y2", "y3"] {
+            store.put(&record("t", id, None, 1_000)).await.unwrap();
+        }
+        let history = store.history("t", "x2").await.unwrap().unwrap();
+        assert_eq!(history.root_id, "x1", "x2's run keeps its whole history");
     }
 
     #[tokio::test]

@@ -8,8 +8,8 @@
 //! EVALSHA and falling back to EVAL when the server does not have the script cached.
 //!
 //! A background response's event log is a list `{prefix}events:{id}` of SSE frames, one per
-//! event in sequence order, with the response's TTL (RPUSH + PEXPIRE in one pipeline; read
-//! with LRANGE).
+//! event in sequence order, with the response's TTL: appended by a script that pushes only
+//! while the response exists, read with LRANGE, deleted with the response.
 //!
 //! Session pins are plain string keys `{prefix}pin:{pool}:{session}` (see [`crate::pins`])
 //! holding the pin as JSON, with their own TTL; a swap is one compare-and-set script, a touch
@@ -54,6 +54,7 @@ pub struct RedisStore {
     history_script: LuaScript,
     update_script: LuaScript,
     delete_script: LuaScript,
+    append_events_script: LuaScript,
     swap_pin_script: LuaScript,
     rate_script: LuaScript,
 }
@@ -91,6 +92,7 @@ impl RedisStore {
             history_script: LuaScript::new(include_str!("history.lua")),
             update_script: LuaScript::new(include_str!("update_if_active.lua")),
             delete_script: LuaScript::new(include_str!("delete.lua")),
+            append_events_script: LuaScript::new(include_str!("append_events.lua")),
             swap_pin_script: LuaScript::new(include_str!("swap_pin.lua")),
             rate_script: LuaScript::new(include_str!("rate_limit.lua")),
         };
@@ -120,6 +122,7 @@ impl RedisStore {
             &self.history_script,
             &self.update_script,
             &self.delete_script,
+            &self.append_events_script,
             &self.swap_pin_script,
             &self.rate_script,
         ] {
@@ -366,15 +369,17 @@ impl Store for RedisStore {
         if events.is_empty() {
             return Ok(());
         }
-        let key = self.events_key(id);
-        let mut pipe = ::redis::pipe();
-        pipe.atomic()
-            .rpush(&key, events)
-            .ignore()
-            .pexpire(&key, i64::try_from(self.ttl_ms).unwrap_or(i64::MAX))
-            .ignore();
-        self.count_round_trip();
-        pipe.query_async::<()>(&mut self.conn.clone()).await?;
+        let ttl = self.ttl_ms.to_string();
+        let mut args: Vec<&[u8]> = Vec::with_capacity(events.len() + 1);
+        args.push(ttl.as_bytes());
+        args.extend(events.iter().map(|e| e.as_bytes()));
+        let _length: i64 = self
+            .run_script_keys(
+                &self.append_events_script,
+                &[&self.response_key(id), &self.events_key(id)],
+                &args,
+            )
+            .await?;
         Ok(())
     }
 
