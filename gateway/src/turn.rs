@@ -157,15 +157,72 @@ pub fn drop_middle(history: &mut Vec<Value>) {
     }
 }
 
+/// The oldest quarter (at least one) of what a compaction may leave out, from `history` then
+/// `input`: tool calls with their outputs, reasoning, assistant messages. User, system and
+/// developer messages, compaction items and the trigger stay. False when nothing is left to
+/// drop.
+pub fn shrink_for_compaction(history: &mut Vec<Value>, input: &mut Vec<Value>) -> bool {
+    let kind = |item: &Value| {
+        item.get("type")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
+    let droppable = |item: &Value| match kind(item).as_str() {
+        "message" => item.get("role").and_then(Value::as_str) == Some("assistant"),
+        "compaction" | "compaction_trigger" => false,
+        _ => true,
+    };
+    let candidates: Vec<&Value> = history
+        .iter()
+        .chain(input.iter())
+        .filter(|item| droppable(item))
+        .collect();
+    if candidates.is_empty() {
+        return false;
+    }
+    let take = (candidates.len() / 4).max(1);
+    let mut ids: std::collections::HashSet<String> = std::collections::HashSet::new();
+    let mut calls: std::collections::HashSet<String> = std::collections::HashSet::new();
+    for item in &candidates[..take] {
+        if let Some(id) = item.get("id").and_then(Value::as_str) {
+            ids.insert(id.to_string());
+        }
+        if let Some(call) = item.get("call_id").and_then(Value::as_str) {
+            calls.insert(call.to_string());
+        }
+    }
+    // A call goes with its output, and an output with its call: no orphan tool message.
+    let keep = |item: &Value| {
+        let by_id = item
+            .get("id")
+            .and_then(Value::as_str)
+            .is_some_and(|id| ids.contains(id));
+        let by_call = droppable(item)
+            && item
+                .get("call_id")
+                .and_then(Value::as_str)
+                .is_some_and(|call| calls.contains(call));
+        !(by_id || by_call)
+    };
+    history.retain(keep);
+    input.retain(keep);
+    true
+}
+
 /// Open the engine stream for a turn. With `truncation: "auto"`, a context-length rejection
 /// drops items from the middle of the history and tries again; the stored conversation is
-/// unchanged, only what the engine sees is shorter.
+/// unchanged, only what the engine sees is shorter. A compaction turn rejected so (whatever
+/// `truncation` says) summarizes less: [`shrink_for_compaction`], up to the same number of
+/// rounds.
 pub async fn open_turn(
     state: &AppState,
     turn: &mut Turn,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let auto = turn.request.get("truncation").and_then(Value::as_str) == Some("auto");
     let mut rounds = 0;
+    // A compaction's input as the engine sees it once shrunk (the stored input is unchanged).
+    let mut compacted_input: Option<Vec<Value>> = None;
     let room = turn
         .permit
         .as_ref()
@@ -207,6 +264,32 @@ pub async fn open_turn(
             known_pin,
         );
         match routed.await {
+            Err(e)
+                if turn.plan.compaction
+                    && rounds < MAX_TRUNCATION_ROUNDS
+                    && e.error.code.as_deref() == Some("context_length_exceeded") =>
+            {
+                // A compaction is needed most when the context is full: summarize less of it
+                // rather than fail, whatever `truncation` says (the summary is lossy anyway).
+                let mut input = compacted_input
+                    .take()
+                    .unwrap_or_else(|| turn.input_items.clone());
+                if !shrink_for_compaction(&mut turn.history, &mut input) {
+                    return Err(e);
+                }
+                rounds += 1;
+                tracing::info!(response = %turn.id, items = turn.history.len() + input.len(), "context too long for the compaction; summarizing less of it");
+                let opts = state.translate_options(turn.pool.flavor);
+                let mut plan = agentgate_adapters::build_chat_request(
+                    &turn.request,
+                    &turn.history,
+                    &input,
+                    &opts,
+                )?;
+                plan.body["model"] = Value::from(turn.pool.model.clone());
+                turn.plan = plan;
+                compacted_input = Some(input);
+            }
             Err(e)
                 if auto
                     && rounds < MAX_TRUNCATION_ROUNDS
@@ -1407,6 +1490,38 @@ mod tests {
                 "message_7",
                 "message_8"
             ]
+        );
+    }
+
+    #[test]
+    fn a_compaction_that_overflows_drops_its_oldest_tool_work_in_pairs() {
+        let user = |n: usize| json!({"type": "message", "role": "user", "id": format!("u{n}")});
+        let call = |n: usize| json!({"type": "function_call", "id": format!("fc{n}"), "call_id": format!("c{n}")});
+        let output = |n: usize| json!({"type": "function_call_output", "id": format!("fo{n}"), "call_id": format!("c{n}")});
+        let mut history = vec![user(0), call(1), output(1)];
+        let mut input = vec![
+            call(2),
+            output(2),
+            json!({"type": "message", "role": "assistant", "id": "a3"}),
+            user(4),
+            json!({"type": "compaction_trigger", "id": "t"}),
+        ];
+        let ids = |items: &[Value]| -> Vec<String> {
+            items
+                .iter()
+                .map(|i| i["id"].as_str().unwrap().to_string())
+                .collect()
+        };
+        // Five candidates: the oldest one (a call) goes, with its output.
+        assert!(shrink_for_compaction(&mut history, &mut input));
+        assert_eq!(ids(&history), ["u0"]);
+        assert_eq!(ids(&input), ["fc2", "fo2", "a3", "u4", "t"]);
+        assert!(shrink_for_compaction(&mut history, &mut input));
+        assert!(shrink_for_compaction(&mut history, &mut input));
+        assert_eq!(ids(&input), ["u4", "t"]);
+        assert!(
+            !shrink_for_compaction(&mut history, &mut input),
+            "only messages left"
         );
     }
 

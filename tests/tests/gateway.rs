@@ -1049,6 +1049,43 @@ async fn a_compaction_turn_streams_one_item_that_later_turns_read_back() {
     .await;
     assert_eq!(s, 200, "{chained}");
 
+    // Too long for the engine (its context is 65,536 tokens): the compaction summarizes less
+    // (the oldest tool call and its output go) instead of failing.
+    let big = "lorem ipsum dolor sit amet ".repeat(5_000);
+    let input = json!([
+        {"role": "user", "content": "read the three files"},
+        {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": big},
+        {"type": "function_call", "call_id": "c2", "name": "shell", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c2", "output": big},
+        {"type": "function_call", "call_id": "c3", "name": "shell", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c3", "output": big},
+        {"type": "compaction_trigger"},
+    ]);
+    let (s, tokens) = {
+        let url = format!("{base}/v1/responses/input_tokens");
+        let resp = client()
+            .post(url)
+            .json(&json!({"model": "sim-model", "input": input, "tools": tools}))
+            .send()
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+    };
+    assert_eq!(s, 200, "{tokens}");
+    assert!(
+        tokens["input_tokens"].as_u64().unwrap() > 65_536,
+        "{tokens}"
+    );
+    let (s, shrunk) = create(
+        &base,
+        json!({"model": "sim-model", "input": input, "tools": tools, "store": false}),
+    )
+    .await;
+    assert_eq!(s, 200, "{shrunk}");
+    assert_eq!(shrunk["output"][0]["type"], "compaction", "{shrunk}");
+    assert!(shrunk["usage"]["input_tokens"].as_u64().unwrap() < 65_536);
+
     // The compact endpoint's refusals.
     let compact = |body: Value| {
         let url = format!("{base}/v1/responses/compact");
