@@ -21,7 +21,7 @@ use crate::metrics::Metrics;
 use crate::pools::Pools;
 use crate::probe::LiveTasks;
 use crate::reload::ConfigWatcher;
-use crate::{handlers, metrics, responses};
+use crate::{conversations, handlers, metrics, responses};
 
 /// Everything a handler needs, shared by all requests.
 pub struct AppState {
@@ -120,6 +120,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/responses", post(responses::create))
         .route("/v1/responses/input_tokens", post(responses::input_tokens))
         .route("/v1/responses/compact", post(responses::compact))
+        .route("/v1/conversations", post(conversations::create))
+        .route(
+            "/v1/conversations/{id}",
+            get(conversations::retrieve)
+                .post(conversations::update)
+                .delete(conversations::delete),
+        )
+        .route(
+            "/v1/conversations/{id}/items",
+            get(conversations::list_items).post(conversations::add_items),
+        )
+        .route(
+            "/v1/conversations/{id}/items/{item_id}",
+            get(conversations::get_item).delete(conversations::delete_item),
+        )
         .route(
             "/v1/responses/{id}",
             get(responses::retrieve).delete(responses::delete),

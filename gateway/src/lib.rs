@@ -33,6 +33,7 @@
 pub mod app;
 pub mod auth;
 pub mod config;
+pub mod conversations;
 pub mod discovery;
 pub mod error;
 pub mod flow;

@@ -103,6 +103,82 @@ pub const ROUTES: &[RouteDoc] = &[
         query: &[],
     },
     RouteDoc {
+        method: "post",
+        path: "/v1/conversations",
+        summary: "Create a conversation, optionally with its first items (at most 20) and metadata.",
+        request: Some("CreateConversation"),
+        response: "Conversation",
+        errors: &[400, 401, 413, 415, 503],
+        query: &[],
+    },
+    RouteDoc {
+        method: "get",
+        path: "/v1/conversations/{id}",
+        summary: "Retrieve a conversation.",
+        request: None,
+        response: "Conversation",
+        errors: &[401, 404, 503],
+        query: &[],
+    },
+    RouteDoc {
+        method: "post",
+        path: "/v1/conversations/{id}",
+        summary: "Replace a conversation's metadata.",
+        request: Some("UpdateConversation"),
+        response: "Conversation",
+        errors: &[400, 401, 404, 413, 415, 503],
+        query: &[],
+    },
+    RouteDoc {
+        method: "delete",
+        path: "/v1/conversations/{id}",
+        summary: "Delete a conversation and its items (responses created in it stay).",
+        request: None,
+        response: "DeletedConversation",
+        errors: &[401, 404, 503],
+        query: &[],
+    },
+    RouteDoc {
+        method: "get",
+        path: "/v1/conversations/{id}/items",
+        summary: "List a conversation's items.",
+        request: None,
+        response: "InputItemList",
+        errors: &[400, 401, 404, 503],
+        query: &[
+            ("limit", "1-100, default 20"),
+            ("order", "asc or desc (default)"),
+            ("after", "item id to start after"),
+        ],
+    },
+    RouteDoc {
+        method: "post",
+        path: "/v1/conversations/{id}/items",
+        summary: "Append items (at most 20) to a conversation; answers the items added.",
+        request: Some("ConversationItems"),
+        response: "InputItemList",
+        errors: &[400, 401, 404, 413, 415, 503],
+        query: &[],
+    },
+    RouteDoc {
+        method: "get",
+        path: "/v1/conversations/{id}/items/{item_id}",
+        summary: "Retrieve one item of a conversation.",
+        request: None,
+        response: "Item",
+        errors: &[401, 404, 503],
+        query: &[],
+    },
+    RouteDoc {
+        method: "delete",
+        path: "/v1/conversations/{id}/items/{item_id}",
+        summary: "Delete one item of a conversation; answers the conversation.",
+        request: None,
+        response: "Conversation",
+        errors: &[401, 404, 503],
+        query: &[],
+    },
+    RouteDoc {
         method: "get",
         path: "/v1/models",
         summary: "List the models the pools serve.",
@@ -176,6 +252,10 @@ fn components() -> Value {
                     },
                     "instructions": {"type": "string", "nullable": true},
                     "previous_response_id": {"type": "string", "nullable": true},
+                    "conversation": {
+                        "oneOf": [{"type": "string"}, {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}],
+                        "description": "Run in this conversation: its items are the history, and the turn's input and output items are appended once it completes. Not with previous_response_id."
+                    },
                     "store": {"type": "boolean", "default": true},
                     "stream": {"type": "boolean", "default": false},
                     "background": {"type": "boolean", "default": false},
@@ -266,6 +346,24 @@ fn components() -> Value {
                 "output": {"type": "array", "description": "Every user message of the conversation, then one compaction item.", "items": {"type": "object"}},
                 "usage": {"type": "object"}
             }), &["id", "object", "created_at", "output", "usage"]),
+            "Conversation": obj(json!({
+                "id": {"type": "string"},
+                "object": {"type": "string", "enum": ["conversation"]},
+                "created_at": {"type": "integer"},
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}}
+            }), &["id", "object", "created_at", "metadata"]),
+            "CreateConversation": obj(json!({
+                "items": {"type": "array", "maxItems": 20, "items": {"type": "object"}, "description": "Input items, as in CreateResponse.input"},
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}}
+            }), &[]),
+            "UpdateConversation": obj(json!({
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}}
+            }), &["metadata"]),
+            "ConversationItems": obj(json!({
+                "items": {"type": "array", "maxItems": 20, "items": {"type": "object"}}
+            }), &["items"]),
+            "DeletedConversation": obj(json!({"id": {"type": "string"}, "object": {"type": "string", "enum": ["conversation.deleted"]}, "deleted": {"type": "boolean"}}), &["id", "object", "deleted"]),
+            "Item": {"type": "object", "description": "A conversation item (message, function_call, function_call_output, reasoning, ...), with its id."},
             "DeletedResponse": obj(json!({"id": {"type": "string"}, "object": {"type": "string"}, "deleted": {"type": "boolean"}}), &["id", "object", "deleted"]),
             "InputItemList": obj(json!({
                 "object": {"type": "string", "enum": ["list"]},

@@ -25,6 +25,51 @@ pub struct CreateRequest {
     pub previous_response_id: Option<String>,
 }
 
+/// The `conversation` a request runs in: a conversation id, or an object with its `id`.
+pub fn conversation_id(body: &Value) -> Result<Option<String>, HttpError> {
+    match body.get("conversation") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(id)) if !id.is_empty() => Ok(Some(id.clone())),
+        Some(Value::Object(c)) => match c.get("id") {
+            Some(Value::String(id)) if !id.is_empty() => Ok(Some(id.clone())),
+            _ => Err(invalid_type("conversation.id", "a non-empty string")),
+        },
+        Some(_) => Err(invalid_type(
+            "conversation",
+            "a conversation id or an object with its 'id'",
+        )),
+    }
+}
+
+/// `metadata`: absent, null, or at most 16 string pairs (keys up to 64 characters, values up
+/// to 512), as OpenAI allows.
+pub fn validate_metadata(metadata: Option<&Value>) -> Result<(), HttpError> {
+    let Some(m) = metadata.filter(|m| !m.is_null()) else {
+        return Ok(());
+    };
+    let map = m
+        .as_object()
+        .ok_or_else(|| invalid_type("metadata", "an object"))?;
+    if map.len() > 16 {
+        return Err(HttpError::invalid(
+            "Invalid 'metadata': at most 16 key-value pairs are allowed.",
+            Some("metadata"),
+            Some("invalid_value"),
+        ));
+    }
+    for (k, v) in map {
+        let ok = k.chars().count() <= 64 && v.as_str().is_some_and(|s| s.chars().count() <= 512);
+        if !ok {
+            return Err(HttpError::invalid(
+                format!("Invalid 'metadata.{k}': keys are strings of at most 64 characters and values strings of at most 512."),
+                Some("metadata"),
+                Some("invalid_value"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn invalid_type(param: &str, want: &str) -> HttpError {
     HttpError::invalid(
         format!("Invalid type for '{param}': expected {want}."),
@@ -279,13 +324,7 @@ pub fn validate_common(body: &Value) -> Result<(), HttpError> {
         Some(Value::Array(items)) if items.iter().all(Value::is_string) => {}
         Some(_) => return Err(invalid_type("include", "an array of strings")),
     }
-    if body.get("conversation").is_some_and(|c| !c.is_null()) {
-        return Err(HttpError::invalid(
-            "The 'conversation' parameter is not supported by this gateway; chain turns with 'previous_response_id'.",
-            Some("conversation"),
-            Some("unsupported_parameter"),
-        ));
-    }
+    conversation_id(body)?;
     if body.get("conversation").is_some_and(|c| !c.is_null())
         && body
             .get("previous_response_id")
@@ -356,29 +395,7 @@ impl CreateRequest {
                 ));
             }
         }
-        if let Some(m) = body.get("metadata").filter(|m| !m.is_null()) {
-            let map = m
-                .as_object()
-                .ok_or_else(|| invalid_type("metadata", "an object"))?;
-            if map.len() > 16 {
-                return Err(HttpError::invalid(
-                    "Invalid 'metadata': at most 16 key-value pairs are allowed.",
-                    Some("metadata"),
-                    Some("invalid_value"),
-                ));
-            }
-            for (k, v) in map {
-                let ok =
-                    k.chars().count() <= 64 && v.as_str().is_some_and(|s| s.chars().count() <= 512);
-                if !ok {
-                    return Err(HttpError::invalid(
-                        format!("Invalid 'metadata.{k}': keys are strings of at most 64 characters and values strings of at most 512."),
-                        Some("metadata"),
-                        Some("invalid_value"),
-                    ));
-                }
-            }
-        }
+        validate_metadata(body.get("metadata"))?;
         match body.get("truncation") {
             None | Some(Value::Null) => {}
             Some(Value::String(s)) if s == "auto" || s == "disabled" => {}

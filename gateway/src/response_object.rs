@@ -57,7 +57,7 @@ pub fn skeleton(id: &str, created_at: i64, req: &Value, model: &str, status: &st
         "status": status,
         "background": req.get("background").and_then(Value::as_bool).unwrap_or(false),
         "completed_at": null,
-        "conversation": null,
+        "conversation": crate::request::conversation_id(req).ok().flatten().map(|id| json!({"id": id})),
         "error": null,
         "incomplete_details": null,
         "instructions": get(req, "instructions"),

@@ -40,7 +40,7 @@ use crate::turn::{self, Turn};
 /// Header naming the endpoint that served a response (for debugging routing).
 pub const ENDPOINT_HEADER: &str = "x-agentgate-endpoint";
 
-fn body_error(rejection: BytesRejection, limit: usize) -> HttpError {
+pub(crate) fn body_error(rejection: BytesRejection, limit: usize) -> HttpError {
     if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
         HttpError::new(
             413,
@@ -172,7 +172,18 @@ async fn prepare(
         .ok_or_else(|| model_not_found(model))?;
     let input = body.get("input").cloned().unwrap_or_else(|| json!([]));
     let input_items = normalize_input(&input)?;
+    let conversation = crate::request::conversation_id(body)?;
     let (history, chain_root) = match previous {
+        _ if conversation.is_some() => {
+            let id = conversation.as_deref().unwrap_or_default();
+            let items = crate::conversations::items(state, team, id)
+                .await
+                .map_err(|mut e| {
+                    e.error.param = Some("conversation".into());
+                    e
+                })?;
+            (items, None)
+        }
         Some(prev) => {
             let h = state
                 .store
@@ -313,6 +324,14 @@ pub async fn compact(
             }
             Some(_) => return Err(crate::request::invalid_type(param, "a boolean")),
         }
+    }
+    if fields.get("conversation").is_some_and(|c| !c.is_null()) {
+        return Err(HttpError::invalid(
+            "'conversation' is not supported by /v1/responses/compact: compact its items by \
+             sending them as 'input'.",
+            Some("conversation"),
+            Some("unsupported_parameter"),
+        ));
     }
     if !matches!(
         fields.get("previous_response_id"),
@@ -458,15 +477,17 @@ async fn run(
             state,
             headers,
             &req.body,
-            prepared
-                .chain_root
-                .as_deref()
-                .or(req.store.then_some(id.as_str())),
+            // A stored first turn roots the chain its successors form, unless it runs in a
+            // conversation, whose id keys every turn.
+            prepared.chain_root.as_deref().or((req.store
+                && req.body.get("conversation").is_none_or(Value::is_null))
+            .then_some(id.as_str())),
         ),
         permit: None,
         lineage: None,
         admission_pin: None,
         background_slot: None,
+        conversation: crate::request::conversation_id(&req.body).ok().flatten(),
     };
     turn.lineage = turn::lineage_of(&turn.pool, headers, turn.session.as_deref());
     // Admission comes after the request is prepared (its token estimate exists) and before
@@ -875,7 +896,7 @@ pub async fn cancel(
     ))
 }
 
-/// Query of `GET /v1/responses/{id}/input_items`.
+/// Query of a paginated item list (`GET /v1/responses/{id}/input_items`, a conversation's items).
 #[derive(Debug, Deserialize)]
 pub struct ListQuery {
     limit: Option<String>,
@@ -883,15 +904,10 @@ pub struct ListQuery {
     after: Option<String>,
 }
 
-/// `GET /v1/responses/{id}/input_items`: every item the model saw as input for this response
-/// (the earlier turns' inputs and outputs, then this turn's input), paginated.
-pub async fn input_items(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-    Query(q): Query<ListQuery>,
-) -> Result<Json<Value>, HttpError> {
-    let team = state.keys.authenticate(&headers)?;
+/// One page of `items` (oldest first) as an OpenAI list: `limit` 1-100 (default 20), `order`
+/// `desc` (default) or `asc`, starting after the item with id `after` (`what` names the list in
+/// the error when there is none).
+pub fn item_page(items: Vec<Value>, q: &ListQuery, what: &str) -> Result<Value, HttpError> {
     let limit = match q.limit.as_deref() {
         None => 20,
         Some(s) => match s.parse::<usize>() {
@@ -916,9 +932,7 @@ pub async fn input_items(
             ))
         }
     };
-    let rec = load_record(&state, &team, &id).await?;
-    let mut items = history_items(&state, &team, rec.previous_response_id.as_deref()).await?;
-    items.extend(rec.input_items);
+    let mut items = items;
     if descending {
         items.reverse();
     }
@@ -930,9 +944,7 @@ pub async fn input_items(
                 .position(|it| it.get("id").and_then(Value::as_str) == Some(after.as_str()))
                 .ok_or_else(|| {
                     HttpError::invalid(
-                        format!(
-                            "Invalid 'after': no input item with id '{after}' in this response."
-                        ),
+                        format!("Invalid 'after': no item with id '{after}' in {what}."),
                         Some("after"),
                         Some("invalid_value"),
                     )
@@ -947,13 +959,28 @@ pub async fn input_items(
             .cloned()
             .unwrap_or(Value::Null)
     };
-    Ok(Json(json!({
+    Ok(json!({
         "object": "list",
         "first_id": id_of(page.first()),
         "last_id": id_of(page.last()),
         "has_more": rest.len() > page.len(),
         "data": page,
-    })))
+    }))
+}
+
+/// `GET /v1/responses/{id}/input_items`: every item the model saw as input for this response
+/// (the earlier turns' inputs and outputs, then this turn's input), paginated.
+pub async fn input_items(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let rec = load_record(&state, &team, &id).await?;
+    let mut items = history_items(&state, &team, rec.previous_response_id.as_deref()).await?;
+    items.extend(rec.input_items);
+    Ok(Json(item_page(items, &q, "this response's input")?))
 }
 
 /// `POST /v1/responses/input_tokens`: how many input tokens a create request would use.

@@ -115,6 +115,9 @@ pub struct Turn {
     pub admission_pin: Option<Option<SessionPin>>,
     /// A background run's slot (`[background] max_concurrent`), released with the engine.
     pub background_slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The conversation the turn runs in (`conversation`): its items were the history, and
+    /// the turn's input and output items are appended once it finishes.
+    pub conversation: Option<String>,
 }
 
 /// The sub-agent lineage of a request to `pool` with these headers and session key, read as
@@ -1189,13 +1192,22 @@ fn fail_unstored(response: &mut Value, terminal: &mut [agentgate_adapters::SseEv
 /// Store the finished response (or update the background record in place), trying again while
 /// the store fails ([`retry_pause`]). False when it could not be stored.
 pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[Value]) -> bool {
-    if !turn.store {
+    // A finished turn in a conversation adds its items to it (a failed one adds nothing).
+    let joins = turn.conversation.is_some()
+        && matches!(
+            agentgate_sessions::record::response_status(response),
+            "completed" | "incomplete"
+        );
+    let mut stored = !turn.store;
+    let mut joined = !joins;
+    if stored && joined {
         return true;
     }
     let mut stopping = state.stopping.subscribe();
     let mut failures = 0;
     loop {
-        let Err(e) = persist_once(state, turn, response, output).await else {
+        let Err(e) = persist_steps(state, turn, response, output, &mut stored, &mut joined).await
+        else {
             return true;
         };
         failures += 1;
@@ -1236,6 +1248,42 @@ fn retry_pause(background: bool, failures: u32) -> Option<Duration> {
         (true, _) => return None,
     };
     Some(Duration::from_millis(ms))
+}
+
+/// The writes of [`persist`] still to do: the response (`stored`), then the conversation's new
+/// items (`joined`); each flag is set once its write has landed, so a retry does not repeat it.
+async fn persist_steps(
+    state: &AppState,
+    turn: &Turn,
+    response: &Value,
+    output: &[Value],
+    stored: &mut bool,
+    joined: &mut bool,
+) -> Result<(), agentgate_sessions::StoreError> {
+    if !*stored {
+        persist_once(state, turn, response, output).await?;
+        *stored = true;
+    }
+    if !*joined {
+        if let Some(conversation) = &turn.conversation {
+            let items: Vec<Value> = turn
+                .input_items
+                .iter()
+                .filter(|item| !agentgate_adapters::compaction::is_compaction_trigger(item))
+                .chain(output)
+                .cloned()
+                .collect();
+            if !state
+                .store
+                .append_conversation_items(&turn.team, conversation, &items)
+                .await?
+            {
+                tracing::warn!(response = %turn.id, %conversation, "the conversation is gone; its new items were not added");
+            }
+        }
+        *joined = true;
+    }
+    Ok(())
 }
 
 async fn persist_once(

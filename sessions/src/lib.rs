@@ -15,7 +15,9 @@
 //! `redis-server` and the suite every backend passes), and [`pins`] (session -> endpoint pins
 //! with their own TTL, kept by the same two backends so every gateway replica routes a session
 //! to the same endpoint), and [`rate`] (GCRA rate-limit counters, so every gateway replica
-//! enforces one budget).
+//! enforces one budget). Conversations of the Conversations API ([`ConversationRecord`]) are
+//! kept by the same backends: a record and the ordered list of its items, with the same TTL,
+//! refreshed on use.
 
 #![warn(missing_docs)]
 
@@ -32,7 +34,7 @@ pub use error::StoreError;
 pub use memory::MemoryStore;
 pub use pins::SessionPin;
 pub use rate::{RateDecision, RateLimit};
-pub use record::{History, ResponseRecord, StoreOptions};
+pub use record::{ConversationRecord, History, ResponseRecord, StoreOptions};
 pub use redis_store::RedisStore;
 pub use store::{AnyStore, Store};
 

@@ -28,7 +28,10 @@ use serde_json::Value;
 use crate::pins::pin_key;
 use crate::rate::{gcra_step, RateDecision, RateLimit};
 use crate::record::{is_active_status, response_status};
-use crate::{History, ResponseRecord, SessionPin, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
+use crate::{
+    ConversationRecord, History, ResponseRecord, SessionPin, Store, StoreError, StoreOptions,
+    MAX_CHAIN_LEN,
+};
 
 /// How often, at most, a write sweeps expired records out of the map.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
@@ -43,6 +46,13 @@ struct Entry {
     used: u64,
     /// Its event log ([`Store::append_events`]); its bytes count in `bytes`.
     events: Vec<String>,
+}
+
+/// A conversation, its items, and when it stops being visible.
+struct ConversationEntry {
+    record: ConversationRecord,
+    items: Vec<Value>,
+    expires_at: Instant,
 }
 
 /// A session pin and when it stops being in force.
@@ -69,6 +79,9 @@ struct Records {
     evicted: u64,
     /// Record id -> the ids of the stored records continuing it.
     children: HashMap<String, HashSet<String>>,
+    /// Conversations by id (outside the memory bound, which is the responses'; their TTL
+    /// applies).
+    conversations: HashMap<String, ConversationEntry>,
 }
 
 impl Records {
@@ -77,6 +90,18 @@ impl Records {
         self.by_id
             .get_mut(id)
             .filter(|e| e.expires_at > now && e.rec.team == team)
+    }
+
+    /// The live conversation `id` owned by `team`, if any.
+    fn conversation_mut(
+        &mut self,
+        team: &str,
+        id: &str,
+        now: Instant,
+    ) -> Option<&mut ConversationEntry> {
+        self.conversations
+            .get_mut(id)
+            .filter(|e| e.expires_at > now && e.record.team == team)
     }
 
     /// The pin under `key` if it is still in force.
@@ -96,6 +121,7 @@ impl Records {
                 live
             });
             self.pins.retain(|_, e| e.expires_at > now);
+            self.conversations.retain(|_, e| e.expires_at > now);
             let by_id = &self.by_id;
             self.children.retain(|parent, children| {
                 children.retain(|child| by_id.contains_key(child));
@@ -304,6 +330,7 @@ impl MemoryStore {
                 max_bytes: opts.max_memory_bytes,
                 evicted: 0,
                 children: HashMap::new(),
+                conversations: HashMap::new(),
             }),
             rates: Mutex::new(HashMap::new()),
             epoch: Instant::now(),
@@ -483,6 +510,112 @@ impl Store for MemoryStore {
             .and_then(|e| e.events.get(from..))
             .map(<[String]>::to_vec)
             .unwrap_or_default())
+    }
+
+    async fn create_conversation(
+        &self,
+        conversation: &ConversationRecord,
+        items: &[Value],
+    ) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let expires_at = self.expiry_from(now);
+        let mut records = self.lock();
+        records.maybe_sweep(now);
+        records.conversations.insert(
+            conversation.id.clone(),
+            ConversationEntry {
+                record: conversation.clone(),
+                items: items.to_vec(),
+                expires_at,
+            },
+        );
+        Ok(())
+    }
+
+    async fn get_conversation(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> Result<Option<ConversationRecord>, StoreError> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        Ok(records
+            .conversation_mut(team, id, now)
+            .map(|e| e.record.clone()))
+    }
+
+    async fn set_conversation_metadata(
+        &self,
+        team: &str,
+        id: &str,
+        metadata: &Value,
+    ) -> Result<Option<ConversationRecord>, StoreError> {
+        let now = Instant::now();
+        let expires_at = self.expiry_from(now);
+        let mut records = self.lock();
+        Ok(records.conversation_mut(team, id, now).map(|e| {
+            e.record.metadata = metadata.clone();
+            e.expires_at = expires_at;
+            e.record.clone()
+        }))
+    }
+
+    async fn delete_conversation(&self, team: &str, id: &str) -> Result<bool, StoreError> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        if records.conversation_mut(team, id, now).is_none() {
+            return Ok(false);
+        }
+        records.conversations.remove(id);
+        Ok(true)
+    }
+
+    async fn conversation_items(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> Result<Option<Vec<Value>>, StoreError> {
+        let now = Instant::now();
+        let expires_at = self.expiry_from(now);
+        let mut records = self.lock();
+        Ok(records.conversation_mut(team, id, now).map(|e| {
+            e.expires_at = expires_at;
+            e.items.clone()
+        }))
+    }
+
+    async fn append_conversation_items(
+        &self,
+        team: &str,
+        id: &str,
+        items: &[Value],
+    ) -> Result<bool, StoreError> {
+        let now = Instant::now();
+        let expires_at = self.expiry_from(now);
+        let mut records = self.lock();
+        Ok(records
+            .conversation_mut(team, id, now)
+            .map(|e| {
+                e.items.extend_from_slice(items);
+                e.expires_at = expires_at;
+            })
+            .is_some())
+    }
+
+    async fn delete_conversation_item(
+        &self,
+        team: &str,
+        id: &str,
+        item_id: &str,
+    ) -> Result<Option<bool>, StoreError> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        Ok(records.conversation_mut(team, id, now).map(|e| {
+            let before = e.items.len();
+            e.items
+                .retain(|item| item.get("id").and_then(Value::as_str) != Some(item_id));
+            e.items.len() < before
+        }))
     }
 
     async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {

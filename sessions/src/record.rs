@@ -22,6 +22,20 @@ pub struct ResponseRecord {
     pub response: Value,
 }
 
+/// A conversation of the Conversations API (`conv_...`), without its items: those are a list
+/// kept beside it ([`crate::Store::conversation_items`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ConversationRecord {
+    /// The conversation id (`conv_...`).
+    pub id: String,
+    /// The team that created it; other teams cannot see it.
+    pub team: String,
+    /// Unix seconds of its creation.
+    pub created_at: u64,
+    /// Its `metadata` object (up to 16 string pairs, checked by the gateway).
+    pub metadata: Value,
+}
+
 /// A conversation as [`crate::Store::history`] loads it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct History {

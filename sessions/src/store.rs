@@ -7,7 +7,8 @@ use serde_json::Value;
 
 use crate::rate::{RateDecision, RateLimit};
 use crate::{
-    History, MemoryStore, RedisStore, ResponseRecord, SessionPin, StoreError, StoreOptions,
+    ConversationRecord, History, MemoryStore, RedisStore, ResponseRecord, SessionPin, StoreError,
+    StoreOptions,
 };
 
 /// Stored responses, the conversation histories they form, and session -> endpoint pins.
@@ -70,6 +71,64 @@ pub trait Store: Send + Sync + 'static {
         id: &str,
         from: usize,
     ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
+
+    /// Create a conversation with its first items (replacing one with the same id). One round
+    /// trip.
+    fn create_conversation(
+        &self,
+        conversation: &ConversationRecord,
+        items: &[Value],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The conversation, if it exists and belongs to `team`. One round trip.
+    fn get_conversation(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<ConversationRecord>, StoreError>> + Send;
+
+    /// Replace the conversation's metadata; the updated record, `None` if it is not the team's.
+    /// One round trip.
+    fn set_conversation_metadata(
+        &self,
+        team: &str,
+        id: &str,
+        metadata: &Value,
+    ) -> impl Future<Output = Result<Option<ConversationRecord>, StoreError>> + Send;
+
+    /// Delete the conversation and its items; whether it existed (for this team). One round
+    /// trip.
+    fn delete_conversation(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Every item of the conversation, oldest first (refreshing its TTL); `None` if it is not
+    /// the team's. One round trip.
+    fn conversation_items(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<Vec<Value>>, StoreError>> + Send;
+
+    /// Append items (each with an `id`) at the end; false if the conversation is not the
+    /// team's. One round trip.
+    fn append_conversation_items(
+        &self,
+        team: &str,
+        id: &str,
+        items: &[Value],
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Remove the item with `item_id`: `None` if the conversation is not the team's, else
+    /// whether the item was there. One round trip.
+    fn delete_conversation_item(
+        &self,
+        team: &str,
+        id: &str,
+        item_id: &str,
+    ) -> impl Future<Output = Result<Option<bool>, StoreError>> + Send;
 
     /// The pin of `session` in `pool`, if one is in force (one round trip; does not refresh
     /// the TTL).
@@ -192,6 +251,82 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.events(id, from).await,
             AnyStore::Redis(s) => s.events(id, from).await,
+        }
+    }
+
+    async fn create_conversation(
+        &self,
+        conversation: &ConversationRecord,
+        items: &[Value],
+    ) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.create_conversation(conversation, items).await,
+            AnyStore::Redis(s) => s.create_conversation(conversation, items).await,
+        }
+    }
+
+    async fn get_conversation(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> Result<Option<ConversationRecord>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.get_conversation(team, id).await,
+            AnyStore::Redis(s) => s.get_conversation(team, id).await,
+        }
+    }
+
+    async fn set_conversation_metadata(
+        &self,
+        team: &str,
+        id: &str,
+        metadata: &Value,
+    ) -> Result<Option<ConversationRecord>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.set_conversation_metadata(team, id, metadata).await,
+            AnyStore::Redis(s) => s.set_conversation_metadata(team, id, metadata).await,
+        }
+    }
+
+    async fn delete_conversation(&self, team: &str, id: &str) -> Result<bool, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.delete_conversation(team, id).await,
+            AnyStore::Redis(s) => s.delete_conversation(team, id).await,
+        }
+    }
+
+    async fn conversation_items(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> Result<Option<Vec<Value>>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.conversation_items(team, id).await,
+            AnyStore::Redis(s) => s.conversation_items(team, id).await,
+        }
+    }
+
+    async fn append_conversation_items(
+        &self,
+        team: &str,
+        id: &str,
+        items: &[Value],
+    ) -> Result<bool, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.append_conversation_items(team, id, items).await,
+            AnyStore::Redis(s) => s.append_conversation_items(team, id, items).await,
+        }
+    }
+
+    async fn delete_conversation_item(
+        &self,
+        team: &str,
+        id: &str,
+        item_id: &str,
+    ) -> Result<Option<bool>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.delete_conversation_item(team, id, item_id).await,
+            AnyStore::Redis(s) => s.delete_conversation_item(team, id, item_id).await,
         }
     }
 

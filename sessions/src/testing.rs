@@ -280,6 +280,159 @@ pub async fn suite<S: Store>(store: &S) {
     response_suite(store).await;
     pin_suite(store).await;
     rate_suite(store).await;
+    conversation_suite(store).await;
+}
+
+/// Conversations: create with items, owner-only reads and writes, append in order, item
+/// removal by id, metadata updates, delete; one round trip each. Use a fresh store (or a fresh
+/// key prefix) per call.
+pub async fn conversation_suite<S: Store>(store: &S) {
+    use crate::ConversationRecord;
+    macro_rules! one {
+        ($what:expr, $op:expr) => {
+            at_most_one_round_trip(store, $what, $op)
+                .await
+                .unwrap_or_else(|e| panic!("{} failed: {e}", $what))
+        };
+    }
+    let item = |id: &str, text: &str| {
+        json!({"id": id, "type": "message", "role": "user",
+               "content": [{"type": "input_text", "text": text}]})
+    };
+    let conv = ConversationRecord {
+        id: "conv_1".into(),
+        team: "team-a".into(),
+        created_at: 1_700_000_000,
+        metadata: json!({"topic": "parsers"}),
+    };
+    assert_eq!(
+        one!("get none", store.get_conversation("team-a", "conv_1")),
+        None
+    );
+    assert_eq!(
+        one!(
+            "items of none",
+            store.conversation_items("team-a", "conv_1")
+        ),
+        None
+    );
+    one!(
+        "create",
+        store.create_conversation(&conv, &[item("m1", "héllo \"x\"")])
+    );
+    assert_eq!(
+        one!("get", store.get_conversation("team-a", "conv_1")),
+        Some(conv.clone())
+    );
+    assert_eq!(
+        one!("get other team", store.get_conversation("team-b", "conv_1")),
+        None
+    );
+    assert!(one!(
+        "append",
+        store.append_conversation_items("team-a", "conv_1", &[item("m2", "b"), item("m3", "c")])
+    ));
+    assert!(one!(
+        "append nothing",
+        store.append_conversation_items("team-a", "conv_1", &[])
+    ));
+    assert!(!one!(
+        "append other team",
+        store.append_conversation_items("team-b", "conv_1", &[item("x", "x")])
+    ));
+    assert_eq!(
+        one!("items", store.conversation_items("team-a", "conv_1")),
+        Some(vec![
+            item("m1", "héllo \"x\""),
+            item("m2", "b"),
+            item("m3", "c")
+        ])
+    );
+    assert_eq!(
+        one!(
+            "items other team",
+            store.conversation_items("team-b", "conv_1")
+        ),
+        None
+    );
+    assert_eq!(
+        one!(
+            "delete item",
+            store.delete_conversation_item("team-a", "conv_1", "m2")
+        ),
+        Some(true)
+    );
+    assert_eq!(
+        one!(
+            "delete item again",
+            store.delete_conversation_item("team-a", "conv_1", "m2")
+        ),
+        Some(false)
+    );
+    assert_eq!(
+        one!(
+            "delete item other team",
+            store.delete_conversation_item("team-b", "conv_1", "m1")
+        ),
+        None
+    );
+    assert_eq!(
+        one!(
+            "items after delete",
+            store.conversation_items("team-a", "conv_1")
+        ),
+        Some(vec![item("m1", "héllo \"x\""), item("m3", "c")])
+    );
+    let metadata = json!({"topic": "lexers", "owner": "ada"});
+    let updated = one!(
+        "metadata",
+        store.set_conversation_metadata("team-a", "conv_1", &metadata)
+    );
+    assert_eq!(updated.as_ref().map(|c| &c.metadata), Some(&metadata));
+    assert_eq!(updated.map(|c| c.created_at), Some(conv.created_at));
+    assert_eq!(
+        one!(
+            "metadata other team",
+            store.set_conversation_metadata("team-b", "conv_1", &metadata)
+        ),
+        None
+    );
+    assert!(!one!(
+        "delete other team",
+        store.delete_conversation("team-b", "conv_1")
+    ));
+    assert!(one!(
+        "delete",
+        store.delete_conversation("team-a", "conv_1")
+    ));
+    assert_eq!(
+        one!("get deleted", store.get_conversation("team-a", "conv_1")),
+        None
+    );
+    assert_eq!(
+        one!(
+            "items deleted",
+            store.conversation_items("team-a", "conv_1")
+        ),
+        None
+    );
+    assert!(!one!(
+        "delete again",
+        store.delete_conversation("team-a", "conv_1")
+    ));
+    // Created empty.
+    let empty = ConversationRecord {
+        id: "conv_2".into(),
+        ..conv
+    };
+    one!("create empty", store.create_conversation(&empty, &[]));
+    assert_eq!(
+        one!(
+            "items of empty",
+            store.conversation_items("team-a", "conv_2")
+        ),
+        Some(vec![])
+    );
 }
 
 /// Rate limits: a budget spent to the last unit, refusals with `retry_after`, all-or-nothing

@@ -1195,6 +1195,87 @@ async fn a_background_response_streams_again_from_any_gateway() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_is_served_by_either_gateway_and_grows_with_each_turn() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("conversations");
+    let fleet = Fleet::of(2)
+        .store(redis.url(), &prefix)
+        .gateways(2)
+        .start()
+        .await;
+    let (a, b) = (
+        fleet.gateways()[0].base_url(),
+        fleet.gateways()[1].base_url(),
+    );
+    let post = |url: String, body: Value| async move {
+        let resp = client().post(url).json(&body).send().await.unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+    };
+    let (s, conv) = post(
+        format!("{a}/v1/conversations"),
+        json!({"items": [{"role": "user", "content": "My name is Ada."}]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{conv}");
+    let id = conv["id"].as_str().unwrap().to_string();
+    // Turns alternate between the gateways; each sees every earlier item.
+    let mut inputs = Vec::new();
+    let mut endpoints = Vec::new();
+    for (n, gw) in [&b, &a, &b].into_iter().enumerate() {
+        let resp = post_response(
+            gw,
+            &json!({"model": "sim-model", "input": format!("turn {n}"), "conversation": id,
+                   "max_output_tokens": 16}),
+        )
+        .await;
+        assert_eq!(resp.status().as_u16(), 200);
+        endpoints.push((
+            served_endpoint(&resp),
+            header(&resp, "x-agentgate-route-reason"),
+        ));
+        let r: Value = resp.json().await.unwrap();
+        assert_eq!(r["conversation"], json!({"id": id}));
+        inputs.push(r["usage"]["input_tokens"].as_u64().unwrap());
+        // Every turn of one conversation goes to the same replica.
+        assert!(
+            n == 0 || r["usage"]["input_tokens_details"]["cached_tokens"].as_u64() > Some(0),
+            "{endpoints:?} {}",
+            r["usage"]
+        );
+    }
+    assert!(inputs.windows(2).all(|w| w[1] > w[0]), "{inputs:?}");
+    // Keyed by the conversation id: pinned after the first turn, on both gateways.
+    assert!(
+        endpoints.windows(2).all(|w| w[0].0 == w[1].0)
+            && endpoints[1..].iter().all(|e| e.1 == "pin"),
+        "{endpoints:?}"
+    );
+    let items = get_json(&format!(
+        "{a}/v1/conversations/{id}/items?order=asc&limit=100"
+    ))
+    .await;
+    let roles: Vec<&str> = items["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        roles,
+        [
+            "user",
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+            "user",
+            "assistant"
+        ]
+    );
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_cut_short_by_shutdown_end_as_failed() {
     // Two real seconds per token: no answer finishes within the test.
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {

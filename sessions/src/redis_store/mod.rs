@@ -11,6 +11,10 @@
 //! event in sequence order, with the response's TTL: appended by a script that pushes only
 //! while the response exists, read with LRANGE, deleted with the response.
 //!
+//! A conversation (Conversations API) is a hash `{prefix}conv:{id}` (`team`, `created_at`,
+//! `metadata`) and a list `{prefix}conv_items:{id}` of its items as JSON, both with the TTL,
+//! refreshed on every use; `conversation.lua` does each operation with the owner check.
+//!
 //! Session pins are plain string keys `{prefix}pin:{pool}:{session}` (see [`crate::pins`])
 //! holding the pin as JSON, with their own TTL; a swap is one compare-and-set script, a touch
 //! one PEXPIRE.
@@ -28,7 +32,10 @@ use serde_json::Value;
 use crate::pins::{decode_pin, encode_pin, pin_key};
 use crate::rate::{RateDecision, RateLimit};
 use crate::record::response_status;
-use crate::{History, ResponseRecord, SessionPin, Store, StoreError, StoreOptions, MAX_CHAIN_LEN};
+use crate::{
+    ConversationRecord, History, ResponseRecord, SessionPin, Store, StoreError, StoreOptions,
+    MAX_CHAIN_LEN,
+};
 
 /// A Lua script with its SHA1, ready for EVALSHA.
 struct LuaScript {
@@ -55,6 +62,7 @@ pub struct RedisStore {
     update_script: LuaScript,
     delete_script: LuaScript,
     append_events_script: LuaScript,
+    conversation_script: LuaScript,
     swap_pin_script: LuaScript,
     rate_script: LuaScript,
 }
@@ -93,6 +101,7 @@ impl RedisStore {
             update_script: LuaScript::new(include_str!("update_if_active.lua")),
             delete_script: LuaScript::new(include_str!("delete.lua")),
             append_events_script: LuaScript::new(include_str!("append_events.lua")),
+            conversation_script: LuaScript::new(include_str!("conversation.lua")),
             swap_pin_script: LuaScript::new(include_str!("swap_pin.lua")),
             rate_script: LuaScript::new(include_str!("rate_limit.lua")),
         };
@@ -110,6 +119,30 @@ impl RedisStore {
         format!("{}events:{id}", self.key_prefix)
     }
 
+    /// The Redis keys of conversation `id`: its hash and its item list.
+    fn conversation_keys(&self, id: &str) -> [String; 2] {
+        [
+            format!("{}conv:{id}", self.key_prefix),
+            format!("{}conv_items:{id}", self.key_prefix),
+        ]
+    }
+
+    /// Run one operation of `conversation.lua` on conversation `id`.
+    async fn conversation_op<T: FromRedisValue>(
+        &self,
+        op: &str,
+        team: &str,
+        id: &str,
+        extra: &[&[u8]],
+    ) -> Result<T, StoreError> {
+        let [hash, items] = self.conversation_keys(id);
+        let ttl = self.ttl_ms.to_string();
+        let mut args: Vec<&[u8]> = vec![op.as_bytes(), team.as_bytes(), ttl.as_bytes()];
+        args.extend_from_slice(extra);
+        self.run_script_keys(&self.conversation_script, &[&hash, &items], &args)
+            .await
+    }
+
     /// The Redis key of the pin of `session` in `pool` (see [`crate::pins::pin_key`]).
     pub fn pin_key(&self, pool: &str, session: &str) -> String {
         pin_key(&self.key_prefix, pool, session)
@@ -123,6 +156,7 @@ impl RedisStore {
             &self.update_script,
             &self.delete_script,
             &self.append_events_script,
+            &self.conversation_script,
             &self.swap_pin_script,
             &self.rate_script,
         ] {
@@ -389,6 +423,133 @@ impl Store for RedisStore {
             .arg(i64::try_from(from).unwrap_or(i64::MAX))
             .arg(-1);
         self.query(&cmd).await
+    }
+
+    async fn create_conversation(
+        &self,
+        conversation: &ConversationRecord,
+        items: &[Value],
+    ) -> Result<(), StoreError> {
+        let [hash, list] = self.conversation_keys(&conversation.id);
+        let ttl = i64::try_from(self.ttl_ms).unwrap_or(i64::MAX);
+        let fields: [(&str, String); 3] = [
+            ("team", conversation.team.clone()),
+            ("created_at", conversation.created_at.to_string()),
+            ("metadata", to_json(&conversation.metadata)?),
+        ];
+        let encoded = items.iter().map(to_json).collect::<Result<Vec<_>, _>>()?;
+        let mut pipe = ::redis::pipe();
+        pipe.atomic()
+            .del(&[&hash, &list])
+            .ignore()
+            .hset_multiple(&hash, &fields)
+            .ignore()
+            .pexpire(&hash, ttl)
+            .ignore();
+        if !encoded.is_empty() {
+            pipe.rpush(&list, &encoded)
+                .ignore()
+                .pexpire(&list, ttl)
+                .ignore();
+        }
+        self.count_round_trip();
+        pipe.query_async::<()>(&mut self.conn.clone()).await?;
+        Ok(())
+    }
+
+    async fn get_conversation(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> Result<Option<ConversationRecord>, StoreError> {
+        let [hash, _] = self.conversation_keys(id);
+        let mut cmd = ::redis::cmd("HMGET");
+        cmd.arg(&hash).arg(&["team", "created_at", "metadata"]);
+        let fields: Vec<Option<String>> = self.query(&cmd).await?;
+        let [Some(stored_team), created_at, metadata] = fields.as_slice() else {
+            return Ok(None);
+        };
+        if stored_team != team {
+            return Ok(None);
+        }
+        Ok(Some(ConversationRecord {
+            id: id.to_string(),
+            team: team.to_string(),
+            created_at: created_at
+                .as_deref()
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(0),
+            metadata: match metadata {
+                Some(text) => decode(id, "metadata", text.as_bytes())?,
+                None => Value::Object(Default::default()),
+            },
+        }))
+    }
+
+    async fn set_conversation_metadata(
+        &self,
+        team: &str,
+        id: &str,
+        metadata: &Value,
+    ) -> Result<Option<ConversationRecord>, StoreError> {
+        let encoded = to_json(metadata)?;
+        let created_at: Option<String> = self
+            .conversation_op("metadata", team, id, &[encoded.as_bytes()])
+            .await?;
+        Ok(created_at.map(|created_at| ConversationRecord {
+            id: id.to_string(),
+            team: team.to_string(),
+            created_at: created_at.parse().unwrap_or(0),
+            metadata: metadata.clone(),
+        }))
+    }
+
+    async fn delete_conversation(&self, team: &str, id: &str) -> Result<bool, StoreError> {
+        let deleted: i64 = self.conversation_op("delete", team, id, &[]).await?;
+        Ok(deleted == 1)
+    }
+
+    async fn conversation_items(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> Result<Option<Vec<Value>>, StoreError> {
+        let items: Option<Vec<String>> = self.conversation_op("items", team, id, &[]).await?;
+        items
+            .map(|items| {
+                items
+                    .iter()
+                    .map(|item| decode(id, "conversation item", item.as_bytes()))
+                    .collect()
+            })
+            .transpose()
+    }
+
+    async fn append_conversation_items(
+        &self,
+        team: &str,
+        id: &str,
+        items: &[Value],
+    ) -> Result<bool, StoreError> {
+        let encoded = items.iter().map(to_json).collect::<Result<Vec<_>, _>>()?;
+        let args: Vec<&[u8]> = encoded.iter().map(|e| e.as_bytes()).collect();
+        let appended: i64 = self.conversation_op("append", team, id, &args).await?;
+        Ok(appended == 1)
+    }
+
+    async fn delete_conversation_item(
+        &self,
+        team: &str,
+        id: &str,
+        item_id: &str,
+    ) -> Result<Option<bool>, StoreError> {
+        let removed: i64 = self
+            .conversation_op("delete_item", team, id, &[item_id.as_bytes()])
+            .await?;
+        Ok(match removed {
+            -1 => None,
+            n => Some(n == 1),
+        })
     }
 
     async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {

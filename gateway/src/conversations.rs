@@ -1,0 +1,329 @@
+//! The Conversations API: `conv_...` objects holding an ordered list of items, which a response
+//! created with `conversation` reads as its history and extends with its input and output.
+//!
+//! | method and path | answer |
+//! |---|---|
+//! | `POST /v1/conversations` (`items` up to 20, `metadata`) | the conversation |
+//! | `GET /v1/conversations/{id}` | the conversation |
+//! | `POST /v1/conversations/{id}` (`metadata`) | the conversation, metadata replaced |
+//! | `DELETE /v1/conversations/{id}` | `{id, object: "conversation.deleted", deleted: true}` |
+//! | `GET /v1/conversations/{id}/items` (`limit`, `order`, `after`) | a page of items |
+//! | `POST /v1/conversations/{id}/items` (`items` up to 20) | the items added, as a list |
+//! | `GET /v1/conversations/{id}/items/{item_id}` | the item |
+//! | `DELETE /v1/conversations/{id}/items/{item_id}` | the conversation |
+//!
+//! Conversations live in the store beside responses (Redis when configured, so every gateway
+//! replica sees them), scoped to the team whose key created them (404 for others), with the
+//! store's TTL refreshed on use. Items are normalized as response input is: every item gets an
+//! `id`, shapes are checked and errors name the path (`items[2].role`).
+//!
+//! With `conversation` (an id, or `{"id": ...}`), `POST /v1/responses` loads the items as the
+//! turn's history (one store round trip) and, once the response has `completed` or is
+//! `incomplete`, appends the turn's input items and output items before the terminal event is
+//! sent, so the next turn sees them. Two responses running on one conversation at once each see
+//! the items of the moment they started; their items are appended as each ends. The session key
+//! of such turns is the conversation id (`agentgate_scheduler::session_key`), so they go to the
+//! replica holding the conversation's cache.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::Json;
+use serde_json::{json, Value};
+
+use agentgate_adapters::normalize_input;
+use agentgate_sessions::{ConversationRecord, Store};
+
+use crate::app::AppState;
+use crate::auth::Team;
+use crate::error::HttpError;
+use crate::request::{invalid_type, parse_json, validate_metadata};
+use crate::response_object::{new_id, now_secs};
+use crate::responses::{body_error, item_page, store_error, ListQuery};
+
+/// Most items one create or add request may carry (OpenAI's limit).
+pub const MAX_ITEMS_PER_REQUEST: usize = 20;
+
+/// The conversation object clients see.
+fn object(record: &ConversationRecord) -> Value {
+    json!({
+        "id": record.id,
+        "object": "conversation",
+        "created_at": record.created_at,
+        "metadata": record.metadata,
+    })
+}
+
+/// 404 for a conversation that does not exist (or is another team's).
+pub fn not_found(id: &str) -> HttpError {
+    HttpError::new(
+        404,
+        "invalid_request_error",
+        format!("Conversation with id '{id}' not found."),
+        None,
+        Some("not_found"),
+    )
+}
+
+async fn body_of(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<serde_json::Map<String, Value>, HttpError> {
+    let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
+    match parse_json(headers, &bytes)? {
+        Value::Object(fields) => Ok(fields),
+        _ => Err(HttpError::invalid(
+            "The request body must be a JSON object.",
+            None,
+            Some("invalid_type"),
+        )),
+    }
+}
+
+/// `items` of a create or add body, normalized; `required` for add.
+fn items_of(
+    fields: &serde_json::Map<String, Value>,
+    required: bool,
+) -> Result<Vec<Value>, HttpError> {
+    let items = match fields.get("items") {
+        None | Some(Value::Null) if !required => return Ok(Vec::new()),
+        None | Some(Value::Null) => {
+            return Err(HttpError::invalid(
+                "Missing required parameter: 'items'.",
+                Some("items"),
+                Some("missing_required_parameter"),
+            ))
+        }
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(invalid_type("items", "an array")),
+    };
+    if items.len() > MAX_ITEMS_PER_REQUEST {
+        return Err(HttpError::invalid(
+            format!(
+                "Invalid 'items': at most {MAX_ITEMS_PER_REQUEST} items may be added at once, got {}.",
+                items.len()
+            ),
+            Some("items"),
+            Some("array_above_max_length"),
+        ));
+    }
+    let items = normalize_input(&Value::Array(items.clone())).map_err(|e| {
+        let mut error = HttpError::from(e);
+        if let Some(param) = error.error.param.as_mut() {
+            if let Some(rest) = param.strip_prefix("input") {
+                *param = format!("items{rest}");
+            }
+        }
+        error.error.message = error.error.message.replace("input[", "items[");
+        error
+    })?;
+    for (index, item) in items.iter().enumerate() {
+        if item.get("type").and_then(Value::as_str) == Some("compaction_trigger") {
+            return Err(HttpError::invalid(
+                "A compaction_trigger is a request control, not a conversation item.",
+                Some(&format!("items[{index}].type")),
+                Some("invalid_value"),
+            ));
+        }
+    }
+    Ok(items)
+}
+
+async fn load(state: &AppState, team: &Team, id: &str) -> Result<ConversationRecord, HttpError> {
+    state
+        .store
+        .get_conversation(&team.0, id)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| not_found(id))
+}
+
+/// `POST /v1/conversations`.
+pub async fn create(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let fields = body_of(&state, &headers, body).await?;
+    validate_metadata(fields.get("metadata"))?;
+    let items = items_of(&fields, false)?;
+    let record = ConversationRecord {
+        id: new_id("conv"),
+        team: team.0,
+        created_at: u64::try_from(now_secs()).unwrap_or(0),
+        metadata: fields
+            .get("metadata")
+            .filter(|m| m.is_object())
+            .cloned()
+            .unwrap_or_else(|| json!({})),
+    };
+    state
+        .store
+        .create_conversation(&record, &items)
+        .await
+        .map_err(store_error)?;
+    Ok(Json(object(&record)))
+}
+
+/// `GET /v1/conversations/{id}`.
+pub async fn retrieve(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    Ok(Json(object(&load(&state, &team, &id).await?)))
+}
+
+/// `POST /v1/conversations/{id}`: replace the metadata.
+pub async fn update(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let fields = body_of(&state, &headers, body).await?;
+    let metadata = match fields.get("metadata") {
+        Some(m @ Value::Object(_)) => m.clone(),
+        None | Some(Value::Null) => {
+            return Err(HttpError::invalid(
+                "Missing required parameter: 'metadata'.",
+                Some("metadata"),
+                Some("missing_required_parameter"),
+            ))
+        }
+        Some(_) => return Err(invalid_type("metadata", "an object")),
+    };
+    validate_metadata(Some(&metadata))?;
+    let record = state
+        .store
+        .set_conversation_metadata(&team.0, &id, &metadata)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| not_found(&id))?;
+    Ok(Json(object(&record)))
+}
+
+/// `DELETE /v1/conversations/{id}` (its items go too; responses created in it stay).
+pub async fn delete(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    if !state
+        .store
+        .delete_conversation(&team.0, &id)
+        .await
+        .map_err(store_error)?
+    {
+        return Err(not_found(&id));
+    }
+    Ok(Json(
+        json!({"id": id, "object": "conversation.deleted", "deleted": true}),
+    ))
+}
+
+/// Every item of conversation `id`, oldest first, or 404.
+pub async fn items(state: &AppState, team: &Team, id: &str) -> Result<Vec<Value>, HttpError> {
+    state
+        .store
+        .conversation_items(&team.0, id)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| not_found(id))
+}
+
+/// `GET /v1/conversations/{id}/items`.
+pub async fn list_items(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let items = items(&state, &team, &id).await?;
+    Ok(Json(item_page(items, &q, "this conversation")?))
+}
+
+/// `POST /v1/conversations/{id}/items`: append; answers the items added.
+pub async fn add_items(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    let fields = body_of(&state, &headers, body).await?;
+    let items = items_of(&fields, true)?;
+    if !state
+        .store
+        .append_conversation_items(&team.0, &id, &items)
+        .await
+        .map_err(store_error)?
+    {
+        return Err(not_found(&id));
+    }
+    let id_of = |v: Option<&Value>| {
+        v.and_then(|it| it.get("id"))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    Ok(Json(json!({
+        "object": "list",
+        "first_id": id_of(items.first()),
+        "last_id": id_of(items.last()),
+        "has_more": false,
+        "data": items,
+    })))
+}
+
+fn item_not_found(id: &str, item_id: &str) -> HttpError {
+    HttpError::new(
+        404,
+        "invalid_request_error",
+        format!("Item with id '{item_id}' not found in conversation '{id}'."),
+        None,
+        Some("not_found"),
+    )
+}
+
+/// `GET /v1/conversations/{id}/items/{item_id}`.
+pub async fn get_item(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((id, item_id)): Path<(String, String)>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    items(&state, &team, &id)
+        .await?
+        .into_iter()
+        .find(|item| item.get("id").and_then(Value::as_str) == Some(item_id.as_str()))
+        .map(Json)
+        .ok_or_else(|| item_not_found(&id, &item_id))
+}
+
+/// `DELETE /v1/conversations/{id}/items/{item_id}`: answers the conversation.
+pub async fn delete_item(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((id, item_id)): Path<(String, String)>,
+) -> Result<Json<Value>, HttpError> {
+    let team = state.keys.authenticate(&headers)?;
+    match state
+        .store
+        .delete_conversation_item(&team.0, &id, &item_id)
+        .await
+        .map_err(store_error)?
+    {
+        None => Err(not_found(&id)),
+        Some(false) => Err(item_not_found(&id, &item_id)),
+        Some(true) => Ok(Json(object(&load(&state, &team, &id).await?))),
+    }
+}

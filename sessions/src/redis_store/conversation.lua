@@ -1,0 +1,43 @@
+-- Conversations API: one script, the operation in ARGV[1], so every operation checks the owner
+-- and refreshes the TTL of both keys atomically.
+-- KEYS[1]: hash of the conversation (team, created_at, metadata)   KEYS[2]: list of its items
+-- ARGV[1]: operation   ARGV[2]: team that must own it   ARGV[3]: TTL in milliseconds
+--   metadata    ARGV[4]: metadata JSON   -> created_at, or nil when not the team's
+--   delete                               -> 1 deleted, 0 when not the team's
+--   items                                -> every item, oldest first, or nil
+--   append      ARGV[4..]: items         -> 1, or 0 when not the team's
+--   delete_item ARGV[4]: item id         -> 1 removed, 0 no such item, -1 when not the team's
+local op = ARGV[1]
+if redis.call('HGET', KEYS[1], 'team') ~= ARGV[2] then
+  if op == 'delete_item' then return -1 end
+  if op == 'metadata' or op == 'items' then return false end
+  return 0
+end
+if op == 'delete' then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  return 1
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+if op == 'metadata' then
+  redis.call('HSET', KEYS[1], 'metadata', ARGV[4])
+  return redis.call('HGET', KEYS[1], 'created_at')
+elseif op == 'items' then
+  return redis.call('LRANGE', KEYS[2], 0, -1)
+elseif op == 'append' then
+  if #ARGV >= 4 then
+    redis.call('RPUSH', KEYS[2], unpack(ARGV, 4))
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  end
+  return 1
+elseif op == 'delete_item' then
+  for _, item in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
+    local ok, decoded = pcall(cjson.decode, item)
+    if ok and type(decoded) == 'table' and decoded['id'] == ARGV[4] then
+      redis.call('LREM', KEYS[2], 1, item)
+      return 1
+    end
+  end
+  return 0
+end
+return redis.error_reply('unknown conversation operation ' .. op)

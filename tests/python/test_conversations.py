@@ -1,0 +1,89 @@
+"""The Conversations API through the official `openai` SDK: conversations and their items, and
+responses created in a conversation (`conversation=`), which read its items and add theirs."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from conftest import MODEL, TEAM_A_KEY, TEAM_B_KEY
+
+
+def _texts(items) -> list[tuple[str, str]]:
+    return [(i.role, "".join(getattr(p, "text", "") for p in i.content)) for i in items]
+
+
+def test_responses_in_a_conversation_read_and_extend_it(client):
+    conv = client.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "My name is Ada."}],
+        metadata={"topic": "names"})
+    assert conv.object == "conversation" and conv.id.startswith("conv_")
+    assert conv.metadata == {"topic": "names"}
+
+    first = client.responses.create(model=MODEL, input="What is my name?", conversation=conv.id)
+    assert first.conversation.id == conv.id
+    assert first.status == "completed" and first.output_text
+    second = client.responses.create(model=MODEL, input="And again?",
+                                     conversation={"id": conv.id})
+    # The second turn saw the first one's input and answer.
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+    items = client.conversations.items.list(conv.id, order="asc")
+    assert _texts(items.data) == [
+        ("user", "My name is Ada."), ("user", "What is my name?"),
+        ("assistant", first.output_text), ("user", "And again?"),
+        ("assistant", second.output_text)]
+    assert not items.has_more
+    page = client.conversations.items.list(conv.id, limit=2)
+    assert [i.id for i in page.data] == [i.id for i in reversed(items.data)][:2]
+    assert page.has_more
+
+
+def test_conversation_items_and_metadata_can_be_managed(client):
+    conv = client.conversations.create()
+    added = client.conversations.items.create(
+        conv.id, items=[{"type": "message", "role": "user", "content": "one"},
+                        {"type": "message", "role": "user", "content": "two"}])
+    assert [i.type for i in added.data] == ["message", "message"]
+    one = added.data[0]
+    assert client.conversations.items.retrieve(one.id, conversation_id=conv.id).id == one.id
+    after = client.conversations.items.delete(one.id, conversation_id=conv.id)
+    assert after.id == conv.id
+    assert _texts(client.conversations.items.list(conv.id).data) == [("user", "two")]
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.retrieve(one.id, conversation_id=conv.id)
+    assert client.conversations.update(conv.id, metadata={"k": "v"}).metadata == {"k": "v"}
+    assert client.conversations.retrieve(conv.id).metadata == {"k": "v"}
+    deleted = client.conversations.delete(conv.id)
+    assert deleted.deleted and deleted.object == "conversation.deleted"
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conv.id)
+
+
+def test_conversation_errors_name_their_parameter(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.conversations.items.create("conv_x", items=[{"type": "message"}])
+    assert e.value.param == "items[0].role"
+    conv = client.conversations.create()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", conversation=conv.id,
+                                previous_response_id="resp_x")
+    assert e.value.param == "previous_response_id"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL, input="x", conversation="conv_missing")
+    assert e.value.param == "conversation"
+
+
+def test_a_conversation_belongs_to_its_team(auth_gateway):
+    alpha = auth_gateway.client(api_key=TEAM_A_KEY)
+    beta = auth_gateway.client(api_key=TEAM_B_KEY)
+    conv = alpha.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError):
+        beta.conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        beta.conversations.items.list(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        beta.responses.create(model=MODEL, input="x", conversation=conv.id)
+    with pytest.raises(openai.NotFoundError):
+        beta.conversations.delete(conv.id)
+    assert alpha.conversations.retrieve(conv.id).id == conv.id
