@@ -13,14 +13,17 @@
 //! | `DELETE /v1/conversations/{id}/items/{item_id}` | the conversation |
 //!
 //! Conversations live in the store beside responses (Redis when configured, so every gateway
-//! replica sees them), scoped to the team whose key created them (404 for others), with the
-//! store's TTL refreshed on use. Items are normalized as response input is: every item gets an
+//! replica sees them; in memory they count toward `store.memory_max_mb` and are dropped least
+//! recently used first, like responses), scoped to the team whose key created them (404 for
+//! others), with the store's TTL refreshed on every use. Items are normalized as response input is: every item gets an
 //! `id`, shapes are checked and errors name the path (`items[2].role`).
 //!
 //! With `conversation` (an id, or `{"id": ...}`), `POST /v1/responses` loads the items as the
 //! turn's history (one store round trip) and, once the response has `completed` or is
 //! `incomplete`, appends the turn's input items and output items before the terminal event is
-//! sent, so the next turn sees them. Two responses running on one conversation at once each see
+//! sent, so the next turn sees them (once: a retried write does not add them again; a
+//! background response cancelled meanwhile adds nothing). Two responses running on one
+//! conversation at once each see
 //! the items of the moment they started; their items are appended as each ends. The session key
 //! of such turns is the conversation id (`agentgate_scheduler::session_key`), so they go to the
 //! replica holding the conversation's cache.
@@ -122,13 +125,20 @@ fn items_of(
         error
     })?;
     for (index, item) in items.iter().enumerate() {
-        if item.get("type").and_then(Value::as_str) == Some("compaction_trigger") {
-            return Err(HttpError::invalid(
-                "A compaction_trigger is a request control, not a conversation item.",
-                Some(&format!("items[{index}].type")),
-                Some("invalid_value"),
-            ));
-        }
+        let refused = match item.get("type").and_then(Value::as_str) {
+            Some("compaction_trigger") => {
+                "a compaction_trigger is a request control, not a conversation item"
+            }
+            Some("item_reference") => {
+                "an item_reference cannot be kept in a conversation; add the item itself"
+            }
+            _ => continue,
+        };
+        return Err(HttpError::invalid(
+            format!("Invalid 'items[{index}]': {refused}."),
+            Some(&format!("items[{index}].type")),
+            Some("invalid_value"),
+        ));
     }
     Ok(items)
 }
@@ -191,7 +201,9 @@ pub async fn update(
     let fields = body_of(&state, &headers, body).await?;
     let metadata = match fields.get("metadata") {
         Some(m @ Value::Object(_)) => m.clone(),
-        None | Some(Value::Null) => {
+        // The SDK sends null for "no metadata": clear it.
+        Some(Value::Null) => json!({}),
+        None => {
             return Err(HttpError::invalid(
                 "Missing required parameter: 'metadata'.",
                 Some("metadata"),
@@ -264,7 +276,7 @@ pub async fn add_items(
     let items = items_of(&fields, true)?;
     if !state
         .store
-        .append_conversation_items(&team.0, &id, &items)
+        .append_conversation_items(&team.0, &id, "", &items)
         .await
         .map_err(store_error)?
     {

@@ -179,7 +179,9 @@ async fn prepare(
             let items = crate::conversations::items(state, team, id)
                 .await
                 .map_err(|mut e| {
-                    e.error.param = Some("conversation".into());
+                    if e.error.status == 404 {
+                        e.error.param = Some("conversation".into());
+                    }
                     e
                 })?;
             (items, None)
@@ -204,7 +206,13 @@ async fn prepare(
         ));
     }
     let opts = state.translate_options(pool.flavor);
-    let mut plan = build_chat_request(body, &history, &input_items, &opts)?;
+    let mut plan = build_chat_request(body, &history, &input_items, &opts).map_err(|mut e| {
+        // The history came from the conversation, not from a previous response.
+        if conversation.is_some() && e.param.as_deref() == Some("previous_response_id") {
+            e.param = Some("conversation".into());
+        }
+        e
+    })?;
     plan.body["model"] = Value::from(pool.model.clone());
     Ok(Prepared {
         pool,

@@ -1251,7 +1251,9 @@ fn retry_pause(background: bool, failures: u32) -> Option<Duration> {
 }
 
 /// The writes of [`persist`] still to do: the response (`stored`), then the conversation's new
-/// items (`joined`); each flag is set once its write has landed, so a retry does not repeat it.
+/// items (`joined`); each flag is set once its write has landed, so a retry does not repeat it
+/// (and the store adds one response's items to a conversation once, should a write land whose
+/// reply was lost). A background response cancelled meanwhile adds nothing.
 async fn persist_steps(
     state: &AppState,
     turn: &Turn,
@@ -1261,8 +1263,11 @@ async fn persist_steps(
     joined: &mut bool,
 ) -> Result<(), agentgate_sessions::StoreError> {
     if !*stored {
-        persist_once(state, turn, response, output).await?;
+        let applied = persist_once(state, turn, response, output).await?;
         *stored = true;
+        if !applied {
+            *joined = true;
+        }
     }
     if !*joined {
         if let Some(conversation) = &turn.conversation {
@@ -1275,7 +1280,7 @@ async fn persist_steps(
                 .collect();
             if !state
                 .store
-                .append_conversation_items(&turn.team, conversation, &items)
+                .append_conversation_items(&turn.team, conversation, &turn.id, &items)
                 .await?
             {
                 tracing::warn!(response = %turn.id, %conversation, "the conversation is gone; its new items were not added");
@@ -1286,18 +1291,20 @@ async fn persist_steps(
     Ok(())
 }
 
+/// Write the response; false when a background response was cancelled (or deleted) meanwhile
+/// and its result is discarded.
 async fn persist_once(
     state: &AppState,
     turn: &Turn,
     response: &Value,
     output: &[Value],
-) -> Result<(), agentgate_sessions::StoreError> {
+) -> Result<bool, agentgate_sessions::StoreError> {
     if turn.background {
         state
             .store
             .update_if_active(&turn.team, &turn.id, response, output)
             .await
-            .map(|applied| {
+            .inspect(|applied| {
                 if !applied {
                     tracing::info!(response = %turn.id, "background response was cancelled; result discarded");
                 }
@@ -1311,7 +1318,7 @@ async fn persist_once(
             output_items: output.to_vec(),
             response: response.clone(),
         };
-        state.store.put(&record).await
+        state.store.put(&record).await.map(|()| true)
     }
 }
 

@@ -17,6 +17,8 @@
 //! one (404 on retrieve, `previous_response_not_found` when continued). [`MemoryStore::evicted`]
 //! counts them. Never dropped: the last record written, even when it alone is over the bound,
 //! background responses still queued or running, and the records these continue.
+//! Conversations (Conversations API) count toward the same bound and take their turn in the
+//! same least-recently-used order (used: created, read, or written).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -53,6 +55,12 @@ struct ConversationEntry {
     record: ConversationRecord,
     items: Vec<Value>,
     expires_at: Instant,
+    /// Responses whose items were appended (a retried append adds nothing twice).
+    joined: HashSet<String>,
+    /// Estimated size: its items and metadata ([`value_bytes`]).
+    bytes: u64,
+    /// Tick of its last use: its position in `Records::lru` (under its [`conversation_lru_key`]).
+    used: u64,
 }
 
 /// A session pin and when it stops being in force.
@@ -104,6 +112,45 @@ impl Records {
             .filter(|e| e.expires_at > now && e.record.team == team)
     }
 
+    /// Mark conversation `id` as just used (it competes for memory with the responses).
+    fn touch_conversation(&mut self, id: &str, expires_at: Instant) {
+        if let Some(entry) = self.conversations.get_mut(id) {
+            self.tick += 1;
+            entry.used = self.tick;
+            entry.expires_at = expires_at;
+            self.lru.push_back((self.tick, conversation_lru_key(id)));
+            self.compact_lru(false);
+        }
+    }
+
+    /// Re-estimate conversation `id`'s size after it changed, then keep to the bound.
+    fn resize_conversation(&mut self, id: &str) {
+        if let Some(entry) = self.conversations.get_mut(id) {
+            let bytes = conversation_bytes(&entry.record, &entry.items, &entry.joined);
+            self.bytes = self.bytes - entry.bytes + bytes;
+            entry.bytes = bytes;
+        }
+        self.evict();
+    }
+
+    fn remove_conversation(&mut self, id: &str) -> bool {
+        match self.conversations.remove(id) {
+            Some(entry) => {
+                self.bytes -= entry.bytes;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether an `lru` occurrence is the one that counts for its response or conversation.
+    fn lru_current(&self, used: u64, key: &str) -> bool {
+        match key.strip_prefix(CONVERSATION_LRU_PREFIX) {
+            Some(id) => self.conversations.get(id).is_some_and(|e| e.used == used),
+            None => self.by_id.get(key).is_some_and(|e| e.used == used),
+        }
+    }
+
     /// The pin under `key` if it is still in force.
     fn live_pin_mut(&mut self, key: &str, now: Instant) -> Option<&mut PinEntry> {
         self.pins.get_mut(key).filter(|e| e.expires_at > now)
@@ -121,7 +168,13 @@ impl Records {
                 live
             });
             self.pins.retain(|_, e| e.expires_at > now);
-            self.conversations.retain(|_, e| e.expires_at > now);
+            self.conversations.retain(|_, e| {
+                let live = e.expires_at > now;
+                if !live {
+                    *bytes -= e.bytes;
+                }
+                live
+            });
             let by_id = &self.by_id;
             self.children.retain(|parent, children| {
                 children.retain(|child| by_id.contains_key(child));
@@ -211,7 +264,15 @@ impl Records {
             let Some((used, id)) = self.lru.pop_front() else {
                 break;
             };
-            if self.by_id.get(&id).is_none_or(|e| e.used != used) {
+            if !self.lru_current(used, &id) {
+                continue;
+            }
+            if let Some(conversation) = id.strip_prefix(CONVERSATION_LRU_PREFIX) {
+                if used == self.tick {
+                    kept.push((used, id));
+                } else if self.remove_conversation(conversation) {
+                    self.evicted += 1;
+                }
                 continue;
             }
             let family = self.descendants(&id);
@@ -261,10 +322,12 @@ impl Records {
 
     /// Drop the skipped occurrences from `lru` once they outnumber the records (or `always`).
     fn compact_lru(&mut self, always: bool) {
-        if always || self.lru.len() > 2 * self.by_id.len() + 1024 {
-            let by_id = &self.by_id;
-            self.lru
-                .retain(|(used, id)| by_id.get(id).is_some_and(|e| e.used == *used));
+        if always || self.lru.len() > 2 * (self.by_id.len() + self.conversations.len()) + 1024 {
+            let lru = std::mem::take(&mut self.lru);
+            self.lru = lru
+                .into_iter()
+                .filter(|(used, key)| self.lru_current(*used, key))
+                .collect();
         }
     }
 }
@@ -282,6 +345,31 @@ fn record_bytes(rec: &ResponseRecord) -> u64 {
         .sum();
     // The id is held twice: as the map key and in the record; and once more in `lru`.
     ENTRY + 3 * ids as u64 + items + value_bytes(&rec.response)
+}
+
+/// Prefix of a conversation's entries in `Records::lru` (response ids never start with it).
+const CONVERSATION_LRU_PREFIX: &str = "\u{1}conv:";
+
+/// The `Records::lru` entry name of conversation `id`.
+fn conversation_lru_key(id: &str) -> String {
+    format!("{CONVERSATION_LRU_PREFIX}{id}")
+}
+
+/// Estimated heap bytes of a conversation: its ids, metadata, items and joined responses.
+fn conversation_bytes(
+    record: &ConversationRecord,
+    items: &[Value],
+    joined: &HashSet<String>,
+) -> u64 {
+    const ENTRY: u64 = std::mem::size_of::<ConversationEntry>() as u64;
+    const KEY: u64 = std::mem::size_of::<String>() as u64;
+    let ids = (record.id.len() + record.team.len()) as u64;
+    let joined: u64 = joined.iter().map(|r| KEY + r.len() as u64).sum();
+    ENTRY
+        + 2 * ids
+        + value_bytes(&record.metadata)
+        + items.iter().map(value_bytes).sum::<u64>()
+        + joined
 }
 
 /// Heap bytes of an event log.
@@ -521,14 +609,23 @@ impl Store for MemoryStore {
         let expires_at = self.expiry_from(now);
         let mut records = self.lock();
         records.maybe_sweep(now);
+        records.remove_conversation(&conversation.id);
+        let joined = HashSet::new();
+        let bytes = conversation_bytes(conversation, items, &joined);
+        records.bytes += bytes;
         records.conversations.insert(
             conversation.id.clone(),
             ConversationEntry {
                 record: conversation.clone(),
                 items: items.to_vec(),
                 expires_at,
+                joined,
+                bytes,
+                used: 0,
             },
         );
+        records.touch_conversation(&conversation.id, expires_at);
+        records.evict();
         Ok(())
     }
 
@@ -538,10 +635,15 @@ impl Store for MemoryStore {
         id: &str,
     ) -> Result<Option<ConversationRecord>, StoreError> {
         let now = Instant::now();
+        let expires_at = self.expiry_from(now);
         let mut records = self.lock();
-        Ok(records
+        let found = records
             .conversation_mut(team, id, now)
-            .map(|e| e.record.clone()))
+            .map(|e| e.record.clone());
+        if found.is_some() {
+            records.touch_conversation(id, expires_at);
+        }
+        Ok(found)
     }
 
     async fn set_conversation_metadata(
@@ -553,11 +655,15 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let expires_at = self.expiry_from(now);
         let mut records = self.lock();
-        Ok(records.conversation_mut(team, id, now).map(|e| {
+        let updated = records.conversation_mut(team, id, now).map(|e| {
             e.record.metadata = metadata.clone();
-            e.expires_at = expires_at;
             e.record.clone()
-        }))
+        });
+        if updated.is_some() {
+            records.touch_conversation(id, expires_at);
+            records.resize_conversation(id);
+        }
+        Ok(updated)
     }
 
     async fn delete_conversation(&self, team: &str, id: &str) -> Result<bool, StoreError> {
@@ -566,8 +672,7 @@ impl Store for MemoryStore {
         if records.conversation_mut(team, id, now).is_none() {
             return Ok(false);
         }
-        records.conversations.remove(id);
-        Ok(true)
+        Ok(records.remove_conversation(id))
     }
 
     async fn conversation_items(
@@ -578,28 +683,34 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let expires_at = self.expiry_from(now);
         let mut records = self.lock();
-        Ok(records.conversation_mut(team, id, now).map(|e| {
-            e.expires_at = expires_at;
-            e.items.clone()
-        }))
+        let items = records
+            .conversation_mut(team, id, now)
+            .map(|e| e.items.clone());
+        if items.is_some() {
+            records.touch_conversation(id, expires_at);
+        }
+        Ok(items)
     }
 
     async fn append_conversation_items(
         &self,
         team: &str,
         id: &str,
+        response: &str,
         items: &[Value],
     ) -> Result<bool, StoreError> {
         let now = Instant::now();
         let expires_at = self.expiry_from(now);
         let mut records = self.lock();
-        Ok(records
-            .conversation_mut(team, id, now)
-            .map(|e| {
-                e.items.extend_from_slice(items);
-                e.expires_at = expires_at;
-            })
-            .is_some())
+        let Some(entry) = records.conversation_mut(team, id, now) else {
+            return Ok(false);
+        };
+        if response.is_empty() || entry.joined.insert(response.to_string()) {
+            entry.items.extend_from_slice(items);
+        }
+        records.touch_conversation(id, expires_at);
+        records.resize_conversation(id);
+        Ok(true)
     }
 
     async fn delete_conversation_item(
@@ -609,13 +720,21 @@ impl Store for MemoryStore {
         item_id: &str,
     ) -> Result<Option<bool>, StoreError> {
         let now = Instant::now();
+        let expires_at = self.expiry_from(now);
         let mut records = self.lock();
-        Ok(records.conversation_mut(team, id, now).map(|e| {
-            let before = e.items.len();
-            e.items
-                .retain(|item| item.get("id").and_then(Value::as_str) != Some(item_id));
-            e.items.len() < before
-        }))
+        let removed = records.conversation_mut(team, id, now).map(|e| {
+            // The first with that id, as Redis' LREM does.
+            let at = e
+                .items
+                .iter()
+                .position(|item| item.get("id").and_then(Value::as_str) == Some(item_id));
+            at.map(|at| e.items.remove(at)).is_some()
+        });
+        if removed.is_some() {
+            records.touch_conversation(id, expires_at);
+            records.resize_conversation(id);
+        }
+        Ok(removed)
     }
 
     async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {
@@ -772,6 +891,60 @@ mod tests {
         assert_eq!(store.evicted(), 3);
         let sum: u64 = store.lock().by_id.values().map(|e| e.bytes).sum();
         assert_eq!(store.memory_bytes(), sum);
+    }
+
+    #[tokio::test]
+    async fn conversations_count_toward_the_bound_and_go_least_recently_used() {
+        let store = bounded(2);
+        let conversation = |id: &str| ConversationRecord {
+            id: id.into(),
+            team: "t".into(),
+            created_at: 1,
+            metadata: json!({}),
+        };
+        let items = record("t", "r", None, 3_000).input_items;
+        store
+            .create_conversation(&conversation("c_old"), &items)
+            .await
+            .unwrap();
+        store
+            .create_conversation(&conversation("c_used"), &items)
+            .await
+            .unwrap();
+        store.put(&record("t", "r1", None, 1_000)).await.unwrap();
+        // Reading a conversation is a use: c_used is now the most recent.
+        store.conversation_items("t", "c_used").await.unwrap();
+        store.put(&record("t", "r2", None, 1_000)).await.unwrap();
+        assert_eq!(store.get_conversation("t", "c_old").await.unwrap(), None);
+        assert!(store
+            .get_conversation("t", "c_used")
+            .await
+            .unwrap()
+            .is_some());
+        // Appends grow it; a second append for the same response adds nothing.
+        let before = store.memory_bytes();
+        store
+            .append_conversation_items("t", "c_used", "resp_9", &items)
+            .await
+            .unwrap();
+        let grown = store.memory_bytes();
+        assert!(grown > before);
+        store
+            .append_conversation_items("t", "c_used", "resp_9", &items)
+            .await
+            .unwrap();
+        assert_eq!(
+            store
+                .conversation_items("t", "c_used")
+                .await
+                .unwrap()
+                .map(|i| i.len()),
+            Some(2 * items.len())
+        );
+        let records = store.lock();
+        let sum: u64 = records.by_id.values().map(|e| e.bytes).sum::<u64>()
+            + records.conversations.values().map(|e| e.bytes).sum::<u64>();
+        assert_eq!(records.bytes, sum);
     }
 
     #[tokio::test]

@@ -80,7 +80,8 @@ pub trait Store: Send + Sync + 'static {
         items: &[Value],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// The conversation, if it exists and belongs to `team`. One round trip.
+    /// The conversation, if it exists and belongs to `team` (refreshing its TTL). One round
+    /// trip.
     fn get_conversation(
         &self,
         team: &str,
@@ -113,11 +114,14 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<Vec<Value>>, StoreError>> + Send;
 
     /// Append items (each with an `id`) at the end; false if the conversation is not the
-    /// team's. One round trip.
+    /// team's. `response` names the response whose items these are (empty for none): a second
+    /// append for the same response adds nothing, so a retried write whose first try landed
+    /// does not duplicate them. One round trip.
     fn append_conversation_items(
         &self,
         team: &str,
         id: &str,
+        response: &str,
         items: &[Value],
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
@@ -310,11 +314,12 @@ impl Store for AnyStore {
         &self,
         team: &str,
         id: &str,
+        response: &str,
         items: &[Value],
     ) -> Result<bool, StoreError> {
         match self {
-            AnyStore::Memory(s) => s.append_conversation_items(team, id, items).await,
-            AnyStore::Redis(s) => s.append_conversation_items(team, id, items).await,
+            AnyStore::Memory(s) => s.append_conversation_items(team, id, response, items).await,
+            AnyStore::Redis(s) => s.append_conversation_items(team, id, response, items).await,
         }
     }
 

@@ -328,17 +328,23 @@ pub async fn conversation_suite<S: Store>(store: &S) {
         one!("get other team", store.get_conversation("team-b", "conv_1")),
         None
     );
+    let two = [item("m2", "b"), item("m3", "c")];
     assert!(one!(
         "append",
-        store.append_conversation_items("team-a", "conv_1", &[item("m2", "b"), item("m3", "c")])
+        store.append_conversation_items("team-a", "conv_1", "resp_1", &two)
+    ));
+    // The same response's items again (a retried write whose first try landed): nothing added.
+    assert!(one!(
+        "append again",
+        store.append_conversation_items("team-a", "conv_1", "resp_1", &two)
     ));
     assert!(one!(
         "append nothing",
-        store.append_conversation_items("team-a", "conv_1", &[])
+        store.append_conversation_items("team-a", "conv_1", "", &[])
     ));
     assert!(!one!(
         "append other team",
-        store.append_conversation_items("team-b", "conv_1", &[item("x", "x")])
+        store.append_conversation_items("team-b", "conv_1", "", &[item("x", "x")])
     ));
     assert_eq!(
         one!("items", store.conversation_items("team-a", "conv_1")),
@@ -420,7 +426,7 @@ pub async fn conversation_suite<S: Store>(store: &S) {
         "delete again",
         store.delete_conversation("team-a", "conv_1")
     ));
-    // Created empty.
+    // Created empty; then more items than Lua's unpack returns at once.
     let empty = ConversationRecord {
         id: "conv_2".into(),
         ..conv
@@ -432,6 +438,18 @@ pub async fn conversation_suite<S: Store>(store: &S) {
             store.conversation_items("team-a", "conv_2")
         ),
         Some(vec![])
+    );
+    let many: Vec<Value> = (0..9_000).map(|n| json!({"id": format!("i{n}")})).collect();
+    assert!(one!(
+        "append many",
+        store.append_conversation_items("team-a", "conv_2", "", &many)
+    ));
+    assert_eq!(
+        one!(
+            "items of many",
+            store.conversation_items("team-a", "conv_2")
+        ),
+        Some(many)
     );
 }
 

@@ -54,6 +54,7 @@ def test_conversation_items_and_metadata_can_be_managed(client):
         client.conversations.items.retrieve(one.id, conversation_id=conv.id)
     assert client.conversations.update(conv.id, metadata={"k": "v"}).metadata == {"k": "v"}
     assert client.conversations.retrieve(conv.id).metadata == {"k": "v"}
+    assert client.conversations.update(conv.id, metadata=None).metadata == {}
     deleted = client.conversations.delete(conv.id)
     assert deleted.deleted and deleted.object == "conversation.deleted"
     with pytest.raises(openai.NotFoundError):
@@ -65,6 +66,9 @@ def test_conversation_errors_name_their_parameter(client):
         client.conversations.items.create("conv_x", items=[{"type": "message"}])
     assert e.value.param == "items[0].role"
     conv = client.conversations.create()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.conversations.items.create(conv.id, items=[{"type": "item_reference", "id": "m"}])
+    assert e.value.param == "items[0].type"
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="x", conversation=conv.id,
                                 previous_response_id="resp_x")

@@ -2,10 +2,13 @@
 -- streaming after its response was deleted must not bring the log back).
 -- KEYS[1]: hash of the response   KEYS[2]: its event log
 -- ARGV[1]: TTL in milliseconds    ARGV[2..]: the events, in order
--- Returns the log's length, or 0 when the response does not exist.
+-- Returns 1, or 0 when the response does not exist.
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
 end
-local length = redis.call('RPUSH', KEYS[2], unpack(ARGV, 2))
+-- In slices: Lua's unpack has a limit on how many values it returns.
+for first = 2, #ARGV, 1000 do
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
-return length
+return 1

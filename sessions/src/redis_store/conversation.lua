@@ -1,16 +1,20 @@
 -- Conversations API: one script, the operation in ARGV[1], so every operation checks the owner
 -- and refreshes the TTL of both keys atomically.
--- KEYS[1]: hash of the conversation (team, created_at, metadata)   KEYS[2]: list of its items
+-- KEYS[1]: hash of the conversation (team, created_at, metadata, joined:<response id>...)
+-- KEYS[2]: list of its items
 -- ARGV[1]: operation   ARGV[2]: team that must own it   ARGV[3]: TTL in milliseconds
---   metadata    ARGV[4]: metadata JSON   -> created_at, or nil when not the team's
+--   get                                  -> {created_at, metadata}, or nil when not the team's
+--   metadata    ARGV[4]: metadata JSON   -> created_at, or nil
 --   delete                               -> 1 deleted, 0 when not the team's
 --   items                                -> every item, oldest first, or nil
---   append      ARGV[4..]: items         -> 1, or 0 when not the team's
+--   append      ARGV[4]: response id whose items these are ("" for none), ARGV[5..]: items
+--                                        -> 1 (also when that response's items are already
+--                                           there), or 0 when not the team's
 --   delete_item ARGV[4]: item id         -> 1 removed, 0 no such item, -1 when not the team's
 local op = ARGV[1]
 if redis.call('HGET', KEYS[1], 'team') ~= ARGV[2] then
   if op == 'delete_item' then return -1 end
-  if op == 'metadata' or op == 'items' then return false end
+  if op == 'get' or op == 'metadata' or op == 'items' then return false end
   return 0
 end
 if op == 'delete' then
@@ -19,16 +23,23 @@ if op == 'delete' then
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
-if op == 'metadata' then
+if op == 'get' then
+  return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
+elseif op == 'metadata' then
   redis.call('HSET', KEYS[1], 'metadata', ARGV[4])
   return redis.call('HGET', KEYS[1], 'created_at')
 elseif op == 'items' then
   return redis.call('LRANGE', KEYS[2], 0, -1)
 elseif op == 'append' then
-  if #ARGV >= 4 then
-    redis.call('RPUSH', KEYS[2], unpack(ARGV, 4))
-    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  -- A retried write whose first try landed adds nothing twice.
+  if ARGV[4] ~= '' and redis.call('HSETNX', KEYS[1], 'joined:' .. ARGV[4], 1) == 0 then
+    return 1
   end
+  -- In slices: Lua's unpack has a limit on how many values it returns.
+  for first = 5, #ARGV, 1000 do
+    redis.call('RPUSH', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+  end
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
   return 1
 elseif op == 'delete_item' then
   for _, item in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do

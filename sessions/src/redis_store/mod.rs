@@ -462,16 +462,20 @@ impl Store for RedisStore {
         team: &str,
         id: &str,
     ) -> Result<Option<ConversationRecord>, StoreError> {
-        let [hash, _] = self.conversation_keys(id);
-        let mut cmd = ::redis::cmd("HMGET");
-        cmd.arg(&hash).arg(&["team", "created_at", "metadata"]);
-        let fields: Vec<Option<String>> = self.query(&cmd).await?;
-        let [Some(stored_team), created_at, metadata] = fields.as_slice() else {
+        let fields: Option<Vec<Option<String>>> =
+            self.conversation_op("get", team, id, &[]).await?;
+        let Some(fields) = fields else {
             return Ok(None);
         };
-        if stored_team != team {
-            return Ok(None);
-        }
+        let [created_at, metadata] = fields.as_slice() else {
+            return Err(StoreError::Corrupt {
+                id: id.to_string(),
+                reason: format!(
+                    "conversation get returned {} fields, expected 2",
+                    fields.len()
+                ),
+            });
+        };
         Ok(Some(ConversationRecord {
             id: id.to_string(),
             team: team.to_string(),
@@ -529,10 +533,12 @@ impl Store for RedisStore {
         &self,
         team: &str,
         id: &str,
+        response: &str,
         items: &[Value],
     ) -> Result<bool, StoreError> {
         let encoded = items.iter().map(to_json).collect::<Result<Vec<_>, _>>()?;
-        let args: Vec<&[u8]> = encoded.iter().map(|e| e.as_bytes()).collect();
+        let mut args: Vec<&[u8]> = vec![response.as_bytes()];
+        args.extend(encoded.iter().map(|e| e.as_bytes()));
         let appended: i64 = self.conversation_op("append", team, id, &args).await?;
         Ok(appended == 1)
     }
