@@ -6,7 +6,7 @@
 //! ([`crate::flow`]: it may wait there while the pool is full) and hands it to [`crate::turn`].
 //! `compact` runs the same path for a turn ending with a `compaction_trigger`
 //! (`agentgate_adapters::compaction`). A background response logs its events in the store as it
-//! runs, and `retrieve` with `stream=true` replays and follows that log ([`stream_stored`]), so
+//! runs, and `retrieve` with `stream=true` replays and follows that log (`stream_stored`), so
 //! a client can pick its stream up again on any gateway replica. Every stored object is scoped
 //! to the team whose key created it: other teams get 404.
 
@@ -655,7 +655,7 @@ const FOLLOW_IDLE_LIMIT: Duration = Duration::from_secs(15 * 60);
 /// `GET /v1/responses/{id}`: the stored response, or with `stream=true` the events of a
 /// background response (`background: true`) from its event log: from the first, or after
 /// `starting_after` (a `sequence_number`), then as they are generated until the terminal event.
-/// Any gateway replica can serve it; see [`stream_stored`].
+/// Any gateway replica can serve it; see `stream_stored`.
 pub async fn retrieve(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,

@@ -1190,7 +1190,7 @@ fn fail_unstored(response: &mut Value, terminal: &mut [agentgate_adapters::SseEv
 }
 
 /// Store the finished response (or update the background record in place), trying again while
-/// the store fails ([`retry_pause`]). False when it could not be stored.
+/// the store fails (`retry_pause`). False when it could not be stored.
 pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[Value]) -> bool {
     // A finished turn in a conversation adds its items to it (a failed one adds nothing).
     let joins = turn.conversation.is_some()

@@ -7,7 +7,7 @@
 //!
 //! **Memory bound.** A TTL alone does not bound memory: thirty days of a busy gateway's
 //! conversations do not fit in RAM. Each record's size is estimated as serde_json holds it (a
-//! `Value` node per JSON value, each object key and string's bytes, see [`record_bytes`]), and
+//! `Value` node per JSON value, each object key and string's bytes, see `record_bytes`), and
 //! when the records together pass `StoreOptions::max_memory_bytes` the least recently used go
 //! first, as Redis does with `maxmemory-policy allkeys-lru`. "Used" means what refreshes a TTL:
 //! written, or loaded as part of a history, so a conversation still being continued keeps its
@@ -42,7 +42,7 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
 struct Entry {
     rec: ResponseRecord,
     expires_at: Instant,
-    /// Estimated size ([`record_bytes`]).
+    /// Estimated size (`record_bytes`).
     bytes: u64,
     /// Tick of its last use: the position in `Records::lru` that counts.
     used: u64,
@@ -437,7 +437,7 @@ impl MemoryStore {
         self.lock().by_id.len()
     }
 
-    /// Estimated bytes of the records held ([`record_bytes`]), expired ones not yet swept
+    /// Estimated bytes of the records held (`record_bytes`), expired ones not yet swept
     /// included.
     pub fn memory_bytes(&self) -> u64 {
         self.lock().bytes
