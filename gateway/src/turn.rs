@@ -1264,10 +1264,19 @@ async fn persist_steps(
 ) -> Result<(), agentgate_sessions::StoreError> {
     if !*stored {
         let applied = persist_once(state, turn, response, output).await?;
-        *stored = true;
         if !applied {
-            *joined = true;
+            // Cancelled or deleted meanwhile, or an earlier try landed and only its reply was
+            // lost: the stored record says which.
+            let landed = state
+                .store
+                .get(&turn.team, &turn.id)
+                .await?
+                .is_some_and(|record| record.response == *response);
+            if !landed {
+                *joined = true;
+            }
         }
+        *stored = true;
     }
     if !*joined {
         if let Some(conversation) = &turn.conversation {

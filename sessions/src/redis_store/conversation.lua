@@ -32,7 +32,7 @@ elseif op == 'items' then
   return redis.call('LRANGE', KEYS[2], 0, -1)
 elseif op == 'append' then
   -- A retried write whose first try landed adds nothing twice.
-  if ARGV[4] ~= '' and redis.call('HSETNX', KEYS[1], 'joined:' .. ARGV[4], 1) == 0 then
+  if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[1], 'joined:' .. ARGV[4]) == 1 then
     return 1
   end
   -- In slices: Lua's unpack has a limit on how many values it returns.
@@ -40,6 +40,10 @@ elseif op == 'append' then
     redis.call('RPUSH', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
   end
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  -- Marked last, so a write that stopped part way is not taken for one that landed.
+  if ARGV[4] ~= '' then
+    redis.call('HSET', KEYS[1], 'joined:' .. ARGV[4], 1)
+  end
   return 1
 elseif op == 'delete_item' then
   for _, item in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
