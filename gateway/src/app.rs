@@ -46,6 +46,9 @@ pub struct AppState {
     /// Raised when the gateway shuts down and `[background] shutdown_grace_s` has run out:
     /// background runs still going record themselves as failed (`server_shutdown`).
     pub stopping: tokio::sync::watch::Sender<bool>,
+    /// Raised when the gateway starts shutting down: streams that only follow stored events
+    /// (`GET /v1/responses/{id}?stream=true`) close at once, and their clients resume elsewhere.
+    pub draining: tokio::sync::watch::Sender<bool>,
     /// The gateway's Prometheus metrics (`GET /metrics`).
     pub metrics: Arc<Metrics>,
     /// Flow control: one controller per pool, admission before routing.
@@ -96,6 +99,7 @@ impl AppState {
             background: Mutex::new(HashMap::new()),
             background_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
             stopping: tokio::sync::watch::Sender::new(false),
+            draining: tokio::sync::watch::Sender::new(false),
             metrics,
             flow,
         }))
@@ -308,6 +312,7 @@ impl Gateway {
     /// (`server_shutdown`, stored), and stop the background tasks.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(());
+        let _ = self.state.draining.send(true);
         let grace = self.state.config.server.shutdown_grace();
         let started = tokio::time::Instant::now();
         let mut task = self.task;

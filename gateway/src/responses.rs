@@ -712,7 +712,7 @@ pub async fn retrieve(
 /// terminal event, so the client picks it up again with `starting_after`: the client left, the
 /// store failed [`FOLLOW_STORE_TRIES`] times in a row, the response was deleted, nothing new
 /// arrived for [`FOLLOW_IDLE_LIMIT`] (a run lost with its replica stays `in_progress`), or this
-/// gateway is shutting down.
+/// gateway starts shutting down (a follow holds no work, so it does not wait out the grace).
 async fn stream_stored(
     state: Arc<AppState>,
     team: Team,
@@ -727,7 +727,7 @@ async fn stream_stored(
     let mut final_since: Option<tokio::time::Instant> = None;
     let mut last_news = tokio::time::Instant::now();
     let mut store_failures = 0;
-    let mut stopping = state.stopping.subscribe();
+    let mut draining = state.draining.subscribe();
     loop {
         if tx.is_closed() || last_news.elapsed() >= FOLLOW_IDLE_LIMIT {
             return;
@@ -800,7 +800,7 @@ async fn stream_stored(
         }
         let shutting_down = tokio::select! {
             () = tokio::time::sleep(FOLLOW_POLL) => false,
-            stop = stopping.wait_for(|stop| *stop) => stop.is_ok(),
+            stop = draining.wait_for(|stop| *stop) => stop.is_ok(),
         };
         if shutting_down {
             return;

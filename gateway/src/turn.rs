@@ -993,7 +993,8 @@ const EVENT_LOG_BATCH: Duration = Duration::from_millis(100);
 /// Where a turn's events go: the client's stream when one is attached and, for a background
 /// response, its event log in the store, which `GET /v1/responses/{id}?stream=true` replays
 /// and follows from any gateway replica (`responses::stream_stored`). The log is appended in
-/// batches as events arrive, at most one write per [`EVENT_LOG_BATCH`]; the last batch, ending
+/// batches, at most one write per [`EVENT_LOG_BATCH`], and a batch waits no longer than that
+/// when the engine pauses; the last batch, ending
 /// with the terminal event, is written after the response is stored, as the stream gets it. A
 /// batch the store refuses is kept for the next write; the last is tried three times and then
 /// dropped (logged): a follower then misses those events but still ends, on the stored status.
@@ -1009,6 +1010,11 @@ struct EventLog {
 }
 
 impl Sink {
+    /// Whether events wait for the log's next write.
+    fn holds_events(&self) -> bool {
+        self.log.as_ref().is_some_and(|log| !log.pending.is_empty())
+    }
+
     fn new(turn: &Turn, tx: Option<mpsc::Sender<Bytes>>) -> Sink {
         let log = (turn.background && turn.store).then(|| EventLog {
             id: turn.id.clone(),
@@ -1083,12 +1089,18 @@ pub async fn drive(
     let mut sink = Sink::new(&turn, tx);
     sink.send(&state, rs.start(), false).await;
     let terminal = loop {
+        // Events waiting for the log go out after a pause in the engine's stream too.
+        let flush_due = sink.holds_events();
         let next = match stops.as_mut() {
             Some(stops) => tokio::select! {
                 chunk = chunks.next() => chunk,
                 stop = stops.stopped() => {
                     tracing::info!(response = %turn.id, why = stop.code(), "response stopped while running");
                     break rs.fail(stop.code(), stop.message());
+                }
+                () = tokio::time::sleep(EVENT_LOG_BATCH), if flush_due => {
+                    sink.send(&state, Vec::new(), false).await;
+                    continue;
                 }
             },
             None => chunks.next().await,

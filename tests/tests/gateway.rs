@@ -1276,6 +1276,52 @@ async fn a_conversation_is_served_by_either_gateway_and_grows_with_each_turn() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_closes_when_shutdown_starts_and_the_run_finishes() {
+    // 200 ms per token: the run outlives the follow.
+    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        model: "sim-model".into(),
+        decode_ms_per_token: 200.0,
+        time_scale: 1.0,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let fleet = Fleet::over(vec![sim])
+        .extra("[server]\nshutdown_grace_s = 120\n")
+        .start()
+        .await;
+    let base = fleet.base_url();
+    let body = json!({"model": "sim-model", "input": "a story", "background": true,
+                      "max_output_tokens": 16});
+    let (s, created) = create(&base, body).await;
+    assert_eq!(s, 200, "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+    let resp = client()
+        .get(format!("{base}/v1/responses/{id}?stream=true"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let follow = tokio::spawn(read_sse(resp));
+    let shutdown = tokio::spawn(fleet.shutdown());
+    // The follow ends at the start of the shutdown, before the run's terminal event (it would
+    // otherwise follow to the end: the grace is two minutes); the run still finishes.
+    let events = follow.await.unwrap();
+    let terminal = [
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    ];
+    assert!(
+        events.iter().all(|e| !terminal.contains(&e.event.as_str())),
+        "{:?}",
+        events.iter().map(|e| &e.event).collect::<Vec<_>>()
+    );
+    shutdown.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_cut_short_by_shutdown_end_as_failed() {
     // Two real seconds per token: no answer finishes within the test.
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
