@@ -11,6 +11,7 @@
 //! - **events**, counted as they happen through [`Metrics`]' methods: responses by how they
 //!   ended (`agentgate_responses_total{pool,status,code}`: `completed`, `incomplete` or
 //!   `failed`, with a failure's error code: the engine failure's, `store_unavailable`,
+//!   `compaction_failed`,
 //!   `server_shutdown`, or `response_cancelled` for a cancelled background run; empty
 //!   otherwise), routing decisions and
 //!   their reason, session pin moves and their cause, discovery reloads, endpoint health
@@ -342,6 +343,8 @@ pub struct Metrics {
     pub rate_limit_store_errors: CounterVec<0>,
     /// `agentgate_responses_total{pool,status,code}`.
     pub responses: CounterVec<3>,
+    /// `agentgate_compactions_total{pool,status}`.
+    pub compactions: CounterVec<2>,
     /// `agentgate_pd_decisions_total{pool,decision,reason}`.
     pub pd_decisions: CounterVec<3>,
     /// `agentgate_pd_transfer_failures_total{pool,prefill,decode}`.
@@ -432,6 +435,11 @@ impl Metrics {
                 "Prefill halves of session pins moved to another prefill endpoint, by cause.",
                 ["pool", "cause"],
             ),
+            compactions: CounterVec::new(
+                "agentgate_compactions_total",
+                "Compaction turns (compaction_trigger or /v1/responses/compact) that ended, by pool and final status; they count in agentgate_responses_total too.",
+                ["pool", "status"],
+            ),
             responses: CounterVec::new(
                 "agentgate_responses_total",
                 "Responses that ended, by pool, final status (completed, incomplete, failed) and error code (empty unless failed).",
@@ -472,12 +480,22 @@ impl Metrics {
         self.pd_prefill_pin_moves.inc([pool, cause]);
     }
 
+    /// A compaction turn ended (it was counted by [`Metrics::response_ended`] too).
+    pub fn compaction_ended(&self, pool: &str, response: &serde_json::Value) {
+        let status = response
+            .get("status")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("unknown");
+        self.compactions.inc([pool, status]);
+    }
+
     /// A turn ended as `response` says: its status and, when it failed, its error code.
     pub fn response_ended(&self, pool: &str, response: &serde_json::Value) {
         let status = response
             .get("status")
             .and_then(serde_json::Value::as_str)
             .unwrap_or("unknown");
+
         let code = match status {
             "failed" => response
                 .pointer("/error/code")
@@ -528,6 +546,7 @@ impl Metrics {
         self.store_write_errors.encode(&mut out);
         self.rate_limit_store_errors.encode(&mut out);
         self.responses.encode(&mut out);
+        self.compactions.encode(&mut out);
         self.pd_decisions.encode(&mut out);
         self.pd_transfer_failures.encode(&mut out);
         self.pd_fallbacks.encode(&mut out);

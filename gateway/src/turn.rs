@@ -1177,6 +1177,9 @@ pub async fn drive(
         fail_unstored(&mut response, &mut terminal);
     }
     state.metrics.response_ended(&turn.pool.name, &response);
+    if turn.plan.compaction {
+        state.metrics.compaction_ended(&turn.pool.name, &response);
+    }
     sink.send(&state, terminal, true).await;
     response
 }

@@ -1086,6 +1086,14 @@ async fn a_compaction_turn_streams_one_item_that_later_turns_read_back() {
     assert_eq!(shrunk["output"][0]["type"], "compaction", "{shrunk}");
     assert!(shrunk["usage"]["input_tokens"].as_u64().unwrap() < 65_536);
 
+    let m = metrics_text(&base).await;
+    assert!(
+        m.lines()
+            .any(|l| l
+                .starts_with("agentgate_compactions_total{pool=\"sim\",status=\"completed\"} ")),
+        "{m}"
+    );
+
     // The compact endpoint's refusals.
     let compact = |body: Value| {
         let url = format!("{base}/v1/responses/compact");
