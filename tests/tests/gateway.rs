@@ -1283,22 +1283,25 @@ async fn a_conversation_is_served_by_either_gateway_and_grows_with_each_turn() {
     fleet.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_follow_closes_when_shutdown_starts_and_the_run_finishes() {
-    // 200 ms per token: the run outlives the follow.
+/// One simulated replica decoding `decode_ms` real milliseconds per token, behind a gateway
+/// with `extra` config.
+async fn slow_fleet(decode_ms: f64, extra: &str) -> Fleet {
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
         listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         model: "sim-model".into(),
-        decode_ms_per_token: 200.0,
+        decode_ms_per_token: decode_ms,
         time_scale: 1.0,
         ..Default::default()
     })
     .await
     .unwrap();
-    let fleet = Fleet::over(vec![sim])
-        .extra("[server]\nshutdown_grace_s = 120\n")
-        .start()
-        .await;
+    Fleet::over(vec![sim]).extra(extra).start().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_closes_when_shutdown_starts_and_the_run_finishes() {
+    // 200 ms per token: the run outlives the follow.
+    let fleet = slow_fleet(200.0, "[server]\nshutdown_grace_s = 120\n").await;
     let base = fleet.base_url();
     let body = json!({"model": "sim-model", "input": "a story", "background": true,
                       "max_output_tokens": 16});
@@ -1332,19 +1335,11 @@ async fn a_follow_closes_when_shutdown_starts_and_the_run_finishes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_cut_short_by_shutdown_end_as_failed() {
     // Two real seconds per token: no answer finishes within the test.
-    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
-        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-        model: "sim-model".into(),
-        decode_ms_per_token: 2_000.0,
-        time_scale: 1.0,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let fleet = Fleet::over(vec![sim])
-        .extra("[server]\nshutdown_grace_s = 0.2\n[background]\nmax_concurrent = 1\n")
-        .start()
-        .await;
+    let fleet = slow_fleet(
+        2_000.0,
+        "[server]\nshutdown_grace_s = 0.2\n[background]\nmax_concurrent = 1\n",
+    )
+    .await;
     let base = fleet.base_url();
     let body = json!({"model": "sim-model", "input": "write a long story", "background": true,
                       "max_output_tokens": 2000});
