@@ -26,7 +26,8 @@
 //! conversation at once each see
 //! the items of the moment they started; their items are appended as each ends. The session key
 //! of such turns is the conversation id (`agentgate_scheduler::session_key`), so they go to the
-//! replica holding the conversation's cache.
+//! replica holding the conversation's cache (unless a session header or `prompt_cache_key`
+//! names the session first).
 
 use std::sync::Arc;
 

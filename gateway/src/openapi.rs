@@ -32,7 +32,7 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "Create a model response (streaming when the body has \"stream\": true).",
         request: Some("CreateResponse"),
         response: "Response",
-        errors: &[400, 401, 403, 404, 413, 415, 429, 502, 503],
+        errors: &[400, 401, 403, 404, 413, 415, 429, 500, 502, 503],
         query: &[],
     },
     RouteDoc {
@@ -41,7 +41,7 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "Retrieve a stored response; with stream=true, a background response's events (replayed, then followed until the terminal event).",
         request: None,
         response: "Response",
-        errors: &[400, 401, 404],
+        errors: &[400, 401, 404, 503],
         query: &[
             (
                 "stream",
@@ -99,7 +99,7 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "Compact a conversation into its user messages and one compaction item (not stored).",
         request: Some("CompactResponse"),
         response: "CompactedResponse",
-        errors: &[400, 401, 404, 413, 415, 429, 502, 503],
+        errors: &[400, 401, 403, 404, 413, 415, 429, 500, 502, 503],
         query: &[],
     },
     RouteDoc {
@@ -254,7 +254,7 @@ fn components() -> Value {
                     "previous_response_id": {"type": "string", "nullable": true},
                     "conversation": {
                         "oneOf": [{"type": "string"}, {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}],
-                        "description": "Run in this conversation: its items are the history, and the turn's input and output items are appended once it completes. Not with previous_response_id."
+                        "description": "Run in this conversation: its items are the history, and the turn's input and output items are appended once it is completed or incomplete. Not with previous_response_id."
                     },
                     "store": {"type": "boolean", "default": true},
                     "stream": {"type": "boolean", "default": false},
@@ -324,7 +324,7 @@ fn components() -> Value {
             },
             "CompactResponse": {
                 "type": "object",
-                "description": "What to compact: the previous_response_id chain, then input. Other CreateResponse fields (instructions, tools, reasoning, prompt_cache_key, service_tier) shape the summarizing turn; stream and background are refused.",
+                "description": "What to compact: the previous_response_id chain, then input. Other CreateResponse fields (instructions, tools, reasoning, prompt_cache_key, service_tier) shape the summarizing turn, which is never stored; stream, background and conversation are refused.",
                 "required": ["model"],
                 "additionalProperties": true,
                 "properties": {

@@ -87,8 +87,7 @@ struct Records {
     evicted: u64,
     /// Record id -> the ids of the stored records continuing it.
     children: HashMap<String, HashSet<String>>,
-    /// Conversations by id (outside the memory bound, which is the responses'; their TTL
-    /// applies).
+    /// Conversations by id (they count toward the memory bound and take their turn in `lru`).
     conversations: HashMap<String, ConversationEntry>,
 }
 
