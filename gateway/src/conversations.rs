@@ -46,7 +46,7 @@ use crate::auth::Team;
 use crate::error::HttpError;
 use crate::request::{invalid_type, parse_json, validate_metadata};
 use crate::response_object::{new_id, now_secs};
-use crate::responses::{body_error, item_page, store_error, ListQuery};
+use crate::responses::{as_listed, body_error, item_page, store_error, ListQuery};
 
 /// Most items one create or add request may carry (OpenAI's limit).
 pub const MAX_ITEMS_PER_REQUEST: usize = 20;
@@ -288,6 +288,7 @@ pub async fn add_items(
             .cloned()
             .unwrap_or(Value::Null)
     };
+    let items: Vec<Value> = items.into_iter().map(as_listed).collect();
     Ok(Json(json!({
         "object": "list",
         "first_id": id_of(items.first()),
@@ -318,7 +319,7 @@ pub async fn get_item(
         .await?
         .into_iter()
         .find(|item| item.get("id").and_then(Value::as_str) == Some(item_id.as_str()))
-        .map(Json)
+        .map(|item| Json(as_listed(item)))
         .ok_or_else(|| item_not_found(&id, &item_id))
 }
 

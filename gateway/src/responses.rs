@@ -912,6 +912,17 @@ pub struct ListQuery {
     after: Option<String>,
 }
 
+/// An item as the API lists it: a message without a `status` (one a client sent) gets
+/// `completed`, as OpenAI's listed items always carry one.
+pub fn as_listed(mut item: Value) -> Value {
+    if item.get("type").and_then(Value::as_str) == Some("message") && item.get("status").is_none() {
+        if let Some(fields) = item.as_object_mut() {
+            fields.insert("status".into(), Value::from("completed"));
+        }
+    }
+    item
+}
+
 /// One page of `items` (oldest first) as an OpenAI list: `limit` 1-100 (default 20), `order`
 /// `desc` (default) or `asc`, starting after the item with id `after` (`what` names the list in
 /// the error when there is none).
@@ -961,7 +972,7 @@ pub fn item_page(items: Vec<Value>, q: &ListQuery, what: &str) -> Result<Value, 
         }
     };
     let rest = items.get(start..).unwrap_or_default();
-    let page: Vec<Value> = rest.iter().take(limit).cloned().collect();
+    let page: Vec<Value> = rest.iter().take(limit).cloned().map(as_listed).collect();
     let id_of = |v: Option<&Value>| {
         v.and_then(|it| it.get("id"))
             .cloned()

@@ -236,3 +236,52 @@ async fn stream_then_chain() -> TestResult {
     gateway.shutdown().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversation_items_and_responses_in_a_conversation() -> TestResult {
+    use async_openai::types::responses::{
+        ConversationItem, ConversationParam, CreateConversationRequestArgs, EasyInputMessage,
+        InputItem, MessageRole,
+    };
+    let (gateway, client) = start().await?;
+    let first = InputItem::EasyMessage(EasyInputMessage {
+        role: async_openai::types::responses::Role::User,
+        content: async_openai::types::responses::EasyInputContent::Text("My name is Ada.".into()),
+        ..Default::default()
+    });
+    let conversation = client
+        .conversations()
+        .create(
+            CreateConversationRequestArgs::default()
+                .items(vec![first])
+                .build()?,
+        )
+        .await?;
+    assert_eq!(conversation.object, "conversation");
+    let mut args = CreateResponseArgs::default();
+    args.model("sim-model")
+        .input("What is my name?")
+        .conversation(ConversationParam::ConversationID(conversation.id.clone()));
+    let response = client.responses().create(args.build()?).await?;
+    assert_eq!(response.status, Status::Completed);
+    // Every item deserializes into the client's typed items: the first message, the turn's
+    // input and its answer.
+    let items = client
+        .conversations()
+        .items(&conversation.id)
+        .list()
+        .await?;
+    let roles: Vec<MessageRole> = items
+        .data
+        .iter()
+        .filter_map(|item| match item {
+            ConversationItem::Message(m) => Some(m.role.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(roles.len(), 3, "{items:?}");
+    let deleted = client.conversations().delete(&conversation.id).await?;
+    assert!(deleted.deleted);
+    gateway.shutdown().await;
+    Ok(())
+}
