@@ -1,7 +1,8 @@
-//! End-to-end: no request body makes the gateway fail. Every value of a few valid Responses
-//! requests (a plain one, one with tools, structured output and a tool-call history, a
-//! streamed one) is replaced in turn by a value of every JSON type, and every key is removed in
-//! turn. Each answer must be a success or a 4xx with an OpenAI-shaped error body (`message`,
+//! End-to-end: no request body makes the gateway fail. Every value of a few valid requests
+//! (Responses: a plain one, one with tools, structured output and a tool-call history, a
+//! streamed one, a streamed compaction, one in a conversation; `/v1/responses/compact`; a new
+//! conversation; items added to one) is replaced in turn by a value of every JSON type, and
+//! every key is removed in turn. Each answer must be a success or a 4xx with an OpenAI-shaped error body (`message`,
 //! `type`, `param` and `code` keys); never a 5xx, a dropped connection or a stream that ends
 //! without a terminal event. The gateway still serves a plain request afterwards. Paths and
 //! query strings that do not decode get the same error shape.
@@ -86,8 +87,47 @@ fn variants(base: &Value) -> Vec<(String, Value)> {
     out
 }
 
-/// The requests the variants start from. Each is answered 200 as it stands.
-fn bases() -> Vec<Value> {
+/// The requests the variants start from, with the path each is sent to (`conversation` is an
+/// existing conversation's id). Each is answered 200 as it stands.
+fn bases(conversation: &str) -> Vec<(String, Value)> {
+    let responses = responses_bases();
+    let history = responses[1]["input"].clone();
+    let mut out: Vec<(String, Value)> = responses
+        .into_iter()
+        .map(|body| ("/v1/responses".to_string(), body))
+        .collect();
+    let mut compaction = history.clone();
+    if let Some(items) = compaction.as_array_mut() {
+        items.push(json!({"type": "compaction_trigger"}));
+    }
+    out.push((
+        "/v1/responses".into(),
+        json!({"model": "sim-model", "input": compaction, "stream": true}),
+    ));
+    out.push((
+        "/v1/responses".into(),
+        json!({"model": "sim-model", "input": "and then?", "conversation": conversation,
+               "max_output_tokens": 16}),
+    ));
+    out.push((
+        "/v1/responses/compact".into(),
+        json!({"model": "sim-model", "input": history, "instructions": "Be brief."}),
+    ));
+    out.push((
+        "/v1/conversations".into(),
+        json!({"items": [{"type": "message", "role": "user", "content": "hi"}],
+               "metadata": {"topic": "tests"}}),
+    ));
+    out.push((
+        format!("/v1/conversations/{conversation}/items"),
+        json!({"items": [{"type": "message", "role": "user",
+                          "content": [{"type": "input_text", "text": "more"}]}]}),
+    ));
+    out
+}
+
+/// The Responses requests among [`bases`].
+fn responses_bases() -> Vec<Value> {
     let schema = json!({
         "type": "object",
         "properties": {"path": {"type": "string"}, "lines": {"type": "integer"}},
@@ -163,8 +203,9 @@ async fn check(resp: reqwest::Response) -> Result<(), String> {
     }
     let body: Value =
         serde_json::from_str(&text).map_err(|e| format!("{status}: not JSON ({e}): {text}"))?;
+    let objects = ["response", "response.compaction", "conversation", "list"];
     match status {
-        200 if body["object"] == "response" => Ok(()),
+        200 if objects.contains(&body["object"].as_str().unwrap_or_default()) => Ok(()),
         400..=499 => {
             let error = &body["error"];
             let shaped = error["message"].as_str().is_some_and(|m| !m.is_empty())
@@ -187,24 +228,41 @@ async fn no_request_body_gets_a_5xx_or_a_broken_answer() {
     let client = reqwest::Client::new();
     let mut failures = Vec::new();
     let mut sent = 0;
-    for request in bases() {
-        let resp = post_response(&base, &request).await;
-        assert_eq!(resp.status(), 200, "the base request is valid: {request}");
+    let conversation: Value = client
+        .post(format!("{base}/v1/conversations"))
+        .json(&json!({}))
+        .send()
+        .await
+        .expect("a conversation")
+        .json()
+        .await
+        .expect("its JSON");
+    let conversation = conversation["id"].as_str().expect("its id").to_string();
+    for (path, request) in bases(&conversation) {
+        let resp = client
+            .post(format!("{base}{path}"))
+            .json(&request)
+            .send()
+            .await
+            .expect("an answer");
+        assert_eq!(
+            resp.status(),
+            200,
+            "the base request is valid: {path} {request}"
+        );
         check(resp)
             .await
             .expect("the base request is answered whole");
         for (what, body) in variants(&request) {
             sent += 1;
+            let what = format!("{path} {what}");
             let resp = client
-                .post(format!("{base}/v1/responses"))
+                .post(format!("{base}{path}"))
                 .json(&body)
                 .send()
                 .await;
             let verdict = match resp {
-                Ok(resp) => {
-                    eprintln!("DBG {} {what}", resp.status().as_u16());
-                    check(resp).await
-                }
+                Ok(resp) => check(resp).await,
                 Err(e) => Err(format!("no answer: {e}")),
             };
             if let Err(e) = verdict {
