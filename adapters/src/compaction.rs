@@ -22,9 +22,9 @@
 //! with `tool_choice` `none` and at most [`CompactionOptions::max_output_tokens`] tokens. A summary
 //! cut at that limit is kept as it is: shorter context is the point, and the turn completes.
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use crate::reasoning_blob::{base64_decode, base64_encode};
+use crate::reasoning_blob::{decode_tagged, encode_tagged};
 
 const FORMAT_KEY: &str = "agentgate_compaction";
 
@@ -62,22 +62,13 @@ impl Default for CompactionOptions {
 
 /// The `encrypted_content` of a compaction item holding `summary`.
 pub fn encode_compaction_blob(summary: &str) -> String {
-    base64_encode(
-        json!({ FORMAT_KEY: 1, "text": summary })
-            .to_string()
-            .as_bytes(),
-    )
+    encode_tagged(FORMAT_KEY, summary)
 }
 
 /// The summary in an `encrypted_content` made by [`encode_compaction_blob`]; `None` for
 /// anything else (another provider's item, or a reasoning blob).
 pub fn decode_compaction_blob(blob: &str) -> Option<String> {
-    let bytes = base64_decode(blob.trim())?;
-    let value: Value = serde_json::from_slice(&bytes).ok()?;
-    if value.get(FORMAT_KEY).and_then(Value::as_u64) != Some(1) {
-        return None;
-    }
-    value.get("text")?.as_str().map(str::to_owned)
+    decode_tagged(FORMAT_KEY, blob)
 }
 
 /// Whether `item` is the request control that asks for a compaction.
@@ -106,6 +97,7 @@ pub fn retained_user_messages<'a>(
 mod tests {
     use super::*;
     use crate::encode_reasoning_blob;
+    use serde_json::json;
 
     #[test]
     fn blobs_round_trip_and_foreign_ones_do_not_decode() {

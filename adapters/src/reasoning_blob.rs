@@ -14,21 +14,31 @@ const FORMAT_KEY: &str = "agentgate_reasoning";
 
 /// Encodes reasoning text as the opaque `encrypted_content` value described in the module doc.
 pub fn encode_reasoning_blob(text: &str) -> String {
-    let payload = json!({ FORMAT_KEY: 1, "text": text }).to_string();
-    base64_encode(payload.as_bytes())
+    encode_tagged(FORMAT_KEY, text)
 }
 
 /// Decodes an `encrypted_content` value made by [`encode_reasoning_blob`]; `None` for anything else.
 pub fn decode_reasoning_blob(blob: &str) -> Option<String> {
+    decode_tagged(FORMAT_KEY, blob)
+}
+
+/// Standard base64 of the JSON `{"<key>": 1, "text": "<text>"}`: an opaque round-trip token
+/// whose `key` says what it holds.
+pub(crate) fn encode_tagged(key: &str, text: &str) -> String {
+    base64_encode(json!({ key: 1, "text": text }).to_string().as_bytes())
+}
+
+/// The text of a token made by [`encode_tagged`] with the same `key`; `None` for anything else.
+pub(crate) fn decode_tagged(key: &str, blob: &str) -> Option<String> {
     let bytes = base64_decode(blob.trim())?;
     let value: Value = serde_json::from_slice(&bytes).ok()?;
-    if value.get(FORMAT_KEY).and_then(Value::as_u64) != Some(1) {
+    if value.get(key).and_then(Value::as_u64) != Some(1) {
         return None;
     }
     value.get("text")?.as_str().map(str::to_owned)
 }
 
-pub(crate) fn base64_encode(input: &[u8]) -> String {
+fn base64_encode(input: &[u8]) -> String {
     let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
     for chunk in input.chunks(3) {
         let b = [
@@ -48,7 +58,7 @@ pub(crate) fn base64_encode(input: &[u8]) -> String {
     out
 }
 
-pub(crate) fn base64_decode(input: &str) -> Option<Vec<u8>> {
+fn base64_decode(input: &str) -> Option<Vec<u8>> {
     let trimmed = input.trim_end_matches('=');
     let mut out = Vec::with_capacity(trimmed.len() * 3 / 4);
     let mut acc: u32 = 0;
