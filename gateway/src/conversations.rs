@@ -46,7 +46,7 @@ use crate::auth::Team;
 use crate::error::HttpError;
 use crate::request::{invalid_type, parse_json, validate_metadata};
 use crate::response_object::{new_id, now_secs};
-use crate::responses::{as_listed, body_error, item_page, store_error, ListQuery};
+use crate::responses::{as_listed, body_error, item_list, item_page, store_error, ListQuery};
 
 /// Most items one create or add request may carry (OpenAI's limit).
 pub const MAX_ITEMS_PER_REQUEST: usize = 20;
@@ -283,19 +283,7 @@ pub async fn add_items(
     {
         return Err(not_found(&id));
     }
-    let id_of = |v: Option<&Value>| {
-        v.and_then(|it| it.get("id"))
-            .cloned()
-            .unwrap_or(Value::Null)
-    };
-    let items: Vec<Value> = items.into_iter().map(as_listed).collect();
-    Ok(Json(json!({
-        "object": "list",
-        "first_id": id_of(items.first()),
-        "last_id": id_of(items.last()),
-        "has_more": false,
-        "data": items,
-    })))
+    Ok(Json(item_list(items, false)))
 }
 
 fn item_not_found(id: &str, item_id: &str) -> HttpError {

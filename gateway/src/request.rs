@@ -23,6 +23,8 @@ pub struct CreateRequest {
     pub background: bool,
     /// `previous_response_id`.
     pub previous_response_id: Option<String>,
+    /// The conversation it runs in ([`conversation_id`]).
+    pub conversation: Option<String>,
 }
 
 /// The `conversation` a request runs in: a conversation id, or an object with its `id`.
@@ -408,12 +410,14 @@ impl CreateRequest {
             }
         }
         let previous_response_id = opt_str(&body, "previous_response_id")?.map(str::to_string);
+        let conversation = conversation_id(&body)?;
         Ok(CreateRequest {
             model,
             stream,
             store,
             background,
             previous_response_id,
+            conversation,
             body,
         })
     }

@@ -165,6 +165,7 @@ async fn prepare(
     body: &Value,
     model: &str,
     previous: Option<&str>,
+    conversation: Option<&str>,
 ) -> Result<Prepared, HttpError> {
     let pool = state
         .pools
@@ -172,10 +173,8 @@ async fn prepare(
         .ok_or_else(|| model_not_found(model))?;
     let input = body.get("input").cloned().unwrap_or_else(|| json!([]));
     let input_items = normalize_input(&input)?;
-    let conversation = crate::request::conversation_id(body)?;
-    let (history, chain_root) = match previous {
-        _ if conversation.is_some() => {
-            let id = conversation.as_deref().unwrap_or_default();
+    let (history, chain_root) = match (previous, conversation) {
+        (_, Some(id)) => {
             let items = crate::conversations::items(state, team, id)
                 .await
                 .map_err(|mut e| {
@@ -186,7 +185,7 @@ async fn prepare(
                 })?;
             (items, None)
         }
-        Some(prev) => {
+        (Some(prev), None) => {
             let h = state
                 .store
                 .history(&team.0, prev)
@@ -195,7 +194,7 @@ async fn prepare(
                 .ok_or_else(|| previous_not_found(prev))?;
             (h.items, Some(h.root_id))
         }
-        None => (Vec::new(), None),
+        (None, None) => (Vec::new(), None),
     };
     let input_items = resolve_item_references(input_items, &history)?;
     if input_items.is_empty() && history.is_empty() {
@@ -370,8 +369,6 @@ pub async fn compact(
     fields.insert("background".into(), Value::Bool(false));
     fields.insert("store".into(), Value::Bool(false));
     let req = CreateRequest::from_body(body)?;
-    // The user messages of the history as well: loaded again, since the turn consumed its copy.
-    let history = history_items(&state, &team, previous.as_deref()).await?;
     let done = match run(&state, &headers, team, req, bytes.len() as u64).await? {
         Started::Finished(done) => done,
         Started::Answered(resp) => return Ok(resp),
@@ -386,7 +383,7 @@ pub async fn compact(
             HttpError::server(502, "The compaction produced no summary.", "upstream_error")
         })?;
     let mut output: Vec<Value> =
-        agentgate_adapters::compaction::retained_user_messages(&history, &retained_input)
+        agentgate_adapters::compaction::retained_user_messages(&done.history, &retained_input)
             .cloned()
             .collect();
     output.push(item);
@@ -418,6 +415,8 @@ struct Finished {
     endpoint: Arc<Endpoint>,
     reason: (&'static str, Option<&'static str>),
     flow_headers: Vec<(&'static str, String)>,
+    /// A compaction turn's history (empty for other turns).
+    history: Vec<Value>,
 }
 
 /// A failed non-streamed response as the HTTP error it is: 503 when the store could not keep
@@ -456,11 +455,12 @@ async fn run(
         &req.body,
         &req.model,
         req.previous_response_id.as_deref(),
+        req.conversation.as_deref(),
     )
     .await?;
     let continuing = prepared.chain_root.is_some()
         || !prepared.history.is_empty()
-        || req.body.get("conversation").is_some_and(|c| !c.is_null())
+        || req.conversation.is_some()
         || flow::input_continues(&prepared.input_items);
     let id = new_id("resp");
     let status = if req.background {
@@ -487,15 +487,16 @@ async fn run(
             &req.body,
             // A stored first turn roots the chain its successors form, unless it runs in a
             // conversation, whose id keys every turn.
-            prepared.chain_root.as_deref().or((req.store
-                && req.body.get("conversation").is_none_or(Value::is_null))
-            .then_some(id.as_str())),
+            prepared
+                .chain_root
+                .as_deref()
+                .or((req.store && req.conversation.is_none()).then_some(id.as_str())),
         ),
         permit: None,
         lineage: None,
         admission_pin: None,
         background_slot: None,
-        conversation: crate::request::conversation_id(&req.body).ok().flatten(),
+        conversation: req.conversation.clone(),
     };
     turn.lineage = turn::lineage_of(&turn.pool, headers, turn.session.as_deref());
     // Admission comes after the request is prepared (its token estimate exists) and before
@@ -586,6 +587,11 @@ async fn run(
         let resp = with_reason(sse_response(rx, Some(&endpoint)), reason);
         return Ok(Started::Answered(with_headers(resp, flow_headers)));
     }
+    // A compaction answers with the history's user messages besides its summary.
+    let history = match turn.plan.compaction {
+        true => turn.history.clone(),
+        false => Vec::new(),
+    };
     let task = tokio::spawn(turn::drive(
         state.clone(),
         turn,
@@ -606,6 +612,7 @@ async fn run(
         endpoint,
         reason,
         flow_headers,
+        history,
     }))
 }
 
@@ -732,9 +739,13 @@ async fn stream_stored(
         if tx.is_closed() || last_news.elapsed() >= FOLLOW_IDLE_LIMIT {
             return;
         }
+        // New events first; only when there are none is the stored status read.
         let read = async {
             let frames = state.store.events(&id, next).await?;
-            let record = state.store.get(&team.0, &id).await?;
+            let record = match frames.is_empty() {
+                true => Some(state.store.get(&team.0, &id).await?),
+                false => None,
+            };
             Ok::<_, agentgate_sessions::StoreError>((frames, record))
         };
         let (frames, record) = match read.await {
@@ -767,7 +778,7 @@ async fn stream_stored(
                 return;
             }
         }
-        if store_failures == 0 {
+        if let Some(record) = record {
             let Some(record) = record else {
                 return; // deleted meanwhile
             };
@@ -972,19 +983,26 @@ pub fn item_page(items: Vec<Value>, q: &ListQuery, what: &str) -> Result<Value, 
         }
     };
     let rest = items.get(start..).unwrap_or_default();
-    let page: Vec<Value> = rest.iter().take(limit).cloned().map(as_listed).collect();
+    let page: Vec<Value> = rest.iter().take(limit).cloned().collect();
+    let has_more = rest.len() > page.len();
+    Ok(item_list(page, has_more))
+}
+
+/// `items` as an OpenAI list object (each [`as_listed`]).
+pub fn item_list(items: Vec<Value>, has_more: bool) -> Value {
+    let items: Vec<Value> = items.into_iter().map(as_listed).collect();
     let id_of = |v: Option<&Value>| {
         v.and_then(|it| it.get("id"))
             .cloned()
             .unwrap_or(Value::Null)
     };
-    Ok(json!({
+    json!({
         "object": "list",
-        "first_id": id_of(page.first()),
-        "last_id": id_of(page.last()),
-        "has_more": rest.len() > page.len(),
-        "data": page,
-    }))
+        "first_id": id_of(items.first()),
+        "last_id": id_of(items.last()),
+        "has_more": has_more,
+        "data": items,
+    })
 }
 
 /// `GET /v1/responses/{id}/input_items`: every item the model saw as input for this response
@@ -1025,7 +1043,16 @@ pub async fn input_tokens(
         .get("previous_response_id")
         .and_then(Value::as_str)
         .map(str::to_string);
-    let prepared = prepare(&state, &team, &body, &model, previous.as_deref()).await?;
+    let conversation = crate::request::conversation_id(&body)?;
+    let prepared = prepare(
+        &state,
+        &team,
+        &body,
+        &model,
+        previous.as_deref(),
+        conversation.as_deref(),
+    )
+    .await?;
     let pool = &prepared.pool;
     let endpoints = pool.endpoints();
     let ep = pool

@@ -165,17 +165,12 @@ pub fn drop_middle(history: &mut Vec<Value>) {
 /// developer messages, compaction items and the trigger stay. False when nothing is left to
 /// drop.
 pub fn shrink_for_compaction(history: &mut Vec<Value>, input: &mut Vec<Value>) -> bool {
-    let kind = |item: &Value| {
-        item.get("type")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string()
-    };
-    let droppable = |item: &Value| match kind(item).as_str() {
-        "message" => item.get("role").and_then(Value::as_str) == Some("assistant"),
-        "compaction" | "compaction_trigger" => false,
-        _ => true,
-    };
+    let droppable =
+        |item: &Value| match item.get("type").and_then(Value::as_str).unwrap_or_default() {
+            "message" => item.get("role").and_then(Value::as_str) == Some("assistant"),
+            "compaction" | "compaction_trigger" => false,
+            _ => true,
+        };
     let candidates: Vec<&Value> = history
         .iter()
         .chain(input.iter())
