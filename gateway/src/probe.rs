@@ -50,6 +50,7 @@ pub async fn scrape(
     record_load: bool,
 ) -> Result<(), String> {
     let in_flight_before = endpoint.in_flight_requests();
+    let working_set_before = endpoint.working_set_tokens();
     let metrics = match tokio::time::timeout(
         timeout,
         engines.scrape_metrics(pool.flavor, &endpoint.base_url),
@@ -67,6 +68,7 @@ pub async fn scrape(
             running: metrics.running.unwrap_or(0.0),
             kv_usage: metrics.kv_usage,
             gateway_in_flight: in_flight_before.max(endpoint.in_flight_requests()),
+            gateway_working_set_tokens: working_set_before.max(endpoint.working_set_tokens()),
         });
     }
     if let Some(tokens) = metrics.kv_capacity_tokens() {

@@ -89,6 +89,10 @@ pub struct LoadReport {
     /// the counts before and after it): the engine's `running + waiting` beyond this are other
     /// gateways' requests ([`LoadReport::others_in_flight`]).
     pub gateway_in_flight: u64,
+    /// This gateway's working set on the endpoint while the scrape ran (the larger of the
+    /// figures before and after it, [`Endpoint::working_set_tokens`]): the KV the engine
+    /// reports in use beyond this is held by others ([`LoadReport::others_kv_tokens`]).
+    pub gateway_working_set_tokens: u64,
 }
 
 impl LoadReport {
@@ -99,6 +103,20 @@ impl LoadReport {
     pub fn others_in_flight(&self) -> u64 {
         let engine = (self.running.max(0.0) + self.waiting.max(0.0)).round() as u64;
         engine.saturating_sub(self.gateway_in_flight)
+    }
+
+    /// KV tokens held on the engine at the scrape by requests that are not this gateway's
+    /// (another gateway's, or clients calling the engine directly): the engine's KV usage
+    /// times `capacity_tokens`, less this gateway's working set then. 0 when the engine
+    /// reports no usage or uses no more than this gateway's requests span: requests waiting in
+    /// the engine's queue hold no blocks yet, so the estimate errs low, toward a lone
+    /// gateway's view.
+    pub fn others_kv_tokens(&self, capacity_tokens: u64) -> u64 {
+        let Some(usage) = self.kv_usage else {
+            return 0;
+        };
+        let used = (usage.clamp(0.0, 1.0) * capacity_tokens as f64).round() as u64;
+        used.saturating_sub(self.gateway_working_set_tokens)
     }
 }
 
@@ -358,13 +376,20 @@ impl Endpoint {
         self.working_set_tokens.load(Ordering::Relaxed)
     }
 
-    /// Whether the working set is below `fraction` of the engine's KV capacity (always when
-    /// the capacity is unknown or `fraction` is 0, i.e. no limit).
+    /// Whether the working set, with the KV others held at the last scrape
+    /// ([`LoadReport::others_kv_tokens`]), is below `fraction` of the engine's KV capacity
+    /// (always when the capacity is unknown or `fraction` is 0, i.e. no limit). Several
+    /// gateways in front of one engine thus share its room instead of each keeping a fixed part
+    /// of it: one that has no work there leaves its part to the others.
     pub fn kv_working_set_below(&self, fraction: f64) -> bool {
         let capacity = self.kv_capacity_tokens();
-        fraction <= 0.0
-            || capacity == 0
-            || (self.working_set_tokens() as f64) < fraction * capacity as f64
+        if fraction <= 0.0 || capacity == 0 {
+            return true;
+        }
+        let others = self
+            .load_report()
+            .map_or(0, |r| r.others_kv_tokens(capacity));
+        (self.working_set_tokens().saturating_add(others) as f64) < fraction * capacity as f64
     }
 
     /// Add (`add = true`) or remove one request's prompt chunks from the working set.
@@ -561,6 +586,42 @@ mod tests {
     }
 
     #[test]
+    fn the_working_set_line_counts_the_kv_others_held_at_the_scrape() {
+        let ep = Arc::new(Endpoint::new("p/0", "http://127.0.0.1:1"));
+        ep.set_kv_capacity_tokens(10_000);
+        let mut own = ep.begin(3_200, 3_200);
+        own.hold_prompt(&(0..50).collect::<Vec<u64>>(), 64);
+        assert_eq!(ep.working_set_tokens(), 3_200);
+        let report = |kv_usage, gateway_working_set_tokens| LoadReport {
+            at: Instant::now(),
+            waiting: 0.0,
+            running: 3.0,
+            kv_usage,
+            gateway_in_flight: 1,
+            gateway_working_set_tokens,
+        };
+        // The engine holds 6,000 tokens, 3,200 of them this gateway's: 2,800 are others'.
+        ep.set_load_report(report(Some(0.6), 3_200));
+        assert_eq!(ep.load_report().unwrap().others_kv_tokens(10_000), 2_800);
+        assert!(ep.kv_working_set_below(0.61));
+        assert!(!ep.kv_working_set_below(0.6));
+        // The engine using less than this gateway's requests span (some still queued there,
+        // holding no blocks) is no negative figure.
+        ep.set_load_report(report(Some(0.1), 3_200));
+        assert_eq!(ep.load_report().unwrap().others_kv_tokens(10_000), 0);
+        assert!(ep.kv_working_set_below(0.33));
+        // Without a usage figure only this gateway's own working set counts.
+        ep.set_load_report(report(None, 0));
+        assert!(ep.kv_working_set_below(0.33));
+        assert!(!ep.kv_working_set_below(0.32));
+        // Others' KV counts against the line even with nothing of this gateway's in flight.
+        drop(own);
+        ep.set_load_report(report(Some(0.5), 0));
+        assert!(!ep.kv_working_set_below(0.5));
+        assert!(ep.kv_working_set_below(0.51));
+    }
+
+    #[test]
     fn stale_or_full_endpoints_are_saturated() {
         let ep = Endpoint::new("p/0", "http://127.0.0.1:1");
         let now = Instant::now();
@@ -577,6 +638,7 @@ mod tests {
             running: 4.0,
             kv_usage: Some(kv),
             gateway_in_flight: 0,
+            gateway_working_set_tokens: 0,
         };
         ep.set_load_report(fresh(0.0, 0.99));
         assert!(!ep.saturated(&scraped, now), "full KV but nobody waiting");

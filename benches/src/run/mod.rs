@@ -149,9 +149,10 @@ pub struct Args {
     /// peak concurrency when it runs alone on the `mixed` isolation setup (7 of 16 slots).
     #[arg(long, default_value_t = 0.5)]
     pub interactive_reserve: f64,
-    /// `[flow] max_kv_working_set` over all gateways: the share of a replica's KV capacity the
-    /// prompts in flight there may span (shared prefixes once), divided among the gateways;
-    /// 0 = no limit. The default is the gateway's.
+    /// `[flow] max_kv_working_set` of every gateway: the share of a replica's KV capacity the
+    /// prompts in flight there may span (shared prefixes once; each gateway counts the KV the
+    /// replica reports in use by the others' requests); 0 = no limit. The default is the
+    /// gateway's.
     #[arg(long, default_value_t = 0.6)]
     pub kv_working_set: f64,
     /// mixed only: the agents team runs FACTOR x request slots sessions (replicas serving
@@ -452,7 +453,7 @@ fn flow_setup(args: &Args, mode: FlowMode, time_scale: f64) -> FlowSetup {
         args.batch_sheddable,
     )
     .with_interactive_reserve(args.interactive_reserve)
-    .with_kv_working_set(args.kv_working_set / args.gateways.max(1) as f64)
+    .with_kv_working_set(args.kv_working_set)
     .with_engine_chunking(
         args.max_num_batched_tokens,
         args.long_prefill_token_threshold,

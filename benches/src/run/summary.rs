@@ -60,7 +60,7 @@ pub struct RunSummary {
     pub long_prefill_token_threshold: usize,
     /// The interactive band's reserve (`--interactive-reserve`; workloads with bands).
     pub interactive_reserve: f64,
-    /// `--kv-working-set`: the gateways' `max_kv_working_set` together (0: no limit).
+    /// `--kv-working-set`: every gateway's `max_kv_working_set` (0: no limit).
     pub kv_working_set: f64,
     /// Requests the fleet of the first `--topology` layout runs at once: replicas serving
     /// requests (all of `agg`, the decode ones of `pd:PxD`) x max_num_seqs. `--mixed-batch-load`
