@@ -16,6 +16,7 @@ use agentgate_sessions::{AnyStore, StoreOptions};
 use crate::auth::KeyRing;
 use crate::config::{Config, HostedTools};
 use crate::error::HttpError;
+use crate::exchange::Exchange;
 use crate::flow::{FlowControl, StoreRateLimiter};
 use crate::metrics::Metrics;
 use crate::pools::Pools;
@@ -219,6 +220,7 @@ pub struct Gateway {
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     live: LiveTasks,
     reload: Option<ConfigWatcher>,
+    exchange: Option<Exchange>,
 }
 
 /// Wait up to `limit` until no background run of this process is left; true if none is.
@@ -259,6 +261,7 @@ impl Gateway {
             Arc::new(move || flow_state.flow.notify()),
         );
         let reload = ConfigWatcher::start(&state);
+        let exchange = Exchange::start(&state, format!("{:016x}", fastrand::u64(..)));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = router(state.clone());
         // SSE streams are many small writes: disable Nagle so events leave at once.
@@ -279,6 +282,7 @@ impl Gateway {
             task,
             live,
             reload,
+            exchange,
         })
     }
 
@@ -303,6 +307,9 @@ impl Gateway {
         self.live.shutdown().await;
         if let Some(reload) = self.reload {
             reload.shutdown().await;
+        }
+        if let Some(exchange) = self.exchange {
+            exchange.shutdown().await;
         }
         result
     }
@@ -338,6 +345,9 @@ impl Gateway {
         self.live.shutdown().await;
         if let Some(reload) = self.reload {
             reload.shutdown().await;
+        }
+        if let Some(exchange) = self.exchange {
+            exchange.shutdown().await;
         }
     }
 }

@@ -738,8 +738,10 @@ pub struct FlowToml {
     /// no limit. Past it the endpoint takes no
     /// more queued work: what the engine could not hold at once waits in the gateway, where the
     /// turns of sessions whose context is still cached go first, instead of in the engine,
-    /// where each admitted prompt evicts the contexts of the requests queued behind it. With
-    /// several gateways in front of the same engines, divide it among them.
+    /// where each admitted prompt evicts the contexts of the requests queued behind it. The
+    /// KV the engine reports in use beyond what the gateways account for, and the working set
+    /// other gateways publish (`exchange_interval_ms`), count against it too: give every
+    /// gateway in front of the same engines the same value.
     pub max_kv_working_set: f64,
     /// A session with a request in flight within this many seconds is active: its next turn
     /// goes ahead of new sessions of the same team.
@@ -756,6 +758,12 @@ pub struct FlowToml {
     /// dispatched to an endpoint with room for its band, if there is one. Applies in bands
     /// without a `reserve`; 0 dispatches in queue order whatever the endpoint.
     pub pin_wait_s: f64,
+    /// How often, in milliseconds, the gateway exchanges with the other gateways in front of
+    /// the same pools, through the store, what it holds there: its KV working set on each
+    /// endpoint and its warmest queued turn for it, and the sessions it just served (see
+    /// `crate::exchange`). 0: no exchange; several gateways then see each other's KV only in
+    /// the engines' scraped usage, and each orders only its own queue.
+    pub exchange_interval_ms: u64,
     /// Responses `service_tier` values mapped to bands, e.g. `{ flex = "batch" }`. Unmapped
     /// values (`auto`, `default`, ...) run in the team's default band.
     pub service_tier: BTreeMap<String, String>,
@@ -782,6 +790,7 @@ impl Default for FlowToml {
             aging_s: 10.0,
             aging_follows_wait: true,
             pin_wait_s: 10.0,
+            exchange_interval_ms: 100,
             service_tier: BTreeMap::new(),
             shed_start: None,
             shed_full: None,
@@ -1228,6 +1237,12 @@ impl Config {
         }
         if f.default_max_output_tokens == 0 {
             return Err(err("flow.default_max_output_tokens", "must be at least 1"));
+        }
+        if f.exchange_interval_ms > 60_000 {
+            return Err(err(
+                "flow.exchange_interval_ms",
+                "must be at most 60000 (a minute); 0 turns the exchange off",
+            ));
         }
         if !(f.max_kv_working_set.is_finite() && (0.0..=1.0).contains(&f.max_kv_working_set)) {
             return Err(err(

@@ -120,13 +120,13 @@
 //! out back to back instead of paced by releases and scrapes. `working_set(e)` is the KV the
 //! prompts this gateway has in flight there span together: the distinct chunk hashes of their
 //! prompts (chained, so a shared prefix is counted once) times the prefix index's tokens per
-//! chunk (`Endpoint::working_set_tokens`), plus the KV others held there at the last scrape:
-//! the engine's KV usage times its capacity, less this gateway's working set at that scrape
-//! (`LoadReport::others_kv_tokens`; requests of other gateways, or of clients calling the
-//! engine directly). So gateways in front of the same engines share each one's room, each
-//! with the whole `w`: a fixed part each would leave room idle on one gateway while turns wait
-//! on another (two gateways on the `agentic` benchmark, seed 2, wall clock, four runs each:
-//! captured reuse 0.964-0.975 with `w / 2` each, 0.965-0.982 sharing). Policies without a prefix index (`round_robin`,
+//! chunk (`Endpoint::working_set_tokens`), plus the other gateways' working sets as they last
+//! published them (`crate::exchange`), plus the KV held there at the last scrape that no
+//! gateway accounts for: the engine's KV usage times its capacity, less the gateways' working
+//! sets at that scrape (`LoadReport::others_kv_tokens`; clients calling the engine directly,
+//! gateways with the exchange off). So gateways in front of the same engines share each one's
+//! room, each with the whole `w`: a fixed part each would leave room idle on one gateway while
+//! turns wait on another. Policies without a prefix index (`round_robin`,
 //! `least_loaded`) cannot tell shared prefixes apart and are not limited. `kv_capacity(e)` is
 //! the engine's `vllm:cache_config_info` (no limit while unknown). The rule applies to the
 //! `None` case above too: a request without a pin waits until some endpoint is below the line,
@@ -146,7 +146,10 @@
 //! twice the typical wait with `aging_follows_wait`); those go first, in arrival order, so
 //! nothing waits much longer than the head start behind arrival order. Requests of sessions
 //! this gateway has not seen come after those of known sessions. With `aging_s = 0` the
-//! order is arrival order.
+//! order is arrival order. Several gateways order their queues as one: through the exchange
+//! each learns when the others last served a session, and a turn that could take an
+//! endpoint's room leaves it for a while to a warmer turn another gateway holds for that
+//! endpoint (`crate::exchange`).
 //!
 //! For probabilistic shedding (`[flow] shed_start`/`shed_full`) the pool's saturation is
 //! `(in_flight + queued) / (2 * capacity)`, clamped to 0..=1: 0.5 when the pool is exactly
@@ -176,7 +179,7 @@
 //! protect budgets and fairness, not correctness; the queue and capacity gate still protect
 //! the engines, and an outage of the store should not become an outage of inference.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
@@ -188,7 +191,7 @@ use serde_json::Value;
 use agentgate_scheduler::flow::rate_limit::{format_reset, RATE_PERIOD};
 use agentgate_scheduler::flow::{
     CapacitySignal, FlowLoad, Quota, RateCheck, RateCost, RateKind, RateLimited, RateLimiter,
-    RateLimits, RateStatus,
+    RateLimits, RateStatus, Warmth,
 };
 use agentgate_scheduler::{Endpoint, FlowController, Permit, Rejection, Role, Ticket};
 use agentgate_sessions::{AnyStore, RateDecision, RateLimit, Store};
@@ -224,6 +227,8 @@ struct EndpointLimits {
     max_prefilling: AtomicU64,
     /// `max_kv_working_set` as `f64` bits (0.0: none).
     max_kv_working_set: AtomicU64,
+    /// Longest a turn leaves room to a warmer one another gateway holds, ms (0: never).
+    yield_limit_ms: AtomicU64,
 }
 
 impl EndpointLimits {
@@ -232,6 +237,7 @@ impl EndpointLimits {
             per_endpoint: AtomicU64::new(per_endpoint),
             max_prefilling: AtomicU64::new(max_prefilling),
             max_kv_working_set: AtomicU64::new(max_kv_working_set.to_bits()),
+            yield_limit_ms: AtomicU64::new(0),
         }
     }
 
@@ -252,9 +258,20 @@ impl EndpointLimits {
 pub struct PoolCapacity {
     pool: Arc<Pool>,
     limits: Arc<EndpointLimits>,
+    /// Per endpoint, the warmest turn other gateways hold for it, as last exchanged
+    /// (`crate::exchange`).
+    peers_held: Mutex<HashMap<String, Warmth>>,
 }
 
 impl PoolCapacity {
+    fn new(pool: Arc<Pool>, limits: Arc<EndpointLimits>) -> Self {
+        PoolCapacity {
+            pool,
+            limits,
+            peers_held: Mutex::new(HashMap::new()),
+        }
+    }
+
     /// Requests the pool may have in flight at `now`; `None` when no endpoint is available
     /// (dispatch is then not held back: routing answers at once).
     pub fn capacity(&self, now: Instant) -> Option<u64> {
@@ -346,6 +363,18 @@ impl CapacitySignal for PoolCapacity {
                 free > promised || serving().next().is_none()
             }
         }
+    }
+
+    fn warmer_elsewhere(&self, endpoint: &str, warmth: &Warmth) -> bool {
+        self.peers_held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(endpoint)
+            .is_some_and(|held| held.outranks(warmth))
+    }
+
+    fn yield_limit(&self) -> Duration {
+        Duration::from_millis(self.limits.yield_limit_ms.load(Ordering::Relaxed))
     }
 
     fn saturation(&self, load: &FlowLoad) -> f64 {
@@ -609,10 +638,7 @@ impl FlowControl {
         let flow_config = config.flow_config();
         let mut by_pool = BTreeMap::new();
         for pool in pools.all() {
-            let capacity = Arc::new(PoolCapacity {
-                pool: pool.clone(),
-                limits: limits.clone(),
-            });
+            let capacity = Arc::new(PoolCapacity::new(pool.clone(), limits.clone()));
             let controller = FlowController::with_rate_limiter(
                 flow_config.clone(),
                 capacity.clone(),
@@ -671,6 +697,31 @@ impl FlowControl {
     /// The controller of `pool`.
     pub fn controller(&self, pool: &str) -> Option<&FlowController> {
         self.pools.get(pool).map(|p| &p.controller)
+    }
+
+    /// Record the warmest turns other gateways hold for `pool`'s endpoints, as just exchanged
+    /// (`crate::exchange`): a colder turn here leaves such an endpoint's room to them. Returns
+    /// whether any were recorded before or now.
+    pub fn set_peers_held(&self, pool: &str, held: HashMap<String, Warmth>) -> bool {
+        let Some(p) = self.pools.get(pool) else {
+            return false;
+        };
+        let mut peers = p
+            .capacity
+            .peers_held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let any = !peers.is_empty() || !held.is_empty();
+        *peers = held;
+        any
+    }
+
+    /// Longest a turn leaves room to a warmer one another gateway holds.
+    pub fn set_yield_limit(&self, limit: Duration) {
+        self.limits.yield_limit_ms.store(
+            u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
     }
 
     /// Requests `pool` may have in flight now (`None`: no endpoint is available).
@@ -934,10 +985,10 @@ mod tests {
         let config = config("[flow]\nmax_kv_working_set = 0.5\n");
         let pools = pools(&config).await;
         let pool = pools.for_model("m").unwrap();
-        let cap = PoolCapacity {
-            pool: pool.clone(),
-            limits: Arc::new(EndpointLimits::new(0, 0, config.flow.max_kv_working_set)),
-        };
+        let cap = PoolCapacity::new(
+            pool.clone(),
+            Arc::new(EndpointLimits::new(0, 0, config.flow.max_kv_working_set)),
+        );
         let eps = pool.endpoints();
         let (a, b) = (eps[0].name.as_str(), eps[1].name.as_str());
         let chunks = |first: u64, n: u64| (first..first + n).collect::<Vec<u64>>();
@@ -980,10 +1031,7 @@ mod tests {
         let config = config("[flow]\nmax_in_flight_per_endpoint = 3\n");
         let pools = pools(&config).await;
         let pool = pools.for_model("m").unwrap();
-        let cap = PoolCapacity {
-            pool: pool.clone(),
-            limits: Arc::new(EndpointLimits::new(3, 0, 0.0)),
-        };
+        let cap = PoolCapacity::new(pool.clone(), Arc::new(EndpointLimits::new(3, 0, 0.0)));
         let now = Instant::now();
         assert_eq!(cap.capacity(now), Some(6));
         let eps = pool.endpoints();
@@ -1027,10 +1075,7 @@ mod tests {
         config.routing.metrics_staleness_ms = Some(500);
         let pools = pools(&config).await;
         let pool = pools.for_model("m").unwrap();
-        let cap = PoolCapacity {
-            pool: pool.clone(),
-            limits: Arc::new(EndpointLimits::new(4, 0, 0.0)),
-        };
+        let cap = PoolCapacity::new(pool.clone(), Arc::new(EndpointLimits::new(4, 0, 0.0)));
         let now = Instant::now();
         // Nothing scraped at all: the engines' figures are unknown, the cap applies.
         assert_eq!(cap.capacity(now), Some(8));

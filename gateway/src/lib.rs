@@ -40,6 +40,7 @@ pub mod config;
 pub mod conversations;
 pub mod discovery;
 pub mod error;
+pub mod exchange;
 pub mod flow;
 pub mod handlers;
 pub mod metrics;

@@ -32,6 +32,7 @@
 //! | `agentgate_endpoint_in_flight_tokens{pool,endpoint}` | their prompt tokens (estimated) |
 //! | `agentgate_endpoint_pending_prefill_tokens{pool,endpoint}` | uncached prompt tokens of those still before their first token |
 //! | `agentgate_endpoint_kv_working_set_tokens{pool,endpoint}` | KV their prompts span together, each shared prefix once (`[flow] max_kv_working_set`) |
+//! | `agentgate_endpoint_peer_kv_working_set_tokens{pool,endpoint}` | the same for the other gateways in front of the endpoint, summed, as last exchanged (`[flow] exchange_interval_ms`) |
 //! | `agentgate_endpoint_kv_capacity_tokens{pool,endpoint}` | the engine's KV capacity, from `vllm:cache_config_info` (absent while unknown) |
 //! | `agentgate_endpoint_engine_waiting{pool,endpoint}` | the engine's queue depth, last scrape |
 //! | `agentgate_endpoint_engine_running{pool,endpoint}` | the engine's running requests, last scrape |
@@ -768,6 +769,10 @@ fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
         "agentgate_endpoint_kv_working_set_tokens",
         "KV tokens the prompts in flight span together, each shared prefix counted once.",
     );
+    let peer_working_set = g(
+        "agentgate_endpoint_peer_kv_working_set_tokens",
+        "KV tokens the other gateways' prompts in flight span, as they last published.",
+    );
     let kv_capacity = g(
         "agentgate_endpoint_kv_capacity_tokens",
         "The engine's KV capacity in tokens, from its cache configuration metric.",
@@ -820,6 +825,7 @@ fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
             tokens.set(l, e.in_flight_tokens() as f64);
             prefill.set(l, e.pending_prefill_tokens() as f64);
             working_set.set(l, e.working_set_tokens() as f64);
+            peer_working_set.set(l, e.peer_working_set_tokens() as f64);
             if e.kv_capacity_tokens() > 0 {
                 kv_capacity.set(l, e.kv_capacity_tokens() as f64);
             }
@@ -846,6 +852,7 @@ fn endpoint_state(pools: &Pools, now: Instant, out: &mut String) {
         &tokens,
         &prefill,
         &working_set,
+        &peer_working_set,
         &kv_capacity,
         &waiting,
         &running,

@@ -89,9 +89,10 @@ pub struct LoadReport {
     /// the counts before and after it): the engine's `running + waiting` beyond this are other
     /// gateways' requests ([`LoadReport::others_in_flight`]).
     pub gateway_in_flight: u64,
-    /// This gateway's working set on the endpoint while the scrape ran (the larger of the
-    /// figures before and after it, [`Endpoint::working_set_tokens`]): the KV the engine
-    /// reports in use beyond this is held by others ([`LoadReport::others_kv_tokens`]).
+    /// The working set on the endpoint of this gateway and of the peers it exchanges state
+    /// with while the scrape ran (the larger of the figures before and after it,
+    /// [`Endpoint::working_set_tokens`] plus [`Endpoint::peer_working_set_tokens`]): the KV the
+    /// engine reports in use beyond this is held by others ([`LoadReport::others_kv_tokens`]).
     pub gateway_working_set_tokens: u64,
 }
 
@@ -105,9 +106,10 @@ impl LoadReport {
         engine.saturating_sub(self.gateway_in_flight)
     }
 
-    /// KV tokens held on the engine at the scrape by requests that are not this gateway's
-    /// (another gateway's, or clients calling the engine directly): the engine's KV usage
-    /// times `capacity_tokens`, less this gateway's working set then. 0 when the engine
+    /// KV tokens held on the engine at the scrape by requests neither this gateway nor its
+    /// peers account for (a gateway that exchanges no state, clients calling the engine
+    /// directly): the engine's KV usage times `capacity_tokens`, less the gateways' working
+    /// set then. 0 when the engine
     /// reports no usage or uses no more than this gateway's requests span: requests waiting in
     /// the engine's queue hold no blocks yet, so the estimate errs low, toward a lone
     /// gateway's view.
@@ -187,6 +189,8 @@ pub struct Endpoint {
     kv_capacity_tokens: AtomicU64,
     working_set: Mutex<WorkingSet>,
     working_set_tokens: AtomicU64,
+    /// [`Endpoint::peer_working_set_tokens`].
+    peer_working_set_tokens: AtomicU64,
 }
 
 /// The distinct prompt chunks of the requests in flight on an endpoint, counted once however
@@ -245,6 +249,7 @@ impl Endpoint {
             kv_capacity_tokens: AtomicU64::new(0),
             working_set: Mutex::new(WorkingSet::default()),
             working_set_tokens: AtomicU64::new(0),
+            peer_working_set_tokens: AtomicU64::new(0),
         }
     }
 
@@ -376,11 +381,11 @@ impl Endpoint {
         self.working_set_tokens.load(Ordering::Relaxed)
     }
 
-    /// Whether the working set, with the KV others held at the last scrape
-    /// ([`LoadReport::others_kv_tokens`]), is below `fraction` of the engine's KV capacity
-    /// (always when the capacity is unknown or `fraction` is 0, i.e. no limit). Several
-    /// gateways in front of one engine thus share its room instead of each keeping a fixed part
-    /// of it: one that has no work there leaves its part to the others.
+    /// Whether the working set, with the peers' as last exchanged and the KV others held at
+    /// the last scrape ([`LoadReport::others_kv_tokens`]), is below `fraction` of the engine's
+    /// KV capacity (always when the capacity is unknown or `fraction` is 0, i.e. no limit).
+    /// Several gateways in front of one engine thus share its room instead of each keeping a
+    /// fixed part of it: one that has no work there leaves its part to the others.
     pub fn kv_working_set_below(&self, fraction: f64) -> bool {
         let capacity = self.kv_capacity_tokens();
         if fraction <= 0.0 || capacity == 0 {
@@ -389,7 +394,23 @@ impl Endpoint {
         let others = self
             .load_report()
             .map_or(0, |r| r.others_kv_tokens(capacity));
-        (self.working_set_tokens().saturating_add(others) as f64) < fraction * capacity as f64
+        let total = self
+            .working_set_tokens()
+            .saturating_add(self.peer_working_set_tokens())
+            .saturating_add(others);
+        (total as f64) < fraction * capacity as f64
+    }
+
+    /// Record the working set other gateways in front of this endpoint published last
+    /// (summed; 0 when none do or the exchange failed, so the scraped usage stands in for it).
+    pub fn set_peer_working_set_tokens(&self, tokens: u64) {
+        self.peer_working_set_tokens
+            .store(tokens, Ordering::Relaxed);
+    }
+
+    /// The working set other gateways published for this endpoint, as last exchanged.
+    pub fn peer_working_set_tokens(&self) -> u64 {
+        self.peer_working_set_tokens.load(Ordering::Relaxed)
     }
 
     /// Add (`add = true`) or remove one request's prompt chunks from the working set.

@@ -22,6 +22,7 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod exchange;
 pub mod memory;
 pub mod pins;
 pub mod rate;
@@ -31,6 +32,7 @@ pub mod store;
 pub mod testing;
 
 pub use error::StoreError;
+pub use exchange::PeerState;
 pub use memory::MemoryStore;
 pub use pins::SessionPin;
 pub use rate::{RateDecision, RateLimit};

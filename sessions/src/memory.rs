@@ -31,8 +31,8 @@ use crate::pins::pin_key;
 use crate::rate::{gcra_step, RateDecision, RateLimit};
 use crate::record::{is_active_status, response_status};
 use crate::{
-    ConversationRecord, History, ResponseRecord, SessionPin, Store, StoreError, StoreOptions,
-    MAX_CHAIN_LEN,
+    ConversationRecord, History, PeerState, ResponseRecord, SessionPin, Store, StoreError,
+    StoreOptions, MAX_CHAIN_LEN,
 };
 
 /// How often, at most, a write sweeps expired records out of the map.
@@ -393,11 +393,16 @@ fn value_bytes(value: &Value) -> u64 {
     }
 }
 
+/// One pool's exchange board: gateway id -> (published at, state).
+type Board = HashMap<String, (Instant, String)>;
+
 /// In-process store; contents are lost when the process exits.
 pub struct MemoryStore {
     records: Mutex<Records>,
     /// GCRA counters: key -> theoretical arrival time in ms since `epoch`.
     rates: Mutex<HashMap<String, f64>>,
+    /// Exchange boards by pool.
+    boards: Mutex<HashMap<String, Board>>,
     epoch: Instant,
     ttl: Duration,
     pin_ttl: Duration,
@@ -420,6 +425,7 @@ impl MemoryStore {
                 conversations: HashMap::new(),
             }),
             rates: Mutex::new(HashMap::new()),
+            boards: Mutex::new(HashMap::new()),
             epoch: Instant::now(),
             ttl: opts.ttl,
             pin_ttl: opts.pin_ttl,
@@ -798,6 +804,28 @@ impl Store for MemoryStore {
             }
         }
         Ok(steps.into_iter().map(|(d, _)| d).collect())
+    }
+
+    async fn exchange(
+        &self,
+        pool: &str,
+        gateway: &str,
+        state: &str,
+        fresh: Duration,
+    ) -> Result<Vec<PeerState>, StoreError> {
+        let now = Instant::now();
+        let mut boards = self.boards.lock().unwrap_or_else(PoisonError::into_inner);
+        let board = boards.entry(pool.to_string()).or_default();
+        board.insert(gateway.to_string(), (now, state.to_string()));
+        board.retain(|_, (at, _)| now.saturating_duration_since(*at) <= fresh);
+        Ok(board
+            .iter()
+            .filter(|(id, _)| id.as_str() != gateway)
+            .map(|(_, (at, state))| PeerState {
+                age: now.saturating_duration_since(*at),
+                state: state.clone(),
+            })
+            .collect())
     }
 
     fn round_trips(&self) -> u64 {

@@ -2,13 +2,14 @@
 //! `AnyStore`, the enum the gateway holds.
 
 use std::future::Future;
+use std::time::Duration;
 
 use serde_json::Value;
 
 use crate::rate::{RateDecision, RateLimit};
 use crate::{
-    ConversationRecord, History, MemoryStore, RedisStore, ResponseRecord, SessionPin, StoreError,
-    StoreOptions,
+    ConversationRecord, History, MemoryStore, PeerState, RedisStore, ResponseRecord, SessionPin,
+    StoreError, StoreOptions,
 };
 
 /// Stored responses, the conversation histories they form, and session -> endpoint pins.
@@ -171,6 +172,17 @@ pub trait Store: Send + Sync + 'static {
         &self,
         limits: &[RateLimit],
     ) -> impl Future<Output = Result<Vec<RateDecision>, StoreError>> + Send;
+
+    /// Publish `state`, gateway `gateway`'s view of `pool`, on the pool's exchange board and
+    /// return the other gateways' states published within `fresh` (see [`crate::exchange`]),
+    /// each with its age. States older than `fresh` are dropped. One round trip.
+    fn exchange(
+        &self,
+        pool: &str,
+        gateway: &str,
+        state: &str,
+        fresh: Duration,
+    ) -> impl Future<Output = Result<Vec<PeerState>, StoreError>> + Send;
 
     /// Round trips to the backend made so far (Redis commands/scripts sent; 0 for memory).
     fn round_trips(&self) -> u64;
@@ -366,6 +378,19 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.rate_limit(limits).await,
             AnyStore::Redis(s) => s.rate_limit(limits).await,
+        }
+    }
+
+    async fn exchange(
+        &self,
+        pool: &str,
+        gateway: &str,
+        state: &str,
+        fresh: Duration,
+    ) -> Result<Vec<PeerState>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.exchange(pool, gateway, state, fresh).await,
+            AnyStore::Redis(s) => s.exchange(pool, gateway, state, fresh).await,
         }
     }
 

@@ -281,6 +281,41 @@ pub async fn suite<S: Store>(store: &S) {
     pin_suite(store).await;
     rate_suite(store).await;
     conversation_suite(store).await;
+    exchange_suite(store).await;
+}
+
+/// The exchange board: each gateway reads the others' fresh states, never its own, one round
+/// trip per exchange; a state older than `fresh` is gone; pools have separate boards.
+pub async fn exchange_suite<S: Store>(store: &S) {
+    let fresh = Duration::from_millis(400);
+    let exchange = |pool: &'static str, gateway: &'static str, state: &'static str| async move {
+        at_most_one_round_trip(
+            store,
+            "exchange",
+            store.exchange(pool, gateway, state, fresh),
+        )
+        .await
+        .expect("exchange")
+    };
+    assert!(exchange("board-p", "g1", "one").await.is_empty());
+    let seen = exchange("board-p", "g2", "two").await;
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].state, "one");
+    assert!(seen[0].age < fresh);
+    assert!(exchange("board-q", "g3", "{\"other\": \"pool\"}")
+        .await
+        .is_empty());
+    // g1 publishes again: it sees g2's state, and g2 then sees g1's new one.
+    assert_eq!(exchange("board-p", "g1", "one again").await[0].state, "two");
+    let seen = exchange("board-p", "g2", "two again").await;
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].state, "one again");
+    // A gateway that stops publishing drops off the board.
+    tokio::time::sleep(fresh + Duration::from_millis(200)).await;
+    assert!(exchange("board-p", "g2", "alone").await.is_empty());
+    let seen = exchange("board-p", "g1", "back").await;
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].state, "alone");
 }
 
 /// Conversations: create with items, owner-only reads and writes, append in order, item

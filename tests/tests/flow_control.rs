@@ -1053,3 +1053,66 @@ async fn a_replica_whose_kv_working_set_is_full_takes_the_next_session_once_it_d
     .await;
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_on_one_redis_exchange_their_working_sets_and_sessions() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("flow_exchange");
+    let extra = format!("{STILL}[flow]\nexchange_interval_ms = 50\n");
+    let fleet = Fleet::of(1)
+        .store(redis.url(), &prefix)
+        .extra(&extra)
+        .gateways(2)
+        .start()
+        .await;
+    let (a, b) = (&fleet.gateways()[0], &fleet.gateways()[1]);
+    let endpoint =
+        |gw: &Gateway| gw.state().pools.for_model("sim-model").unwrap().endpoints()[0].clone();
+    let (on_a, on_b) = (endpoint(a), endpoint(b));
+    // A turn held in flight on gateway a for a few seconds.
+    set_sim_fault(fleet.sim(), json!({"stall_ms": 3_000})).await;
+    let session = [("x-session-id", "exchanged-session")];
+    // A prompt of several prefix-index chunks (a chunk that is not full is not counted).
+    let mut long = hello();
+    long["input"] = json!("tell me about the weather in spring ".repeat(300));
+    let held = spawn_call(&a.base_url(), None, long, &session);
+    eventually("a counts the turn's prompt", || {
+        on_a.working_set_tokens() > 0
+    })
+    .await;
+    let working_set = on_a.working_set_tokens();
+    eventually("b learns a's working set", || {
+        on_b.peer_working_set_tokens() == working_set
+    })
+    .await;
+    assert_eq!(on_a.peer_working_set_tokens(), 0, "b has nothing in flight");
+    let metrics = reqwest::get(format!("{}/metrics", b.base_url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "agentgate_endpoint_peer_kv_working_set_tokens{{pool=\"sim\",endpoint=\"{}\"}} {working_set}",
+            on_b.name
+        )),
+        "{metrics}"
+    );
+    // The session ran on a: its next turn is a continuing one on b, though b never saw it.
+    clear_sim_faults(fleet.sim()).await;
+    let next = call(&b.base_url(), None, hello(), &session).await;
+    assert_eq!(next.status, 200, "{}", next.body);
+    let turns = snapshot(b).turns;
+    assert_eq!(
+        (turns.continuing.count(), turns.new.count()),
+        (1, 0),
+        "b knows the session from a"
+    );
+    // a's turn ends: b stops counting it.
+    let done = held.await.unwrap();
+    assert_eq!(done.status, 200, "{}", done.body);
+    eventually("a's turn is released", || on_a.working_set_tokens() == 0).await;
+    eventually("b forgets it", || on_b.peer_working_set_tokens() == 0).await;
+    fleet.shutdown_gateways().await;
+}

@@ -89,6 +89,9 @@ pub const AGING_S: f64 = 10.0;
 pub const PIN_WAIT_S: f64 = 10.0;
 /// `routing.scrape_interval_ms` (engines' `/metrics`), simulated seconds.
 pub const SCRAPE_INTERVAL_S: f64 = 1.0;
+/// `flow.exchange_interval_ms` (state shared between gateways), simulated seconds: the
+/// gateway's default of 100 ms.
+pub const EXCHANGE_INTERVAL_S: f64 = 0.1;
 /// Wall time between two saturation samples.
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(20);
 
@@ -204,7 +207,8 @@ impl FlowSetup {
         format!(
             "[routing]\nscrape_interval_ms = {}\n\n\
              [flow]\nenabled = {}\nmax_in_flight_per_endpoint = {}\nmax_prefilling_per_endpoint = {}\n\
-             max_kv_working_set = {:?}\nturn_window_s = {:?}\naging_s = {:?}\npin_wait_s = {:?}\n\n",
+             max_kv_working_set = {:?}\nturn_window_s = {:?}\naging_s = {:?}\npin_wait_s = {:?}\n\
+             exchange_interval_ms = {}\n\n",
             self.wall_ms(SCRAPE_INTERVAL_S),
             self.enabled,
             self.max_in_flight_per_endpoint,
@@ -213,6 +217,7 @@ impl FlowSetup {
             self.wall_ms(TURN_WINDOW_S) as f64 / 1000.0,
             self.wall_ms(AGING_S) as f64 / 1000.0,
             self.wall_ms(PIN_WAIT_S) as f64 / 1000.0,
+            self.wall_ms(EXCHANGE_INTERVAL_S),
         )
     }
 

@@ -1,6 +1,9 @@
 //! Whether the pool can take more work: the signal that gates every dispatch.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use super::Warmth;
 
 /// The controller's own load, handed to the [`CapacitySignal`] on every question.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -50,6 +53,22 @@ pub trait CapacitySignal: Send + Sync {
     ) -> bool {
         let _ = (endpoint, held_share, promised, kv_bound);
         true
+    }
+
+    /// Whether another gateway holds a turn for `endpoint` that outranks one of `warmth`
+    /// ([`Warmth::outranks`]) and waits for the same room (see `agentgate::exchange`): the
+    /// turn here then leaves the room to it, for at most [`yield_limit`](Self::yield_limit).
+    /// `false` (the default) when the signal knows of no other gateway.
+    fn warmer_elsewhere(&self, endpoint: &str, warmth: &Warmth) -> bool {
+        let _ = (endpoint, warmth);
+        false
+    }
+
+    /// Longest a queued turn leaves its endpoint's room to warmer turns elsewhere before it
+    /// takes the room anyway, so a turn the other gateway cannot place after all holds
+    /// nothing up for long.
+    fn yield_limit(&self) -> Duration {
+        Duration::ZERO
     }
 
     /// How saturated the pool is, in `0..=1`, for probabilistic shedding

@@ -464,6 +464,42 @@ impl FlowController {
     pub fn snapshot(&self) -> FlowSnapshot {
         self.inner.lock().snapshot()
     }
+
+    /// Per endpoint, the warmest turn queued here waiting for room there: what this gateway
+    /// tells the others in front of the same pool, so that room goes to the warmest turn any
+    /// of them holds ([`CapacitySignal::warmer_elsewhere`]).
+    pub fn held(&self) -> HashMap<String, Warmth> {
+        self.inner.lock().held(Instant::now())
+    }
+
+    /// Sessions this gateway dispatched or finished a turn of at or after `since`, each with
+    /// its latest such instant (at most the last 4,096 events).
+    pub fn recent_activity(&self, since: Instant) -> Vec<(String, Instant)> {
+        let state = self.inner.lock();
+        let mut latest: HashMap<&str, Instant> = HashMap::new();
+        for (session, at) in state.sessions.recent.iter().rev() {
+            if *at < since {
+                break;
+            }
+            latest.entry(session.as_str()).or_insert(*at);
+        }
+        latest
+            .into_iter()
+            .map(|(session, at)| (session.to_string(), at))
+            .collect()
+    }
+
+    /// Turns of `sessions` were dispatched or finished by other gateways at the given
+    /// instants: each session counts as active and as warm as that, as if its turn had run
+    /// here, for turn-first order. Activity older than `turn_window` is ignored.
+    pub fn note_activity(&self, sessions: impl IntoIterator<Item = (String, Instant)>) {
+        let now = Instant::now();
+        let mut state = self.inner.lock();
+        let window = state.config.turn_window;
+        for (session, at) in sessions {
+            state.sessions.seen_elsewhere(&session, at, now, window);
+        }
+    }
 }
 
 /// A request just queued by [`State::enqueue`].
@@ -519,7 +555,13 @@ struct TeamState {
 struct SessionTracker {
     sessions: HashMap<String, Activity>,
     prune_at: usize,
+    /// This gateway's own dispatches and releases, newest last, for other gateways
+    /// ([`FlowController::recent_activity`]); at most [`RECENT_ACTIVITY`] entries.
+    recent: VecDeque<(String, Instant)>,
 }
+
+/// Most session events [`SessionTracker`] keeps for other gateways.
+const RECENT_ACTIVITY: usize = 4096;
 
 #[derive(Debug)]
 struct Activity {
@@ -532,6 +574,7 @@ impl Default for SessionTracker {
         SessionTracker {
             sessions: HashMap::new(),
             prune_at: 1024,
+            recent: VecDeque::new(),
         }
     }
 }
@@ -559,6 +602,34 @@ impl SessionTracker {
             });
         activity.in_flight += 1;
         activity.last = now;
+        self.record(session, now);
+    }
+
+    fn record(&mut self, session: &str, now: Instant) {
+        if self.recent.len() >= RECENT_ACTIVITY {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((session.to_string(), now));
+    }
+
+    /// Another gateway saw `session` active at `at`: it counts as active here too, and as warm
+    /// as its latest activity anywhere.
+    fn seen_elsewhere(&mut self, session: &str, at: Instant, now: Instant, window: Duration) {
+        if now.saturating_duration_since(at) > window {
+            return;
+        }
+        match self.sessions.get_mut(session) {
+            Some(activity) => activity.last = activity.last.max(at),
+            None => {
+                self.sessions.insert(
+                    session.to_string(),
+                    Activity {
+                        in_flight: 0,
+                        last: at,
+                    },
+                );
+            }
+        }
     }
 
     /// When `session` last had a turn dispatched or finished, if it is tracked.
@@ -570,6 +641,7 @@ impl SessionTracker {
         if let Some(activity) = self.sessions.get_mut(session) {
             activity.in_flight = activity.in_flight.saturating_sub(1);
             activity.last = now;
+            self.record(session, now);
         }
     }
 }
@@ -765,6 +837,7 @@ impl State {
                 enqueued_at: now,
                 affinity: ticket.affinity,
                 held_since: Cell::new(None),
+                yielded_since: Cell::new(None),
                 rate,
                 reply,
             },
@@ -957,6 +1030,9 @@ impl State {
                 };
                 let sent = promised.get(endpoint).copied().unwrap_or(0);
                 if capacity.has_room(Some(endpoint), share, sent, kv_bound) {
+                    if kv_bound && self.yields(entry, endpoint, capacity, head_start, now) {
+                        return Placeable::No;
+                    }
                     return Placeable::Now;
                 }
                 let since = entry.held_since.get().unwrap_or_else(|| {
@@ -972,22 +1048,83 @@ impl State {
             // was last active: the most recent first, as its context is the likeliest to
             // still be in the engine's cache.
             let warmth = |id: u64| {
-                let Some(entry) = self.entries.get(&id).filter(|_| !head_start.is_zero()) else {
-                    // turn-first ordering off: arrival order
-                    return Warmth::Unknown;
-                };
-                if now.saturating_duration_since(entry.enqueued_at) >= head_start {
-                    return Warmth::Aged;
-                }
-                entry
-                    .session
-                    .as_deref()
-                    .and_then(|s| self.sessions.last_active(s))
-                    .map_or(Warmth::Unknown, Warmth::Since)
+                self.entries
+                    .get(&id)
+                    .map_or(Warmth::Unknown, |entry| self.warmth(entry, head_start, now))
             };
             band.pick(enqueued_at, eligible, head_start, placeable, warmth)
                 .map(|pick| (b, pick))
         })
+    }
+
+    /// How warm `entry`'s session is at `now` in a band with `head_start`
+    /// ([`Warmth::Unknown`] for all when turn-first ordering is off).
+    fn warmth(&self, entry: &Entry, head_start: Duration, now: Instant) -> Warmth {
+        if head_start.is_zero() {
+            return Warmth::Unknown;
+        }
+        if now.saturating_duration_since(entry.enqueued_at) >= head_start {
+            return Warmth::Aged;
+        }
+        entry
+            .session
+            .as_deref()
+            .and_then(|s| self.sessions.last_active(s))
+            .map_or(Warmth::Unknown, Warmth::Since)
+    }
+
+    /// Whether `entry`, which could go to `endpoint` now, leaves the room to a warmer turn
+    /// another gateway holds for it ([`CapacitySignal::warmer_elsewhere`]), until it has done so
+    /// for [`CapacitySignal::yield_limit`].
+    fn yields(
+        &self,
+        entry: &Entry,
+        endpoint: &str,
+        capacity: &dyn CapacitySignal,
+        head_start: Duration,
+        now: Instant,
+    ) -> bool {
+        if !capacity.warmer_elsewhere(endpoint, &self.warmth(entry, head_start, now)) {
+            return false;
+        }
+        let since = entry.yielded_since.get().unwrap_or_else(|| {
+            entry.yielded_since.set(Some(now));
+            now
+        });
+        now.saturating_duration_since(since) < capacity.yield_limit()
+    }
+
+    /// Per endpoint, the warmest turn queued here that waits for room there (a band without a
+    /// reserve, with an endpoint to go to), for other gateways to leave that room to.
+    fn held(&self, now: Instant) -> HashMap<String, Warmth> {
+        let mut held: HashMap<String, Warmth> = HashMap::new();
+        if self.config.pin_wait.is_zero() {
+            return held;
+        }
+        for entry in self.entries.values() {
+            let (Some(endpoint), Some(&b)) =
+                (entry.affinity.as_ref(), self.band_index.get(&entry.band))
+            else {
+                continue;
+            };
+            let band = &self.bands[b];
+            if band.spec.reserve > 0.0 {
+                continue;
+            }
+            let head_start = band.head_start(self.config.aging, self.config.aging_follows_wait);
+            let warmth = self.warmth(entry, head_start, now);
+            if warmth == Warmth::Unknown {
+                continue;
+            }
+            match held.get_mut(endpoint) {
+                Some(best) if !warmth.outranks(best) => {}
+                Some(best) => *best = warmth,
+                None => {
+                    held.insert(endpoint.clone(), warmth);
+                }
+            }
+        }
+        held
     }
 
     fn dispatch(

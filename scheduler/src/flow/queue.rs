@@ -40,6 +40,9 @@ pub(super) struct Entry {
     pub affinity: Option<String>,
     /// When a pick first passed the request over because its endpoint had no room.
     pub held_since: Cell<Option<Instant>>,
+    /// When a pick first left its endpoint's room to a warmer turn another gateway holds
+    /// ([`CapacitySignal::warmer_elsewhere`](super::CapacitySignal::warmer_elsewhere)).
+    pub yielded_since: Cell<Option<Instant>>,
     pub rate: Option<RateStatus>,
     pub reply: Reply,
 }
@@ -120,7 +123,7 @@ pub enum Placeable {
 }
 
 /// How likely a queued turn's context still is in the engine's cache, which orders a team's
-/// turns of one kind ([`BandQueue::pick`]).
+/// turns of one kind (`BandQueue::pick`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Warmth {
     /// Waited out its head start: goes first, in arrival order, whatever its warmth.
@@ -129,6 +132,22 @@ pub enum Warmth {
     Since(Instant),
     /// No session activity known: after those with one, in arrival order.
     Unknown,
+}
+
+impl Warmth {
+    /// Whether a turn of this warmth goes before one of `other`'s when they wait for the same
+    /// room: aged before the rest, then the most recently active; ties, and anything against
+    /// an unknown session, do not outrank (their order is arrival order, which only the queue
+    /// that holds both knows).
+    pub fn outranks(&self, other: &Warmth) -> bool {
+        match (self, other) {
+            (Warmth::Aged, Warmth::Aged) => false,
+            (Warmth::Aged, _) => true,
+            (Warmth::Since(a), Warmth::Since(b)) => a > b,
+            (Warmth::Since(_), Warmth::Unknown) => true,
+            (Warmth::Since(_), Warmth::Aged) | (Warmth::Unknown, _) => false,
+        }
+    }
 }
 
 /// How deep [`BandQueue::pick`] looks into a team's queue of one turn kind for an entry it

@@ -1,5 +1,6 @@
 //! Behaviour of the [`FlowController`] through its public API, on tokio's paused clock.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -1056,4 +1057,130 @@ async fn a_continuing_turn_waiting_for_its_endpoint_keeps_its_head_start_over_ne
     let (label, new) = rx.recv().await.unwrap();
     assert_eq!(label, "new");
     assert!(!new.promoted());
+}
+
+/// [`MaxInFlight`] plus what other gateways hold: every endpoint has room, and `elsewhere` is
+/// the warmest turn another gateway holds for `e0`.
+struct Peers {
+    cap: MaxInFlight,
+    elsewhere: std::sync::Mutex<Option<Warmth>>,
+}
+
+impl CapacitySignal for Peers {
+    fn can_dispatch(&self, load: &FlowLoad) -> bool {
+        self.cap.can_dispatch(load)
+    }
+
+    fn has_room(&self, _: Option<&str>, _: f64, promised: u64, _: bool) -> bool {
+        promised == 0
+    }
+
+    fn warmer_elsewhere(&self, endpoint: &str, warmth: &Warmth) -> bool {
+        endpoint == "e0"
+            && self
+                .elsewhere
+                .lock()
+                .unwrap()
+                .is_some_and(|held| held.outranks(warmth))
+    }
+
+    fn yield_limit(&self) -> Duration {
+        Duration::from_millis(400)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_turn_leaves_its_endpoints_room_to_a_warmer_turn_held_by_another_gateway() {
+    let signal = Arc::new(Peers {
+        cap: MaxInFlight::new(1),
+        elsewhere: std::sync::Mutex::new(None),
+    });
+    let flow = FlowController::new(config(), signal.clone()).unwrap();
+    let turn = |session: &str| {
+        Ticket::new("bulk", 10)
+            .session(session)
+            .continuing(true)
+            .affinity("e0")
+    };
+    // s1 ran a turn here; its next one waits for a slot, as warm as that turn's end.
+    drop(flow.admit(turn("s1")).await.unwrap());
+    let s1_active = Instant::now();
+    signal.cap.set_limit(0);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    spawn_admit(&flow, turn("s1"), "s1", &tx);
+    wait_queued(&flow, 1).await;
+    assert_eq!(
+        flow.held(),
+        HashMap::from([("e0".to_string(), Warmth::Since(s1_active))]),
+        "what this gateway tells the others it holds"
+    );
+    // Another gateway holds a turn of a session active more recently: the room is left to it
+    // for up to the yield limit, then taken.
+    tokio::time::advance(SEC).await;
+    *signal.elsewhere.lock().unwrap() = Some(Warmth::Since(Instant::now()));
+    signal.cap.set_limit(1);
+    flow.notify();
+    tokio::time::advance(Duration::from_millis(300)).await;
+    flow.notify();
+    tokio::task::yield_now().await;
+    assert!(rx.try_recv().is_err(), "left to the warmer turn elsewhere");
+    tokio::time::advance(Duration::from_millis(150)).await;
+    flow.notify();
+    let (label, permit) = rx.recv().await.unwrap();
+    assert_eq!(label, "s1", "taken once the yield limit has passed");
+    drop(permit);
+    // A colder turn elsewhere takes nothing from a turn here.
+    signal.cap.set_limit(0);
+    spawn_admit(&flow, turn("s1"), "s1-again", &tx);
+    wait_queued(&flow, 1).await;
+    *signal.elsewhere.lock().unwrap() = Some(Warmth::Since(s1_active));
+    signal.cap.set_limit(1);
+    flow.notify();
+    let (label, _permit) = rx.recv().await.unwrap();
+    assert_eq!(label, "s1-again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn activity_seen_by_another_gateway_makes_a_session_continuing_and_warm_here() {
+    let (flow, capacity) = controller(config(), 1);
+    let start = Instant::now();
+    drop(
+        flow.admit(Ticket::new("bulk", 10).session("local"))
+            .await
+            .unwrap(),
+    );
+    tokio::time::advance(SEC).await;
+    // "remote" never ran here; another gateway finished a turn of it just now.
+    flow.note_activity([("remote".to_string(), Instant::now())]);
+    let permit = flow
+        .admit(Ticket::new("bulk", 10).session("remote"))
+        .await
+        .unwrap();
+    assert_eq!(
+        permit.turn_kind(),
+        TurnKind::Continuing,
+        "active at another gateway within the turn window"
+    );
+    drop(permit);
+    // Only this gateway's own events are passed on (nothing echoes back), latest per session.
+    let mut recent = flow.recent_activity(start);
+    recent.sort();
+    let sessions: Vec<&str> = recent.iter().map(|(s, _)| s.as_str()).collect();
+    assert_eq!(sessions, ["local", "remote"]);
+    assert_eq!(
+        recent[1].1,
+        Instant::now(),
+        "remote's own turn here, just now"
+    );
+    assert!(flow.recent_activity(Instant::now() + SEC).is_empty());
+    // Activity older than the turn window says nothing.
+    flow.note_activity([("stale".to_string(), start)]);
+    tokio::time::advance(60 * SEC).await;
+    flow.note_activity([("stale".to_string(), Instant::now() - 61 * SEC)]);
+    capacity.set_limit(1);
+    let permit = flow
+        .admit(Ticket::new("bulk", 10).session("stale"))
+        .await
+        .unwrap();
+    assert_eq!(permit.turn_kind(), TurnKind::New);
 }

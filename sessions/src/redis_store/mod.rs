@@ -29,12 +29,13 @@ use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{Cmd, ErrorKind, FromRedisValue, ServerErrorKind};
 use serde_json::Value;
 
+use crate::exchange::board_key;
 use crate::pins::{decode_pin, encode_pin, pin_key};
 use crate::rate::{RateDecision, RateLimit};
 use crate::record::response_status;
 use crate::{
-    ConversationRecord, History, ResponseRecord, SessionPin, Store, StoreError, StoreOptions,
-    MAX_CHAIN_LEN,
+    ConversationRecord, History, PeerState, ResponseRecord, SessionPin, Store, StoreError,
+    StoreOptions, MAX_CHAIN_LEN,
 };
 
 /// A Lua script with its SHA1, ready for EVALSHA.
@@ -65,6 +66,7 @@ pub struct RedisStore {
     conversation_script: LuaScript,
     swap_pin_script: LuaScript,
     rate_script: LuaScript,
+    exchange_script: LuaScript,
 }
 
 /// How long to wait for a TCP connection to Redis.
@@ -104,6 +106,7 @@ impl RedisStore {
             conversation_script: LuaScript::new(include_str!("conversation.lua")),
             swap_pin_script: LuaScript::new(include_str!("swap_pin.lua")),
             rate_script: LuaScript::new(include_str!("rate_limit.lua")),
+            exchange_script: LuaScript::new(include_str!("exchange.lua")),
         };
         store.load_scripts().await?;
         Ok(store)
@@ -159,6 +162,7 @@ impl RedisStore {
             &self.conversation_script,
             &self.swap_pin_script,
             &self.rate_script,
+            &self.exchange_script,
         ] {
             pipe.cmd("SCRIPT").arg("LOAD").arg(script.source).ignore();
         }
@@ -636,6 +640,42 @@ impl Store for RedisStore {
                 too_large: r[3] == 1,
             })
             .collect())
+    }
+
+    async fn exchange(
+        &self,
+        pool: &str,
+        gateway: &str,
+        state: &str,
+        fresh: Duration,
+    ) -> Result<Vec<PeerState>, StoreError> {
+        let key = board_key(&self.key_prefix, pool);
+        let fresh = millis(fresh).max(1).to_string();
+        let reply: Vec<Vec<u8>> = self
+            .run_script(
+                &self.exchange_script,
+                &key,
+                &[gateway.as_bytes(), state.as_bytes(), fresh.as_bytes()],
+            )
+            .await?;
+        reply
+            .chunks_exact(2)
+            .map(|pair| {
+                let age = std::str::from_utf8(&pair[0])
+                    .ok()
+                    .and_then(|a| a.parse::<u64>().ok())
+                    .ok_or_else(|| {
+                        StoreError::Backend(format!("exchange board {key}: unreadable age"))
+                    })?;
+                let state = String::from_utf8(pair[1].clone()).map_err(|_| {
+                    StoreError::Backend(format!("exchange board {key}: state is not UTF-8"))
+                })?;
+                Ok(PeerState {
+                    age: Duration::from_millis(age),
+                    state,
+                })
+            })
+            .collect()
     }
 
     fn round_trips(&self) -> u64 {

@@ -1,0 +1,360 @@
+//! The exchange: what the gateways in front of the same pools tell each other, through the
+//! store, so that together they hold work back and order it as one gateway would.
+//!
+//! # Why
+//!
+//! Flow control keeps each engine's KV working set under `[flow] max_kv_working_set` and
+//! lets the held turns go warmest first (`crate::flow`). Each gateway sees its own requests,
+//! though, and clients spread a session's turns over the gateways (a load balancer in front
+//! of them picks any). Without the exchange each gateway knows the others' KV only from the
+//! engines' scraped usage (a scrape old), and releases room to the warmest turn *it* holds: when
+//! a turn of session S ends on gateway A, A fills the room at once from its own queue, while
+//! S's next turn, the warmest of all, may be waiting on gateway B. On the `agentic` benchmark
+//! with turns alternating between two gateways, that costs about two points of captured
+//! reuse against one gateway.
+//!
+//! # What
+//!
+//! Every `[flow] exchange_interval_ms` (default 100; 0: off) the gateway writes one state per
+//! pool on the pool's board in the store and reads the others' back in the same round trip
+//! ([`Store::exchange`]; Redis: one script over one hash, see `agentgate_sessions::exchange`).
+//! A state carries, per endpoint of the pool:
+//!
+//! - `working_set`: this gateway's KV working set there (`Endpoint::working_set_tokens`);
+//! - `held`: the warmest turn it holds for that endpoint waiting for room
+//!   (`FlowController::held`): `aged` (waited out its head start) or `idle_ms`, how long ago
+//!   its session was last active;
+//!
+//! and `sessions`: the sessions it dispatched or finished a turn of within the last ten
+//! intervals, with how long ago (`FlowController::recent_activity`; keys over 1 KiB are left
+//! out).
+//!
+//! From the others' fresh states (published within ten intervals, on the store's clock):
+//!
+//! - each endpoint's peer working set is their sum (`Endpoint::set_peer_working_set_tokens`),
+//!   which the KV line counts with this gateway's own; the engine's scraped usage then only
+//!   stands in for KV no gateway accounts for;
+//! - each endpoint's warmest held turn elsewhere is kept for
+//!   [`PoolCapacity`](crate::flow::PoolCapacity): a turn here that could take room there but
+//!   is colder (`Warmth::outranks`) leaves it, for at most four intervals, to the gateway that
+//!   holds the warmer one, which sees the room at its next exchange;
+//! - their sessions' activity counts here as if their turns had run here
+//!   (`FlowController::note_activity`): warmth and "continuing" follow a session across
+//!   gateways.
+//!
+//! Instants travel as ages ("how long ago") measured by the publisher, plus the state's age
+//! measured by the store, so the gateways' clocks need not agree; the store round trip adds
+//! its latency to both, a few milliseconds at most.
+//!
+//! A failed exchange clears what came from the others (peer working sets, held turns): each
+//! gateway then falls back to the engines' scraped usage and its own queue, as with the
+//! exchange off. With one gateway the board holds only its own state and nothing changes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentgate_scheduler::flow::Warmth;
+use agentgate_sessions::{PeerState, Store};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::app::AppState;
+use crate::pools::Pool;
+
+/// States older than this many intervals are not read (and leave the board); activity is
+/// published for as long.
+const FRESH_INTERVALS: u32 = 10;
+
+/// Longest a turn leaves room to a warmer one elsewhere, in intervals.
+const YIELD_INTERVALS: u32 = 4;
+
+/// Longest session key published; longer keys (which no agent sends) stay local.
+const MAX_SESSION_KEY_BYTES: usize = 1024;
+
+/// Least time between two warnings about failing exchanges.
+const WARN_EVERY: Duration = Duration::from_secs(30);
+
+/// One gateway's state for one pool, as published.
+#[derive(Debug, Default, Serialize, Deserialize, PartialEq)]
+struct Published {
+    #[serde(default)]
+    endpoints: Vec<EndpointState>,
+    #[serde(default)]
+    sessions: Vec<SessionSeen>,
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct EndpointState {
+    name: String,
+    working_set: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    held: Option<Held>,
+}
+
+/// The warmest turn a gateway holds for an endpoint.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+enum Held {
+    /// Waited out its head start.
+    Aged,
+    /// Its session was last active this many milliseconds before publication.
+    IdleMs(u64),
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct SessionSeen {
+    key: String,
+    idle_ms: u64,
+}
+
+/// What the other gateways published for one pool, merged, as of one exchange.
+#[derive(Debug, Default)]
+struct Peers {
+    /// Endpoint name -> the others' working set there, summed.
+    working_set: HashMap<String, u64>,
+    /// Endpoint name -> the warmest turn the others hold for it.
+    held: HashMap<String, Warmth>,
+    /// Session -> when it was last active at another gateway.
+    sessions: HashMap<String, Instant>,
+}
+
+/// The instant `ms` milliseconds plus `age` before `now` (or `now`'s earliest representable
+/// neighbour).
+fn ago(now: Instant, age: Duration, ms: u64) -> Instant {
+    let back = age.saturating_add(Duration::from_millis(ms));
+    now.checked_sub(back).unwrap_or(now)
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// This gateway's state: `working_set` per endpoint, `held` from its queue, `sessions` it
+/// served recently, all as of `now`.
+fn publish(
+    endpoints: impl IntoIterator<Item = (String, u64)>,
+    held: &HashMap<String, Warmth>,
+    sessions: Vec<(String, Instant)>,
+    now: Instant,
+) -> Published {
+    Published {
+        endpoints: endpoints
+            .into_iter()
+            .map(|(name, working_set)| {
+                let held = match held.get(&name) {
+                    Some(Warmth::Aged) => Some(Held::Aged),
+                    Some(Warmth::Since(at)) => {
+                        Some(Held::IdleMs(millis(now.saturating_duration_since(*at))))
+                    }
+                    Some(Warmth::Unknown) | None => None,
+                };
+                EndpointState {
+                    name,
+                    working_set,
+                    held,
+                }
+            })
+            .collect(),
+        sessions: sessions
+            .into_iter()
+            .filter(|(key, _)| key.len() <= MAX_SESSION_KEY_BYTES)
+            .map(|(key, at)| SessionSeen {
+                key,
+                idle_ms: millis(now.saturating_duration_since(at)),
+            })
+            .collect(),
+    }
+}
+
+/// Merge the others' states read at `now`; unreadable states are skipped.
+fn merge(states: &[PeerState], now: Instant) -> Peers {
+    let mut peers = Peers::default();
+    for peer in states {
+        let Ok(published) = serde_json::from_str::<Published>(&peer.state) else {
+            continue;
+        };
+        for e in published.endpoints {
+            let sum = peers.working_set.entry(e.name.clone()).or_insert(0);
+            *sum = sum.saturating_add(e.working_set);
+            let warmth = match e.held {
+                Some(Held::Aged) => Warmth::Aged,
+                Some(Held::IdleMs(ms)) => Warmth::Since(ago(now, peer.age, ms)),
+                None => continue,
+            };
+            match peers.held.get_mut(&e.name) {
+                Some(best) if !warmth.outranks(best) => {}
+                Some(best) => *best = warmth,
+                None => {
+                    peers.held.insert(e.name, warmth);
+                }
+            }
+        }
+        for s in published.sessions {
+            let at = ago(now, peer.age, s.idle_ms);
+            let latest = peers.sessions.entry(s.key).or_insert(at);
+            *latest = (*latest).max(at);
+        }
+    }
+    peers
+}
+
+/// The background task exchanging state for every pool.
+pub struct Exchange {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Exchange {
+    /// Start exchanging every `[flow] exchange_interval_ms` under the id `gateway`; `None`
+    /// when the interval is 0.
+    pub fn start(state: &Arc<AppState>, gateway: String) -> Option<Exchange> {
+        let every = Duration::from_millis(state.config.flow.exchange_interval_ms);
+        if every.is_zero() {
+            return None;
+        }
+        state.flow.set_yield_limit(every * YIELD_INTERVALS);
+        let (stop, mut rx) = watch::channel(false);
+        let state = state.clone();
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut last_warning: Option<Instant> = None;
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = rx.changed() => return,
+                }
+                for pool in state.pools.all() {
+                    if let Err(e) = exchange_pool(&state, pool, &gateway, every).await {
+                        let now = Instant::now();
+                        if last_warning.is_none_or(|at| now.duration_since(at) >= WARN_EVERY) {
+                            last_warning = Some(now);
+                            tracing::warn!(
+                                pool = %pool.name,
+                                "exchange with the other gateways failed: {e}; until it \
+                                 works again, other gateways' KV counts only as the engines \
+                                 report it"
+                            );
+                        }
+                    }
+                }
+            }
+        });
+        Some(Exchange { stop, task })
+    }
+
+    /// Stop the task and wait for it.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
+
+/// One exchange for `pool`: publish, read, apply. On a store error what came from the others
+/// is cleared before the error is returned.
+async fn exchange_pool(
+    state: &AppState,
+    pool: &Pool,
+    gateway: &str,
+    every: Duration,
+) -> Result<(), String> {
+    let Some(controller) = state.flow.controller(&pool.name) else {
+        return Ok(());
+    };
+    let fresh = every * FRESH_INTERVALS;
+    let now = Instant::now();
+    let endpoints = pool.endpoints();
+    let published = publish(
+        endpoints
+            .iter()
+            .map(|e| (e.name.clone(), e.working_set_tokens())),
+        &controller.held(),
+        controller.recent_activity(now.checked_sub(fresh).unwrap_or(now)),
+        now,
+    );
+    let body = serde_json::to_string(&published).map_err(|e| e.to_string())?;
+    let read = state
+        .store
+        .exchange(&pool.name, gateway, &body, fresh)
+        .await;
+    let now = Instant::now();
+    let peers = match &read {
+        Ok(states) => merge(states, now),
+        Err(_) => Peers::default(),
+    };
+    for e in endpoints.iter() {
+        e.set_peer_working_set_tokens(peers.working_set.get(&e.name).copied().unwrap_or(0));
+    }
+    state.flow.set_peers_held(&pool.name, peers.held);
+    controller.note_activity(peers.sessions);
+    controller.notify();
+    read.map(drop).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_published_state_reads_back_as_instants_on_the_readers_clock() {
+        let now = Instant::now() + Duration::from_secs(100);
+        let held = HashMap::from([
+            (
+                "p/0".to_string(),
+                Warmth::Since(now - Duration::from_millis(1_500)),
+            ),
+            ("p/1".to_string(), Warmth::Aged),
+            ("p/2".to_string(), Warmth::Unknown),
+        ]);
+        let long = "x".repeat(MAX_SESSION_KEY_BYTES + 1);
+        let published = publish(
+            [("p/0".into(), 640), ("p/1".into(), 0), ("p/2".into(), 64)],
+            &held,
+            vec![("s1".into(), now - Duration::from_millis(200)), (long, now)],
+            now,
+        );
+        let body = serde_json::to_string(&published).unwrap();
+        assert_eq!(
+            body,
+            r#"{"endpoints":[{"name":"p/0","working_set":640,"held":{"idle_ms":1500}},{"name":"p/1","working_set":0,"held":"aged"},{"name":"p/2","working_set":64}],"sessions":[{"key":"s1","idle_ms":200}]}"#
+        );
+        // Two peers: this one 300 ms old, and another holding a colder turn for p/0.
+        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"held":{"idle_ms":9000}}],"sessions":[{"key":"s1","idle_ms":50}]}"#;
+        let read_at = now + Duration::from_millis(10);
+        let peers = merge(
+            &[
+                PeerState {
+                    age: Duration::from_millis(300),
+                    state: body,
+                },
+                PeerState {
+                    age: Duration::ZERO,
+                    state: other.into(),
+                },
+                PeerState {
+                    age: Duration::ZERO,
+                    state: "not json".into(),
+                },
+            ],
+            read_at,
+        );
+        assert_eq!(peers.working_set["p/0"], 740);
+        assert_eq!(peers.working_set["p/2"], 64);
+        assert_eq!(
+            peers.held["p/0"],
+            Warmth::Since(read_at - Duration::from_millis(1_800)),
+            "the warmer of the two, aged by the state's age"
+        );
+        assert_eq!(peers.held["p/1"], Warmth::Aged);
+        assert!(!peers.held.contains_key("p/2"));
+        assert_eq!(
+            peers.sessions["s1"],
+            read_at - Duration::from_millis(50),
+            "the latest activity anywhere"
+        );
+        assert_eq!(peers.sessions.len(), 1, "over-long keys are not published");
+    }
+}
