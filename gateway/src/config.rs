@@ -762,7 +762,9 @@ pub struct FlowToml {
     /// the same pools, through the store, what it holds there: its KV working set on each
     /// endpoint and its warmest queued turn for it, and the sessions it just served (see
     /// `crate::exchange`). 0: no exchange; several gateways then see each other's KV only in
-    /// the engines' scraped usage, and each orders only its own queue.
+    /// the engines' scraped usage, and each orders only its own queue. Read at start (a
+    /// reload does not change it); give every gateway in front of the same pools the same
+    /// value.
     pub exchange_interval_ms: u64,
     /// Responses `service_tier` values mapped to bands, e.g. `{ flex = "batch" }`. Unmapped
     /// values (`auto`, `default`, ...) run in the team's default band.

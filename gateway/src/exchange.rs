@@ -21,11 +21,13 @@
 //! A state carries, per endpoint of the pool:
 //!
 //! - `working_set`: this gateway's KV working set there (`Endpoint::working_set_tokens`);
-//! - `held`: the warmest turn it holds for that endpoint waiting for room
-//!   (`FlowController::held`): `aged` (waited out its head start) or `idle_ms`, how long ago
-//!   its session was last active;
+//! - `held`: of the turns it holds for that endpoint because it had no room (pinned turns of
+//!   bands without a reserve, passed over by a dispatch round, of teams below their
+//!   `max_concurrent`), the one that goes first (`FlowController::held`): its band's
+//!   `priority`, and `aged` (waited out its head start) or `idle_ms`, how long ago its session
+//!   was last active;
 //!
-//! and `sessions`: the sessions it dispatched or finished a turn of within the last ten
+//! and `sessions`: the sessions it dispatched or finished a turn of within the last three
 //! intervals, with how long ago (`FlowController::recent_activity`; keys over 1 KiB are left
 //! out).
 //!
@@ -34,10 +36,11 @@
 //! - each endpoint's peer working set is their sum (`Endpoint::set_peer_working_set_tokens`),
 //!   which the KV line counts with this gateway's own; the engine's scraped usage then only
 //!   stands in for KV no gateway accounts for;
-//! - each endpoint's warmest held turn elsewhere is kept for
-//!   [`PoolCapacity`](crate::flow::PoolCapacity): a turn here that could take room there but
-//!   is colder (`Warmth::outranks`) leaves it, for at most four intervals, to the gateway that
-//!   holds the warmer one, which sees the room at its next exchange;
+//! - each endpoint's first held turn elsewhere is kept for
+//!   [`PoolCapacity`](crate::flow::PoolCapacity): a pinned turn here that could take room
+//!   there but is outranked by it (`HeldTurn::outranks`: a higher band, else warmer) leaves
+//!   the room, for at most four intervals in all, to the gateway that holds it, which sees the
+//!   room at its next exchange;
 //! - their sessions' activity counts here as if their turns had run here
 //!   (`FlowController::note_activity`): warmth and "continuing" follow a session across
 //!   gateways.
@@ -48,13 +51,16 @@
 //!
 //! A failed exchange clears what came from the others (peer working sets, held turns): each
 //! gateway then falls back to the engines' scraped usage and its own queue, as with the
-//! exchange off. With one gateway the board holds only its own state and nothing changes.
+//! exchange off. A gateway shutting down publishes an empty state. With one gateway the board
+//! holds only its own state and nothing changes. The interval is read at start; every gateway
+//! in front of the same pools should use the same one (a state is read while it is younger
+//! than ten of the reader's intervals).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentgate_scheduler::flow::Warmth;
+use agentgate_scheduler::flow::{HeldTurn, Warmth};
 use agentgate_sessions::{PeerState, Store};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -64,9 +70,12 @@ use tokio::time::Instant;
 use crate::app::AppState;
 use crate::pools::Pool;
 
-/// States older than this many intervals are not read (and leave the board); activity is
-/// published for as long.
+/// States older than this many intervals are not read (and leave the board).
 const FRESH_INTERVALS: u32 = 10;
+
+/// A session's activity is published for this many intervals: every other gateway reads it
+/// at least twice unless its exchanges stall that long, while each state stays small.
+const ACTIVITY_INTERVALS: u32 = 3;
 
 /// Longest a turn leaves room to a warmer one elsewhere, in intervals.
 const YIELD_INTERVALS: u32 = 4;
@@ -94,14 +103,17 @@ struct EndpointState {
     held: Option<Held>,
 }
 
-/// The warmest turn a gateway holds for an endpoint.
+/// The turn a gateway holds for an endpoint that goes first there.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "snake_case")]
-enum Held {
-    /// Waited out its head start.
-    Aged,
-    /// Its session was last active this many milliseconds before publication.
-    IdleMs(u64),
+struct Held {
+    /// Its band's priority.
+    priority: i32,
+    /// It waited out its head start.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    aged: bool,
+    /// Otherwise its session was last active this many milliseconds before publication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    idle_ms: Option<u64>,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -115,17 +127,16 @@ struct SessionSeen {
 struct Peers {
     /// Endpoint name -> the others' working set there, summed.
     working_set: HashMap<String, u64>,
-    /// Endpoint name -> the warmest turn the others hold for it.
-    held: HashMap<String, Warmth>,
+    /// Endpoint name -> the turn the others hold for it that goes first.
+    held: HashMap<String, HeldTurn>,
     /// Session -> when it was last active at another gateway.
     sessions: HashMap<String, Instant>,
 }
 
-/// The instant `ms` milliseconds plus `age` before `now` (or `now`'s earliest representable
-/// neighbour).
-fn ago(now: Instant, age: Duration, ms: u64) -> Instant {
-    let back = age.saturating_add(Duration::from_millis(ms));
-    now.checked_sub(back).unwrap_or(now)
+/// The instant `ms` milliseconds plus `age` before `now`; `None` when the clock cannot
+/// represent it (then the activity is too old to matter).
+fn ago(now: Instant, age: Duration, ms: u64) -> Option<Instant> {
+    now.checked_sub(age.saturating_add(Duration::from_millis(ms)))
 }
 
 fn millis(d: Duration) -> u64 {
@@ -136,7 +147,7 @@ fn millis(d: Duration) -> u64 {
 /// served recently, all as of `now`.
 fn publish(
     endpoints: impl IntoIterator<Item = (String, u64)>,
-    held: &HashMap<String, Warmth>,
+    held: &HashMap<String, HeldTurn>,
     sessions: Vec<(String, Instant)>,
     now: Instant,
 ) -> Published {
@@ -144,13 +155,20 @@ fn publish(
         endpoints: endpoints
             .into_iter()
             .map(|(name, working_set)| {
-                let held = match held.get(&name) {
-                    Some(Warmth::Aged) => Some(Held::Aged),
-                    Some(Warmth::Since(at)) => {
-                        Some(Held::IdleMs(millis(now.saturating_duration_since(*at))))
-                    }
-                    Some(Warmth::Unknown) | None => None,
-                };
+                let held = held.get(&name).and_then(|turn| {
+                    let (aged, idle_ms) = match turn.warmth {
+                        Warmth::Aged => (true, None),
+                        Warmth::Since(at) => {
+                            (false, Some(millis(now.saturating_duration_since(at))))
+                        }
+                        Warmth::Unknown => return None,
+                    };
+                    Some(Held {
+                        priority: turn.priority,
+                        aged,
+                        idle_ms,
+                    })
+                });
                 EndpointState {
                     name,
                     working_set,
@@ -179,21 +197,33 @@ fn merge(states: &[PeerState], now: Instant) -> Peers {
         for e in published.endpoints {
             let sum = peers.working_set.entry(e.name.clone()).or_insert(0);
             *sum = sum.saturating_add(e.working_set);
-            let warmth = match e.held {
-                Some(Held::Aged) => Warmth::Aged,
-                Some(Held::IdleMs(ms)) => Warmth::Since(ago(now, peer.age, ms)),
-                None => continue,
+            let Some(held) = e.held else {
+                continue;
+            };
+            let warmth = match (held.aged, held.idle_ms) {
+                (true, _) => Warmth::Aged,
+                (false, Some(ms)) => match ago(now, peer.age, ms) {
+                    Some(at) => Warmth::Since(at),
+                    None => continue,
+                },
+                (false, None) => continue,
+            };
+            let turn = HeldTurn {
+                priority: held.priority,
+                warmth,
             };
             match peers.held.get_mut(&e.name) {
-                Some(best) if !warmth.outranks(best) => {}
-                Some(best) => *best = warmth,
+                Some(best) if !turn.outranks(best) => {}
+                Some(best) => *best = turn,
                 None => {
-                    peers.held.insert(e.name, warmth);
+                    peers.held.insert(e.name, turn);
                 }
             }
         }
         for s in published.sessions {
-            let at = ago(now, peer.age, s.idle_ms);
+            let Some(at) = ago(now, peer.age, s.idle_ms) else {
+                continue;
+            };
             let latest = peers.sessions.entry(s.key).or_insert(at);
             *latest = (*latest).max(at);
         }
@@ -225,7 +255,10 @@ impl Exchange {
             loop {
                 tokio::select! {
                     _ = tick.tick() => {}
-                    _ = rx.changed() => return,
+                    _ = rx.changed() => {
+                        leave(&state, &gateway, every).await;
+                        return;
+                    }
                 }
                 for pool in state.pools.all() {
                     if let Err(e) = exchange_pool(&state, pool, &gateway, every).await {
@@ -253,6 +286,21 @@ impl Exchange {
     }
 }
 
+/// Publish an empty state for every pool, so the others stop counting this gateway's work at
+/// once rather than when its last state goes stale. Best effort, a second at most per pool.
+async fn leave(state: &AppState, gateway: &str, every: Duration) {
+    let empty = serde_json::to_string(&Published::default()).unwrap_or_default();
+    for pool in state.pools.all() {
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            state
+                .store
+                .exchange(&pool.name, gateway, &empty, every * FRESH_INTERVALS),
+        )
+        .await;
+    }
+}
+
 /// One exchange for `pool`: publish, read, apply. On a store error what came from the others
 /// is cleared before the error is returned.
 async fn exchange_pool(
@@ -272,7 +320,7 @@ async fn exchange_pool(
             .iter()
             .map(|e| (e.name.clone(), e.working_set_tokens())),
         &controller.held(),
-        controller.recent_activity(now.checked_sub(fresh).unwrap_or(now)),
+        controller.recent_activity(now.checked_sub(every * ACTIVITY_INTERVALS).unwrap_or(now)),
         now,
     );
     let body = serde_json::to_string(&published).map_err(|e| e.to_string())?;
@@ -280,7 +328,9 @@ async fn exchange_pool(
         .store
         .exchange(&pool.name, gateway, &body, fresh)
         .await;
-    let now = Instant::now();
+    // Ages were measured at the store, between sending and receiving: read them from the
+    // middle of the round trip.
+    let now = now + Instant::now().saturating_duration_since(now) / 2;
     let peers = match &read {
         Ok(states) => merge(states, now),
         Err(_) => Peers::default(),
@@ -298,31 +348,36 @@ async fn exchange_pool(
 mod tests {
     use super::*;
 
+    fn held(priority: i32, warmth: Warmth) -> HeldTurn {
+        HeldTurn { priority, warmth }
+    }
+
     #[test]
     fn a_published_state_reads_back_as_instants_on_the_readers_clock() {
         let now = Instant::now() + Duration::from_secs(100);
-        let held = HashMap::from([
+        let ours = HashMap::from([
             (
                 "p/0".to_string(),
-                Warmth::Since(now - Duration::from_millis(1_500)),
+                held(0, Warmth::Since(now - Duration::from_millis(1_500))),
             ),
-            ("p/1".to_string(), Warmth::Aged),
-            ("p/2".to_string(), Warmth::Unknown),
+            ("p/1".to_string(), held(0, Warmth::Aged)),
+            ("p/2".to_string(), held(0, Warmth::Unknown)),
         ]);
         let long = "x".repeat(MAX_SESSION_KEY_BYTES + 1);
         let published = publish(
             [("p/0".into(), 640), ("p/1".into(), 0), ("p/2".into(), 64)],
-            &held,
+            &ours,
             vec![("s1".into(), now - Duration::from_millis(200)), (long, now)],
             now,
         );
         let body = serde_json::to_string(&published).unwrap();
         assert_eq!(
             body,
-            r#"{"endpoints":[{"name":"p/0","working_set":640,"held":{"idle_ms":1500}},{"name":"p/1","working_set":0,"held":"aged"},{"name":"p/2","working_set":64}],"sessions":[{"key":"s1","idle_ms":200}]}"#
+            r#"{"endpoints":[{"name":"p/0","working_set":640,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64}],"sessions":[{"key":"s1","idle_ms":200}]}"#
         );
-        // Two peers: this one 300 ms old, and another holding a colder turn for p/0.
-        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"held":{"idle_ms":9000}}],"sessions":[{"key":"s1","idle_ms":50}]}"#;
+        // Three peers: this one 300 ms old; one holding a colder turn for p/0 and a turn of a
+        // higher band for p/1 (which goes first even against an aged one); one unreadable.
+        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}]}"#;
         let read_at = now + Duration::from_millis(10);
         let peers = merge(
             &[
@@ -342,13 +397,17 @@ mod tests {
             read_at,
         );
         assert_eq!(peers.working_set["p/0"], 740);
+        assert_eq!(peers.working_set["p/1"], 5);
         assert_eq!(peers.working_set["p/2"], 64);
         assert_eq!(
             peers.held["p/0"],
-            Warmth::Since(read_at - Duration::from_millis(1_800)),
+            held(0, Warmth::Since(read_at - Duration::from_millis(1_800))),
             "the warmer of the two, aged by the state's age"
         );
-        assert_eq!(peers.held["p/1"], Warmth::Aged);
+        assert_eq!(
+            peers.held["p/1"],
+            held(10, Warmth::Since(read_at - Duration::from_millis(60_000)))
+        );
         assert!(!peers.held.contains_key("p/2"));
         assert_eq!(
             peers.sessions["s1"],
@@ -356,5 +415,18 @@ mod tests {
             "the latest activity anywhere"
         );
         assert_eq!(peers.sessions.len(), 1, "over-long keys are not published");
+        // Activity too old to represent is dropped, never taken as recent.
+        let ancient = r#"{"sessions":[{"key":"old","idle_ms":18446744073709551615}]}"#;
+        let peers = merge(
+            &[PeerState {
+                age: Duration::ZERO,
+                state: ancient.into(),
+            }],
+            read_at,
+        );
+        assert!(peers
+            .sessions
+            .get("old")
+            .is_none_or(|at| *at + Duration::from_secs(3600) < read_at));
     }
 }

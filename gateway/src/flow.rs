@@ -190,8 +190,8 @@ use serde_json::Value;
 
 use agentgate_scheduler::flow::rate_limit::{format_reset, RATE_PERIOD};
 use agentgate_scheduler::flow::{
-    CapacitySignal, FlowLoad, Quota, RateCheck, RateCost, RateKind, RateLimited, RateLimiter,
-    RateLimits, RateStatus, Warmth,
+    CapacitySignal, FlowLoad, HeldTurn, Quota, RateCheck, RateCost, RateKind, RateLimited,
+    RateLimiter, RateLimits, RateStatus,
 };
 use agentgate_scheduler::{Endpoint, FlowController, Permit, Rejection, Role, Ticket};
 use agentgate_sessions::{AnyStore, RateDecision, RateLimit, Store};
@@ -260,7 +260,7 @@ pub struct PoolCapacity {
     limits: Arc<EndpointLimits>,
     /// Per endpoint, the warmest turn other gateways hold for it, as last exchanged
     /// (`crate::exchange`).
-    peers_held: Mutex<HashMap<String, Warmth>>,
+    peers_held: Mutex<HashMap<String, HeldTurn>>,
 }
 
 impl PoolCapacity {
@@ -365,12 +365,12 @@ impl CapacitySignal for PoolCapacity {
         }
     }
 
-    fn warmer_elsewhere(&self, endpoint: &str, warmth: &Warmth) -> bool {
+    fn warmer_elsewhere(&self, endpoint: &str, turn: &HeldTurn) -> bool {
         self.peers_held
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(endpoint)
-            .is_some_and(|held| held.outranks(warmth))
+            .is_some_and(|held| held.outranks(turn))
     }
 
     fn yield_limit(&self) -> Duration {
@@ -702,7 +702,7 @@ impl FlowControl {
     /// Record the warmest turns other gateways hold for `pool`'s endpoints, as just exchanged
     /// (`crate::exchange`): a colder turn here leaves such an endpoint's room to them. Returns
     /// whether any were recorded before or now.
-    pub fn set_peers_held(&self, pool: &str, held: HashMap<String, Warmth>) -> bool {
+    pub fn set_peers_held(&self, pool: &str, held: HashMap<String, HeldTurn>) -> bool {
         let Some(p) = self.pools.get(pool) else {
             return false;
         };

@@ -6,8 +6,9 @@
 //! whole; if it is valid, every pool's flow controller is reconfigured (queued requests stay
 //! queued, in arrival order, with their deadlines; see `FlowController::reconfigure`) and the
 //! key ring replaced. A file that does not parse or validate changes nothing: the reason is
-//! logged and `agentgate_config_reloads_total{result="error"}` counts it. Other sections take
-//! effect at the next start. Replace the file atomically (write, then rename).
+//! logged and `agentgate_config_reloads_total{result="error"}` counts it. Other sections, and
+//! `[flow] exchange_interval_ms` (the exchange task's period), take effect at the next start.
+//! Replace the file atomically (write, then rename).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

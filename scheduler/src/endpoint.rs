@@ -109,10 +109,11 @@ impl LoadReport {
     /// KV tokens held on the engine at the scrape by requests neither this gateway nor its
     /// peers account for (a gateway that exchanges no state, clients calling the engine
     /// directly): the engine's KV usage times `capacity_tokens`, less the gateways' working
-    /// set then. 0 when the engine
-    /// reports no usage or uses no more than this gateway's requests span: requests waiting in
-    /// the engine's queue hold no blocks yet, so the estimate errs low, toward a lone
-    /// gateway's view.
+    /// set then; 0 when the engine reports no usage or uses no more than that. Two errors
+    /// pull against each other: the working set counts the prompts of requests still waiting
+    /// in the engine's queue, which hold no blocks yet (the estimate errs low), and not the
+    /// generated tokens and partly filled last blocks of running ones (it errs high, by a few
+    /// hundred tokens per running request).
     pub fn others_kv_tokens(&self, capacity_tokens: u64) -> u64 {
         let Some(usage) = self.kv_usage else {
             return 0;

@@ -5,14 +5,20 @@
 //! others' ([`crate::Store::exchange`], one round trip). The store stamps each state when it
 //! is written and returns the others' with their age, measured on the store's clock alone
 //! (Redis `TIME`, or the memory store's monotonic clock), so the gateways' clocks need not
-//! agree. A state older than the caller's `fresh` is not returned and is deleted: a gateway
-//! that stops publishing drops off the board within that time.
+//! agree. A state older than the caller's `fresh` is not returned, so a gateway that stops
+//! publishing drops out of the others' view within that time; one [`FORGET_AFTER`] old is
+//! deleted.
 //!
 //! Redis keeps a pool's board in one hash, `{prefix}board:{pool}` (pool encoded as in
 //! [`crate::pins::pin_key`]), field = gateway id, value = `"<ms> <state>"`; the hash expires
-//! ten `fresh` periods after the last write, so a pool nobody serves leaves nothing behind.
+//! [`FORGET_AFTER`] after the last write, so a pool nobody serves leaves nothing behind.
 
 use std::time::Duration;
+
+/// Age at which a state leaves the board (its gateway is gone): ten minutes, ten times the
+/// longest `fresh` a gateway asks for (`[flow] exchange_interval_ms` is at most a minute).
+/// `exchange.lua` keeps the same figure.
+pub const FORGET_AFTER: Duration = Duration::from_secs(600);
 
 /// Another gateway's published state, as read from the board.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 
 use serde_json::Value;
 
+use crate::exchange::FORGET_AFTER;
 use crate::pins::pin_key;
 use crate::rate::{gcra_step, RateDecision, RateLimit};
 use crate::record::{is_active_status, response_status};
@@ -817,10 +818,12 @@ impl Store for MemoryStore {
         let mut boards = self.boards.lock().unwrap_or_else(PoisonError::into_inner);
         let board = boards.entry(pool.to_string()).or_default();
         board.insert(gateway.to_string(), (now, state.to_string()));
-        board.retain(|_, (at, _)| now.saturating_duration_since(*at) <= fresh);
+        board.retain(|_, (at, _)| now.saturating_duration_since(*at) <= FORGET_AFTER);
         Ok(board
             .iter()
-            .filter(|(id, _)| id.as_str() != gateway)
+            .filter(|(id, (at, _))| {
+                id.as_str() != gateway && now.saturating_duration_since(*at) <= fresh
+            })
             .map(|(_, (at, state))| PeerState {
                 age: now.saturating_duration_since(*at),
                 state: state.clone(),

@@ -1058,7 +1058,7 @@ async fn a_replica_whose_kv_working_set_is_full_takes_the_next_session_once_it_d
 async fn two_gateways_on_one_redis_exchange_their_working_sets_and_sessions() {
     let redis = TestRedis::start();
     let prefix = unique_prefix("flow_exchange");
-    let extra = format!("{STILL}[flow]\nexchange_interval_ms = 50\n");
+    let extra = format!("{STILL}[flow]\nexchange_interval_ms = 200\n");
     let fleet = Fleet::of(1)
         .store(redis.url(), &prefix)
         .extra(&extra)

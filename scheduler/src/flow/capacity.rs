@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::Warmth;
+use super::HeldTurn;
 
 /// The controller's own load, handed to the [`CapacitySignal`] on every question.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -55,12 +55,12 @@ pub trait CapacitySignal: Send + Sync {
         true
     }
 
-    /// Whether another gateway holds a turn for `endpoint` that outranks one of `warmth`
-    /// ([`Warmth::outranks`]) and waits for the same room (see `agentgate::exchange`): the
+    /// Whether another gateway holds a turn for `endpoint` that outranks `turn`
+    /// ([`HeldTurn::outranks`]) and waits for the same room (see `agentgate::exchange`): the
     /// turn here then leaves the room to it, for at most [`yield_limit`](Self::yield_limit).
     /// `false` (the default) when the signal knows of no other gateway.
-    fn warmer_elsewhere(&self, endpoint: &str, warmth: &Warmth) -> bool {
-        let _ = (endpoint, warmth);
+    fn warmer_elsewhere(&self, endpoint: &str, turn: &HeldTurn) -> bool {
+        let _ = (endpoint, turn);
         false
     }
 

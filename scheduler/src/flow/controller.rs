@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::capacity::{CapacitySignal, FlowLoad};
 use super::config::{ConfigError, FlowConfig, TeamSpec};
 use super::metrics::{BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits, WaitHistogram};
-use super::queue::{BandQueue, Entry, Pick, Placeable, Reply, TurnKind, Warmth};
+use super::queue::{BandQueue, Entry, HeldTurn, Pick, Placeable, Reply, TurnKind, Warmth};
 use super::rate_limit::{LocalRateLimiter, RateCost, RateLimiter, RateLimits, RateStatus};
 use super::rejection::{QueueLimit, Rejection};
 
@@ -468,7 +468,7 @@ impl FlowController {
     /// Per endpoint, the warmest turn queued here waiting for room there: what this gateway
     /// tells the others in front of the same pool, so that room goes to the warmest turn any
     /// of them holds ([`CapacitySignal::warmer_elsewhere`]).
-    pub fn held(&self) -> HashMap<String, Warmth> {
+    pub fn held(&self) -> HashMap<String, HeldTurn> {
         self.inner.lock().held(Instant::now())
     }
 
@@ -587,12 +587,17 @@ impl SessionTracker {
             .map(|a| a.in_flight > 0 || now.saturating_duration_since(a.last) <= window)
     }
 
-    fn dispatched(&mut self, session: &str, now: Instant, window: Duration) {
+    /// Forget sessions idle past `window` once the table has doubled since the last time.
+    fn prune(&mut self, now: Instant, window: Duration) {
         if self.sessions.len() >= self.prune_at {
             self.sessions
                 .retain(|_, a| a.in_flight > 0 || now.saturating_duration_since(a.last) <= window);
             self.prune_at = (self.sessions.len() * 2).max(1024);
         }
+    }
+
+    fn dispatched(&mut self, session: &str, now: Instant, window: Duration) {
+        self.prune(now, window);
         let activity = self
             .sessions
             .entry(session.to_string())
@@ -618,6 +623,7 @@ impl SessionTracker {
         if now.saturating_duration_since(at) > window {
             return;
         }
+        self.prune(now, window);
         match self.sessions.get_mut(session) {
             Some(activity) => activity.last = activity.last.max(at),
             None => {
@@ -993,15 +999,7 @@ impl State {
         now: Instant,
     ) -> Option<(usize, Pick)> {
         let pin_wait = self.config.pin_wait;
-        let eligible = |team: &str| {
-            let limit = self.team_spec(team).map(|t| t.max_concurrent);
-            let in_flight = self.teams.get(team).map_or(0, |t| t.in_flight);
-            match limit {
-                Some(Some(max)) => in_flight < u64::from(max),
-                Some(None) => true,
-                None => false,
-            }
-        };
+        let eligible = |team: &str| self.team_eligible(team);
         let enqueued_at = |id: u64| self.entries.get(&id).map(|e| e.enqueued_at);
         self.bands.iter().enumerate().find_map(|(b, band)| {
             if band.queued == 0 {
@@ -1030,7 +1028,11 @@ impl State {
                 };
                 let sent = promised.get(endpoint).copied().unwrap_or(0);
                 if capacity.has_room(Some(endpoint), share, sent, kv_bound) {
-                    if kv_bound && self.yields(entry, endpoint, capacity, head_start, now) {
+                    let turn = HeldTurn {
+                        priority: band.spec.priority,
+                        warmth: self.warmth(entry, head_start, now),
+                    };
+                    if kv_bound && self.yields(entry, endpoint, &turn, capacity, now) {
                         return Placeable::No;
                     }
                     return Placeable::Now;
@@ -1073,18 +1075,30 @@ impl State {
             .map_or(Warmth::Unknown, Warmth::Since)
     }
 
-    /// Whether `entry`, which could go to `endpoint` now, leaves the room to a warmer turn
-    /// another gateway holds for it ([`CapacitySignal::warmer_elsewhere`]), until it has done so
-    /// for [`CapacitySignal::yield_limit`].
+    /// Whether `team` may have one more request in flight (its `max_concurrent`).
+    fn team_eligible(&self, team: &str) -> bool {
+        let limit = self.team_spec(team).map(|t| t.max_concurrent);
+        let in_flight = self.teams.get(team).map_or(0, |t| t.in_flight);
+        match limit {
+            Some(Some(max)) => in_flight < u64::from(max),
+            Some(None) => true,
+            None => false,
+        }
+    }
+
+    /// Whether `entry` (as `turn`), which could go to `endpoint` now, leaves the room to a
+    /// turn another gateway holds for it that outranks it
+    /// ([`CapacitySignal::warmer_elsewhere`]), until it has done so for
+    /// [`CapacitySignal::yield_limit`] in all.
     fn yields(
         &self,
         entry: &Entry,
         endpoint: &str,
+        turn: &HeldTurn,
         capacity: &dyn CapacitySignal,
-        head_start: Duration,
         now: Instant,
     ) -> bool {
-        if !capacity.warmer_elsewhere(endpoint, &self.warmth(entry, head_start, now)) {
+        if !capacity.warmer_elsewhere(endpoint, turn) {
             return false;
         }
         let since = entry.yielded_since.get().unwrap_or_else(|| {
@@ -1094,33 +1108,40 @@ impl State {
         now.saturating_duration_since(since) < capacity.yield_limit()
     }
 
-    /// Per endpoint, the warmest turn queued here that waits for room there (a band without a
-    /// reserve, with an endpoint to go to), for other gateways to leave that room to.
-    fn held(&self, now: Instant) -> HashMap<String, Warmth> {
-        let mut held: HashMap<String, Warmth> = HashMap::new();
+    /// Per endpoint, the turn queued here that goes first among those waiting for room there:
+    /// pinned turns of bands without a reserve that a dispatch round has passed over for lack
+    /// of room, of teams that may have another request in flight. Other gateways leave that
+    /// room to it when it outranks theirs.
+    fn held(&self, now: Instant) -> HashMap<String, HeldTurn> {
+        let mut held: HashMap<String, HeldTurn> = HashMap::new();
         if self.config.pin_wait.is_zero() {
             return held;
         }
         for entry in self.entries.values() {
-            let (Some(endpoint), Some(&b)) =
-                (entry.affinity.as_ref(), self.band_index.get(&entry.band))
-            else {
+            let (Some(endpoint), Some(&b), Some(_)) = (
+                entry.affinity.as_ref(),
+                self.band_index.get(&entry.band),
+                entry.held_since.get(),
+            ) else {
                 continue;
             };
             let band = &self.bands[b];
-            if band.spec.reserve > 0.0 {
+            if band.spec.reserve > 0.0 || !self.team_eligible(&entry.team) {
                 continue;
             }
             let head_start = band.head_start(self.config.aging, self.config.aging_follows_wait);
-            let warmth = self.warmth(entry, head_start, now);
-            if warmth == Warmth::Unknown {
+            let turn = HeldTurn {
+                priority: band.spec.priority,
+                warmth: self.warmth(entry, head_start, now),
+            };
+            if turn.warmth == Warmth::Unknown {
                 continue;
             }
             match held.get_mut(endpoint) {
-                Some(best) if !warmth.outranks(best) => {}
-                Some(best) => *best = warmth,
+                Some(best) if !turn.outranks(best) => {}
+                Some(best) => *best = turn,
                 None => {
-                    held.insert(endpoint.clone(), warmth);
+                    held.insert(endpoint.clone(), turn);
                 }
             }
         }

@@ -167,7 +167,7 @@ pub use controller::{FlowController, Permit, Ticket};
 pub use metrics::{
     BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits, WaitHistogram, WAIT_BUCKETS_SECONDS,
 };
-pub use queue::{TurnKind, Warmth};
+pub use queue::{HeldTurn, TurnKind, Warmth};
 pub use rate_limit::{
     LocalRateLimiter, Quota, RateCheck, RateCost, RateKind, RateLimited, RateLimiter, RateLimits,
     RateStatus,

@@ -136,9 +136,9 @@ pub enum Warmth {
 
 impl Warmth {
     /// Whether a turn of this warmth goes before one of `other`'s when they wait for the same
-    /// room: aged before the rest, then the most recently active; ties, and anything against
-    /// an unknown session, do not outrank (their order is arrival order, which only the queue
-    /// that holds both knows).
+    /// room: aged before the rest, then the most recently active, then those of unknown
+    /// sessions. Ties, and an unknown session against anything, do not outrank: their order is
+    /// arrival order, which only the queue that holds both knows.
     pub fn outranks(&self, other: &Warmth) -> bool {
         match (self, other) {
             (Warmth::Aged, Warmth::Aged) => false,
@@ -147,6 +147,25 @@ impl Warmth {
             (Warmth::Since(_), Warmth::Unknown) => true,
             (Warmth::Since(_), Warmth::Aged) | (Warmth::Unknown, _) => false,
         }
+    }
+}
+
+/// A queued turn waiting for room on an endpoint, as gateways compare them across their
+/// queues (`FlowController::held`, [`CapacitySignal::warmer_elsewhere`](super::CapacitySignal::warmer_elsewhere)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldTurn {
+    /// Its band's priority.
+    pub priority: i32,
+    /// How warm its session is.
+    pub warmth: Warmth,
+}
+
+impl HeldTurn {
+    /// Whether this turn goes before `other` when both wait for the same room: a higher
+    /// band first, then [`Warmth::outranks`].
+    pub fn outranks(&self, other: &HeldTurn) -> bool {
+        self.priority > other.priority
+            || (self.priority == other.priority && self.warmth.outranks(&other.warmth))
     }
 }
 

@@ -1059,11 +1059,12 @@ async fn a_continuing_turn_waiting_for_its_endpoint_keeps_its_head_start_over_ne
     assert!(!new.promoted());
 }
 
-/// [`MaxInFlight`] plus what other gateways hold: every endpoint has room, and `elsewhere` is
-/// the warmest turn another gateway holds for `e0`.
+/// [`MaxInFlight`] plus what other gateways hold: `e0` has room while `room` is set, and
+/// `elsewhere` is the turn another gateway holds for it.
 struct Peers {
     cap: MaxInFlight,
-    elsewhere: std::sync::Mutex<Option<Warmth>>,
+    room: AtomicBool,
+    elsewhere: std::sync::Mutex<Option<HeldTurn>>,
 }
 
 impl CapacitySignal for Peers {
@@ -1072,16 +1073,16 @@ impl CapacitySignal for Peers {
     }
 
     fn has_room(&self, _: Option<&str>, _: f64, promised: u64, _: bool) -> bool {
-        promised == 0
+        promised == 0 && self.room.load(Ordering::Relaxed)
     }
 
-    fn warmer_elsewhere(&self, endpoint: &str, warmth: &Warmth) -> bool {
+    fn warmer_elsewhere(&self, endpoint: &str, turn: &HeldTurn) -> bool {
         endpoint == "e0"
             && self
                 .elsewhere
                 .lock()
                 .unwrap()
-                .is_some_and(|held| held.outranks(warmth))
+                .is_some_and(|held| held.outranks(turn))
     }
 
     fn yield_limit(&self) -> Duration {
@@ -1090,9 +1091,10 @@ impl CapacitySignal for Peers {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_turn_leaves_its_endpoints_room_to_a_warmer_turn_held_by_another_gateway() {
+async fn a_turn_leaves_its_endpoints_room_to_a_turn_held_by_another_gateway_that_outranks_it() {
     let signal = Arc::new(Peers {
         cap: MaxInFlight::new(1),
+        room: AtomicBool::new(true),
         elsewhere: std::sync::Mutex::new(None),
     });
     let flow = FlowController::new(config(), signal.clone()).unwrap();
@@ -1102,47 +1104,76 @@ async fn a_turn_leaves_its_endpoints_room_to_a_warmer_turn_held_by_another_gatew
             .continuing(true)
             .affinity("e0")
     };
-    // s1 ran a turn here; its next one waits for a slot, as warm as that turn's end.
+    let elsewhere = |priority: i32, warmth: Warmth| {
+        *signal.elsewhere.lock().unwrap() = Some(HeldTurn { priority, warmth });
+    };
+    // s1 ran a turn here; its next one finds no room on e0 and waits, as warm as that turn's
+    // end.
     drop(flow.admit(turn("s1")).await.unwrap());
     let s1_active = Instant::now();
-    signal.cap.set_limit(0);
+    signal.room.store(false, Ordering::Relaxed);
     let (tx, mut rx) = mpsc::unbounded_channel();
     spawn_admit(&flow, turn("s1"), "s1", &tx);
     wait_queued(&flow, 1).await;
     assert_eq!(
         flow.held(),
-        HashMap::from([("e0".to_string(), Warmth::Since(s1_active))]),
+        HashMap::from([(
+            "e0".to_string(),
+            HeldTurn {
+                priority: 0,
+                warmth: Warmth::Since(s1_active)
+            }
+        )]),
         "what this gateway tells the others it holds"
     );
     // Another gateway holds a turn of a session active more recently: the room is left to it
     // for up to the yield limit, then taken.
     tokio::time::advance(SEC).await;
-    *signal.elsewhere.lock().unwrap() = Some(Warmth::Since(Instant::now()));
-    signal.cap.set_limit(1);
+    elsewhere(0, Warmth::Since(Instant::now()));
+    signal.room.store(true, Ordering::Relaxed);
     flow.notify();
     tokio::time::advance(Duration::from_millis(300)).await;
     flow.notify();
     tokio::task::yield_now().await;
     assert!(rx.try_recv().is_err(), "left to the warmer turn elsewhere");
+    assert_eq!(flow.snapshot().queued(), 1);
     tokio::time::advance(Duration::from_millis(150)).await;
     flow.notify();
     let (label, permit) = rx.recv().await.unwrap();
     assert_eq!(label, "s1", "taken once the yield limit has passed");
     drop(permit);
-    // A colder turn elsewhere takes nothing from a turn here.
-    signal.cap.set_limit(0);
-    spawn_admit(&flow, turn("s1"), "s1-again", &tx);
-    wait_queued(&flow, 1).await;
-    *signal.elsewhere.lock().unwrap() = Some(Warmth::Since(s1_active));
-    signal.cap.set_limit(1);
-    flow.notify();
-    let (label, _permit) = rx.recv().await.unwrap();
-    assert_eq!(label, "s1-again");
+    // A colder turn of the same band, or a warmer one of a lower band, takes nothing from a
+    // turn here; a colder one of a higher band does.
+    for (priority, warmth, yields) in [
+        (0, Warmth::Since(s1_active), false),
+        (-1, Warmth::Aged, false),
+        (10, Warmth::Since(s1_active), true),
+    ] {
+        signal.cap.set_limit(0);
+        let label = format!("{priority} {warmth:?}");
+        spawn_admit(&flow, turn("s1"), label.clone(), &tx);
+        wait_queued(&flow, 1).await;
+        elsewhere(priority, warmth);
+        signal.cap.set_limit(1);
+        flow.notify();
+        tokio::task::yield_now().await;
+        let first = rx.try_recv();
+        assert_eq!(first.is_err(), yields, "{label}");
+        let got = match first {
+            Ok((got, _permit)) => got,
+            Err(_) => {
+                tokio::time::advance(Duration::from_millis(500)).await;
+                flow.notify();
+                rx.recv().await.unwrap().0
+            }
+        };
+        assert_eq!(got, label);
+    }
 }
 
 #[tokio::test(start_paused = true)]
 async fn activity_seen_by_another_gateway_makes_a_session_continuing_and_warm_here() {
-    let (flow, capacity) = controller(config(), 1);
+    let (flow, _capacity) = controller(config(), 1);
     let start = Instant::now();
     drop(
         flow.admit(Ticket::new("bulk", 10).session("local"))
@@ -1151,7 +1182,10 @@ async fn activity_seen_by_another_gateway_makes_a_session_continuing_and_warm_he
     );
     tokio::time::advance(SEC).await;
     // "remote" never ran here; another gateway finished a turn of it just now.
-    flow.note_activity([("remote".to_string(), Instant::now())]);
+    flow.note_activity([
+        ("remote".to_string(), Instant::now()),
+        ("elsewhere-only".to_string(), Instant::now()),
+    ]);
     let permit = flow
         .admit(Ticket::new("bulk", 10).session("remote"))
         .await
@@ -1162,7 +1196,8 @@ async fn activity_seen_by_another_gateway_makes_a_session_continuing_and_warm_he
         "active at another gateway within the turn window"
     );
     drop(permit);
-    // Only this gateway's own events are passed on (nothing echoes back), latest per session.
+    // Only this gateway's own events are passed on, latest per session: what it learnt from
+    // others does not echo back.
     let mut recent = flow.recent_activity(start);
     recent.sort();
     let sessions: Vec<&str> = recent.iter().map(|(s, _)| s.as_str()).collect();
@@ -1173,14 +1208,13 @@ async fn activity_seen_by_another_gateway_makes_a_session_continuing_and_warm_he
         "remote's own turn here, just now"
     );
     assert!(flow.recent_activity(Instant::now() + SEC).is_empty());
-    // Activity older than the turn window says nothing.
-    flow.note_activity([("stale".to_string(), start)]);
+    // Activity older than the turn window says nothing: the session stays unknown here, so a
+    // turn carrying earlier ones is continuing (a known but idle session's would be new).
     tokio::time::advance(60 * SEC).await;
     flow.note_activity([("stale".to_string(), Instant::now() - 61 * SEC)]);
-    capacity.set_limit(1);
     let permit = flow
-        .admit(Ticket::new("bulk", 10).session("stale"))
+        .admit(Ticket::new("bulk", 10).session("stale").continuing(true))
         .await
         .unwrap();
-    assert_eq!(permit.turn_kind(), TurnKind::New);
+    assert_eq!(permit.turn_kind(), TurnKind::Continuing);
 }
