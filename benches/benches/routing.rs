@@ -128,7 +128,7 @@ fn routing(c: &mut Criterion) {
             running: 8.0,
             kv_usage: Some(0.6),
             gateway_in_flight: 0,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
         });
     }
     let prefix = filled(Policy::Prefix, &prompt, &mut rng);

@@ -20,7 +20,8 @@
 //! ([`Store::exchange`]; Redis: one script over one hash, see `agentgate_sessions::exchange`).
 //! A state carries, per endpoint of the pool:
 //!
-//! - `working_set`: this gateway's KV working set there (`Endpoint::working_set_tokens`);
+//! - `working_set`: this gateway's KV working set there (`Endpoint::working_set_tokens`), and
+//!   `in_flight`, its requests there;
 //! - `held`: of the turns it holds for that endpoint because it had no room (pinned turns of
 //!   bands without a reserve, passed over by a dispatch round, of teams below their
 //!   `max_concurrent`), the one that goes first (`FlowController::held`): its band's
@@ -33,9 +34,9 @@
 //!
 //! From the others' fresh states (published within ten intervals, on the store's clock):
 //!
-//! - each endpoint's peer working set is their sum (`Endpoint::set_peer_working_set_tokens`),
-//!   which the KV line counts with this gateway's own; the engine's scraped usage then only
-//!   stands in for KV no gateway accounts for;
+//! - each endpoint's peer working set and requests in flight are their sums
+//!   (`Endpoint::set_peers`): the KV line counts that working set with this gateway's own, and
+//!   the engine's scraped usage then stands in only for requests no gateway accounts for;
 //! - each endpoint's first held turn elsewhere is kept for
 //!   [`PoolCapacity`](crate::flow::PoolCapacity): a pinned turn here that could take room
 //!   there but is outranked by it (`HeldTurn::outranks`: a higher band, else warmer) leaves
@@ -52,7 +53,8 @@
 //! A failed exchange clears what came from the others (peer working sets, held turns): each
 //! gateway then falls back to the engines' scraped usage and its own queue, as with the
 //! exchange off. A gateway shutting down publishes an empty state. With one gateway the board
-//! holds only its own state and nothing changes. The interval is read at start; every gateway
+//! holds only its own state and nothing changes; with the in-memory store (one process, so
+//! no peers) the exchange does not run. The interval is read at start; every gateway
 //! in front of the same pools should use the same one (a state is read while it is younger
 //! than ten of the reader's intervals).
 
@@ -99,6 +101,8 @@ struct Published {
 struct EndpointState {
     name: String,
     working_set: u64,
+    #[serde(default)]
+    in_flight: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     held: Option<Held>,
 }
@@ -125,8 +129,8 @@ struct SessionSeen {
 /// What the other gateways published for one pool, merged, as of one exchange.
 #[derive(Debug, Default)]
 struct Peers {
-    /// Endpoint name -> the others' working set there, summed.
-    working_set: HashMap<String, u64>,
+    /// Endpoint name -> the others' working set and requests in flight there, summed.
+    working_set: HashMap<String, (u64, u64)>,
     /// Endpoint name -> the turn the others hold for it that goes first.
     held: HashMap<String, HeldTurn>,
     /// Session -> when it was last active at another gateway.
@@ -146,7 +150,7 @@ fn millis(d: Duration) -> u64 {
 /// This gateway's state: `working_set` per endpoint, `held` from its queue, `sessions` it
 /// served recently, all as of `now`.
 fn publish(
-    endpoints: impl IntoIterator<Item = (String, u64)>,
+    endpoints: impl IntoIterator<Item = (String, u64, u64)>,
     held: &HashMap<String, HeldTurn>,
     sessions: Vec<(String, Instant)>,
     now: Instant,
@@ -154,7 +158,7 @@ fn publish(
     Published {
         endpoints: endpoints
             .into_iter()
-            .map(|(name, working_set)| {
+            .map(|(name, working_set, in_flight)| {
                 let held = held.get(&name).and_then(|turn| {
                     let (aged, idle_ms) = match turn.warmth {
                         Warmth::Aged => (true, None),
@@ -172,6 +176,7 @@ fn publish(
                 EndpointState {
                     name,
                     working_set,
+                    in_flight,
                     held,
                 }
             })
@@ -195,8 +200,9 @@ fn merge(states: &[PeerState], now: Instant) -> Peers {
             continue;
         };
         for e in published.endpoints {
-            let sum = peers.working_set.entry(e.name.clone()).or_insert(0);
-            *sum = sum.saturating_add(e.working_set);
+            let sum = peers.working_set.entry(e.name.clone()).or_insert((0, 0));
+            sum.0 = sum.0.saturating_add(e.working_set);
+            sum.1 = sum.1.saturating_add(e.in_flight);
             let Some(held) = e.held else {
                 continue;
             };
@@ -239,10 +245,11 @@ pub struct Exchange {
 
 impl Exchange {
     /// Start exchanging every `[flow] exchange_interval_ms` under the id `gateway`; `None`
-    /// when the interval is 0.
+    /// when the interval is 0 or the store is this process's own (in memory: no other
+    /// gateway can read it).
     pub fn start(state: &Arc<AppState>, gateway: String) -> Option<Exchange> {
         let every = Duration::from_millis(state.config.flow.exchange_interval_ms);
-        if every.is_zero() {
+        if every.is_zero() || !state.store.is_shared() {
             return None;
         }
         state.flow.set_yield_limit(every * YIELD_INTERVALS);
@@ -316,9 +323,13 @@ async fn exchange_pool(
     let now = Instant::now();
     let endpoints = pool.endpoints();
     let published = publish(
-        endpoints
-            .iter()
-            .map(|e| (e.name.clone(), e.working_set_tokens())),
+        endpoints.iter().map(|e| {
+            (
+                e.name.clone(),
+                e.working_set_tokens(),
+                e.in_flight_requests(),
+            )
+        }),
         &controller.held(),
         controller.recent_activity(now.checked_sub(every * ACTIVITY_INTERVALS).unwrap_or(now)),
         now,
@@ -335,12 +346,19 @@ async fn exchange_pool(
         Ok(states) => merge(states, now),
         Err(_) => Peers::default(),
     };
+    let mut changed = !peers.held.is_empty() || !peers.sessions.is_empty();
     for e in endpoints.iter() {
-        e.set_peer_working_set_tokens(peers.working_set.get(&e.name).copied().unwrap_or(0));
+        let (tokens, in_flight) = peers.working_set.get(&e.name).copied().unwrap_or((0, 0));
+        changed |= tokens != e.peer_working_set_tokens();
+        e.set_peers(tokens, in_flight);
     }
-    state.flow.set_peers_held(&pool.name, peers.held);
+    changed |= state.flow.set_peers_held(&pool.name, peers.held);
     controller.note_activity(peers.sessions);
-    controller.notify();
+    // Alone on the board nothing changed: dispatch rounds stay paced by this gateway's own
+    // arrivals, releases and scrapes.
+    if changed {
+        controller.notify();
+    }
     read.map(drop).map_err(|e| e.to_string())
 }
 
@@ -365,7 +383,11 @@ mod tests {
         ]);
         let long = "x".repeat(MAX_SESSION_KEY_BYTES + 1);
         let published = publish(
-            [("p/0".into(), 640), ("p/1".into(), 0), ("p/2".into(), 64)],
+            [
+                ("p/0".into(), 640, 2),
+                ("p/1".into(), 0, 0),
+                ("p/2".into(), 64, 1),
+            ],
             &ours,
             vec![("s1".into(), now - Duration::from_millis(200)), (long, now)],
             now,
@@ -373,11 +395,11 @@ mod tests {
         let body = serde_json::to_string(&published).unwrap();
         assert_eq!(
             body,
-            r#"{"endpoints":[{"name":"p/0","working_set":640,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64}],"sessions":[{"key":"s1","idle_ms":200}]}"#
+            r#"{"endpoints":[{"name":"p/0","working_set":640,"in_flight":2,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"in_flight":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64,"in_flight":1}],"sessions":[{"key":"s1","idle_ms":200}]}"#
         );
         // Three peers: this one 300 ms old; one holding a colder turn for p/0 and a turn of a
         // higher band for p/1 (which goes first even against an aged one); one unreadable.
-        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}]}"#;
+        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"in_flight":1,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}]}"#;
         let read_at = now + Duration::from_millis(10);
         let peers = merge(
             &[
@@ -396,9 +418,9 @@ mod tests {
             ],
             read_at,
         );
-        assert_eq!(peers.working_set["p/0"], 740);
-        assert_eq!(peers.working_set["p/1"], 5);
-        assert_eq!(peers.working_set["p/2"], 64);
+        assert_eq!(peers.working_set["p/0"], (740, 3));
+        assert_eq!(peers.working_set["p/1"], (5, 0), "in_flight defaults to 0");
+        assert_eq!(peers.working_set["p/2"], (64, 1));
         assert_eq!(
             peers.held["p/0"],
             held(0, Warmth::Since(read_at - Duration::from_millis(1_800))),

@@ -121,12 +121,12 @@
 //! prompts this gateway has in flight there span together: the distinct chunk hashes of their
 //! prompts (chained, so a shared prefix is counted once) times the prefix index's tokens per
 //! chunk (`Endpoint::working_set_tokens`), plus the other gateways' working sets as they last
-//! published them (`crate::exchange`), plus the KV held there at the last scrape that no
-//! gateway accounts for: the engine's KV usage times its capacity, less the gateways' working
-//! sets at that scrape (`LoadReport::others_kv_tokens`; clients calling the engine directly,
-//! gateways with the exchange off). So gateways in front of the same engines share each one's
-//! room, each with the whole `w`: a fixed part each would leave room idle on one gateway while
-//! turns wait on another. Policies without a prefix index (`round_robin`,
+//! published them (`crate::exchange`), plus the KV held there at the last scrape by requests
+//! no gateway accounts for: the engine's KV usage times its capacity, times their share of
+//! the requests the engine counted (`LoadReport::others_kv_tokens`; clients calling the engine
+//! directly, gateways with the exchange off). So gateways in front of the same engines share
+//! each one's room, each with the whole `w`: a fixed part each would leave room idle on one
+//! gateway while turns wait on another. Policies without a prefix index (`round_robin`,
 //! `least_loaded`) cannot tell shared prefixes apart and are not limited. `kv_capacity(e)` is
 //! the engine's `vllm:cache_config_info` (no limit while unknown). The rule applies to the
 //! `None` case above too: a request without a pin waits until some endpoint is below the line,
@@ -1044,7 +1044,7 @@ mod tests {
             running: 2.0,
             kv_usage: None,
             gateway_in_flight: 0,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
         });
         assert_eq!(cap.capacity(now), Some(3 + 2));
         let load = |in_flight, queued| FlowLoad {
@@ -1086,7 +1086,7 @@ mod tests {
             running: 0.0,
             kv_usage: Some(0.1),
             gateway_in_flight: 0,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
         });
         // One fresh, one never scraped: the stale one takes nothing more.
         assert_eq!(cap.capacity(now), Some(4));

@@ -980,7 +980,7 @@ mod tests {
             running: 5.0,
             kv_usage: Some(0.5),
             gateway_in_flight: 0,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
         });
         let m = Metrics::new();
         m.routing_decision("main", "main/0", "load");

@@ -50,9 +50,6 @@ pub async fn scrape(
     record_load: bool,
 ) -> Result<(), String> {
     let in_flight_before = endpoint.in_flight_requests();
-    let gateways_working_set =
-        || endpoint.working_set_tokens() + endpoint.peer_working_set_tokens();
-    let working_set_before = gateways_working_set();
     let metrics = match tokio::time::timeout(
         timeout,
         engines.scrape_metrics(pool.flavor, &endpoint.base_url),
@@ -70,7 +67,7 @@ pub async fn scrape(
             running: metrics.running.unwrap_or(0.0),
             kv_usage: metrics.kv_usage,
             gateway_in_flight: in_flight_before.max(endpoint.in_flight_requests()),
-            gateway_working_set_tokens: working_set_before.max(gateways_working_set()),
+            peer_in_flight: endpoint.peer_in_flight(),
         });
     }
     if let Some(tokens) = metrics.kv_capacity_tokens() {

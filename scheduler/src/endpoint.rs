@@ -89,11 +89,9 @@ pub struct LoadReport {
     /// the counts before and after it): the engine's `running + waiting` beyond this are other
     /// gateways' requests ([`LoadReport::others_in_flight`]).
     pub gateway_in_flight: u64,
-    /// The working set on the endpoint of this gateway and of the peers it exchanges state
-    /// with while the scrape ran (the larger of the figures before and after it,
-    /// [`Endpoint::working_set_tokens`] plus [`Endpoint::peer_working_set_tokens`]): the KV the
-    /// engine reports in use beyond this is held by others ([`LoadReport::others_kv_tokens`]).
-    pub gateway_working_set_tokens: u64,
+    /// Requests the peers this gateway exchanges state with had in flight on the endpoint
+    /// at the scrape, as they last published ([`Endpoint::peer_in_flight`]).
+    pub peer_in_flight: u64,
 }
 
 impl LoadReport {
@@ -107,19 +105,26 @@ impl LoadReport {
     }
 
     /// KV tokens held on the engine at the scrape by requests neither this gateway nor its
-    /// peers account for (a gateway that exchanges no state, clients calling the engine
-    /// directly): the engine's KV usage times `capacity_tokens`, less the gateways' working
-    /// set then; 0 when the engine reports no usage or uses no more than that. Two errors
-    /// pull against each other: the working set counts the prompts of requests still waiting
-    /// in the engine's queue, which hold no blocks yet (the estimate errs low), and not the
-    /// generated tokens and partly filled last blocks of running ones (it errs high, by a few
-    /// hundred tokens per running request).
+    /// peers sent (a gateway that exchanges no state, clients calling the engine directly):
+    /// the engine's KV usage times `capacity_tokens`, shared out by request count, the share of
+    /// the requests the engine counted beyond those of this gateway and its peers. 0 when the
+    /// engine reports no usage or counts no more requests than they sent (requests in transit
+    /// are counted here but not there, so the estimate errs low, toward a lone gateway's
+    /// view). By count, not as usage less the gateways' own working sets: those are in the
+    /// gateway's estimated tokens, the usage in the engine's, and the difference between the
+    /// two would read as others' KV.
     pub fn others_kv_tokens(&self, capacity_tokens: u64) -> u64 {
         let Some(usage) = self.kv_usage else {
             return 0;
         };
-        let used = (usage.clamp(0.0, 1.0) * capacity_tokens as f64).round() as u64;
-        used.saturating_sub(self.gateway_working_set_tokens)
+        let engine = (self.running.max(0.0) + self.waiting.max(0.0)).round() as u64;
+        let ours = self.gateway_in_flight.saturating_add(self.peer_in_flight);
+        let others = engine.saturating_sub(ours);
+        if others == 0 {
+            return 0;
+        }
+        let used = usage.clamp(0.0, 1.0) * capacity_tokens as f64;
+        (used * others as f64 / engine as f64).round() as u64
     }
 }
 
@@ -192,6 +197,8 @@ pub struct Endpoint {
     working_set_tokens: AtomicU64,
     /// [`Endpoint::peer_working_set_tokens`].
     peer_working_set_tokens: AtomicU64,
+    /// [`Endpoint::peer_in_flight`].
+    peer_in_flight: AtomicU64,
 }
 
 /// The distinct prompt chunks of the requests in flight on an endpoint, counted once however
@@ -251,6 +258,7 @@ impl Endpoint {
             working_set: Mutex::new(WorkingSet::default()),
             working_set_tokens: AtomicU64::new(0),
             peer_working_set_tokens: AtomicU64::new(0),
+            peer_in_flight: AtomicU64::new(0),
         }
     }
 
@@ -402,11 +410,18 @@ impl Endpoint {
         (total as f64) < fraction * capacity as f64
     }
 
-    /// Record the working set other gateways in front of this endpoint published last
-    /// (summed; 0 when none do or the exchange failed, so the scraped usage stands in for it).
-    pub fn set_peer_working_set_tokens(&self, tokens: u64) {
+    /// Record what the other gateways in front of this endpoint published last, summed: their
+    /// working set and requests in flight here (0 when none do or the exchange failed; the
+    /// engine's scraped figures then stand in for them).
+    pub fn set_peers(&self, working_set_tokens: u64, in_flight: u64) {
         self.peer_working_set_tokens
-            .store(tokens, Ordering::Relaxed);
+            .store(working_set_tokens, Ordering::Relaxed);
+        self.peer_in_flight.store(in_flight, Ordering::Relaxed);
+    }
+
+    /// Requests the other gateways published in flight here, as last exchanged.
+    pub fn peer_in_flight(&self) -> u64 {
+        self.peer_in_flight.load(Ordering::Relaxed)
     }
 
     /// The working set other gateways published for this endpoint, as last exchanged.
@@ -614,31 +629,37 @@ mod tests {
         let mut own = ep.begin(3_200, 3_200);
         own.hold_prompt(&(0..50).collect::<Vec<u64>>(), 64);
         assert_eq!(ep.working_set_tokens(), 3_200);
-        let report = |kv_usage, gateway_working_set_tokens| LoadReport {
+        let report = |kv_usage, running, gateway_in_flight, peer_in_flight| LoadReport {
             at: Instant::now(),
             waiting: 0.0,
-            running: 3.0,
+            running,
             kv_usage,
-            gateway_in_flight: 1,
-            gateway_working_set_tokens,
+            gateway_in_flight,
+            peer_in_flight,
         };
-        // The engine holds 6,000 tokens, 3,200 of them this gateway's: 2,800 are others'.
-        ep.set_load_report(report(Some(0.6), 3_200));
-        assert_eq!(ep.load_report().unwrap().others_kv_tokens(10_000), 2_800);
-        assert!(ep.kv_working_set_below(0.61));
-        assert!(!ep.kv_working_set_below(0.6));
-        // The engine using less than this gateway's requests span (some still queued there,
-        // holding no blocks) is no negative figure.
-        ep.set_load_report(report(Some(0.1), 3_200));
+        // The engine runs 4 requests in 6,000 tokens; 1 is this gateway's, 1 a peer's: the
+        // other 2 hold about half of it.
+        ep.set_load_report(report(Some(0.6), 4.0, 1, 1));
+        assert_eq!(ep.load_report().unwrap().others_kv_tokens(10_000), 3_000);
+        assert!(ep.kv_working_set_below(0.63));
+        assert!(!ep.kv_working_set_below(0.62));
+        // The peer's working set as exchanged counts too.
+        ep.set_peers(500, 1);
+        assert!(!ep.kv_working_set_below(0.67));
+        assert!(ep.kv_working_set_below(0.68));
+        ep.set_peers(0, 0);
+        // Only this gateway's and its peers' requests there: nobody else's KV, however the
+        // engine's token count differs from this gateway's estimate.
+        ep.set_load_report(report(Some(0.9), 2.0, 1, 1));
         assert_eq!(ep.load_report().unwrap().others_kv_tokens(10_000), 0);
         assert!(ep.kv_working_set_below(0.33));
-        // Without a usage figure only this gateway's own working set counts.
-        ep.set_load_report(report(None, 0));
+        // Without a usage figure only the gateways' working sets count.
+        ep.set_load_report(report(None, 4.0, 1, 0));
         assert!(ep.kv_working_set_below(0.33));
         assert!(!ep.kv_working_set_below(0.32));
         // Others' KV counts against the line even with nothing of this gateway's in flight.
         drop(own);
-        ep.set_load_report(report(Some(0.5), 0));
+        ep.set_load_report(report(Some(0.5), 2.0, 0, 0));
         assert!(!ep.kv_working_set_below(0.5));
         assert!(ep.kv_working_set_below(0.51));
     }
@@ -660,7 +681,7 @@ mod tests {
             running: 4.0,
             kv_usage: Some(kv),
             gateway_in_flight: 0,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
         };
         ep.set_load_report(fresh(0.0, 0.99));
         assert!(!ep.saturated(&scraped, now), "full KV but nobody waiting");

@@ -322,7 +322,7 @@ mod tests {
             running: 1.0,
             kv_usage: Some(0.5),
             gateway_in_flight: 0,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
         };
         let filter = PreferUnsaturated {
             limits: Saturation {

@@ -470,7 +470,7 @@ mod tests {
             running: 1.0,
             kv_usage: Some(0.3),
             gateway_in_flight: 0,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
         }
     }
 

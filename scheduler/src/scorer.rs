@@ -373,7 +373,7 @@ mod tests {
             running: 0.0,
             kv_usage,
             gateway_in_flight: 0,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
         }
     }
 
@@ -452,7 +452,7 @@ mod tests {
         e[0].set_load_report(LoadReport {
             running: 6.0,
             gateway_in_flight: 2,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
             ..report(2.0, None)
         });
         assert_eq!(run(&scorer, &e, None, &matches, None), [0.0; 3]);
@@ -460,7 +460,7 @@ mod tests {
         e[0].set_load_report(LoadReport {
             running: 1.0,
             gateway_in_flight: 2,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
             ..report(0.0, None)
         });
         assert_eq!(run(&scorer, &e, None, &matches, None), matches);

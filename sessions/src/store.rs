@@ -205,6 +205,12 @@ impl AnyStore {
         }
     }
 
+    /// Whether other gateway processes can share this store (Redis); the in-memory store
+    /// belongs to one process.
+    pub fn is_shared(&self) -> bool {
+        matches!(self, AnyStore::Redis(_))
+    }
+
     /// Short backend name for logs and metrics: "memory" or "redis".
     pub fn backend_name(&self) -> &'static str {
         match self {

@@ -65,7 +65,7 @@ fn saturate(gw: &Gateway, saturated: bool) {
             running: 0.0,
             kv_usage: None,
             gateway_in_flight: 0,
-            gateway_working_set_tokens: 0,
+            peer_in_flight: 0,
         });
     }
     gw.state().flow.notify();
