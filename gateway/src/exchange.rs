@@ -28,11 +28,12 @@
 //!   `priority`, and `aged` (waited out its head start) or `idle_ms`, how long ago its session
 //!   was last active;
 //!
-//! and `sessions`: the sessions it dispatched or finished a turn of within the last three
+//! and `sessions`: the sessions it dispatched or finished a turn of within the last ten
 //! intervals, with how long ago (`FlowController::recent_activity`; keys over 1 KiB are left
 //! out).
 //!
-//! From the others' fresh states (published within ten intervals, on the store's clock):
+//! From the others' fresh states (published within the last ten intervals, or second if that
+//! is longer, on the store's clock):
 //!
 //! - each endpoint's peer working set and requests in flight are their sums
 //!   (`Endpoint::set_peers`): the KV line counts that working set with this gateway's own, and
@@ -56,7 +57,7 @@
 //! holds only its own state and nothing changes; with the in-memory store (one process, so
 //! no peers) the exchange does not run. The interval is read at start; every gateway
 //! in front of the same pools should use the same one (a state is read while it is younger
-//! than ten of the reader's intervals).
+//! than ten of the reader's intervals, or a second).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -72,12 +73,17 @@ use tokio::time::Instant;
 use crate::app::AppState;
 use crate::pools::Pool;
 
-/// States older than this many intervals are not read (and leave the board).
+/// States older than this many intervals (and than [`MIN_FRESH`]) are not read.
 const FRESH_INTERVALS: u32 = 10;
 
+/// States are read for at least this long, so a gateway whose exchanges are late by a few
+/// intervals (a busy machine) still counts.
+const MIN_FRESH: Duration = Duration::from_secs(1);
+
 /// A session's activity is published for this many intervals: every other gateway reads it
-/// at least twice unless its exchanges stall that long, while each state stays small.
-const ACTIVITY_INTERVALS: u32 = 3;
+/// unless its exchanges stall that long. Three were measured worse on the two-gateway
+/// benchmark, where the interval is 20 ms of wall time on a busy machine.
+const ACTIVITY_INTERVALS: u32 = 10;
 
 /// Longest a turn leaves room to a warmer one elsewhere, in intervals.
 const YIELD_INTERVALS: u32 = 4;
@@ -300,9 +306,12 @@ async fn leave(state: &AppState, gateway: &str, every: Duration) {
     for pool in state.pools.all() {
         let _ = tokio::time::timeout(
             Duration::from_secs(1),
-            state
-                .store
-                .exchange(&pool.name, gateway, &empty, every * FRESH_INTERVALS),
+            state.store.exchange(
+                &pool.name,
+                gateway,
+                &empty,
+                (every * FRESH_INTERVALS).max(MIN_FRESH),
+            ),
         )
         .await;
     }
@@ -319,7 +328,7 @@ async fn exchange_pool(
     let Some(controller) = state.flow.controller(&pool.name) else {
         return Ok(());
     };
-    let fresh = every * FRESH_INTERVALS;
+    let fresh = (every * FRESH_INTERVALS).max(MIN_FRESH);
     let now = Instant::now();
     let endpoints = pool.endpoints();
     let published = publish(
