@@ -19,7 +19,12 @@ async fn create(base: &str, body: Value) -> (u16, Value) {
 async fn hundred_turn_conversation_on_redis_costs_constant_store_round_trips() {
     let redis = TestRedis::start();
     let prefix = unique_prefix("hundred_turns");
-    let fleet = Fleet::of(1).store(redis.url(), &prefix).start().await;
+    // Counts the round trips of turns alone: no background exchange with other gateways.
+    let fleet = Fleet::of(1)
+        .store(redis.url(), &prefix)
+        .extra("[flow]\nexchange_interval_ms = 0\n")
+        .start()
+        .await;
     let base = fleet.base_url();
     let store = &fleet.gateway().state().store;
 
