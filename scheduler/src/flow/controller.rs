@@ -465,9 +465,10 @@ impl FlowController {
         self.inner.lock().snapshot()
     }
 
-    /// Per endpoint, the warmest turn queued here waiting for room there: what this gateway
-    /// tells the others in front of the same pool, so that room goes to the warmest turn any
-    /// of them holds ([`CapacitySignal::warmer_elsewhere`]).
+    /// Per endpoint, the turn that goes first among those queued here for lack of room there
+    /// (a higher band, else the warmest): what this gateway tells the others in front of the
+    /// same pool, so that room goes to the first turn any of them holds
+    /// ([`CapacitySignal::warmer_elsewhere`]).
     pub fn held(&self) -> HashMap<String, HeldTurn> {
         self.inner.lock().held(Instant::now())
     }

@@ -103,6 +103,14 @@
 //!   [`CapacitySignal::has_room`]'s `kv_bound`): served in arrival order, each turn would find
 //!   its context evicted by those served since its last turn; warmest first, the sessions
 //!   whose contexts are cached keep being served from cache while the others wait.
+//! - **Across gateways.** Several controllers (one per gateway) in front of the same
+//!   endpoints can act as one queue: each publishes what it holds for lack of room
+//!   ([`FlowController::held`]) and the sessions it served ([`FlowController::recent_activity`]),
+//!   takes in the others' activity ([`FlowController::note_activity`]: a session served
+//!   elsewhere is active and warm here too), and a pinned turn that could take an endpoint's
+//!   room leaves it to a turn held elsewhere that outranks it ([`HeldTurn::outranks`]), for at
+//!   most [`CapacitySignal::yield_limit`] ([`CapacitySignal::warmer_elsewhere`]). The gateway
+//!   carries this through its store (`agentgate::exchange`).
 //! - **Below a reserve, per endpoint.** In a band with a reserve above it, a request without
 //!   an endpoint of its own is placeable only while [`CapacitySignal::has_room`] finds some
 //!   endpoint below the band's line (more than this dispatch round already sent to such
