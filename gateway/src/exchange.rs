@@ -10,8 +10,8 @@
 //! engines' scraped usage (a scrape old), and releases room to the warmest turn *it* holds: when
 //! a turn of session S ends on gateway A, A fills the room at once from its own queue, while
 //! S's next turn, the warmest of all, may be waiting on gateway B. On the `agentic` benchmark
-//! with turns alternating between two gateways, that costs about two points of captured
-//! reuse against one gateway.
+//! with turns alternating between two gateways, that cost one to two points of captured
+//! reuse against one gateway (seed 2).
 //!
 //! # What
 //!
@@ -32,8 +32,8 @@
 //! intervals, with how long ago (`FlowController::recent_activity`; keys over 1 KiB are left
 //! out).
 //!
-//! From the others' fresh states (published within the last ten intervals, or second if that
-//! is longer, on the store's clock):
+//! From the others' fresh states (published within the last ten intervals, or a second if
+//! that is longer, on the store's clock):
 //!
 //! - each endpoint's peer working set and requests in flight are their sums
 //!   (`Endpoint::set_peers`): the KV line counts that working set with this gateway's own, and
@@ -48,8 +48,9 @@
 //!   gateways.
 //!
 //! Instants travel as ages ("how long ago") measured by the publisher, plus the state's age
-//! measured by the store, so the gateways' clocks need not agree; the store round trip adds
-//! its latency to both, a few milliseconds at most.
+//! measured by the store, so the gateways' clocks need not agree; the reader counts them back
+//! from the middle of its round trip to the store, which errs by half that round trip at
+//! most.
 //!
 //! A failed exchange clears what came from the others (peer working sets, held turns): each
 //! gateway then falls back to the engines' scraped usage and its own queue, as with the
