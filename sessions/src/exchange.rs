@@ -15,9 +15,9 @@
 
 use std::time::Duration;
 
-/// Age at which a state leaves the board (its gateway is gone): ten minutes, ten times the
-/// longest `fresh` a gateway asks for (`[flow] exchange_interval_ms` is at most a minute).
-/// `exchange.lua` keeps the same figure.
+/// Age at which a state leaves the board (its gateway is gone): ten minutes, the longest
+/// `fresh` a gateway asks for (ten intervals, and `[flow] exchange_interval_ms` is at most a
+/// minute). `exchange.lua` keeps the same figure.
 pub const FORGET_AFTER: Duration = Duration::from_secs(600);
 
 /// Another gateway's published state, as read from the board.

@@ -17,7 +17,8 @@
 //! to the same endpoint), and [`rate`] (GCRA rate-limit counters, so every gateway replica
 //! enforces one budget). Conversations of the Conversations API ([`ConversationRecord`]) are
 //! kept by the same backends: a record and the ordered list of its items, with the same TTL,
-//! refreshed on use.
+//! refreshed on use. The [`exchange`] board lets the gateways in front of one pool share what
+//! they hold, a few times a second.
 
 #![warn(missing_docs)]
 

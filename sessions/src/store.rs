@@ -175,7 +175,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Publish `state`, gateway `gateway`'s view of `pool`, on the pool's exchange board and
     /// return the other gateways' states published within `fresh` (see [`crate::exchange`]),
-    /// each with its age. States older than `fresh` are dropped. One round trip.
+    /// each with its age. Older states are not returned (and are deleted once
+    /// [`crate::exchange::FORGET_AFTER`] old). One round trip.
     fn exchange(
         &self,
         pool: &str,
