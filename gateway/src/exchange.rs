@@ -81,6 +81,11 @@ const FRESH_INTERVALS: u32 = 10;
 /// intervals (a busy machine) still counts.
 const MIN_FRESH: Duration = Duration::from_secs(1);
 
+/// How long another gateway's state is read, for an exchange every `every`.
+fn fresh_for(every: Duration) -> Duration {
+    (every * FRESH_INTERVALS).max(MIN_FRESH)
+}
+
 /// A session's activity is published for this many intervals: every other gateway reads it
 /// unless its exchanges stall that long. Three were measured worse on the two-gateway
 /// benchmark, where the interval is 20 ms of wall time on a busy machine.
@@ -307,12 +312,9 @@ async fn leave(state: &AppState, gateway: &str, every: Duration) {
     for pool in state.pools.all() {
         let _ = tokio::time::timeout(
             Duration::from_secs(1),
-            state.store.exchange(
-                &pool.name,
-                gateway,
-                &empty,
-                (every * FRESH_INTERVALS).max(MIN_FRESH),
-            ),
+            state
+                .store
+                .exchange(&pool.name, gateway, &empty, fresh_for(every)),
         )
         .await;
     }
@@ -329,7 +331,7 @@ async fn exchange_pool(
     let Some(controller) = state.flow.controller(&pool.name) else {
         return Ok(());
     };
-    let fresh = (every * FRESH_INTERVALS).max(MIN_FRESH);
+    let fresh = fresh_for(every);
     let now = Instant::now();
     let endpoints = pool.endpoints();
     let published = publish(
