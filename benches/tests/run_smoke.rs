@@ -15,7 +15,7 @@ use std::time::Duration;
 use agentgate_bench::run::flow::FlowMode;
 use agentgate_bench::run::summary::PolicySummary;
 use agentgate_bench::run::topology::Topology;
-use agentgate_bench::run::{execute, Args, ClockMode};
+use agentgate_bench::run::{execute, Args, ClockMode, StoreKind};
 use agentgate_sessions::testing::TestRedis;
 use serde_json::Value;
 
@@ -35,6 +35,7 @@ fn tiny_args(policies: &[&str], out: PathBuf) -> Args {
         workload: "agentic".into(),
         replicas: 2,
         gateways: 1,
+        store: None,
         redis_url: None,
         kill_replica: None,
         policies: policies.iter().map(|p| p.to_string()).collect(),
@@ -361,6 +362,79 @@ async fn two_gateways_sharing_one_redis_serve_alternating_turns() {
         "assignment rule in the report"
     );
     let _ = std::fs::remove_dir_all(&out);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn two_gateways_on_one_memory_store_follow_the_virtual_clock_and_repeat_a_run() {
+    let _cores = CORES.read().await;
+    let run = |name: &str| {
+        let mut args = tiny_args(&["session"], out_dir(name));
+        args.time_scale = None;
+        args.duration = Duration::from_secs(30);
+        args.sessions = 6;
+        args.gateways = 2;
+        args.store = Some(StoreKind::Memory);
+        args
+    };
+    let (first, second) = (run("gateways_memory_a"), run("gateways_memory_b"));
+    assert_eq!(first.clock(), ClockMode::Virtual, "no Redis to wait on");
+    let mut records = Vec::new();
+    for args in [&first, &second] {
+        let summary = execute(args, "agentgate-bench run (test)", false)
+            .await
+            .expect("the run succeeds");
+        assert_eq!(
+            (
+                summary.gateways,
+                summary.store.as_str(),
+                summary.clock.as_str()
+            ),
+            (2, "memory", "virtual")
+        );
+        let policy = &summary.policies[0];
+        assert_consistent(policy);
+        // A turn continues a response the other gateway stored: that needs the shared store.
+        assert_eq!(
+            (policy.errors, policy.shed),
+            (0, 0),
+            "{:?}",
+            policy.first_error
+        );
+        assert!(
+            policy.requests_per_gateway.iter().all(|&n| n > 0),
+            "both gateways served: {:?}",
+            policy.requests_per_gateway
+        );
+        let lines = std::fs::read_to_string(args.out.join("requests.jsonl")).expect("records");
+        let timings: Vec<(u64, u64, String, f64, u64)> = lines
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).expect("a JSON record"))
+            .map(|r| {
+                let endpoint = r["endpoint"].as_str().unwrap_or_default().to_string();
+                let key = (u(&r, "session"), u(&r, "turn"), endpoint);
+                (
+                    key.0,
+                    key.1,
+                    key.2,
+                    f(&r, "ttft_ms"),
+                    u(&r, "cached_tokens"),
+                )
+            })
+            .collect();
+        records.push(timings);
+        let _ = std::fs::remove_dir_all(&args.out);
+    }
+    assert_eq!(
+        records[0], records[1],
+        "same seed, same run, request for request"
+    );
+
+    let mut both = run("gateways_memory_redis");
+    both.redis_url = Some("redis://127.0.0.1:1/0".into());
+    let message = execute(&both, "agentgate-bench run (test)", false)
+        .await
+        .expect_err("one store or the other");
+    assert!(message.contains("--store memory"), "{message}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

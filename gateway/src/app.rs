@@ -11,7 +11,7 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use agentgate_adapters::{EngineClient, HostedToolPolicy, TranslateOptions};
-use agentgate_sessions::{AnyStore, StoreOptions};
+use agentgate_sessions::AnyStore;
 
 use crate::auth::KeyRing;
 use crate::config::{Config, HostedTools};
@@ -59,18 +59,19 @@ pub struct AppState {
 impl AppState {
     /// Open the store, start the pools and build the engine client.
     pub async fn new(config: Config) -> Result<Arc<AppState>, Box<dyn std::error::Error>> {
+        let store = AnyStore::open(config.store.url.as_deref(), config.store_options())
+            .await
+            .map_err(|e| format!("store: {e}"))?;
+        AppState::with_store(config, Arc::new(store)).await
+    }
+
+    /// Start the pools and build the engine client over an open `store`, which other gateways
+    /// of this process may share (`[store]` of `config` is not read again).
+    pub async fn with_store(
+        config: Config,
+        store: Arc<AnyStore>,
+    ) -> Result<Arc<AppState>, Box<dyn std::error::Error>> {
         let keys = KeyRing::new(&config.teams);
-        let store = AnyStore::open(
-            config.store.url.as_deref(),
-            StoreOptions {
-                ttl: config.store_ttl(),
-                key_prefix: config.store.key_prefix.clone(),
-                max_memory_bytes: config.store.memory_max_mb.saturating_mul(1 << 20),
-                ..StoreOptions::default()
-            },
-        )
-        .await
-        .map_err(|e| format!("store: {e}"))?;
         let engines = EngineClient::new(config.client_options());
         let pools = Pools::start(&config, &engines)
             .await
@@ -81,7 +82,6 @@ impl AppState {
             HostedTools::Reject => HostedToolPolicy::Reject,
         };
         let slots = config.background.max_concurrent;
-        let store = Arc::new(store);
         let metrics = Arc::new(Metrics::new());
         let limiter = Arc::new(StoreRateLimiter::new(store.clone(), metrics.clone()));
         let flow =
@@ -245,8 +245,26 @@ impl Gateway {
         config: Config,
         listen: SocketAddr,
     ) -> Result<Gateway, Box<dyn std::error::Error>> {
-        let buffer_bytes = config.server.socket_buffer_bytes;
-        let state = AppState::new(config).await?;
+        Gateway::serve(AppState::new(config).await?, listen).await
+    }
+
+    /// [`Gateway::start`] over an open `store` instead of the one `[store]` names: gateways of
+    /// one process that are handed the same in-memory store
+    /// ([`MemoryStore::shared_in_process`](agentgate_sessions::MemoryStore::shared_in_process))
+    /// work as one fleet, as gateways in separate processes do over one Redis.
+    pub async fn start_with_store(
+        config: Config,
+        listen: SocketAddr,
+        store: Arc<AnyStore>,
+    ) -> Result<Gateway, Box<dyn std::error::Error>> {
+        Gateway::serve(AppState::with_store(config, store).await?, listen).await
+    }
+
+    async fn serve(
+        state: Arc<AppState>,
+        listen: SocketAddr,
+    ) -> Result<Gateway, Box<dyn std::error::Error>> {
+        let buffer_bytes = state.config.server.socket_buffer_bytes;
         let listener = agentgate_sim::listen_tcp(listen, buffer_bytes)
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr()?;

@@ -1108,6 +1108,16 @@ impl Config {
         seconds(self.store.ttl_days * 86_400.0)
     }
 
+    /// The options the store is opened with, from `[store]`.
+    pub fn store_options(&self) -> agentgate_sessions::StoreOptions {
+        agentgate_sessions::StoreOptions {
+            ttl: self.store_ttl(),
+            key_prefix: self.store.key_prefix.clone(),
+            max_memory_bytes: self.store.memory_max_mb.saturating_mul(1 << 20),
+            ..agentgate_sessions::StoreOptions::default()
+        }
+    }
+
     /// The engine client's settings, from `[upstream]`.
     pub fn client_options(&self) -> agentgate_adapters::ClientOptions {
         agentgate_adapters::ClientOptions {

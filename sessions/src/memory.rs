@@ -407,6 +407,8 @@ pub struct MemoryStore {
     epoch: Instant,
     ttl: Duration,
     pin_ttl: Duration,
+    /// Handed to several gateways of this process ([`MemoryStore::shared_in_process`]).
+    shared: bool,
 }
 
 impl MemoryStore {
@@ -430,7 +432,22 @@ impl MemoryStore {
             epoch: Instant::now(),
             ttl: opts.ttl,
             pin_ttl: opts.pin_ttl,
+            shared: false,
         }
+    }
+
+    /// The same store, to be handed (behind one `Arc`) to several gateways running in this
+    /// process: they then exchange state through it as gateways in separate processes do
+    /// through Redis ([`AnyStore::is_shared`](crate::AnyStore::is_shared)). Gateways in separate
+    /// processes cannot share it; this is for in-process fleets such as the benchmark's.
+    pub fn shared_in_process(mut self) -> Self {
+        self.shared = true;
+        self
+    }
+
+    /// Whether [`MemoryStore::shared_in_process`] marked the store as shared.
+    pub fn is_shared_in_process(&self) -> bool {
+        self.shared
     }
 
     /// Number of session pins held, including expired ones not yet swept.

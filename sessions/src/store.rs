@@ -206,10 +206,14 @@ impl AnyStore {
         }
     }
 
-    /// Whether other gateway processes can share this store (Redis); the in-memory store
-    /// belongs to one process.
+    /// Whether other gateways can share this store: Redis always; the in-memory store only
+    /// when it was made for several gateways of one process
+    /// ([`MemoryStore::shared_in_process`]).
     pub fn is_shared(&self) -> bool {
-        matches!(self, AnyStore::Redis(_))
+        match self {
+            AnyStore::Memory(memory) => memory.is_shared_in_process(),
+            AnyStore::Redis(_) => true,
+        }
     }
 
     /// Short backend name for logs and metrics: "memory" or "redis".

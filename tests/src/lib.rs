@@ -75,6 +75,7 @@ pub struct FleetBuilder {
     time_scale: f64,
     policy: Option<String>,
     store: Option<(String, String)>,
+    shared_memory: bool,
     extra: String,
     gateways: usize,
 }
@@ -89,6 +90,7 @@ impl Fleet {
             time_scale: 0.0,
             policy: None,
             store: None,
+            shared_memory: false,
             extra: String::new(),
             gateways: 1,
         }
@@ -192,6 +194,13 @@ impl FleetBuilder {
         self
     }
 
+    /// One in-memory store all the gateways are handed
+    /// ([`agentgate_sessions::MemoryStore::shared_in_process`]) instead of each its own.
+    pub fn shared_memory(mut self) -> Self {
+        self.shared_memory = true;
+        self
+    }
+
     /// TOML appended to the config verbatim (after the pool's `endpoints`).
     pub fn extra(mut self, extra: &str) -> Self {
         self.extra = extra.to_string();
@@ -219,9 +228,25 @@ impl FleetBuilder {
                 &format!("policy = \"{policy}\"\nendpoints = ["),
             );
         }
+        let config = agentgate::Config::parse(&toml).expect("valid test config");
+        let shared = self.shared_memory.then(|| {
+            let memory = agentgate_sessions::MemoryStore::new(config.store_options());
+            Arc::new(agentgate_sessions::AnyStore::Memory(
+                memory.shared_in_process(),
+            ))
+        });
         let mut gateways = Vec::with_capacity(self.gateways);
         for _ in 0..self.gateways {
-            gateways.push(start_gateway(&toml).await);
+            gateways.push(match &shared {
+                Some(store) => Gateway::start_with_store(
+                    config.clone(),
+                    SocketAddr::from(([127, 0, 0, 1], 0)),
+                    Arc::clone(store),
+                )
+                .await
+                .expect("gateway starts"),
+                None => start_gateway(&toml).await,
+            });
         }
         Fleet {
             sims,

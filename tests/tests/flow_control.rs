@@ -1058,13 +1058,34 @@ async fn a_replica_whose_kv_working_set_is_full_takes_the_next_session_once_it_d
 async fn two_gateways_on_one_redis_exchange_their_working_sets_and_sessions() {
     let redis = TestRedis::start();
     let prefix = unique_prefix("flow_exchange");
-    let extra = format!("{STILL}[flow]\nexchange_interval_ms = 200\n");
     let fleet = Fleet::of(1)
         .store(redis.url(), &prefix)
-        .extra(&extra)
+        .extra(&exchange_every_200_ms())
         .gateways(2)
         .start()
         .await;
+    exchange_working_sets_and_sessions(fleet).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_handed_one_memory_store_exchange_as_over_redis() {
+    let fleet = Fleet::of(1)
+        .shared_memory()
+        .extra(&exchange_every_200_ms())
+        .gateways(2)
+        .start()
+        .await;
+    exchange_working_sets_and_sessions(fleet).await;
+}
+
+fn exchange_every_200_ms() -> String {
+    format!("{STILL}[flow]\nexchange_interval_ms = 200\n")
+}
+
+/// Two gateways of `fleet` share one store: a turn in flight on the first shows up as the
+/// second's peer working set and in its `/metrics`, the session counts as continuing on the
+/// second, and the working set is forgotten when the turn ends.
+async fn exchange_working_sets_and_sessions(fleet: Fleet) {
     let (a, b) = (&fleet.gateways()[0], &fleet.gateways()[1]);
     let endpoint =
         |gw: &Gateway| gw.state().pools.for_model("sim-model").unwrap().endpoints()[0].clone();

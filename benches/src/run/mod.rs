@@ -71,6 +71,7 @@ use clock::SimClock;
 use flow::{FlowMode, FlowSetup, SaturationSampler};
 use kill::{KillOutcome, Killer, KILLED_REPLICA};
 use relay::Relay;
+pub use store::StoreKind;
 use store::{SharedStore, StoreTarget};
 use summary::{IsolationCheck, PolicyRun, PolicySummary, RunSummary};
 use topology::Topology;
@@ -109,12 +110,18 @@ pub struct Args {
     /// Simulated replicas behind the gateway.
     #[arg(long, default_value_t = 4)]
     pub replicas: usize,
-    /// Gateways per policy, all over the same replicas and sharing one store (Redis when more
-    /// than one); turn t of session s is sent to gateway (s + t) % N.
+    /// Gateways per policy, all over the same replicas and sharing one store (see --store);
+    /// turn t of session s is sent to gateway (s + t) % N.
     #[arg(long, default_value_t = 1)]
     pub gateways: usize,
-    /// Redis the gateways keep their state in (default: in memory with one gateway, a private
-    /// redis-server on a free port with several).
+    /// Where the gateways keep their state: `redis` (--redis-url, or a private redis-server on
+    /// a free port; needs the wall clock) or `memory` (one in-process store all the gateways of
+    /// a policy share; runs on the virtual clock). Default: `memory` with one gateway, `redis`
+    /// with several or with --redis-url.
+    #[arg(long, value_enum)]
+    pub store: Option<StoreKind>,
+    /// Redis the gateways keep their state in (default with `--store redis`: a private
+    /// redis-server on a free port).
     #[arg(long)]
     pub redis_url: Option<String>,
     /// Kill replica 0 at this simulated time (e.g. 150s): it refuses connections from then on and
@@ -183,7 +190,7 @@ pub struct Args {
     /// The clock the run follows: `virtual` (one thread on a paused clock that jumps to the next
     /// timer whenever every task waits: same-seed runs repeat each other) or `wall` (real time
     /// compressed by --time-scale). Default: `virtual`, or `wall` when the run needs real time
-    /// (--time-scale, --compare-time-scale, --gateways above 1, --redis-url).
+    /// (--time-scale, --compare-time-scale, a Redis store).
     #[arg(long, value_enum)]
     pub clock: Option<ClockMode>,
     /// KV-cache capacity of every replica, in blocks.
@@ -215,14 +222,24 @@ pub struct Args {
 pub const DEFAULT_TIME_SCALE: f64 = 0.2;
 
 impl Args {
+    /// The store the gateways share: `--store`, else Redis when there are several gateways or
+    /// a `--redis-url`, else memory.
+    pub fn store_kind(&self) -> StoreKind {
+        self.store
+            .unwrap_or(if self.gateways > 1 || self.redis_url.is_some() {
+                StoreKind::Redis
+            } else {
+                StoreKind::Memory
+            })
+    }
+
     /// The clock the run follows: `--clock`, else `wall` when an option asks for real time
     /// (a time scale, or a Redis store, which answers on its own clock), else `virtual`.
     pub fn clock(&self) -> ClockMode {
         self.clock.unwrap_or(
             if self.time_scale.is_some()
                 || self.compare_time_scale.is_some()
-                || self.gateways > 1
-                || self.redis_url.is_some()
+                || self.store_kind() == StoreKind::Redis
             {
                 ClockMode::Wall
             } else {
@@ -319,7 +336,8 @@ pub async fn execute(
     let teams = teams_of(&workload);
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
-    let store = SharedStore::open(args.gateways, args.redis_url.as_deref()).await?;
+    let store =
+        SharedStore::open(args.store_kind(), args.gateways, args.redis_url.as_deref()).await?;
 
     let rows = rows(args);
     let replay = |row: &Row| {
@@ -503,10 +521,11 @@ fn validate_args(args: &Args) -> Result<(), String> {
     }
     if args.clock() == ClockMode::Virtual {
         // A Redis server answers on its own clock: the virtual clock would jump while waiting.
-        if args.gateways > 1 || args.redis_url.is_some() {
+        if args.store_kind() == StoreKind::Redis {
             return Err(
                 "--clock virtual runs everything in this process, and a Redis store is \
-                        outside it: use --clock wall with --gateways above 1 or --redis-url"
+                        outside it: use --clock wall with a Redis store (--gateways above 1, \
+                        --redis-url or --store redis), or --store memory"
                     .into(),
             );
         }
@@ -735,12 +754,23 @@ async fn run_row(
     )?;
     config.server.socket_buffer_bytes = socket_buffer_bytes(args.clock());
     let threshold = topology::configure(&mut config, &roles, row.threshold)?;
+    let shared_memory = (args.gateways > 1 && args.store_kind() == StoreKind::Memory).then(|| {
+        let memory = agentgate_sessions::MemoryStore::new(config.store_options());
+        Arc::new(agentgate_sessions::AnyStore::Memory(
+            memory.shared_in_process(),
+        ))
+    });
     let mut gateways = Vec::with_capacity(args.gateways);
     for index in 0..args.gateways {
-        let gateway =
-            agentgate::Gateway::start(config.clone(), SocketAddr::from(([127, 0, 0, 1], 0)))
-                .await
-                .map_err(|e| format!("cannot start gateway {index} for policy `{policy}`: {e}"))?;
+        let listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        let gateway = match &shared_memory {
+            Some(store) => {
+                agentgate::Gateway::start_with_store(config.clone(), listen, Arc::clone(store))
+                    .await
+            }
+            None => agentgate::Gateway::start(config.clone(), listen).await,
+        }
+        .map_err(|e| format!("cannot start gateway {index} for policy `{policy}`: {e}"))?;
         gateways.push(gateway);
     }
 
@@ -1103,6 +1133,7 @@ mod tests {
             workload: "agentic".into(),
             replicas: 2,
             gateways: 1,
+            store: None,
             redis_url: None,
             kill_replica: None,
             policies: vec!["session".into()],

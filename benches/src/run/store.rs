@@ -1,12 +1,21 @@
-//! The conversation store the gateways of a run share (`--gateways`, `--redis-url`).
+//! The conversation store the gateways of a run share (`--store`, `--gateways`, `--redis-url`).
 //!
 //! One gateway with no `--redis-url` keeps its state in memory, as a single gateway would. With
 //! `--gateways N` (N > 1) every gateway of a policy must see the same stored responses (a turn
-//! may continue, by `previous_response_id`, a response another gateway stored) and the same
-//! session pins, so they share one Redis: the one `--redis-url` names, or a private
-//! `redis-server` this run starts on a free 127.0.0.1 port (no persistence) and kills at the end.
-//! Each policy replay uses its own key prefix, so replays never see each other's pins or
-//! responses, and state left in a shared Redis expires after [`TTL_DAYS`].
+//! may continue, by `previous_response_id`, a response another gateway stored), the same
+//! session pins and each other's exchanged state, so they share one store:
+//!
+//! - `redis` (the default with several gateways): the Redis `--redis-url` names, or a private
+//!   `redis-server` this run starts on a free 127.0.0.1 port (no persistence) and kills at the
+//!   end. Each policy replay uses its own key prefix, so replays never see each other's pins or
+//!   responses, and state left in a shared Redis expires after [`TTL_DAYS`]. Redis answers on
+//!   its own clock, so the run follows the wall clock.
+//! - `memory`: one in-process store per policy replay, handed to all its gateways
+//!   ([`agentgate_sessions::MemoryStore::shared_in_process`]). It implements the same store
+//!   contract (the store suite runs on both), so the gateways work as one fleet, and the run
+//!   can follow the virtual clock: same-seed runs with several gateways repeat each other and
+//!   compare request for request with one gateway's. What it leaves out is Redis itself: its
+//!   round trips and its clock.
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -18,10 +27,20 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// Days stored responses live in a Redis the run does not own.
 pub const TTL_DAYS: f64 = 1.0;
 
+/// `--store`: what the gateways of a run keep their state in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StoreKind {
+    /// In-process memory, one store per policy replay shared by its gateways.
+    Memory,
+    /// Redis, one key prefix per policy replay.
+    Redis,
+}
+
 /// Where the gateways of one policy replay keep their state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreTarget {
-    /// Each gateway's own in-memory store (only with one gateway).
+    /// In memory: the gateway's own store, or with several gateways one store they are all
+    /// handed (nothing in their configuration).
     Memory,
     /// A Redis at `url`, keys under `key_prefix`.
     Redis {
@@ -75,27 +94,34 @@ pub struct SharedStore {
 }
 
 impl SharedStore {
-    /// Decide and prepare the store for `gateways` gateways per policy: `redis_url` if given,
-    /// else a private `redis-server` when `gateways > 1`, else in-memory.
-    pub async fn open(gateways: usize, redis_url: Option<&str>) -> Result<SharedStore, String> {
+    /// Prepare the store of `kind` for `gateways` gateways per policy: for Redis, `redis_url`
+    /// if given, else a private `redis-server`.
+    pub async fn open(
+        kind: StoreKind,
+        gateways: usize,
+        redis_url: Option<&str>,
+    ) -> Result<SharedStore, String> {
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
         let run_tag = format!("{}-{nanos}", std::process::id());
-        let (url, server) = match redis_url {
-            Some(url) => (Some(url.to_string()), None),
-            None if gateways > 1 => {
+        let (url, server) = match (kind, redis_url) {
+            (StoreKind::Memory, Some(_)) => {
+                return Err("--store memory and --redis-url exclude each other".into())
+            }
+            (StoreKind::Memory, None) => (None, None),
+            (StoreKind::Redis, Some(url)) => (Some(url.to_string()), None),
+            (StoreKind::Redis, None) => {
                 let (url, child) = start_redis_server().await.map_err(|reason| {
                     format!(
-                        "--gateways {gateways} needs one Redis shared by the gateways, and {reason}; \
-                         install redis-server (e.g. `apt-get install redis-server`) or pass \
-                         --redis-url redis://HOST:PORT/DB"
+                        "--gateways {gateways} with a Redis store needs redis-server, and {reason}; \
+                         install redis-server (e.g. `apt-get install redis-server`), pass \
+                         --redis-url redis://HOST:PORT/DB, or use --store memory"
                     )
                 })?;
                 (Some(url), Some(child))
             }
-            None => (None, None),
         };
         Ok(SharedStore {
             url,
@@ -197,12 +223,12 @@ mod tests {
 
     #[tokio::test]
     async fn one_gateway_stays_in_memory_and_each_replay_gets_its_own_prefix() {
-        let memory = SharedStore::open(1, None).await.unwrap();
+        let memory = SharedStore::open(StoreKind::Memory, 1, None).await.unwrap();
         assert_eq!(memory.kind(), "memory");
         assert_eq!(memory.for_replay("session"), StoreTarget::Memory);
         assert_eq!(StoreTarget::Memory.toml(), "");
 
-        let given = SharedStore::open(1, Some("redis://127.0.0.1:1/0"))
+        let given = SharedStore::open(StoreKind::Redis, 1, Some("redis://127.0.0.1:1/0"))
             .await
             .unwrap();
         assert_eq!(given.kind(), "redis");
