@@ -294,6 +294,24 @@ async fn the_virtual_clock_measures_simulated_engine_time_only() {
     assert!(message.contains("--time-scale"), "{message}");
 }
 
+/// Both gateways served, and nothing failed: chained turns continue a response the other
+/// gateway stored, which fails without a shared store.
+fn assert_two_gateways_served_as_one(policy: &PolicySummary) {
+    assert_consistent(policy);
+    assert_eq!(
+        (policy.errors, policy.shed),
+        (0, 0),
+        "{:?}",
+        policy.first_error
+    );
+    assert_eq!(policy.requests_per_gateway.len(), 2);
+    assert!(
+        policy.requests_per_gateway.iter().all(|&n| n > 0),
+        "both gateways served: {:?}",
+        policy.requests_per_gateway
+    );
+}
+
 /// requests = successes + errors + shed, and the gateways' and replicas' counts add up.
 fn assert_consistent(policy: &PolicySummary) {
     assert!(policy.requests > 0, "no request was sent: {policy:?}");
@@ -329,21 +347,7 @@ async fn two_gateways_sharing_one_redis_serve_alternating_turns() {
         .expect("the run succeeds");
     assert_eq!((summary.gateways, summary.store.as_str()), (2, "redis"));
     let policy = &summary.policies[0];
-    assert_consistent(policy);
-    // Chained turns continue a response the other gateway stored: without a shared store they
-    // would fail.
-    assert_eq!(
-        (policy.errors, policy.shed),
-        (0, 0),
-        "{:?}",
-        policy.first_error
-    );
-    assert_eq!(policy.requests_per_gateway.len(), 2);
-    assert!(
-        policy.requests_per_gateway.iter().all(|&n| n > 0),
-        "both gateways served: {:?}",
-        policy.requests_per_gateway
-    );
+    assert_two_gateways_served_as_one(policy);
     assert!(policy.cached_tokens > 0, "later turns reuse the cache");
 
     let json: Value = serde_json::from_str(
@@ -391,20 +395,7 @@ async fn two_gateways_on_one_memory_store_follow_the_virtual_clock_and_repeat_a_
             ),
             (2, "memory", "virtual")
         );
-        let policy = &summary.policies[0];
-        assert_consistent(policy);
-        // A turn continues a response the other gateway stored: that needs the shared store.
-        assert_eq!(
-            (policy.errors, policy.shed),
-            (0, 0),
-            "{:?}",
-            policy.first_error
-        );
-        assert!(
-            policy.requests_per_gateway.iter().all(|&n| n > 0),
-            "both gateways served: {:?}",
-            policy.requests_per_gateway
-        );
+        assert_two_gateways_served_as_one(&summary.policies[0]);
         let lines = std::fs::read_to_string(args.out.join("requests.jsonl")).expect("records");
         let timings: Vec<(u64, u64, String, f64, u64)> = lines
             .lines()
@@ -434,7 +425,7 @@ async fn two_gateways_on_one_memory_store_follow_the_virtual_clock_and_repeat_a_
     let message = execute(&both, "agentgate-bench run (test)", false)
         .await
         .expect_err("one store or the other");
-    assert!(message.contains("--store memory"), "{message}");
+    assert!(message.contains("exclude each other"), "{message}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,8 +55,9 @@
 //! A failed exchange clears what came from the others (peer working sets, held turns): each
 //! gateway then falls back to the engines' scraped usage and its own queue, as with the
 //! exchange off. A gateway shutting down publishes an empty state. With one gateway the board
-//! holds only its own state and nothing changes; with the in-memory store (one process, so
-//! no peers) the exchange does not run. The interval is read at start; every gateway
+//! holds only its own state and nothing changes; with an in-memory store of its own (no other
+//! gateway can read it) the exchange does not run. Gateways of one process handed one
+//! in-memory store (`MemoryStore::shared_in_process`) exchange through it as through Redis. The interval is read at start; every gateway
 //! in front of the same pools should use the same one (a state is read while it is younger
 //! than ten of the reader's intervals, or a second).
 
@@ -257,8 +258,8 @@ pub struct Exchange {
 
 impl Exchange {
     /// Start exchanging every `[flow] exchange_interval_ms` under the id `gateway`; `None`
-    /// when the interval is 0 or the store is this process's own (in memory: no other
-    /// gateway can read it).
+    /// when the interval is 0 or no other gateway can read the store (an in-memory store not
+    /// shared in process).
     pub fn start(state: &Arc<AppState>, gateway: String) -> Option<Exchange> {
         let every = Duration::from_millis(state.config.flow.exchange_interval_ms);
         if every.is_zero() || !state.store.is_shared() {

@@ -1,4 +1,5 @@
-//! `MemoryStore`: the in-process backend, for a single gateway replica and for tests.
+//! `MemoryStore`: the in-process backend, for a single gateway replica, for several gateways
+//! in one process handed the same store ([`MemoryStore::shared_in_process`]), and for tests.
 //!
 //! Records and session pins live in mutex-guarded maps with an expiry instant each. Expired
 //! entries are invisible at once and are purged in a sweep at most once per sweep interval,

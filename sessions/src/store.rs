@@ -191,7 +191,7 @@ pub trait Store: Send + Sync + 'static {
 
 /// Enum dispatch so the gateway can hold one concrete type.
 pub enum AnyStore {
-    /// In-process store (single gateway replica).
+    /// In-process store (one gateway replica, or the gateways of one process it is shared by).
     Memory(MemoryStore),
     /// Redis store shared by all gateway replicas.
     Redis(RedisStore),

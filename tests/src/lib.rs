@@ -149,7 +149,8 @@ impl Fleet {
         &self.toml
     }
 
-    /// Start one more gateway on `toml` (over these replicas or not); it is shut down with the
+    /// Start one more gateway on `toml` (over these replicas or not), with the store `toml`
+    /// names (never a fleet's [`FleetBuilder::shared_memory`] store); it is shut down with the
     /// others, after them.
     pub async fn add_gateway(&mut self, toml: &str) -> &Gateway {
         self.gateways.push(start_gateway(toml).await);
@@ -195,7 +196,8 @@ impl FleetBuilder {
     }
 
     /// One in-memory store all the gateways are handed
-    /// ([`agentgate_sessions::MemoryStore::shared_in_process`]) instead of each its own.
+    /// ([`agentgate_sessions::MemoryStore::shared_in_process`]) instead of each its own; not
+    /// with [`FleetBuilder::store`].
     pub fn shared_memory(mut self) -> Self {
         self.shared_memory = true;
         self
@@ -228,6 +230,10 @@ impl FleetBuilder {
                 &format!("policy = \"{policy}\"\nendpoints = ["),
             );
         }
+        assert!(
+            !(self.shared_memory && self.store.is_some()),
+            "a fleet shares one memory store or names a Redis, not both"
+        );
         let config = agentgate::Config::parse(&toml).expect("valid test config");
         let shared = self.shared_memory.then(|| {
             let memory = agentgate_sessions::MemoryStore::new(config.store_options());

@@ -14,8 +14,8 @@
 //!   On an otherwise idle machine same-seed runs repeat each other to the request. Under heavy
 //!   CPU load (a parallel build) the kernel may deliver loopback data after the runtime found
 //!   nothing to do and jumped the clock, and a run can then part from the others. Everything must
-//!   run in this process: a Redis server (`--gateways` above 1, `--redis-url`) answers on its own
-//!   clock, so those runs need `wall`.
+//!   run in this process: a Redis server (`--gateways` above 1 without `--store memory`,
+//!   `--redis-url`, `--store redis`) answers on its own clock, so those runs need `wall`.
 
 use std::time::Duration;
 use tokio::time::Instant;

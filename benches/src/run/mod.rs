@@ -13,7 +13,7 @@
 //! sleep at all, think times are skipped and latencies are reported in wall milliseconds.
 //!
 //! `--gateways N` starts N gateways per policy over the same replicas, sharing one store
-//! ([`store`]: Redis when N > 1); turn `t` of session `s` is sent to gateway `(s + t) % N`
+//! ([`store`]: Redis by default when N > 1, or one in-process store with `--store memory`); turn `t` of session `s` is sent to gateway `(s + t) % N`
 //! ([`replay::gateway_for`]), so consecutive turns of a session alternate between gateways and
 //! keep their cache reuse only if stored responses and session pins are shared through the store.
 //!
@@ -116,8 +116,8 @@ pub struct Args {
     pub gateways: usize,
     /// Where the gateways keep their state: `redis` (--redis-url, or a private redis-server on
     /// a free port; needs the wall clock) or `memory` (one in-process store all the gateways of
-    /// a policy share; runs on the virtual clock). Default: `memory` with one gateway, `redis`
-    /// with several or with --redis-url.
+    /// a policy share; the virtual clock can run it). Default: `memory` with one gateway,
+    /// `redis` with several or with --redis-url.
     #[arg(long, value_enum)]
     pub store: Option<StoreKind>,
     /// Redis the gateways keep their state in (default with `--store redis`: a private
@@ -484,6 +484,9 @@ fn validate_args(args: &Args) -> Result<(), String> {
     }
     if args.gateways == 0 {
         return Err("--gateways must be at least 1".into());
+    }
+    if args.store == Some(StoreKind::Memory) && args.redis_url.is_some() {
+        return Err("--store memory and --redis-url exclude each other".into());
     }
     if args.policies.is_empty() {
         return Err("--policies needs at least one policy, e.g. round_robin,least_loaded".into());

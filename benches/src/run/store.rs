@@ -1,6 +1,7 @@
 //! The conversation store the gateways of a run share (`--store`, `--gateways`, `--redis-url`).
 //!
-//! One gateway with no `--redis-url` keeps its state in memory, as a single gateway would. With
+//! By default one gateway with no `--redis-url` keeps its state in memory, as a single gateway
+//! would (`--store redis` gives it a Redis all the same). With
 //! `--gateways N` (N > 1) every gateway of a policy must see the same stored responses (a turn
 //! may continue, by `previous_response_id`, a response another gateway stored), the same
 //! session pins and each other's exchanged state, so they share one store:
@@ -107,6 +108,7 @@ impl SharedStore {
             .unwrap_or(0);
         let run_tag = format!("{}-{nanos}", std::process::id());
         let (url, server) = match (kind, redis_url) {
+            // refused earlier by the argument checks; kept so this cannot pick one silently
             (StoreKind::Memory, Some(_)) => {
                 return Err("--store memory and --redis-url exclude each other".into())
             }
@@ -115,7 +117,7 @@ impl SharedStore {
             (StoreKind::Redis, None) => {
                 let (url, child) = start_redis_server().await.map_err(|reason| {
                     format!(
-                        "--gateways {gateways} with a Redis store needs redis-server, and {reason}; \
+                        "a Redis store for {gateways} gateway(s) per policy needs redis-server, and {reason}; \
                          install redis-server (e.g. `apt-get install redis-server`), pass \
                          --redis-url redis://HOST:PORT/DB, or use --store memory"
                     )

@@ -32,8 +32,8 @@ pub struct RunSummary {
     pub replicas: usize,
     /// Gateways per policy; turn `t` of session `s` goes to gateway `(s + t) % gateways`.
     pub gateways: usize,
-    /// Where the gateways keep conversation state and session pins: `memory` (one gateway) or
-    /// `redis` (shared by all gateways of a policy).
+    /// Where the gateways keep conversation state and session pins: `memory` (in process,
+    /// shared by all gateways of a policy) or `redis` (shared by all gateways of a policy).
     pub store: String,
     /// `--kill-replica`: simulated second at which replica 0 is killed, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
