@@ -57,9 +57,10 @@
 //! exchange off. A gateway shutting down publishes an empty state. With one gateway the board
 //! holds only its own state and nothing changes; with an in-memory store of its own (no other
 //! gateway can read it) the exchange does not run. Gateways of one process handed one
-//! in-memory store (`MemoryStore::shared_in_process`) exchange through it as through Redis. The interval is read at start; every gateway
-//! in front of the same pools should use the same one (a state is read while it is younger
-//! than ten of the reader's intervals, or a second).
+//! in-memory store (`MemoryStore::shared_in_process`) exchange through it as through Redis.
+//! The interval is read at start; every gateway in front of the same pools should use the
+//! same one (a state is read while it is younger than ten of the reader's intervals, or a
+//! second).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -206,6 +206,12 @@ impl AnyStore {
         }
     }
 
+    /// A new in-memory store to hand (behind one `Arc`) to several gateways of this process
+    /// ([`MemoryStore::shared_in_process`]).
+    pub fn shared_in_process(opts: StoreOptions) -> AnyStore {
+        AnyStore::Memory(MemoryStore::new(opts).shared_in_process())
+    }
+
     /// Whether other gateways can share this store: Redis always; the in-memory store only
     /// when it was made for several gateways of one process
     /// ([`MemoryStore::shared_in_process`]).

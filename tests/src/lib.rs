@@ -236,9 +236,8 @@ impl FleetBuilder {
         );
         let config = agentgate::Config::parse(&toml).expect("valid test config");
         let shared = self.shared_memory.then(|| {
-            let memory = agentgate_sessions::MemoryStore::new(config.store_options());
-            Arc::new(agentgate_sessions::AnyStore::Memory(
-                memory.shared_in_process(),
+            Arc::new(agentgate_sessions::AnyStore::shared_in_process(
+                config.store_options(),
             ))
         });
         let mut gateways = Vec::with_capacity(self.gateways);

@@ -13,9 +13,10 @@
 //! sleep at all, think times are skipped and latencies are reported in wall milliseconds.
 //!
 //! `--gateways N` starts N gateways per policy over the same replicas, sharing one store
-//! ([`store`]: Redis by default when N > 1, or one in-process store with `--store memory`); turn `t` of session `s` is sent to gateway `(s + t) % N`
-//! ([`replay::gateway_for`]), so consecutive turns of a session alternate between gateways and
-//! keep their cache reuse only if stored responses and session pins are shared through the store.
+//! ([`store`]: Redis by default when N > 1, or one in-process store with `--store memory`);
+//! turn `t` of session `s` is sent to gateway `(s + t) % N` ([`replay::gateway_for`]), so
+//! consecutive turns of a session alternate between gateways and keep their cache reuse only
+//! if stored responses and session pins are shared through the store.
 //!
 //! `--kill-replica AT` crashes replica 0 at simulated second AT of each replay ([`kill`]): the
 //! gateways reach the replicas through killable TCP relays ([`relay`]), and killing one refuses
@@ -758,9 +759,8 @@ async fn run_row(
     config.server.socket_buffer_bytes = socket_buffer_bytes(args.clock());
     let threshold = topology::configure(&mut config, &roles, row.threshold)?;
     let shared_memory = (args.gateways > 1 && args.store_kind() == StoreKind::Memory).then(|| {
-        let memory = agentgate_sessions::MemoryStore::new(config.store_options());
-        Arc::new(agentgate_sessions::AnyStore::Memory(
-            memory.shared_in_process(),
+        Arc::new(agentgate_sessions::AnyStore::shared_in_process(
+            config.store_options(),
         ))
     });
     let mut gateways = Vec::with_capacity(args.gateways);
