@@ -228,17 +228,11 @@ fn merge(states: &[PeerState], now: Instant) -> Peers {
                 },
                 (false, None) => continue,
             };
-            let turn = HeldTurn {
+            HeldTurn {
                 priority: held.priority,
                 warmth,
-            };
-            match peers.held.get_mut(&e.name) {
-                Some(best) if !turn.outranks(best) => {}
-                Some(best) => *best = turn,
-                None => {
-                    peers.held.insert(e.name, turn);
-                }
             }
+            .keep_first(&mut peers.held, &e.name);
         }
         for s in published.sessions {
             let Some(at) = ago(now, peer.age, s.idle_ms) else {

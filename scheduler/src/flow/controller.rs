@@ -1138,13 +1138,7 @@ impl State {
             if turn.warmth == Warmth::Unknown {
                 continue;
             }
-            match held.get_mut(endpoint) {
-                Some(best) if !turn.outranks(best) => {}
-                Some(best) => *best = turn,
-                None => {
-                    held.insert(endpoint.clone(), turn);
-                }
-            }
+            turn.keep_first(&mut held, endpoint);
         }
         held
     }

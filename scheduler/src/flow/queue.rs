@@ -167,6 +167,18 @@ impl HeldTurn {
         self.priority > other.priority
             || (self.priority == other.priority && self.warmth.outranks(&other.warmth))
     }
+
+    /// Keep in `first`, per endpoint, the turn that goes first: this one for `endpoint`
+    /// unless the turn kept there already is not outranked by it.
+    pub fn keep_first(self, first: &mut HashMap<String, HeldTurn>, endpoint: &str) {
+        match first.get_mut(endpoint) {
+            Some(best) if !self.outranks(best) => {}
+            Some(best) => *best = self,
+            None => {
+                first.insert(endpoint.to_string(), self);
+            }
+        }
+    }
 }
 
 /// How deep [`BandQueue::pick`] looks into a team's queue of one turn kind for an entry it
