@@ -27,7 +27,7 @@ enum Command {
     Overhead(overhead::Args),
     /// Replay a workload against the gateway once per routing policy and compare cache reuse,
     /// latency and engine work (summary.json, report.md, SVG charts).
-    Run(agentgate_bench::run::Args),
+    Run(Box<agentgate_bench::run::Args>),
 }
 
 fn main() -> std::process::ExitCode {
@@ -57,7 +57,7 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::SimThroughput(args) => sim_throughput::run(args).await,
             Command::Overhead(args) => overhead::run(args).await,
-            Command::Run(args) => agentgate_bench::run::run(args).await,
+            Command::Run(args) => agentgate_bench::run::run(*args).await,
         }
     });
     match result {

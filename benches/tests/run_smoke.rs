@@ -6,8 +6,9 @@
 //! prefill/decode topology with a threshold sweep runs next to the aggregated baseline, with
 //! some requests disaggregated and every replica's work accounted for; that the flow-control
 //! sections (bands, teams, turn kinds, the interactive team's isolation, fairness between two
-//! teams of one band) exist and add up; and that layouts, flow settings and the interactive team
-//! alone combine into one set of rows.
+//! teams of one band) exist and add up; that layouts, flow settings and the interactive team
+//! alone combine into one set of rows; and that a seed list replays each seed as its own run
+//! would and sets the figures side by side.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -15,7 +16,7 @@ use std::time::Duration;
 use agentgate_bench::run::flow::FlowMode;
 use agentgate_bench::run::summary::PolicySummary;
 use agentgate_bench::run::topology::Topology;
-use agentgate_bench::run::{execute, Args, ClockMode, StoreKind};
+use agentgate_bench::run::{execute, execute_seeds, Args, ClockMode, StoreKind};
 use agentgate_sessions::testing::TestRedis;
 use serde_json::Value;
 
@@ -54,6 +55,7 @@ fn tiny_args(policies: &[&str], out: PathBuf) -> Args {
         kv_blocks: 65_536,
         block_size: 16,
         seed: 7,
+        seeds: None,
         compare_time_scale: None,
         clock: None,
         out,
@@ -368,6 +370,27 @@ async fn two_gateways_sharing_one_redis_serve_alternating_turns() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// Per request of `out/requests.jsonl`, in send order: (row, session, turn, endpoint, TTFT,
+/// cached tokens), what two runs of one seed on the virtual clock must agree on.
+fn request_timings(out: &std::path::Path) -> Vec<(String, u64, u64, String, f64, u64)> {
+    let lines = std::fs::read_to_string(out.join("requests.jsonl")).expect("records");
+    lines
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("a JSON record"))
+        .map(|r| {
+            let text = |key: &str| r[key].as_str().unwrap_or_default().to_string();
+            (
+                text("row"),
+                u(&r, "session"),
+                u(&r, "turn"),
+                text("endpoint"),
+                f(&r, "ttft_ms"),
+                u(&r, "cached_tokens"),
+            )
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn two_gateways_on_one_memory_store_follow_the_virtual_clock_and_repeat_a_run() {
     let _cores = CORES.read().await;
@@ -396,23 +419,7 @@ async fn two_gateways_on_one_memory_store_follow_the_virtual_clock_and_repeat_a_
             (2, "memory", "virtual")
         );
         assert_two_gateways_served_as_one(&summary.policies[0]);
-        let lines = std::fs::read_to_string(args.out.join("requests.jsonl")).expect("records");
-        let timings: Vec<(u64, u64, String, f64, u64)> = lines
-            .lines()
-            .map(|l| serde_json::from_str::<Value>(l).expect("a JSON record"))
-            .map(|r| {
-                let endpoint = r["endpoint"].as_str().unwrap_or_default().to_string();
-                let key = (u(&r, "session"), u(&r, "turn"), endpoint);
-                (
-                    key.0,
-                    key.1,
-                    key.2,
-                    f(&r, "ttft_ms"),
-                    u(&r, "cached_tokens"),
-                )
-            })
-            .collect();
-        records.push(timings);
+        records.push(request_timings(&args.out));
         let _ = std::fs::remove_dir_all(&args.out);
     }
     assert_eq!(
@@ -426,6 +433,97 @@ async fn two_gateways_on_one_memory_store_follow_the_virtual_clock_and_repeat_a_
         .await
         .expect_err("one store or the other");
     assert!(message.contains("exclude each other"), "{message}");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_seed_list_repeats_each_seeds_own_run_and_sets_the_figures_side_by_side() {
+    let _cores = CORES.read().await;
+    let args = |name: &str| {
+        let mut args = tiny_args(&["round_robin", "session"], out_dir(name));
+        args.time_scale = None;
+        args.duration = Duration::from_secs(30);
+        args.sessions = 6;
+        args
+    };
+    let listed = args("seeds");
+    let summary = execute_seeds(&listed, &[8, 7], "agentgate-bench run (test)", false)
+        .await
+        .expect("the runs succeed");
+    assert_eq!(summary.seeds, [8, 7], "in the order given");
+    assert_eq!(summary.clock, "virtual");
+
+    // Seed 7 run on its own, after nothing else: the list's second run must match it.
+    let alone = Args {
+        seed: 7,
+        ..args("seeds_alone")
+    };
+    let single = execute(&alone, "agentgate-bench run (test)", false)
+        .await
+        .expect("the run succeeds");
+    assert_eq!(
+        request_timings(&listed.out.join("seed-7")),
+        request_timings(&alone.out),
+        "a seed of the list replays exactly as --seed 7"
+    );
+    assert_ne!(
+        request_timings(&listed.out.join("seed-8")),
+        request_timings(&alone.out),
+        "another seed, another workload"
+    );
+
+    let row = |label: &str| summary.rows.iter().find(|r| r.row == label).expect(label);
+    let (session, round_robin) = (row("session"), row("round_robin"));
+    let of = |label: &str| single.policies.iter().find(|p| p.row == label).unwrap();
+    let (s7, rr7) = (of("session"), of("round_robin"));
+    assert_eq!(session.round_robin_row.as_deref(), Some("round_robin"));
+    assert_eq!(session.captured_reuse.per_seed[1], Some(s7.captured_reuse));
+    assert_eq!(
+        session.ttft_p50_vs_round_robin.per_seed[1],
+        Some(s7.ttft_p50_ms / rr7.ttft_p50_ms)
+    );
+    let gpu =
+        s7.gpu_seconds_per_million_tokens.unwrap() / rr7.gpu_seconds_per_million_tokens.unwrap();
+    assert_eq!(session.gpu_vs_round_robin.per_seed[1], Some(gpu));
+    let per_replica = &s7.requests_per_replica;
+    let mean = per_replica.iter().sum::<u64>() as f64 / per_replica.len() as f64;
+    assert_eq!(
+        session.busiest_replica_vs_mean.per_seed[1],
+        Some(*per_replica.iter().max().unwrap() as f64 / mean)
+    );
+    let captured = &session.captured_reuse.per_seed;
+    let (lo, hi) = (
+        captured[0].unwrap().min(captured[1].unwrap()),
+        captured[0].unwrap().max(captured[1].unwrap()),
+    );
+    assert_eq!(
+        (session.captured_reuse.min, session.captured_reuse.max),
+        (Some(lo), Some(hi))
+    );
+    assert_eq!(session.captured_reuse.mean, Some((lo + hi) / 2.0));
+    assert_eq!(
+        round_robin.round_robin_row, None,
+        "round_robin is not compared with itself"
+    );
+    assert_eq!(round_robin.ttft_p50_vs_round_robin.per_seed, [None, None]);
+
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(listed.out.join("seeds.json")).expect("seeds.json written"),
+    )
+    .expect("seeds.json is JSON");
+    assert_eq!(json["seeds"], serde_json::json!([8, 7]));
+    assert_eq!(json["rows"][1]["row"], "session");
+    let table = std::fs::read_to_string(listed.out.join("seeds.md")).expect("seeds.md written");
+    assert!(
+        table.contains("| row | 8 | 7 | mean | median | min | max |"),
+        "{table}"
+    );
+    assert!(table.contains("## TTFT p50 against round_robin"), "{table}");
+    for seed in [8, 7] {
+        let dir = listed.out.join(format!("seed-{seed}"));
+        assert!(dir.join("summary.json").is_file() && dir.join("report.md").is_file());
+    }
+    let _ = std::fs::remove_dir_all(&listed.out);
+    let _ = std::fs::remove_dir_all(&alone.out);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

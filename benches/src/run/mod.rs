@@ -39,6 +39,9 @@
 //! ([`summary::IsolationCheck`]). The `fairness` workload puts two teams of equal weight in one
 //! band, one with ten times the other's sessions.
 //!
+//! `--seeds 1-10` runs all of this once per seed into `OUT/seed-N` and sets the goal figures of
+//! every seed side by side in `seeds.json` and `seeds.md` ([`seeds`]).
+//!
 //! Each replay is a *row* of the summary: one per policy x layout x threshold x flow setting,
 //! plus the interactive team alone; [`rows()`] gives their order and labels.
 
@@ -53,6 +56,7 @@ pub mod replay;
 pub mod report;
 pub mod reuse;
 pub mod rows;
+pub mod seeds;
 pub mod sse;
 pub mod store;
 pub mod summary;
@@ -203,6 +207,11 @@ pub struct Args {
     /// Seed of the workload generator and of the replicas' generated outputs.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Run the whole comparison once per seed (e.g. `1-10`, `1,3,5`), each into OUT/seed-N
+    /// exactly as --seed N would, and put the goal figures side by side in OUT/seeds.json and
+    /// OUT/seeds.md. Not with --seed.
+    #[arg(long, value_parser = SeedList::parse, conflicts_with = "seed")]
+    pub seeds: Option<SeedList>,
     /// Also replay everything at this second time scale and report how the headline numbers move.
     #[arg(long)]
     pub compare_time_scale: Option<f64>,
@@ -217,6 +226,16 @@ pub struct Args {
     /// row per value; default: the gateway's).
     #[arg(long, value_delimiter = ',')]
     pub pd_threshold: Vec<u64>,
+}
+
+/// The seeds of `--seeds`, in the order given (see [`seeds::parse_seeds`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeedList(pub Vec<u64>);
+
+impl SeedList {
+    fn parse(text: &str) -> Result<SeedList, String> {
+        seeds::parse_seeds(text).map(SeedList)
+    }
 }
 
 /// `--time-scale` when the wall clock runs without one.
@@ -265,6 +284,16 @@ pub async fn run(args: Args) -> Result<(), String> {
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
     // The `\r` progress line is for a person at a terminal; logs get the final table only.
     let show_progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    if let Some(SeedList(list)) = &args.seeds {
+        let summary = execute_seeds(&args, list, &command_line, show_progress).await?;
+        println!("{}", seeds::render(&summary));
+        println!(
+            "wrote {}, {} and one directory per seed",
+            args.out.join("seeds.json").display(),
+            args.out.join("seeds.md").display()
+        );
+        return Ok(());
+    }
     let summary = execute(&args, &command_line, show_progress).await?;
     println!("{}", report::table(&summary.policies));
     println!(
@@ -273,6 +302,49 @@ pub async fn run(args: Args) -> Result<(), String> {
         args.out.join("report.md").display()
     );
     Ok(())
+}
+
+/// `--seeds`: everything `run` does for each seed ([`execute`] into `OUT/seed-N`), then
+/// `seeds.json` and `seeds.md`; returns what was written to `seeds.json`. Callable from tests.
+pub async fn execute_seeds(
+    args: &Args,
+    list: &[u64],
+    command_line: &str,
+    show_progress: bool,
+) -> Result<seeds::SeedsSummary, String> {
+    if list.is_empty() {
+        return Err("--seeds names no seed".into());
+    }
+    std::fs::create_dir_all(&args.out)
+        .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    let mut runs = Vec::with_capacity(list.len());
+    for (i, &seed) in list.iter().enumerate() {
+        let one = Args {
+            seed,
+            seeds: None,
+            out: args.out.join(format!("seed-{seed}")),
+            ..args.clone()
+        };
+        let started = Instant::now();
+        let summary = execute(
+            &one,
+            &format!("{command_line} [seed {seed}]"),
+            show_progress,
+        )
+        .await
+        .map_err(|e| format!("seed {seed}: {e}"))?;
+        eprintln!(
+            "seed {seed} ({} of {}) done in {:.0} s: {}",
+            i + 1,
+            list.len(),
+            started.elapsed().as_secs_f64(),
+            one.out.display()
+        );
+        runs.push((seed, summary));
+    }
+    let summary = seeds::summarize(command_line, &runs);
+    seeds::write(&args.out, &summary)?;
+    Ok(summary)
 }
 
 /// Requests the fleet of the first `--topology` layout runs at once (replicas serving requests
@@ -1155,6 +1227,7 @@ mod tests {
             kv_blocks: 1024,
             block_size: 16,
             seed: 1,
+            seeds: None,
             compare_time_scale: None,
             clock: None,
             out: PathBuf::from("unused"),
