@@ -98,6 +98,8 @@ async fn serve(
     let gateway = Gateway::start(cfg, listen)
         .await
         .map_err(|e| e.to_string())?;
+    // Scripts that start the gateway on port 0 read the bound address from this line
+    // (tests/python/conftest.py): keep its wording.
     tracing::info!(store = %store_desc, "agentgate listening on {}", gateway.base_url());
     shutdown_signal().await;
     tracing::info!("shutting down");

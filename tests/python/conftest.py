@@ -1,7 +1,9 @@
 """Gateway processes for the SDK conformance tests.
 
-Each fixture writes a configuration file, starts `agentgate serve` on a free loopback port as a
-subprocess (its log goes to a temporary file), waits for `GET /health/ready` and hands out
+Each fixture writes a configuration file, starts `agentgate serve` as a subprocess listening on
+port 0 of the loopback address (its log goes to a temporary file; the port the kernel bound is
+read from the gateway's `listening on` log line, so no other process can take it between a
+probe and the bind), waits for `GET /health/ready` and hands out
 `openai.OpenAI` clients pointed at it. The process is stopped when the test session ends.
 
 Environment:
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import tempfile
@@ -36,6 +39,15 @@ TEAM_B_KEY = "sk-test-team-beta"
 READY_TIMEOUT_S = 60.0
 
 _RUNNING: list["GatewayProcess"] = []
+
+# The line `agentgate serve` logs once its listener is bound (gateway/src/main.rs).
+LISTENING = re.compile(r"agentgate listening on (http://[0-9.]+:[0-9]+)")
+
+
+def bound_url(log_text: str) -> str | None:
+    """The base URL a gateway logged once it was listening, if it has yet."""
+    found = LISTENING.search(log_text)
+    return found.group(1) if found else None
 
 
 def _agentgate_bin() -> str:
@@ -116,14 +128,12 @@ class GatewayProcess:
         self.config_path = workdir / f"{name}.toml"
         self.config_path.write_text(config)
         self.log_path = workdir / f"{name}.log"
-        self.port = _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = ""
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [binary, "serve", "--config", str(self.config_path),
-             "--listen", f"127.0.0.1:{self.port}"],
+            [binary, "serve", "--config", str(self.config_path), "--listen", "127.0.0.1:0"],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir,
-            env={**os.environ, "NO_COLOR": "1"},
+            env={**os.environ, "NO_COLOR": "1", "RUST_LOG": "info"},
         )
         _RUNNING.append(self)
         try:
@@ -145,6 +155,11 @@ class GatewayProcess:
             if self.proc.poll() is not None:
                 pytest.fail(f"gateway '{self.name}' exited with {self.proc.returncode} before it "
                             f"was ready; its log:\n{self.log_tail()}")
+            if not self.base_url:
+                self.base_url = bound_url(self.log_tail(limit=1 << 20)) or ""
+                if not self.base_url:
+                    time.sleep(0.05)
+                    continue
             try:
                 r = httpx.get(f"{self.base_url}/health/ready", timeout=2.0)
                 if r.status_code == 200:
@@ -210,31 +225,50 @@ def redis_url(workdir):
     if configured:
         yield configured
         return
-    port = _free_port()
+    # redis-server cannot report a port the kernel picked, so probe for a free one; should
+    # another process take it before redis-server binds, redis-server exits and the next
+    # attempt probes again.
+    last = "no attempt"
+    for _attempt in range(5):
+        port = _free_port()
+        try:
+            proc = subprocess.Popen(
+                ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                 "--appendonly", "no", "--dir", str(workdir)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except FileNotFoundError:
+            pytest.fail("redis-server is not installed; scripts/test.sh installs and starts it")
+        if _redis_answers(proc, port):
+            break
+        last = f"redis-server on port {port} exited with {proc.poll()} or did not answer PING"
+        _stop(proc)
+    else:
+        pytest.fail(f"could not start redis-server: {last}")
     try:
-        proc = subprocess.Popen(
-            ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except FileNotFoundError:
-        pytest.fail("redis-server is not installed; scripts/test.sh installs and starts it")
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                pytest.fail(f"redis-server on port {port} did not answer PING")
-            time.sleep(0.05)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
+        _stop(proc)
+
+
+def _redis_answers(proc: subprocess.Popen, port: int) -> bool:
+    """Wait up to 10 s for the redis-server `proc` to answer PING on `port`; false if it exits."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         proc.terminate()
-        proc.wait(timeout=10)
+    proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")

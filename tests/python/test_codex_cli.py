@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import bound_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CODEX_VERSION = "0.171.0"
@@ -52,12 +52,6 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(text: str, limit: int = 6000) -> str:
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
@@ -65,11 +59,11 @@ def _tail(text: str, limit: int = 6000) -> str:
 # --- the gateway ---------------------------------------------------------------------------------
 
 
-def _gateway_config(port: int) -> str:
-    """examples/quickstart.toml with instant simulated replicas (`time_scale = 0`)."""
+def _gateway_config() -> str:
+    """examples/quickstart.toml with instant simulated replicas (`time_scale = 0`), on port 0."""
     return f"""
 [server]
-listen = "127.0.0.1:{port}"
+listen = "127.0.0.1:0"
 
 [tools]
 hosted = "drop"
@@ -96,16 +90,14 @@ class Gateway:
     """One `agentgate serve` subprocess; its log (stderr) goes to a file the tests read."""
 
     def __init__(self, binary: str, workdir: Path) -> None:
-        self.port = _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = ""
         self.config_path = workdir / "gateway.toml"
-        self.config_path.write_text(_gateway_config(self.port))
+        self.config_path.write_text(_gateway_config())
         self.log_path = workdir / "gateway.log"
         self._log = open(self.log_path, "wb")
         env = dict(os.environ, RUST_LOG="info", NO_COLOR="1")
         self.proc = subprocess.Popen(
-            [binary, "serve", "--config", str(self.config_path),
-             "--listen", f"127.0.0.1:{self.port}"],
+            [binary, "serve", "--config", str(self.config_path)],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             cwd=workdir, env=env,
         )
@@ -122,6 +114,11 @@ class Gateway:
             if self.proc.poll() is not None:
                 pytest.fail(f"agentgate exited with {self.proc.returncode} before it was ready; "
                             f"its log:\n{self.log()}")
+            if not self.base_url:
+                self.base_url = bound_url(self.log()) or ""
+                if not self.base_url:
+                    time.sleep(0.05)
+                    continue
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health/ready", timeout=2) as r:
                     if r.status == 200:
