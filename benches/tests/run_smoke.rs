@@ -16,7 +16,7 @@ use std::time::Duration;
 use agentgate_bench::run::flow::FlowMode;
 use agentgate_bench::run::summary::PolicySummary;
 use agentgate_bench::run::topology::Topology;
-use agentgate_bench::run::{execute, execute_seeds, Args, ClockMode, StoreKind};
+use agentgate_bench::run::{execute, execute_seeds, seeds, Args, ClockMode, StoreKind};
 use agentgate_sessions::testing::TestRedis;
 use serde_json::Value;
 
@@ -868,6 +868,30 @@ async fn tiny_mixed_run_reports_bands_teams_turns_and_isolation() {
         assert!(first["turns"][kind].get("queue_wait_p50_ms").is_some());
     }
     assert_eq!(json["interactive_isolation"][0]["policy"], "least_loaded");
+
+    // A seed list carries the flow figures of each seed's run.
+    let side_by_side = seeds::summarize("test", &[(7, summary.clone())]);
+    assert_eq!(side_by_side.interactive_isolation.len(), 1);
+    assert_eq!(
+        side_by_side.interactive_isolation[0].on_over_alone.per_seed,
+        [check[0].on_over_alone]
+    );
+    let on_row = &side_by_side.rows[0];
+    assert_eq!(
+        on_row.continuing_over_new.per_seed,
+        [summary.policies[0]
+            .turns
+            .matched
+            .as_ref()
+            .and_then(|m| m.continuing_over_new)]
+    );
+    assert_eq!(on_row.shed_unsaturated.per_seed, [Some(0.0)]);
+    assert_eq!(
+        side_by_side.rows[1].shed_unsaturated.per_seed,
+        [None],
+        "flow off: nothing to say"
+    );
+
     let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
     assert!(report.contains("### Flow control"));
     assert!(report.contains("Interactive isolation"));
@@ -916,6 +940,14 @@ async fn fairness_run_splits_dispatched_tokens_while_both_teams_wait() {
     }
     assert_eq!(row.teams["heavy"].turns.new.requests, 10);
     assert_eq!(row.teams["light"].turns.new.requests, 1);
+    let lowest = fairness
+        .teams
+        .values()
+        .filter_map(|s| s.share)
+        .min_by(f64::total_cmp);
+    assert!(lowest.is_some_and(|share| share <= 0.5));
+    let side_by_side = seeds::summarize("test", &[(7, summary.clone())]);
+    assert_eq!(side_by_side.rows[0].lowest_fair_share.per_seed, [lowest]);
     let report = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
     assert!(report.contains("Fairness within a band"));
     let _ = std::fs::remove_dir_all(&out);

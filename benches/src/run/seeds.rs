@@ -20,6 +20,10 @@
 //! gpu_vs_round_robin          gpu_seconds_per_million_tokens / the round_robin row's
 //! busiest_replica_vs_mean     max(requests_per_replica) / mean(requests_per_replica)
 //! errors                      requests that failed
+//! continuing_over_new         turns.matched.continuing_over_new (queue waits under saturation)
+//! lowest_fair_share           the smallest team share of dispatched tokens in any band of
+//!                             several teams while all of them were backlogged (`fairness`)
+//! shed_unsaturated            refusals for load while the pool was not saturated
 //! ```
 //!
 //! where "the round_robin row" is the row with the same layout, flow setting and traffic whose
@@ -114,6 +118,13 @@ pub struct RowSeeds {
     pub busiest_replica_vs_mean: Figure,
     /// Per seed: requests that failed.
     pub errors: Figure,
+    /// Per seed: continuing turns' median queue wait over new sessions' (flow control).
+    pub continuing_over_new: Figure,
+    /// Per seed: the smallest team share of dispatched tokens in a band of several teams while
+    /// all of them were backlogged.
+    pub lowest_fair_share: Figure,
+    /// Per seed: requests refused for load while the pool was not saturated.
+    pub shed_unsaturated: Figure,
 }
 
 /// One isolation check's ratios over the seeds.
@@ -187,6 +198,15 @@ fn busiest_vs_mean(per_replica: &[u64]) -> Option<f64> {
     (total > 0).then(|| max as f64 * per_replica.len() as f64 / total as f64)
 }
 
+/// The smallest team share in any band of several teams (None without such a band).
+fn lowest_fair_share(row: &PolicySummary) -> Option<f64> {
+    row.fairness
+        .values()
+        .filter(|band| band.teams.len() > 1)
+        .flat_map(|band| band.teams.values().filter_map(|team| team.share))
+        .min_by(f64::total_cmp)
+}
+
 /// Put the runs' figures side by side. `runs` are `(seed, summary)` in the order they ran.
 pub fn summarize(command: &str, runs: &[(u64, RunSummary)]) -> SeedsSummary {
     let first = runs.first().map(|(_, s)| s);
@@ -238,6 +258,11 @@ pub fn summarize(command: &str, runs: &[(u64, RunSummary)]) -> SeedsSummary {
                 gpu_vs_round_robin: versus(&|r| r.gpu_seconds_per_million_tokens),
                 busiest_replica_vs_mean: per(&|r| busiest_vs_mean(&r.requests_per_replica)),
                 errors: per(&|r| Some(r.errors as f64)),
+                continuing_over_new: per(&|r| {
+                    r.turns.matched.as_ref().and_then(|m| m.continuing_over_new)
+                }),
+                lowest_fair_share: per(&lowest_fair_share),
+                shed_unsaturated: per(&|r| r.shed_unsaturated.map(|n| n as f64)),
             }
         })
         .collect();
@@ -313,7 +338,7 @@ pub fn render(summary: &SeedsSummary) -> String {
     };
     type Pick = fn(&RowSeeds) -> &Figure;
     type Format = fn(f64) -> String;
-    let tables: [(&str, Pick, Format); 6] = [
+    let tables: [(&str, Pick, Format); 9] = [
         (
             "Captured reuse (cache hit ratio over the pooled oracle's)",
             |r| &r.captured_reuse,
@@ -336,6 +361,21 @@ pub fn render(summary: &SeedsSummary) -> String {
             |v| format!("{v:.2}x"),
         ),
         ("Failed requests", |r| &r.errors, count),
+        (
+            "Queue wait p50 under saturation, continuing turns against new sessions",
+            |r| &r.continuing_over_new,
+            |v| format!("{v:.2}x"),
+        ),
+        (
+            "Lowest team share of dispatched tokens in a band while all its teams waited",
+            |r| &r.lowest_fair_share,
+            |v| format!("{:.1}%", v * 100.0),
+        ),
+        (
+            "Refused for load while the pool was not saturated",
+            |r| &r.shed_unsaturated,
+            count,
+        ),
     ];
     for (title, pick, fmt) in tables {
         let rows: Vec<&RowSeeds> = summary
