@@ -1017,18 +1017,30 @@ pub fn drain_limit_s(duration_s: f64) -> f64 {
     duration_s.max(120.0)
 }
 
+/// Write `text` to `out/name`.
+fn write_file(out: &std::path::Path, name: &str, text: String) -> Result<(), String> {
+    let path = out.join(name);
+    std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// Write `value` as pretty JSON (and a final newline) to `out/name`.
+fn write_json(
+    out: &std::path::Path,
+    name: &str,
+    value: &impl serde::Serialize,
+) -> Result<(), String> {
+    let json =
+        serde_json::to_string_pretty(value).map_err(|e| format!("cannot encode {name}: {e}"))?;
+    write_file(out, name, json + "\n")
+}
+
 fn write_outputs(
     out: &std::path::Path,
     summary: &RunSummary,
     runs: &[PolicyRun],
 ) -> Result<(), String> {
-    let write = |name: &str, text: String| {
-        let path = out.join(name);
-        std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
-    };
-    let json = serde_json::to_string_pretty(summary)
-        .map_err(|e| format!("cannot encode summary.json: {e}"))?;
-    write("summary.json", json + "\n")?;
+    let write = |name: &str, text: String| write_file(out, name, text);
+    write_json(out, "summary.json", summary)?;
     write("report.md", report::render(summary))?;
     write("ttft_cdf.svg", svg::ttft_cdf(runs))?;
     write("cache_hit_ratio.svg", svg::cache_hit_over_time(runs))?;

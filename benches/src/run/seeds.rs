@@ -436,14 +436,8 @@ fn seed_list(seeds: &[u64]) -> String {
 
 /// Write `seeds.json` and `seeds.md` into `out`.
 pub fn write(out: &Path, summary: &SeedsSummary) -> Result<(), String> {
-    let write = |name: &str, text: String| {
-        let path = out.join(name);
-        std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
-    };
-    let json = serde_json::to_string_pretty(summary)
-        .map_err(|e| format!("cannot encode seeds.json: {e}"))?;
-    write("seeds.json", json + "\n")?;
-    write("seeds.md", render(summary))
+    super::write_json(out, "seeds.json", summary)?;
+    super::write_file(out, "seeds.md", render(summary))
 }
 
 #[cfg(test)]
