@@ -11,6 +11,8 @@ Environment:
   `cargo build -p agentgate` and `target/debug/agentgate` is used.
 - `AGENTGATE_TEST_REDIS_URL`: when set, the gateways that keep conversation state use this Redis
   (each with its own key prefix); otherwise they use the in-memory store.
+- `RUST_LOG` is set to `info` for the gateways, whatever it is here: the harness needs their
+  `listening on` line.
 
 When a test fails, the tail of every running gateway's log is attached to the failure report.
 """
@@ -41,11 +43,12 @@ READY_TIMEOUT_S = 60.0
 _RUNNING: list["GatewayProcess"] = []
 
 # The line `agentgate serve` logs once its listener is bound (gateway/src/main.rs).
-LISTENING = re.compile(r"agentgate listening on (http://[0-9.]+:[0-9]+)")
+LISTENING = re.compile(r"agentgate listening on (http://[0-9.]+:[0-9]+)\s")
 
 
 def bound_url(log_text: str) -> str | None:
-    """The base URL a gateway logged once it was listening, if it has yet."""
+    """The base URL a gateway logged once it was listening, if it has yet (a line still being
+    written does not count: the port must be followed by whitespace)."""
     found = LISTENING.search(log_text)
     return found.group(1) if found else None
 
@@ -158,6 +161,7 @@ class GatewayProcess:
             if not self.base_url:
                 self.base_url = bound_url(self.log_tail(limit=1 << 20)) or ""
                 if not self.base_url:
+                    last = "no 'agentgate listening on' line in its log yet"
                     time.sleep(0.05)
                     continue
             try:
@@ -238,8 +242,8 @@ def redis_url(workdir):
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except FileNotFoundError:
             pytest.fail("redis-server is not installed; scripts/test.sh installs and starts it")
-        if _redis_answers(proc, port):
-            break
+        if _redis_answers(proc, port) and proc.poll() is None:
+            break  # answered, and by this process (not one that held the port already)
         last = f"redis-server on port {port} exited with {proc.poll()} or did not answer PING"
         _stop(proc)
     else:
@@ -268,7 +272,11 @@ def _redis_answers(proc: subprocess.Popen, port: int) -> bool:
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
-    proc.wait(timeout=10)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")

@@ -117,6 +117,7 @@ class Gateway:
             if not self.base_url:
                 self.base_url = bound_url(self.log()) or ""
                 if not self.base_url:
+                    last = "no 'agentgate listening on' line in its log yet"
                     time.sleep(0.05)
                     continue
             try:

@@ -207,8 +207,8 @@ pub struct Args {
     /// Seed of the workload generator and of the replicas' generated outputs.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Run the whole comparison once per seed (e.g. `1-10`, `1,3,5`), each into OUT/seed-N
-    /// exactly as --seed N would, and put the goal figures side by side in OUT/seeds.json and
+    /// Run the whole comparison once per seed (e.g. `1-10`, `1,3,5`), each into OUT/seed-N as
+    /// --seed N would, and put the goal figures side by side in OUT/seeds.json and
     /// OUT/seeds.md. Not with --seed.
     #[arg(long, value_parser = SeedList::parse, conflicts_with = "seed")]
     pub seeds: Option<SeedList>,
@@ -305,7 +305,8 @@ pub async fn run(args: Args) -> Result<(), String> {
 }
 
 /// `--seeds`: everything `run` does for each seed ([`execute`] into `OUT/seed-N`), then
-/// `seeds.json` and `seeds.md`; returns what was written to `seeds.json`. Callable from tests.
+/// `seeds.json` and `seeds.md`; returns what was written to `seeds.json`. A failed seed ends
+/// the run with its error, after the seeds before it are summed up. Callable from tests.
 pub async fn execute_seeds(
     args: &Args,
     list: &[u64],
@@ -317,6 +318,9 @@ pub async fn execute_seeds(
     }
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    for stale in ["seeds.json", "seeds.md"] {
+        let _ = std::fs::remove_file(args.out.join(stale));
+    }
     let mut runs = Vec::with_capacity(list.len());
     for (i, &seed) in list.iter().enumerate() {
         let one = Args {
@@ -326,13 +330,18 @@ pub async fn execute_seeds(
             ..args.clone()
         };
         let started = Instant::now();
-        let summary = execute(
-            &one,
-            &format!("{command_line} [seed {seed}]"),
-            show_progress,
-        )
-        .await
-        .map_err(|e| format!("seed {seed}: {e}"))?;
+        let command = format!("{command_line} [seed {seed}]");
+        let summary = match execute(&one, &command, show_progress).await {
+            Ok(summary) => summary,
+            Err(e) if runs.is_empty() => return Err(format!("seed {seed}: {e}")),
+            Err(e) => {
+                seeds::write(&args.out, &seeds::summarize(command_line, &runs))?;
+                return Err(format!(
+                    "seed {seed}: {e} (seeds.json and seeds.md sum up the {} seeds before it)",
+                    runs.len()
+                ));
+            }
+        };
         eprintln!(
             "seed {seed} ({} of {}) done in {:.0} s: {}",
             i + 1,
@@ -1246,6 +1255,27 @@ mod tests {
             topology: vec![Topology::Agg],
             pd_threshold: Vec::new(),
         }
+    }
+
+    #[test]
+    fn seed_lists_come_from_the_command_line_and_exclude_one_seed() {
+        use clap::Parser;
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let parse = |extra: &[&str]| {
+            let base = ["bench", "--workload", "agentic", "--out", "o"];
+            Cli::try_parse_from(base.iter().chain(extra)).map(|cli| cli.args)
+        };
+        let listed = parse(&["--seeds", "3-5,9"]).expect("a seed list");
+        assert_eq!(listed.seeds, Some(SeedList(vec![3, 4, 5, 9])));
+        assert_eq!(parse(&[]).expect("defaults").seeds, None);
+        let both = parse(&["--seed", "2", "--seeds", "1-3"]).unwrap_err();
+        assert_eq!(both.kind(), clap::error::ErrorKind::ArgumentConflict);
+        let bad = parse(&["--seeds", "5-1"]).unwrap_err().to_string();
+        assert!(bad.contains("backwards"), "{bad}");
     }
 
     #[test]

@@ -6,9 +6,9 @@
 //! `--seeds 1-10` (ranges and single seeds, comma-separated) the run replays every row once per
 //! seed, in order, in this process:
 //!
-//! - `OUT/seed-N/` holds exactly what `--seed N --out OUT/seed-N` writes (`summary.json`,
-//!   `report.md`, the charts, `requests.jsonl`); on the virtual clock a seed's figures are the
-//!   same either way;
+//! - `OUT/seed-N/` holds what `--seed N --out OUT/seed-N` writes (`summary.json`, `report.md`,
+//!   the charts, `requests.jsonl`); on the virtual clock a seed's figures are the same either
+//!   way (the recorded `command` is the list's, with ` [seed N]` appended);
 //! - `OUT/seeds.json` and `OUT/seeds.md` put the figures the routing and flow-control goals are
 //!   stated in side by side, one column per seed, with their mean, median, minimum and maximum.
 //!
@@ -16,9 +16,11 @@
 //!
 //! ```text
 //! captured_reuse              cache_hit_ratio / available_reuse_ratio
+//! ttft_p50_ms                 time to first token, median
 //! ttft_p50_vs_round_robin     ttft_p50_ms / ttft_p50_ms of the round_robin row
 //! gpu_vs_round_robin          gpu_seconds_per_million_tokens / the round_robin row's
-//! busiest_replica_vs_mean     max(requests_per_replica) / mean(requests_per_replica)
+//! busiest_replica_vs_mean     max / mean of requests_per_replica over the replicas that serve
+//!                             requests (a P/D row's prefill replicas serve none)
 //! errors                      requests that failed
 //! continuing_over_new         turns.matched.continuing_over_new (queue waits under saturation)
 //! lowest_fair_share           the smallest team share of dispatched tokens in any band of
@@ -30,12 +32,18 @@
 //! policy is `round_robin` (its label with the policy replaced): the ratios are absent when the
 //! run has no such row, and for that row itself. With `--interactive-alone` each isolation check
 //! adds `on_over_alone` and `off_over_on` (see `summary::IsolationCheck`).
+//!
+//! Should a seed fail, `seeds.json` and `seeds.md` still sum up the seeds that finished before
+//! it, and the run ends with that seed's error.
 
 use std::path::Path;
 
 use serde::Serialize;
 
+use agentgate_sim::Role;
+
 use super::summary::{PolicySummary, RunSummary};
+use super::topology::Topology;
 
 /// Most seeds one `--seeds` list may name.
 pub const MAX_SEEDS: usize = 1000;
@@ -63,9 +71,7 @@ pub fn parse_seeds(text: &str) -> Result<Vec<u64>, String> {
         if last < first {
             return Err(format!("range `{part}` runs backwards"));
         }
-        if (last - first) as usize >= MAX_SEEDS
-            || seeds.len() + ((last - first) as usize) >= MAX_SEEDS
-        {
+        if last - first >= (MAX_SEEDS - seeds.len()) as u64 {
             return Err(format!("at most {MAX_SEEDS} seeds"));
         }
         for seed in first..=last {
@@ -176,11 +182,17 @@ impl Figure {
 
 /// The label of `row`'s round_robin counterpart: the same label with the policy replaced.
 fn round_robin_label(row: &PolicySummary) -> Option<String> {
-    if row.policy == "round_robin" {
+    counterpart(&row.row, &row.policy)
+}
+
+/// `label` (which starts with `policy`, see `run::rows`) with `round_robin` as its policy; None
+/// for round_robin itself.
+fn counterpart(label: &str, policy: &str) -> Option<String> {
+    if policy == "round_robin" {
         return None;
     }
-    row.row
-        .strip_prefix(row.policy.as_str())
+    label
+        .strip_prefix(policy)
         .map(|rest| format!("round_robin{rest}"))
 }
 
@@ -189,6 +201,24 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
         (Some(a), Some(b)) if b > 0.0 && a.is_finite() && b.is_finite() => Some(a / b),
         _ => None,
     }
+}
+
+/// max / mean of requests per replica over the replicas of `row`'s layout that serve requests
+/// (every replica of `agg`, the decode replicas of `pd:PxD`); None without requests.
+fn busiest_replica(row: &PolicySummary) -> Option<f64> {
+    let roles = row
+        .topology
+        .parse::<Topology>()
+        .map(|t| t.roles(row.requests_per_replica.len()))
+        .unwrap_or_default();
+    let serving: Vec<u64> = row
+        .requests_per_replica
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| roles.get(*i) != Some(&Role::Prefill))
+        .map(|(_, n)| *n)
+        .collect();
+    busiest_vs_mean(&serving)
 }
 
 /// max / mean of requests per replica (None without requests).
@@ -256,7 +286,7 @@ pub fn summarize(command: &str, runs: &[(u64, RunSummary)]) -> SeedsSummary {
                 ttft_p50_ms: per(&|r| Some(r.ttft_p50_ms)),
                 ttft_p50_vs_round_robin: versus(&|r| Some(r.ttft_p50_ms)),
                 gpu_vs_round_robin: versus(&|r| r.gpu_seconds_per_million_tokens),
-                busiest_replica_vs_mean: per(&|r| busiest_vs_mean(&r.requests_per_replica)),
+                busiest_replica_vs_mean: per(&busiest_replica),
                 errors: per(&|r| Some(r.errors as f64)),
                 continuing_over_new: per(&|r| {
                     r.turns.matched.as_ref().and_then(|m| m.continuing_over_new)
@@ -412,18 +442,18 @@ pub fn render(summary: &SeedsSummary) -> String {
     text
 }
 
-/// A count, with one decimal when it is a mean that is not whole.
+/// A count, with two decimals when it is a mean that is not whole (so 0.04 does not read 0).
 fn count(v: f64) -> String {
     if v.fract() == 0.0 {
         format!("{v:.0}")
     } else {
-        format!("{v:.1}")
+        format!("{v:.2}")
     }
 }
 
 /// `1-10`, or the seeds comma-separated when they are not one ascending run.
 fn seed_list(seeds: &[u64]) -> String {
-    let consecutive = seeds.windows(2).all(|w| w[1] == w[0] + 1);
+    let consecutive = seeds.windows(2).all(|w| w[0].checked_add(1) == Some(w[1]));
     match (seeds.first(), seeds.last()) {
         (Some(a), Some(b)) if consecutive && seeds.len() > 1 => format!("{a}-{b}"),
         _ => seeds
@@ -470,5 +500,29 @@ mod tests {
         assert_eq!(busiest_vs_mean(&[0, 0]), None);
         assert_eq!(seed_list(&[1, 2, 3]), "1-3");
         assert_eq!(seed_list(&[1, 3]), "1,3");
+        assert_eq!(seed_list(&[u64::MAX, 0]), format!("{},0", u64::MAX));
+        assert_eq!(count(0.04), "0.04");
+    }
+
+    #[test]
+    fn every_row_compares_with_the_round_robin_row_of_its_setup_and_traffic() {
+        let cases = [
+            ("session", "session", Some("round_robin")),
+            ("session flow-off", "session", Some("round_robin flow-off")),
+            (
+                "least_loaded interactive-alone",
+                "least_loaded",
+                Some("round_robin interactive-alone"),
+            ),
+            (
+                "session@pd:2x2/t=2048 flow-off",
+                "session",
+                Some("round_robin@pd:2x2/t=2048 flow-off"),
+            ),
+            ("round_robin@agg", "round_robin", None),
+        ];
+        for (label, policy, expected) in cases {
+            assert_eq!(counterpart(label, policy).as_deref(), expected, "{label}");
+        }
     }
 }
