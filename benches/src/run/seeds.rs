@@ -180,13 +180,8 @@ impl Figure {
     }
 }
 
-/// The label of `row`'s round_robin counterpart: the same label with the policy replaced.
-fn round_robin_label(row: &PolicySummary) -> Option<String> {
-    counterpart(&row.row, &row.policy)
-}
-
-/// `label` (which starts with `policy`, see `run::rows`) with `round_robin` as its policy; None
-/// for round_robin itself.
+/// The label of a row's round_robin counterpart: `label` (which starts with `policy`, see
+/// `run::rows`) with `round_robin` as its policy; None for round_robin itself.
 fn counterpart(label: &str, policy: &str) -> Option<String> {
     if policy == "round_robin" {
         return None;
@@ -237,6 +232,11 @@ fn lowest_fair_share(row: &PolicySummary) -> Option<f64> {
         .min_by(f64::total_cmp)
 }
 
+/// The row labelled `label` in one run.
+fn row_of<'a>(summary: &'a RunSummary, label: &str) -> Option<&'a PolicySummary> {
+    summary.policies.iter().find(|r| r.row == label)
+}
+
 /// Put the runs' figures side by side. `runs` are `(seed, summary)` in the order they ran.
 pub fn summarize(command: &str, runs: &[(u64, RunSummary)]) -> SeedsSummary {
     let first = runs.first().map(|(_, s)| s);
@@ -254,28 +254,28 @@ pub fn summarize(command: &str, runs: &[(u64, RunSummary)]) -> SeedsSummary {
             }
         }
     }
-    let find = |summary: &RunSummary, label: &str| -> Option<PolicySummary> {
-        summary.policies.iter().find(|r| r.row == label).cloned()
-    };
     let rows = labels
         .iter()
         .map(|label| {
-            let rows: Vec<Option<PolicySummary>> =
-                runs.iter().map(|(_, s)| find(s, label)).collect();
-            let reference = rows.iter().flatten().find_map(round_robin_label);
-            let against: Vec<Option<PolicySummary>> = runs
+            let rows: Vec<Option<&PolicySummary>> =
+                runs.iter().map(|(_, s)| row_of(s, label)).collect();
+            let reference = rows
                 .iter()
-                .map(|(_, s)| reference.as_deref().and_then(|l| find(s, l)))
+                .flatten()
+                .find_map(|r| counterpart(&r.row, &r.policy));
+            let against: Vec<Option<&PolicySummary>> = runs
+                .iter()
+                .map(|(_, s)| reference.as_deref().and_then(|l| row_of(s, l)))
                 .collect();
             let reference = reference.filter(|_| against.iter().any(Option::is_some));
             let per = |f: &dyn Fn(&PolicySummary) -> Option<f64>| {
-                Figure::new(rows.iter().map(|r| r.as_ref().and_then(f)).collect())
+                Figure::new(rows.iter().map(|r| r.and_then(f)).collect())
             };
             let versus = |f: &dyn Fn(&PolicySummary) -> Option<f64>| {
                 Figure::new(
                     rows.iter()
                         .zip(&against)
-                        .map(|(r, rr)| ratio(r.as_ref().and_then(f), rr.as_ref().and_then(f)))
+                        .map(|(r, rr)| ratio(r.and_then(f), rr.and_then(f)))
                         .collect(),
                 )
             };
