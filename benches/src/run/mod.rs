@@ -322,6 +322,7 @@ pub async fn execute_seeds(
         let _ = std::fs::remove_file(args.out.join(stale));
     }
     let mut runs = Vec::with_capacity(list.len());
+    let mut failed = None;
     for (i, &seed) in list.iter().enumerate() {
         let one = Args {
             seed,
@@ -331,29 +332,36 @@ pub async fn execute_seeds(
         };
         let started = Instant::now();
         let command = format!("{command_line} [seed {seed}]");
-        let summary = match execute(&one, &command, show_progress).await {
-            Ok(summary) => summary,
-            Err(e) if runs.is_empty() => return Err(format!("seed {seed}: {e}")),
-            Err(e) => {
-                seeds::write(&args.out, &seeds::summarize(command_line, &runs))?;
-                return Err(format!(
-                    "seed {seed}: {e} (seeds.json and seeds.md sum up the {} seeds before it)",
-                    runs.len()
-                ));
+        match execute(&one, &command, show_progress).await {
+            Ok(summary) => {
+                eprintln!(
+                    "seed {seed} ({} of {}) done in {:.0} s: {}",
+                    i + 1,
+                    list.len(),
+                    started.elapsed().as_secs_f64(),
+                    one.out.display()
+                );
+                runs.push((seed, summary));
             }
-        };
-        eprintln!(
-            "seed {seed} ({} of {}) done in {:.0} s: {}",
-            i + 1,
-            list.len(),
-            started.elapsed().as_secs_f64(),
-            one.out.display()
-        );
-        runs.push((seed, summary));
+            Err(e) => {
+                failed = Some(format!("seed {seed}: {e}"));
+                break;
+            }
+        }
+    }
+    match failed {
+        Some(e) if runs.is_empty() => return Err(e),
+        _ => {}
     }
     let summary = seeds::summarize(command_line, &runs);
     seeds::write(&args.out, &summary)?;
-    Ok(summary)
+    match failed {
+        Some(e) => Err(format!(
+            "{e} (seeds.json and seeds.md sum up the {} seeds before it)",
+            runs.len()
+        )),
+        None => Ok(summary),
+    }
 }
 
 /// Requests the fleet of the first `--topology` layout runs at once (replicas serving requests
