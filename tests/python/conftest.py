@@ -181,13 +181,7 @@ class GatewayProcess:
                              timeout=60.0)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        _stop(self.proc)
         self._log.close()
         if self in _RUNNING:
             _RUNNING.remove(self)
@@ -270,6 +264,7 @@ def _redis_answers(proc: subprocess.Popen, port: int) -> bool:
 
 
 def _stop(proc: subprocess.Popen) -> None:
+    """Terminate `proc` (a gateway or redis-server), killing it if it has not exited in 10 s."""
     if proc.poll() is None:
         proc.terminate()
     try:
