@@ -337,7 +337,7 @@ impl Gateway {
     /// (`server_shutdown`, stored), and stop the background tasks.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(());
-        let _ = self.state.draining.send(true);
+        self.state.draining.send_replace(true);
         let grace = self.state.config.server.shutdown_grace();
         let started = tokio::time::Instant::now();
         let mut task = self.task;
@@ -350,7 +350,7 @@ impl Gateway {
                 background_runs = runs,
                 "turns still running after server.shutdown_grace_s; ending them as failed"
             );
-            let _ = self.state.stopping.send(true);
+            self.state.stopping.send_replace(true);
             if !drained
                 && tokio::time::timeout(Duration::from_secs(10), &mut task)
                     .await

@@ -296,7 +296,7 @@ impl Exchange {
 
     /// Stop the task and wait for it.
     pub async fn shutdown(self) {
-        let _ = self.stop.send(true);
+        self.stop.send_replace(true);
         let _ = self.task.await;
     }
 }

@@ -423,7 +423,7 @@ impl LiveTasks {
 
     /// Stop every task and wait for them.
     pub async fn shutdown(mut self) {
-        let _ = self.stop.send(true);
+        self.stop.send_replace(true);
         for task in std::mem::take(&mut self.tasks) {
             let _ = task.await;
         }

@@ -83,7 +83,7 @@ impl ConfigWatcher {
 
     /// Stop watching.
     pub async fn shutdown(self) {
-        let _ = self.stop.send(true);
+        self.stop.send_replace(true);
         let _ = self.task.await;
     }
 }

@@ -868,7 +868,7 @@ pub async fn delete(
 fn signal_cancel(state: &AppState, id: &str) {
     if let Ok(mut runs) = state.background.lock() {
         if let Some(cancel) = runs.remove(id) {
-            let _ = cancel.send(true);
+            cancel.send_replace(true);
         }
     }
 }

@@ -100,7 +100,7 @@ impl SimHandle {
 
     /// Stop serving and stop the engine (open streams are cut after a short grace period).
     pub async fn shutdown(self) {
-        let _ = self.shutdown.send(true);
+        self.shutdown.send_replace(true);
         for server in self.servers {
             let abort = server.abort_handle();
             if tokio::time::timeout(Duration::from_secs(2), server)

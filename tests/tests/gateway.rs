@@ -1337,6 +1337,18 @@ async fn a_follow_closes_when_shutdown_starts_and_the_run_finishes() {
     shutdown.await.unwrap();
 }
 
+/// The drain signal is raised even when nothing watches it yet: a follow whose task only starts
+/// watching after the shutdown began must still see it (it would otherwise follow the run to
+/// its end and hold the shutdown for the whole grace).
+#[tokio::test]
+async fn the_drain_signal_holds_for_follows_that_start_watching_late() {
+    let fleet = Fleet::of(1).start().await;
+    let state = fleet.gateway().state().clone();
+    assert_eq!(state.draining.receiver_count(), 0);
+    fleet.shutdown().await;
+    assert!(*state.draining.subscribe().borrow());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_cut_short_by_shutdown_end_as_failed() {
     // Two real seconds per token: no answer finishes within the test.

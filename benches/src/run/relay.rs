@@ -71,7 +71,7 @@ impl Relay {
 
     /// Close the listening socket and every relayed connection; returns once all are closed.
     pub async fn kill(&mut self) {
-        let _ = self.stop.send(true);
+        self.stop.send_replace(true);
         if let Some(task) = self.task.take() {
             let _ = task.await;
         }
