@@ -77,7 +77,10 @@ impl ConfigWatcher {
             return None;
         }
         let (stop, rx) = watch::channel(false);
-        let task = tokio::spawn(watch_loop(state.clone(), path, every, rx));
+        // The baseline is taken here, not in the task: a change made before the task first
+        // runs is then still a change.
+        let seen = stamp(&path);
+        let task = tokio::spawn(watch_loop(state.clone(), path, seen, every, rx));
         Some(ConfigWatcher { stop, task })
     }
 
@@ -91,10 +94,10 @@ impl ConfigWatcher {
 async fn watch_loop(
     state: Arc<AppState>,
     path: PathBuf,
+    mut seen: Option<Stamp>,
     every: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut seen = stamp(&path);
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
