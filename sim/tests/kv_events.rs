@@ -113,8 +113,30 @@ async fn replay_scenario(time_scale: f64) {
     );
     let mut frames = spawn_receiver(sub);
 
+    // The connection is up, but PUB drops frames until it has registered the subscription,
+    // which it does in its own time: reset the (empty) cache until a frame arrives, then
+    // let the rest of those probes arrive and replay from the sequence number after them.
     let client = reqwest::Client::new();
-    let mut stream = Replay::default();
+    let mut last_probe = None;
+    for _ in 0..200 {
+        reset_cache(&client, &base_url).await;
+        if let Ok(Some((seq, _))) =
+            tokio::time::timeout(Duration::from_millis(50), frames.recv()).await
+        {
+            last_probe = Some(seq);
+            break;
+        }
+    }
+    let mut last_probe = last_probe.expect("the publisher's frames reach the subscriber");
+    while let Ok(Some((seq, _))) =
+        tokio::time::timeout(Duration::from_millis(200), frames.recv()).await
+    {
+        last_probe = seq;
+    }
+    let mut stream = Replay {
+        next_seq: last_probe + 1,
+        ..Replay::default()
+    };
     for round in 0..40 {
         chat(&client, &base_url, &prompt(round % 5, round, 24)).await;
     }
@@ -147,6 +169,17 @@ async fn replay_scenario(time_scale: f64) {
     assert!(!stream.cached.is_empty(), "some blocks stay cached");
 
     // Clearing the cache publishes AllBlocksCleared; later stores are replayed on top of it.
+    reset_cache(&client, &base_url).await;
+    for round in 0..3 {
+        chat(&client, &base_url, &prompt(9, round, 12)).await;
+    }
+    stream.settle(&mut frames, &sim).await;
+    assert!(stream.cleared, "the reset was published");
+    sim.shutdown().await;
+}
+
+/// Clear the simulator's prefix cache and insist it succeeds.
+async fn reset_cache(client: &reqwest::Client, base_url: &str) {
     let reset = client
         .post(format!("{base_url}/reset_prefix_cache"))
         .send()
@@ -157,12 +190,6 @@ async fn replay_scenario(time_scale: f64) {
         "reset failed: {}",
         reset.status()
     );
-    for round in 0..3 {
-        chat(&client, &base_url, &prompt(9, round, 12)).await;
-    }
-    stream.settle(&mut frames, &sim).await;
-    assert!(stream.cleared, "the reset was published");
-    sim.shutdown().await;
 }
 
 /// Send one small non-streaming chat completion and insist it succeeds.
