@@ -207,9 +207,10 @@ async fn lists_models_and_counts_tokens() {
 
 #[tokio::test]
 async fn closed_port_is_a_connect_error() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    drop(listener);
+    // Bound but never listened on: connections are refused, and no other server takes it.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
     let client = EngineClient::new(ClientOptions::default());
     let err = client.models(&format!("http://{addr}")).await.unwrap_err();
     assert!(matches!(err, UpstreamError::Connect(_)), "{err:?}");

@@ -206,10 +206,12 @@ async fn unreachable_or_malformed_urls_are_reported() {
         .expect("malformed URL must fail");
     assert!(matches!(err, StoreError::InvalidUrl(_)), "{err}");
 
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    // Bound but never listened on: connections are refused, and no other server takes it.
+    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("address"))
+        .expect("bind a port");
+    let port = socket.local_addr().expect("its address").port();
     let err = RedisStore::connect(
         &format!("redis://127.0.0.1:{port}/0"),
         StoreOptions::default(),

@@ -346,6 +346,17 @@ pub async fn metrics_text(base: &str) -> String {
         .expect("metrics text")
 }
 
+/// A port on 127.0.0.1 that refuses connections for as long as the returned socket lives: it is
+/// bound but never listened on, so no other test's server can take it meanwhile.
+pub fn closed_port() -> (tokio::net::TcpSocket, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+    socket
+        .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .expect("bind a port");
+    let port = socket.local_addr().expect("its address").port();
+    (socket, port)
+}
+
 /// Poll `done` every 10 ms, for at most 15 s; fails the test with `what` if it never holds.
 pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     for _ in 0..1500 {

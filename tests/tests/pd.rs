@@ -352,13 +352,8 @@ async fn sglang_failing_prefill_replica_falls_back_to_a_local_prefill() {
 }
 
 /// A port nothing listens on.
-async fn dead_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    listener.local_addr().unwrap().port()
-}
-
 /// A vLLM prefill engine whose KV connector hands out blocks nobody can fetch: every prefill
-/// leg answers with `kv_transfer_params` pointing at `dead_port`. Anything else gets 404.
+/// leg answers with `kv_transfer_params` pointing at `dead_port`, where nothing listens. Anything else gets 404.
 async fn lost_transfer_prefill_engine(dead_port: u16) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -436,7 +431,8 @@ fn assert_transfer_retried(m: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_lost_kv_transfer_is_retried_once_without_disaggregation() {
-    let prefill = lost_transfer_prefill_engine(dead_port().await).await;
+    let (_closed, dead_port) = closed_port();
+    let prefill = lost_transfer_prefill_engine(dead_port).await;
     let decode = sim(Flavor::Vllm, Role::Decode, 0.0).await;
     let gw = start_gateway(&pd_config(
         Flavor::Vllm,
@@ -459,7 +455,8 @@ async fn sglang_lost_kv_transfer_is_retried_once_without_disaggregation() {
     let decode = sim(Flavor::Sglang, Role::Decode, 0.0).await;
     // The configured bootstrap port is wrong: the prefill leg runs, the decode engine cannot
     // fetch its KV cache.
-    let wrong = format!("bootstrap_port = {}", dead_port().await);
+    let (_closed, dead_port) = closed_port();
+    let wrong = format!("bootstrap_port = {dead_port}");
     let gw = start_gateway(&pd_config(
         Flavor::Sglang,
         &[
