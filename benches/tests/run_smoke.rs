@@ -536,7 +536,7 @@ async fn killing_a_replica_mid_run_loses_no_request_and_is_reported() {
         workload: "chat".into(),
         sessions: 20,
         duration: Duration::from_secs(30),
-        time_scale: Some(0.02),
+        time_scale: Some(0.1),
         kill_replica: Some(Duration::from_secs(15)),
         ..tiny_args(&["round_robin"], out.clone())
     };

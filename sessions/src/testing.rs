@@ -287,7 +287,7 @@ pub async fn suite<S: Store>(store: &S) {
 /// The exchange board: each gateway reads the others' fresh states, never its own, one round
 /// trip per exchange; a state older than `fresh` is gone; pools have separate boards.
 pub async fn exchange_suite<S: Store>(store: &S) {
-    let fresh = Duration::from_millis(400);
+    let fresh = Duration::from_secs(2);
     let exchange = |pool: &'static str, gateway: &'static str, state: &'static str| async move {
         at_most_one_round_trip(
             store,
@@ -311,7 +311,7 @@ pub async fn exchange_suite<S: Store>(store: &S) {
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].state, "one again");
     // A gateway that stops publishing drops off the board.
-    tokio::time::sleep(fresh + Duration::from_millis(200)).await;
+    tokio::time::sleep(fresh + Duration::from_millis(500)).await;
     assert!(exchange("board-p", "g2", "alone").await.is_empty());
     let seen = exchange("board-p", "g1", "back").await;
     assert_eq!(seen.len(), 1);
@@ -719,6 +719,7 @@ pub async fn pin_expiry_suite<S: Store>(store: &S, pin_ttl: Duration) {
         "a pin must expire after pin_ttl"
     );
     let moved = pin("e1", 1);
+    let swapped_at = std::time::Instant::now();
     assert_eq!(
         store
             .swap_pin("p", "s", Some(&first), &moved)
@@ -727,13 +728,16 @@ pub async fn pin_expiry_suite<S: Store>(store: &S, pin_ttl: Duration) {
         moved,
         "with no pin in force the swap applies"
     );
-    assert_eq!(
-        store
-            .get_pin("p", "s")
-            .await
-            .unwrap_or_else(|e| panic!("get_pin failed: {e}")),
-        Some(moved)
-    );
+    let read = store
+        .get_pin("p", "s")
+        .await
+        .unwrap_or_else(|e| panic!("get_pin failed: {e}"));
+    // The new pin has the same short TTL: read back in time, it must be the one swapped in.
+    if swapped_at.elapsed() < pin_ttl {
+        assert_eq!(read, Some(moved));
+    } else {
+        assert!(read.is_none() || read == Some(moved), "{read:?}");
+    }
 }
 
 /// Stored responses: put/get, chains, forks, overwrite, team isolation, update_if_active,

@@ -368,12 +368,7 @@ async fn store_false_is_not_retrievable_or_chainable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_engine_is_503_with_retry_after() {
-    // Bind and drop a listener to get a port nobody listens on.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let (_closed, port) = closed_port();
     let gw = start_gateway(&config_toml(
         &[format!("http://127.0.0.1:{port}")],
         None,
@@ -496,9 +491,8 @@ async fn a_failing_replica_is_skipped_before_the_stream_starts() {
 async fn background_response_runs_detached_and_can_be_cancelled() {
     let redis = TestRedis::start();
     let prefix = unique_prefix("background");
-    // Slow enough (simulated 20 ms per token at time scale 1) that a cancel lands mid-run.
-    let fleet = Fleet::of(1)
-        .time_scale(1.0)
+    // 200 ms per token: the cancel lands mid-run.
+    let fleet = Fleet::over(vec![slow_sim(200.0).await])
         .store(redis.url(), &prefix)
         .start()
         .await;
@@ -563,12 +557,10 @@ async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
     )
     .await;
     drop(resp);
-    for _ in 0..200 {
-        if pool.endpoints().iter().all(|e| e.in_flight_requests() == 0) {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    eventually("every slot is released", || {
+        pool.endpoints().iter().all(|e| e.in_flight_requests() == 0)
+    })
+    .await;
     for ep in pool.endpoints().iter() {
         assert_eq!(
             (ep.in_flight_requests(), ep.in_flight_tokens()),
@@ -582,7 +574,8 @@ async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
-    let fleet = Fleet::of(1).time_scale(1.0).start().await;
+    // 200 ms per token: the cancel lands mid-run.
+    let fleet = Fleet::over(vec![slow_sim(200.0).await]).start().await;
     let base = fleet.base_url();
     let mut resp = post_response(&base, &json!({"model": "sim-model", "input": "a long streamed job", "background": true, "stream": true, "max_output_tokens": 4000})).await;
     assert_eq!(resp.status(), 200);
@@ -878,8 +871,8 @@ async fn a_response_the_store_cannot_keep_fails_instead_of_completing() {
 async fn a_background_result_is_kept_once_the_store_takes_writes_again() {
     let redis = TestRedis::start_private();
     let prefix = unique_prefix("background_store_outage");
-    let fleet = Fleet::of(1)
-        .time_scale(1.0)
+    // 200 ms per token: the run is still decoding when the store starts refusing writes.
+    let fleet = Fleet::over(vec![slow_sim(200.0).await])
         .store(redis.url(), &prefix)
         .start()
         .await;
@@ -1291,7 +1284,15 @@ async fn a_conversation_is_served_by_either_gateway_and_grows_with_each_turn() {
 /// One simulated replica decoding `decode_ms` real milliseconds per token, behind a gateway
 /// with `extra` config.
 async fn slow_fleet(decode_ms: f64, extra: &str) -> Fleet {
-    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+    Fleet::over(vec![slow_sim(decode_ms).await])
+        .extra(extra)
+        .start()
+        .await
+}
+
+/// One simulated replica decoding `decode_ms` real milliseconds per token.
+async fn slow_sim(decode_ms: f64) -> agentgate_sim::SimHandle {
+    agentgate_sim::spawn(agentgate_sim::SimConfig {
         listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         model: "sim-model".into(),
         decode_ms_per_token: decode_ms,
@@ -1299,8 +1300,7 @@ async fn slow_fleet(decode_ms: f64, extra: &str) -> Fleet {
         ..Default::default()
     })
     .await
-    .unwrap();
-    Fleet::over(vec![sim]).extra(extra).start().await
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
