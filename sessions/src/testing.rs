@@ -156,6 +156,17 @@ impl Drop for TestRedis {
     }
 }
 
+/// A port on 127.0.0.1 that refuses connections for as long as the returned socket lives: it is
+/// bound but never listened on, so no other test's server can take it meanwhile.
+pub fn closed_port() -> (tokio::net::TcpSocket, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+    socket
+        .bind(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
+        .expect("bind a port");
+    let port = socket.local_addr().expect("its address").port();
+    (socket, port)
+}
+
 /// A port on 127.0.0.1 that was free a moment ago.
 fn free_port() -> std::io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())

@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use agentgate_sessions::pins::MAX_KEY_PART_LEN;
-use agentgate_sessions::testing::{pin, pin_expiry_suite, record, suite, unique_prefix, TestRedis};
+use agentgate_sessions::testing::{
+    closed_port, pin, pin_expiry_suite, record, suite, unique_prefix, TestRedis,
+};
 use agentgate_sessions::{
     AnyStore, RedisStore, ResponseRecord, SessionPin, Store, StoreError, StoreOptions,
 };
@@ -206,12 +208,7 @@ async fn unreachable_or_malformed_urls_are_reported() {
         .expect("malformed URL must fail");
     assert!(matches!(err, StoreError::InvalidUrl(_)), "{err}");
 
-    // Bound but never listened on: connections are refused, and no other server takes it.
-    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
-    socket
-        .bind("127.0.0.1:0".parse().expect("address"))
-        .expect("bind a port");
-    let port = socket.local_addr().expect("its address").port();
+    let (_closed, port) = closed_port();
     let err = RedisStore::connect(
         &format!("redis://127.0.0.1:{port}/0"),
         StoreOptions::default(),

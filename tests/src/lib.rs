@@ -16,7 +16,7 @@ use agentgate_sim::SimHandle;
 use futures_util::StreamExt;
 use serde_json::Value;
 
-pub use agentgate_sessions::testing::{unique_prefix, TestRedis};
+pub use agentgate_sessions::testing::{closed_port, unique_prefix, TestRedis};
 
 /// Start one simulated vLLM replica with no simulated delays.
 pub async fn start_sim(model: &str) -> SimHandle {
@@ -344,17 +344,6 @@ pub async fn metrics_text(base: &str) -> String {
         .text()
         .await
         .expect("metrics text")
-}
-
-/// A port on 127.0.0.1 that refuses connections for as long as the returned socket lives: it is
-/// bound but never listened on, so no other test's server can take it meanwhile.
-pub fn closed_port() -> (tokio::net::TcpSocket, u16) {
-    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
-    socket
-        .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-        .expect("bind a port");
-    let port = socket.local_addr().expect("its address").port();
-    (socket, port)
 }
 
 /// Poll `done` every 10 ms, for at most 15 s; fails the test with `what` if it never holds.
