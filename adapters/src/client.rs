@@ -23,6 +23,39 @@ pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<Value, UpstreamError>> +
 /// Largest engine error body kept for logs, in bytes.
 const MAX_ERROR_BODY: usize = 8 * 1024;
 
+/// Largest JSON body read from an engine (`/v1/models`, `/tokenize`, a non-streaming prefill
+/// answer), in bytes; a larger answer is a protocol error rather than unbounded memory.
+pub(crate) const MAX_JSON_BODY: usize = 16 * 1024 * 1024;
+
+/// `at + wait`, or about a century later when that overflows the clock (a timeout of
+/// `Duration::MAX` means "never").
+pub(crate) fn deadline_after(at: Instant, wait: Duration) -> Instant {
+    at.checked_add(wait)
+        .unwrap_or_else(|| at + Duration::from_secs(100 * 365 * 86_400))
+}
+
+/// Read `response`'s body, refusing one longer than `max` bytes.
+pub(crate) async fn read_capped(
+    url: &str,
+    mut response: reqwest::Response,
+    max: usize,
+) -> Result<Vec<u8>, UpstreamError> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|err| UpstreamError::Connect(format!("reading {url}: {err}")))?
+    {
+        if body.len() + chunk.len() > max {
+            return Err(UpstreamError::Protocol(format!(
+                "{url} answered more than {max} bytes"
+            )));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
 /// Connection and timeout settings for [`EngineClient`].
 #[derive(Clone, Debug)]
 pub struct ClientOptions {
@@ -67,6 +100,9 @@ impl EngineClient {
             .connect_timeout(opts.connect_timeout)
             .pool_idle_timeout(opts.pool_idle_timeout)
             .tcp_nodelay(true)
+            // A peer that vanished without closing (host down, cable cut) is noticed on
+            // connections that wait for it, not only at the next request's timeout.
+            .tcp_keepalive(Duration::from_secs(30))
             .build()
             .unwrap_or_else(|err| {
                 tracing::warn!(error = %err, "engine HTTP client options rejected; using defaults");
@@ -91,7 +127,7 @@ impl EngineClient {
         body: &Value,
     ) -> Result<ChunkStream, UpstreamError> {
         let url = v1_url(base_url, "chat/completions");
-        let deadline = Instant::now() + self.options.first_byte_timeout;
+        let deadline = deadline_after(Instant::now(), self.options.first_byte_timeout);
         let request = self
             .authorized(self.http.post(&url))
             .header(reqwest::header::ACCEPT, "text/event-stream")
@@ -111,7 +147,7 @@ impl EngineClient {
             body: Box::pin(response.bytes_stream()),
             decoder: SseDecoder::default(),
             pending: VecDeque::new(),
-            seen_event: false,
+            last_event: None,
             deadline,
             idle_timeout: self.options.idle_timeout,
             done: false,
@@ -196,10 +232,7 @@ impl EngineClient {
         let call = async {
             let response = request.send().await.map_err(|err| send_error(url, err))?;
             let response = self.check_status(response).await?;
-            let bytes = response
-                .bytes()
-                .await
-                .map_err(|err| UpstreamError::Connect(format!("reading {url}: {err}")))?;
+            let bytes = read_capped(url, response, MAX_JSON_BODY).await?;
             serde_json::from_slice::<Value>(&bytes).map_err(|err| {
                 UpstreamError::Protocol(format!("{url} answered invalid JSON: {err}"))
             })
@@ -288,7 +321,10 @@ struct ChunkReader {
     body: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
     decoder: SseDecoder,
     pending: VecDeque<Result<Value, UpstreamError>>,
-    seen_event: bool,
+    /// When the last complete event arrived: the idle timeout runs from it, so bytes that make
+    /// no event (comment lines, keep-alive pings, a partial line) do not keep a stuck stream
+    /// open.
+    last_event: Option<Instant>,
     deadline: Instant,
     idle_timeout: Duration,
     done: bool,
@@ -302,7 +338,7 @@ impl ChunkReader {
             if self.done {
                 return;
             }
-            self.seen_event = true;
+            self.last_event = Some(Instant::now());
             let payload = payload.trim();
             if payload == "[DONE]" {
                 self.done = true;
@@ -333,15 +369,14 @@ async fn next_chunk(
         if reader.done {
             return None;
         }
-        let wait_until = if reader.seen_event {
-            Instant::now() + reader.idle_timeout
-        } else {
-            reader.deadline
+        let wait_until = match reader.last_event {
+            Some(at) => deadline_after(at, reader.idle_timeout),
+            None => reader.deadline,
         };
         match tokio::time::timeout_at(wait_until, reader.body.next()).await {
             Err(_) => {
                 reader.done = true;
-                let what = if reader.seen_event {
+                let what = if reader.last_event.is_some() {
                     format!("no event from {} for {:?}", reader.url, reader.idle_timeout)
                 } else {
                     format!(

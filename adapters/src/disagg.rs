@@ -117,6 +117,10 @@ pub fn new_bootstrap_room() -> u64 {
     fastrand::u64(..(i64::MAX as u64))
 }
 
+/// SGLang: how long a failed decode leg waits for the prefill leg's verdict before the
+/// decode engine is blamed for the failure.
+const PREFILL_VERDICT_WAIT: Duration = Duration::from_secs(2);
+
 impl EngineClient {
     /// POST a chat completion and return the engine's answer once its status is good.
     async fn post_chat(
@@ -139,23 +143,41 @@ impl EngineClient {
         Ok((url, self.check_status(response).await?))
     }
 
-    /// POST a non-streaming chat completion and return its JSON body.
+    /// POST a non-streaming chat completion and return its JSON body (at most
+    /// [`MAX_JSON_BODY`](crate::client::MAX_JSON_BODY) bytes, each read waiting at most the
+    /// idle timeout).
     pub async fn chat_json(&self, base_url: &str, body: &Value) -> Result<Value, UpstreamError> {
         let (url, response) = self.post_chat(base_url, body).await?;
-        response
-            .json::<Value>()
-            .await
+        let limit = self.options().idle_timeout;
+        let bytes = tokio::time::timeout(
+            limit,
+            crate::client::read_capped(&url, response, crate::client::MAX_JSON_BODY),
+        )
+        .await
+        .map_err(|_| UpstreamError::Timeout(format!("{url}: no body within {limit:?}")))??;
+        serde_json::from_slice(&bytes)
             .map_err(|e| UpstreamError::Protocol(format!("{url}: unreadable JSON body: {e}")))
     }
 
-    /// POST a chat completion and read its answer (JSON or SSE) to the end, discarding it.
+    /// POST a chat completion and read its answer (JSON or SSE) to the end, discarding it; a
+    /// silence longer than the idle timeout fails it.
     pub async fn chat_discard(&self, base_url: &str, body: &Value) -> Result<(), UpstreamError> {
         let (url, response) = self.post_chat(base_url, body).await?;
+        let limit = self.options().idle_timeout;
         let mut body = response.bytes_stream();
-        while let Some(chunk) = body.next().await {
-            chunk.map_err(|e| crate::client::send_error(&url, e))?;
+        loop {
+            match tokio::time::timeout(limit, body.next()).await {
+                Err(_) => {
+                    return Err(UpstreamError::Timeout(format!(
+                        "{url}: nothing received for {limit:?}"
+                    )))
+                }
+                Ok(None) => return Ok(()),
+                Ok(Some(chunk)) => {
+                    chunk.map_err(|e| crate::client::send_error(&url, e))?;
+                }
+            }
         }
-        Ok(())
     }
 
     /// Run `body` (a streaming chat request) disaggregated: prefill on `prefill`, decode
@@ -177,7 +199,10 @@ impl EngineClient {
     ///
     /// SGLang: when the prefill leg fails before the decode engine answers, the decode leg is
     /// abandoned at once (its engine would otherwise wait in the bootstrap room until its
-    /// transfer timeout) and the prefill leg is blamed.
+    /// transfer timeout) and the prefill leg is blamed. When the decode leg fails first, the
+    /// prefill leg is blamed only if it fails within [`PREFILL_VERDICT_WAIT`]; either leg's
+    /// answer is read with the client's first-byte and idle timeouts, so neither waits for
+    /// ever on an engine that went silent.
     pub async fn open_disaggregated(
         &self,
         flavor: Flavor,
@@ -210,10 +235,16 @@ impl EngineClient {
                 let opened = tokio::select! {
                     decode = &mut decode => match decode {
                         Ok(stream) => Ok(stream),
-                        Err(decode_err) => match prefill_task.await {
-                            Ok(Err(prefill_err)) => Err(DisaggError::Prefill(prefill_err)),
-                            _ => Err(DisaggError::Decode(decode_err)),
-                        },
+                        // The decode leg often fails because the prefill leg did (no KV
+                        // arrived); a prefill still running after a short wait is not blamed.
+                        Err(decode_err) => {
+                            match tokio::time::timeout(PREFILL_VERDICT_WAIT, &mut prefill_task)
+                                .await
+                            {
+                                Ok(Ok(Err(prefill_err))) => Err(DisaggError::Prefill(prefill_err)),
+                                _ => Err(DisaggError::Decode(decode_err)),
+                            }
+                        }
                     },
                     prefilled = &mut prefill_task => match prefilled {
                         Ok(Err(prefill_err)) => Err(DisaggError::Prefill(prefill_err)),

@@ -211,20 +211,8 @@ impl EngineClient {
                 .send()
                 .await
                 .map_err(|err| send_error(url, err))?;
-            let mut response = self.check_status(response).await?;
-            let mut body = Vec::new();
-            while let Some(chunk) = response
-                .chunk()
-                .await
-                .map_err(|err| UpstreamError::Connect(format!("reading {url}: {err}")))?
-            {
-                if body.len() + chunk.len() > MAX_METRICS_BYTES {
-                    return Err(UpstreamError::Protocol(format!(
-                        "{url} answered more than {MAX_METRICS_BYTES} bytes of metrics"
-                    )));
-                }
-                body.extend_from_slice(&chunk);
-            }
+            let response = self.check_status(response).await?;
+            let body = crate::client::read_capped(url, response, MAX_METRICS_BYTES).await?;
             Ok(String::from_utf8_lossy(&body).into_owned())
         };
         tokio::time::timeout(limit, call)
