@@ -118,7 +118,8 @@ impl AppState {
     }
 }
 
-/// The HTTP routes, one line each; `openapi.rs` documents the same list.
+/// The HTTP routes, one line each; `openapi.rs` documents the same list. Every `/v1` route
+/// checks the API key before its body is read ([`authenticate_first`]).
 pub fn router(state: Arc<AppState>) -> Router {
     let limit = state.config.server.max_body_bytes;
     Router::new()
@@ -151,6 +152,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/models", get(handlers::list_models))
         .route("/v1/models/{model}", get(handlers::get_model))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            authenticate_first,
+        ))
         .route("/health/live", get(handlers::live))
         .route("/health/ready", get(handlers::ready))
         .route("/metrics", get(metrics::handler))
@@ -159,6 +164,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::map_response(openai_shaped_rejections))
         .with_state(state)
+}
+
+/// Refuse a request without a valid API key before its handler reads the body: an
+/// unauthenticated client cannot make the gateway buffer a body of up to `max_body_bytes`. The
+/// handlers authenticate again to learn the team (a hash lookup).
+async fn authenticate_first(
+    axum::extract::State(state): axum::extract::State<Arc<AppState>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match state.keys.authenticate(request.headers()) {
+        Ok(_) => next.run(request).await,
+        Err(refused) => refused.into_response(),
+    }
 }
 
 /// axum's extractors refuse a path or query string that does not decode (`%FF` in an id, a

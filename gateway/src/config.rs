@@ -79,6 +79,11 @@ pub struct ServerConfig {
     /// background runs) may take to finish once no new connection is accepted; those still
     /// going then end as failed with code `server_shutdown`, and the failure is stored.
     pub shutdown_grace_s: f64,
+    /// How long a streaming client may leave its events unread (its connection's buffers
+    /// full) before the gateway stops sending to it and ends its stream, in seconds. The
+    /// response runs on and is stored, so the client can fetch it; a client that stalls does
+    /// not hold an engine slot, a queue place or a shutdown.
+    pub client_stall_timeout_s: f64,
 }
 
 impl Default for ServerConfig {
@@ -89,6 +94,7 @@ impl Default for ServerConfig {
             reload_interval_ms: 1_000,
             socket_buffer_bytes: 0,
             shutdown_grace_s: 25.0,
+            client_stall_timeout_s: 60.0,
         }
     }
 }
@@ -97,6 +103,11 @@ impl ServerConfig {
     /// [`ServerConfig::shutdown_grace_s`] as a duration.
     pub fn shutdown_grace(&self) -> Duration {
         seconds(self.shutdown_grace_s)
+    }
+
+    /// [`ServerConfig::client_stall_timeout_s`] as a duration.
+    pub fn client_stall_timeout(&self) -> Duration {
+        seconds(self.client_stall_timeout_s)
     }
 }
 
@@ -258,7 +269,7 @@ pub struct UpstreamConfig {
     pub connect_timeout_ms: u64,
     /// Longest wait for the first byte of an engine's answer (queueing plus prefill), in seconds.
     pub first_byte_timeout_s: f64,
-    /// Longest silence between two streamed chunks, in seconds.
+    /// Longest silence between two streamed events, in seconds.
     pub idle_timeout_s: f64,
 }
 
@@ -933,10 +944,10 @@ impl Config {
             return Err(err("background.max_concurrent", "must be at least 1"));
         }
         let grace = self.server.shutdown_grace_s;
-        if !(grace.is_finite() && grace >= 0.0) {
+        if !(grace.is_finite() && (0.0..=MAX_SECONDS).contains(&grace)) {
             return Err(err(
                 "server.shutdown_grace_s",
-                "must be a number of seconds >= 0",
+                "must be a number of seconds from 0 to 1e9",
             ));
         }
         for (key, value) in [
@@ -945,9 +956,16 @@ impl Config {
                 self.upstream.first_byte_timeout_s,
             ),
             ("upstream.idle_timeout_s", self.upstream.idle_timeout_s),
+            (
+                "server.client_stall_timeout_s",
+                self.server.client_stall_timeout_s,
+            ),
         ] {
-            if !(value.is_finite() && value > 0.0) {
-                return Err(err(key, "must be a positive number of seconds"));
+            if !(value.is_finite() && value > 0.0 && value <= MAX_SECONDS) {
+                return Err(err(
+                    key,
+                    "must be a positive number of seconds, at most 1e9",
+                ));
             }
         }
         if self.pools.is_empty() {
@@ -1131,6 +1149,10 @@ impl Config {
 
 /// Seconds as a duration; validation keeps them finite and non-negative, anything else
 /// saturates.
+/// Longest duration any `*_s` key accepts (about 31 years): far beyond any useful timeout, and
+/// small enough that a deadline `now + it` never overflows the clock.
+const MAX_SECONDS: f64 = 1e9;
+
 fn seconds(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or(if s > 0.0 {
         Duration::MAX
@@ -1236,7 +1258,7 @@ impl Config {
     /// Check `[[bands]]`, the flow keys of `[[teams]]` and `[flow]`, naming the key at fault.
     fn validate_flow(&self) -> Result<(), ConfigError> {
         let f = &self.flow;
-        let seconds_ok = |s: f64| s.is_finite() && (0.0..=1e9).contains(&s);
+        let seconds_ok = |s: f64| s.is_finite() && (0.0..=MAX_SECONDS).contains(&s);
         for (key, value) in [
             ("flow.turn_window_s", f.turn_window_s),
             ("flow.aging_s", f.aging_s),
@@ -1570,6 +1592,46 @@ endpoints = ["http://127.0.0.1:8000"]
         assert_eq!(e.key, "pools[0].labels");
         let e = Config::parse(&format!("{MINIMAL}endpoints_file = 3\n")).unwrap_err();
         assert!(e.key.contains("endpoints_file"), "{e}");
+    }
+
+    #[test]
+    fn timeouts_must_be_finite_and_at_most_1e9_seconds() {
+        for (section, line, key) in [
+            (
+                "upstream",
+                "idle_timeout_s = 1e19",
+                "upstream.idle_timeout_s",
+            ),
+            (
+                "upstream",
+                "first_byte_timeout_s = 2e9",
+                "upstream.first_byte_timeout_s",
+            ),
+            (
+                "upstream",
+                "first_byte_timeout_s = 0",
+                "upstream.first_byte_timeout_s",
+            ),
+            (
+                "server",
+                "shutdown_grace_s = 1e300",
+                "server.shutdown_grace_s",
+            ),
+            ("server", "shutdown_grace_s = -1", "server.shutdown_grace_s"),
+            (
+                "server",
+                "client_stall_timeout_s = 0",
+                "server.client_stall_timeout_s",
+            ),
+        ] {
+            let e = Config::parse(&format!("[{section}]\n{line}\n{MINIMAL}")).unwrap_err();
+            assert_eq!(e.key, key, "{line}: {e}");
+        }
+        let c = Config::parse(&format!("[upstream]\nidle_timeout_s = 1e9\n{MINIMAL}")).unwrap();
+        assert_eq!(
+            c.client_options().idle_timeout,
+            Duration::from_secs(1_000_000_000)
+        );
     }
 
     #[test]

@@ -961,7 +961,7 @@ async fn repin(
     }
     let new = SessionPin {
         endpoint: ep.name.clone(),
-        moves: pin.map_or(0, |p| p.moves + 1),
+        moves: pin.map_or(0, |p| p.moves.saturating_add(1)),
     };
     if let Err(e) = state.store.swap_pin(&pool.name, key, pin, &new).await {
         tracing::warn!("could not store the session pin: {e}");
@@ -994,8 +994,14 @@ const EVENT_LOG_BATCH: Duration = Duration::from_millis(100);
 /// batch the store refuses is kept for the next write; the last is tried three times and then
 /// dropped (logged): a follower then misses those events but still ends, on the stored status.
 struct Sink {
+    /// The streaming client, until it goes away or stalls.
     tx: Option<mpsc::Sender<Bytes>>,
     log: Option<EventLog>,
+    /// `[server] client_stall_timeout_s`.
+    stall: Duration,
+    /// The turn's stop signals: a stop drops a client that is not reading rather than wait on
+    /// it.
+    stops: Option<StopSignals>,
 }
 
 struct EventLog {
@@ -1010,13 +1016,23 @@ impl Sink {
         self.log.as_ref().is_some_and(|log| !log.pending.is_empty())
     }
 
-    fn new(turn: &Turn, tx: Option<mpsc::Sender<Bytes>>) -> Sink {
+    fn new(
+        state: &AppState,
+        turn: &Turn,
+        tx: Option<mpsc::Sender<Bytes>>,
+        stops: Option<StopSignals>,
+    ) -> Sink {
         let log = (turn.background && turn.store).then(|| EventLog {
             id: turn.id.clone(),
             pending: Vec::new(),
             written_at: None,
         });
-        Sink { tx, log }
+        Sink {
+            tx,
+            log,
+            stall: state.config.server.client_stall_timeout(),
+            stops,
+        }
     }
 
     /// Send `events`; `last` writes the log's pending batch whatever its age.
@@ -1053,15 +1069,45 @@ impl Sink {
                 log.written_at = Some(Instant::now());
             }
         }
-        emit(&self.tx, events).await;
+        self.emit(events).await;
     }
-}
 
-/// Send events to the client if it is still there; a gone client does not stop the turn.
-async fn emit(tx: &Option<mpsc::Sender<Bytes>>, events: Vec<SseEvent>) {
-    if let Some(tx) = tx {
+    /// Send events to the client if it is still there. Neither a client that went away nor
+    /// one that stopped reading holds the turn: the first is noticed at the next send; the
+    /// second once its connection's buffers stay full for the stall timeout, or at once when
+    /// the turn is stopped (cancel, shutdown). Either way the client is dropped (its stream
+    /// ends) and the turn runs on to its end and is stored as usual.
+    async fn emit(&mut self, events: Vec<SseEvent>) {
         for ev in &events {
-            if tx.send(Bytes::from(ev.to_sse_frame())).await.is_err() {
+            let Some(tx) = self.tx.as_ref() else {
+                return;
+            };
+            // The fast path: room in the channel, no timer.
+            let frame = match tx.try_send(Bytes::from(ev.to_sse_frame())) {
+                Ok(()) => continue,
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    self.tx = None;
+                    return;
+                }
+                Err(mpsc::error::TrySendError::Full(frame)) => frame,
+            };
+            let stopped = async {
+                match self.stops.as_mut() {
+                    Some(stops) => stops.stopped().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let kept = tokio::select! {
+                biased;
+                sent = tx.send(frame) => sent.is_ok(),
+                () = tokio::time::sleep(self.stall) => {
+                    tracing::warn!(stall = ?self.stall, "streaming client left its events unread; no longer sending to it");
+                    false
+                }
+                _ = stopped => false,
+            };
+            if !kept {
+                self.tx = None;
                 return;
             }
         }
@@ -1081,7 +1127,7 @@ pub async fn drive(
     let endpoint = routed.endpoint().clone();
     let mut first_token: Option<Instant> = None;
     let mut rs = new_stream(&turn);
-    let mut sink = Sink::new(&turn, tx);
+    let mut sink = Sink::new(&state, &turn, tx, stops.clone());
     sink.send(&state, rs.start(), false).await;
     let terminal = loop {
         // Events waiting for the log go out after a pause in the engine's stream too.
@@ -1404,7 +1450,16 @@ pub async fn run_background(
         Err(e) => tracing::error!(response = %turn.id, "store error starting background run: {e}"),
     }
     turn.skeleton = in_progress;
-    match open_turn(&state, &mut turn).await {
+    // Opening waits for the engine's first byte (queueing and prefill there): a cancel or the
+    // shutdown stops that wait too, and dropping it drops the engine request.
+    let opened = tokio::select! {
+        opened = open_turn(&state, &mut turn) => opened,
+        stop = stops.stopped() => {
+            stop_queued(&state, &turn, &tx, stop).await;
+            return;
+        }
+    };
+    match opened {
         Ok((chunks, ep)) => {
             drive(state.clone(), turn, chunks, ep, tx, Some(stops)).await;
         }
@@ -1447,6 +1502,7 @@ impl Stop {
 
 /// What can stop a turn early: a background run's cancel signal, and for every turn the
 /// gateway's shutdown once its grace has run out (`AppState::stopping`).
+#[derive(Clone)]
 pub struct StopSignals {
     cancel: Option<watch::Receiver<bool>>,
     shutdown: watch::Receiver<bool>,
@@ -1486,8 +1542,9 @@ impl StopSignals {
     }
 }
 
-/// A background run stopped before it started: cancelled (the record already says so), or
-/// cut short by shutdown (recorded as failed, so a client polling it stops waiting).
+/// A background run stopped before its engine stream opened: cancelled (the record already
+/// says so), or cut short by shutdown (recorded as failed, so a client polling it stops
+/// waiting).
 async fn stop_queued(state: &AppState, turn: &Turn, tx: &Option<mpsc::Sender<Bytes>>, stop: Stop) {
     if stop == Stop::Shutdown {
         let err = HttpError::server(503, stop.message(), stop.code());
@@ -1513,7 +1570,9 @@ async fn fail_background(
     // Nothing was generated: a record that cannot be written leaves nothing to lose.
     persist(state, turn, rs.response(), rs.output_items()).await;
     state.metrics.response_ended(&turn.pool.name, rs.response());
-    Sink::new(turn, tx.clone()).send(state, events, true).await;
+    Sink::new(state, turn, tx.clone(), None)
+        .send(state, events, true)
+        .await;
 }
 
 fn forget_run(state: &AppState, id: &str) {

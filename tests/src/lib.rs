@@ -346,6 +346,18 @@ pub async fn metrics_text(base: &str) -> String {
         .expect("metrics text")
 }
 
+/// Sum of a Prometheus metric's samples (every label set) in `text`.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
+}
+
 /// Poll `done` every 10 ms, for at most 15 s; fails the test with `what` if it never holds.
 pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     for _ in 0..1500 {

@@ -5,7 +5,10 @@
 //! every key is removed in turn. Each answer must be a success or a 4xx with an OpenAI-shaped error body (`message`,
 //! `type`, `param` and `code` keys); never a 5xx, a dropped connection or a stream that ends
 //! without a terminal event. The gateway still serves a plain request afterwards. Paths and
-//! query strings that do not decode get the same error shape.
+//! query strings that do not decode get the same error shape. Neither a client nor an engine
+//! can hold a turn: a client that stops reading its stream is dropped, an engine that only
+//! sends keep-alive comments times out, and a request without a valid key is refused before
+//! its body is read.
 
 use serde_json::{json, Value};
 
@@ -482,4 +485,196 @@ async fn engine_answers_that_break_the_protocol_end_cleanly() {
         }
         gw.shutdown().await;
     }
+}
+
+/// Raw HTTP/1.1 on a fresh connection with a small receive buffer: `head` (request line and
+/// headers, without the blank line) and `body`.
+async fn raw_request(base: &str, head: &str, body: &[u8]) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let addr: std::net::SocketAddr = base
+        .trim_start_matches("http://")
+        .parse()
+        .expect("a loopback address");
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(addr).await.unwrap();
+    stream
+        .write_all(format!("{head}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    stream.write_all(body).await.unwrap();
+    stream
+}
+
+/// Read from `stream` until `until` holds for what was read; fails on end of stream.
+async fn read_until(stream: &mut tokio::net::TcpStream, until: impl Fn(&str) -> bool) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !until(&String::from_utf8_lossy(&seen)) {
+        let n = stream.read(&mut buf).await.expect("read");
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&seen).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_its_stream_does_not_hold_the_turn() {
+    // Answers of 10k-30k tokens, streamed fast: megabytes of events, far more than the
+    // connection's buffers hold.
+    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        model: "sim-model".into(),
+        default_output_tokens: 20_000,
+        decode_ms_per_token: 0.01,
+        time_scale: 1.0,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        None,
+        "[server]\nsocket_buffer_bytes = 4096\nclient_stall_timeout_s = 0.5\n",
+    ))
+    .await;
+    let base = gw.base_url();
+    let body =
+        json!({"model": "sim-model", "input": "write at length", "stream": true}).to_string();
+    let head = format!(
+        "POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}",
+        body.len()
+    );
+    let mut stalled = raw_request(&base, &head, body.as_bytes()).await;
+    // Read as far as the response's id, then stop reading (the connection stays open).
+    let start = read_until(&mut stalled, |s| s.contains("\"id\":\"resp_")).await;
+    let id = start
+        .split("\"id\":\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap()
+        .to_string();
+    // The gateway stops sending to the stalled client; the turn runs to its end, is stored,
+    // and gives its slot back.
+    let mut status = Value::Null;
+    for _ in 0..1500 {
+        status = retrieve(&base, &id).await["status"].clone();
+        if status == "completed" || status == "incomplete" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(
+        status == "completed" || status == "incomplete",
+        "the turn ends although its client stopped reading: {status}"
+    );
+    let m = metrics_text(&base).await;
+    assert_eq!(
+        metric_sum(&m, "agentgate_endpoint_in_flight_requests"),
+        0.0,
+        "no slot is held: {m}"
+    );
+    drop(stalled);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_without_a_valid_key_are_refused_before_their_body_is_read() {
+    let sim = start_sim("sim-model").await;
+    let teams = format!(
+        "[[teams]]\nname = \"a\"\napi_key_sha256 = [\"{}\"]\n",
+        agentgate::auth::hash_key("key-a")
+    );
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, &teams)).await;
+    let base = gw.base_url();
+    for (what, auth) in [
+        ("no key", ""),
+        ("a wrong key", "\r\nauthorization: Bearer nope"),
+    ] {
+        // A body of 16 MiB is announced and never sent: the refusal must not wait for it.
+        let head = format!(
+            "POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 16777216{auth}"
+        );
+        let mut stream = raw_request(&base, &head, b"{").await;
+        let answer = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            read_until(&mut stream, |s| s.contains("invalid_api_key")),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer before the body"));
+        assert!(answer.starts_with("HTTP/1.1 401"), "{what}: {answer}");
+    }
+    // With the key, the body is read as usual.
+    let ok = reqwest::Client::new()
+        .post(format!("{base}/v1/responses"))
+        .bearer_auth("key-a")
+        .json(&json!({"model": "sim-model", "input": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_alive_comments_do_not_hold_a_silent_engine_stream() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // An engine that starts a stream, sends one chunk, then only `: ping` comments.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 1 << 16];
+                let mut seen = Vec::new();
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let chunk = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":0,\"model\":\"sim-model\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"hel\"},\"finish_reason\":null}]}\n\n";
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+                if socket
+                    .write_all(format!("{head}{chunk}").as_bytes())
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    if socket.write_all(b": ping\n\n").await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let gw = start_gateway(&format!(
+        "[routing]\nscrape_interval_ms = 0\nhealth_interval_ms = 0\n\
+         [upstream]\nidle_timeout_s = 0.5\n\
+         [[pools]]\nname = \"p\"\nmodel = \"sim-model\"\nendpoints = [\"{url}\"]\n"
+    ))
+    .await;
+    let resp = post_response(
+        &gw.base_url(),
+        &json!({"model": "sim-model", "input": "hi", "stream": true}),
+    )
+    .await;
+    let text = tokio::time::timeout(std::time::Duration::from_secs(30), resp.text())
+        .await
+        .expect("the stream ends although the engine keeps pinging")
+        .unwrap();
+    let events = parse_sse(&text);
+    assert_eq!(
+        events.last().map(|e| e.event.as_str()),
+        Some("response.failed"),
+        "{text}"
+    );
+    assert!(text.contains("no event from"), "{text}");
+    gw.shutdown().await;
 }

@@ -86,18 +86,6 @@ async fn prefill_decode_pair(flavor: Flavor) -> (SimHandle, SimHandle, Gateway) 
     (prefill, decode, gw)
 }
 
-/// Sum of a Prometheus metric's samples (every label set) in `text`.
-fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
-        .sum()
-}
-
 /// The value of one exact series (`name{labels}`) in `text`, 0 when absent.
 fn series(text: &str, series: &str) -> f64 {
     text.lines()
@@ -805,6 +793,53 @@ async fn a_sub_agent_found_by_prefix_keeps_its_parent_when_truncation_retries() 
         decisions(&before, "uncached"),
         "the retry lost its parent:\n{after}"
     );
+    gw.shutdown().await;
+    prefill.shutdown().await;
+    decode.shutdown().await;
+}
+
+/// Poll the sum of `agentgate_endpoint_in_flight_requests` until `holds` accepts it, for at
+/// most 15 s; fails the test with `what` otherwise.
+async fn await_in_flight(base: &str, holds: impl Fn(f64) -> bool, what: &str) {
+    let mut now = f64::NAN;
+    for _ in 0..1500 {
+        now = metric_sum(
+            &metrics_text(base).await,
+            "agentgate_endpoint_in_flight_requests",
+        );
+        if holds(now) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("{what}: {now} requests in flight");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_background_response_stops_its_wait_for_the_prefill_leg() {
+    let (prefill, decode, gw) = prefill_decode_pair(Flavor::Vllm).await;
+    // The prefill replica holds its answer back for a minute.
+    set_sim_fault(&prefill, json!({"stall_ms": 60_000})).await;
+    let base = gw.base_url();
+    let queued = json_body(
+        reqwest::Client::new()
+            .post(format!("{base}/v1/responses"))
+            .json(
+                &json!({"model": "sim-model", "input": long_text("w", 6000), "background": true}),
+            ),
+    )
+    .await;
+    let id = queued["id"].as_str().unwrap().to_string();
+    // The decode endpoint and the prefill endpoint each count the request.
+    await_in_flight(&base, |n| n > 0.0, "the run waits for its prefill leg").await;
+    assert_eq!(cancel(&base, &id).await["status"], "cancelled");
+    await_in_flight(
+        &base,
+        |n| n == 0.0,
+        "the cancel ends the wait and frees the slots",
+    )
+    .await;
+    assert_eq!(retrieve(&base, &id).await["status"], "cancelled");
     gw.shutdown().await;
     prefill.shutdown().await;
     decode.shutdown().await;
