@@ -79,10 +79,11 @@ pub struct ServerConfig {
     /// background runs) may take to finish once no new connection is accepted; those still
     /// going then end as failed with code `server_shutdown`, and the failure is stored.
     pub shutdown_grace_s: f64,
-    /// How long a streaming client may leave its events unread (its connection's buffers
-    /// full) before the gateway stops sending to it and ends its stream, in seconds. The
-    /// response runs on and is stored, so the client can fetch it; a client that stalls does
-    /// not hold an engine slot, a queue place or a shutdown.
+    /// How long a streaming client (a turn's stream, or a follow of a background response's
+    /// events) may leave its events unread (its connection's buffers full) before the gateway
+    /// stops sending to it and ends its stream, in seconds. The response runs on and is
+    /// stored, so the client can fetch it or follow it again; a client that stalls does not
+    /// hold an engine slot or a queue place.
     pub client_stall_timeout_s: f64,
 }
 

@@ -718,8 +718,10 @@ pub async fn retrieve(
 /// A follow that cannot go on while the response itself goes on closes the stream without a
 /// terminal event, so the client picks it up again with `starting_after`: the client left, the
 /// store failed [`FOLLOW_STORE_TRIES`] times in a row, the response was deleted, nothing new
-/// arrived for [`FOLLOW_IDLE_LIMIT`] (a run lost with its replica stays `in_progress`), or this
-/// gateway starts shutting down (a follow holds no work, so it does not wait out the grace).
+/// arrived for [`FOLLOW_IDLE_LIMIT`] (a run lost with its replica stays `in_progress`), the
+/// client left its events unread for `client_stall_timeout_s`, or this gateway starts shutting
+/// down (a follow holds no work, so it does not wait out the grace, even blocked on a client
+/// that is not reading).
 async fn stream_stored(
     state: Arc<AppState>,
     team: Team,
@@ -735,6 +737,7 @@ async fn stream_stored(
     let mut last_news = tokio::time::Instant::now();
     let mut store_failures = 0;
     let mut draining = state.draining.subscribe();
+    let stall = state.config.server.client_stall_timeout();
     loop {
         if tx.is_closed() || last_news.elapsed() >= FOLLOW_IDLE_LIMIT {
             return;
@@ -771,7 +774,10 @@ async fn stream_stored(
             }
             last_sequence = sequence.or(last_sequence);
             last_news = tokio::time::Instant::now();
-            if tx.send(Bytes::from(frame)).await.is_err() {
+            let drain = async {
+                let _ = draining.wait_for(|stop| *stop).await;
+            };
+            if !turn::send_to_client(&tx, Bytes::from(frame), stall, drain).await {
                 return;
             }
             if TERMINAL_EVENTS.contains(&event.as_str()) {
@@ -805,7 +811,10 @@ async fn stream_stored(
                     event: event.to_string(),
                     data,
                 };
-                let _ = tx.send(Bytes::from(frame.to_sse_frame())).await;
+                let drain = async {
+                    let _ = draining.wait_for(|stop| *stop).await;
+                };
+                turn::send_to_client(&tx, Bytes::from(frame.to_sse_frame()), stall, drain).await;
                 return;
             }
         }

@@ -1082,35 +1082,45 @@ impl Sink {
             let Some(tx) = self.tx.as_ref() else {
                 return;
             };
-            // The fast path: room in the channel, no timer.
-            let frame = match tx.try_send(Bytes::from(ev.to_sse_frame())) {
-                Ok(()) => continue,
-                Err(mpsc::error::TrySendError::Closed(_)) => {
-                    self.tx = None;
-                    return;
-                }
-                Err(mpsc::error::TrySendError::Full(frame)) => frame,
-            };
             let stopped = async {
                 match self.stops.as_mut() {
-                    Some(stops) => stops.stopped().await,
+                    Some(stops) => {
+                        stops.stopped().await;
+                    }
                     None => std::future::pending().await,
                 }
             };
-            let kept = tokio::select! {
-                biased;
-                sent = tx.send(frame) => sent.is_ok(),
-                () = tokio::time::sleep(self.stall) => {
-                    tracing::warn!(stall = ?self.stall, "streaming client left its events unread; no longer sending to it");
-                    false
-                }
-                _ = stopped => false,
-            };
-            if !kept {
+            let frame = Bytes::from(ev.to_sse_frame());
+            if !send_to_client(tx, frame, self.stall, stopped).await {
                 self.tx = None;
                 return;
             }
         }
+    }
+}
+
+/// Send one SSE frame to a streaming client; `false` when the client is to be dropped: it went
+/// away, it left its stream unread (the channel full) for `stall`, or `stop` resolved while it
+/// was not reading. A client with room in its channel costs no timer.
+pub(crate) async fn send_to_client(
+    tx: &mpsc::Sender<Bytes>,
+    frame: Bytes,
+    stall: Duration,
+    stop: impl std::future::Future<Output = ()>,
+) -> bool {
+    let frame = match tx.try_send(frame) {
+        Ok(()) => return true,
+        Err(mpsc::error::TrySendError::Closed(_)) => return false,
+        Err(mpsc::error::TrySendError::Full(frame)) => frame,
+    };
+    tokio::select! {
+        biased;
+        sent = tx.send(frame) => sent.is_ok(),
+        () = tokio::time::sleep(stall) => {
+            tracing::warn!(?stall, "streaming client left its events unread; no longer sending to it");
+            false
+        }
+        () = stop => false,
     }
 }
 

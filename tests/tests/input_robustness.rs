@@ -678,3 +678,66 @@ async fn keep_alive_comments_do_not_hold_a_silent_engine_stream() {
     assert!(text.contains("no event from"), "{text}");
     gw.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_stops_reading_is_dropped() {
+    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        model: "sim-model".into(),
+        default_output_tokens: 20_000,
+        decode_ms_per_token: 0.01,
+        time_scale: 1.0,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        None,
+        "[server]\nsocket_buffer_bytes = 4096\nclient_stall_timeout_s = 0.2\n",
+    ))
+    .await;
+    let base = gw.base_url();
+    let queued = json_body(
+        reqwest::Client::new()
+            .post(format!("{base}/v1/responses"))
+            .json(&json!({"model": "sim-model", "input": "write at length", "background": true})),
+    )
+    .await;
+    let id = queued["id"].as_str().unwrap().to_string();
+    let mut status = Value::Null;
+    for _ in 0..1500 {
+        status = retrieve(&base, &id).await["status"].clone();
+        if status == "completed" || status == "incomplete" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(status == "completed" || status == "incomplete", "{status}");
+    // Megabytes of logged events: the follower reads the first, then nothing for seconds,
+    // far past the stall timeout.
+    let head =
+        format!("GET /v1/responses/{id}?stream=true HTTP/1.1\r\nhost: x\r\nconnection: close");
+    let mut stalled = raw_request(&base, &head, b"").await;
+    let mut text = read_until(&mut stalled, |s| s.contains("response.output_text.delta")).await;
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    // What was buffered still arrives, then the stream ends without its terminal event: the
+    // client resumes with `starting_after`.
+    let rest = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        use tokio::io::AsyncReadExt;
+        let mut rest = Vec::new();
+        stalled.read_to_end(&mut rest).await.map(|_| rest)
+    })
+    .await
+    .expect("the stream ends")
+    .unwrap();
+    text.push_str(&String::from_utf8_lossy(&rest));
+    assert!(text.contains("response.output_text.delta"), "{text}");
+    assert!(
+        !text.contains("response.completed") && !text.contains("response.incomplete"),
+        "the stalled follower was dropped before the end: {} bytes",
+        text.len()
+    );
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
