@@ -253,8 +253,33 @@ impl LabelValue {
     }
 }
 
+/// Line of the first YAML alias (`*name`) in `text`, if any. The loader copies the anchored
+/// node at every alias, so a few nested aliases in a small file expand to gigabytes; an
+/// endpoints list has no use for them.
+fn first_alias(text: &str) -> Result<Option<usize>, String> {
+    struct Scan(Option<usize>);
+    impl yaml_rust2::parser::MarkedEventReceiver for Scan {
+        fn on_event(&mut self, ev: yaml_rust2::Event, mark: yaml_rust2::scanner::Marker) {
+            if matches!(ev, yaml_rust2::Event::Alias(_)) && self.0.is_none() {
+                self.0 = Some(mark.line());
+            }
+        }
+    }
+    let mut scan = Scan(None);
+    yaml_rust2::parser::Parser::new_from_str(text)
+        .load(&mut scan, true)
+        .map_err(|e| e.to_string())?;
+    Ok(scan.0)
+}
+
 /// Parse an endpoints file (YAML, or JSON) into its entries, checking each one.
 pub fn parse_endpoints(text: &str) -> Result<Vec<DiscoveredEndpoint>, String> {
+    if let Some(line) = first_alias(text)? {
+        return Err(format!(
+            "line {line}: YAML aliases (`*name`) are not accepted in an endpoints file; write \
+             each entry out"
+        ));
+    }
     let docs = yaml_rust2::YamlLoader::load_from_str(text).map_err(|e| e.to_string())?;
     let doc = match docs.as_slice() {
         [] => return Err("the file is empty; write `endpoints: []` for no endpoints".into()),
@@ -549,6 +574,13 @@ mod tests {
 
     #[test]
     fn bad_files_are_refused_with_the_reason() {
+        // Nine levels of ten aliases each: a billion copies once loaded.
+        let mut laughs = "l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n".to_string();
+        for level in 1..10 {
+            let row = vec![format!("*l{}", level - 1); 10].join(", ");
+            laughs.push_str(&format!("l{level}: &l{level} [{row}]\n"));
+        }
+        laughs.push_str("endpoints: []\n");
         let cases = [
             ("", "empty"),
             ("endpoints:\n  - name: a\n    address: x\n", "port"),
@@ -571,6 +603,11 @@ mod tests {
             ("endpoints: []\nextra: 1\n", "extra"),
             ("a: 1\n---\nb: 2\n", "several"),
             (&"[".repeat(200), ""),
+            (
+                "x: &n a\nendpoints: [{name: *n, address: x, port: 1}]\n",
+                "line 2: YAML aliases",
+            ),
+            (&laughs, "aliases"),
         ];
         for (text, needle) in cases {
             let e = parse_endpoints(text).expect_err(text);
