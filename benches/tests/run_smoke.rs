@@ -46,6 +46,7 @@ fn tiny_args(policies: &[&str], out: PathBuf) -> Args {
         long_prefill_token_threshold: 0,
         interactive_reserve: 0.25,
         kv_working_set: 0.6,
+        aging: Duration::from_secs(10),
         mixed_batch_load: None,
         interactive_alone: false,
         batch_sheddable: false,

@@ -31,7 +31,7 @@
 //! prefilling per endpoint (`max_prefilling_per_endpoint`, see
 //! [`FlowSetup::with_engine_chunking`]). Time-based settings are simulated durations converted to
 //! wall time with the replay's time scale (band TTLs, `turn_window_s` = [`TURN_WINDOW_S`],
-//! `aging_s` = [`AGING_S`], `pin_wait_s` = [`PIN_WAIT_S`], and the engines' metrics scrape,
+//! `aging_s` = [`AGING_S`] or `--aging`, `pin_wait_s` = [`PIN_WAIT_S`], and the engines' metrics scrape,
 //! [`SCRAPE_INTERVAL_S`]), so the gateway
 //! sees the engines as often, and waits as long, in simulated time as it would in real time.
 //!
@@ -83,7 +83,7 @@ pub const INTERACTIVE_TTL_S: f64 = 60.0;
 pub const BATCH_TTL_S: f64 = 600.0;
 /// `[flow] turn_window_s`, simulated seconds.
 pub const TURN_WINDOW_S: f64 = 60.0;
-/// `[flow] aging_s`, simulated seconds.
+/// `[flow] aging_s`, simulated seconds (the gateway's default; `--aging` sets another).
 pub const AGING_S: f64 = 10.0;
 /// `[flow] pin_wait_s`, simulated seconds (the gateway's default).
 pub const PIN_WAIT_S: f64 = 10.0;
@@ -141,6 +141,8 @@ pub struct FlowSetup {
     pub max_prefilling_per_endpoint: u64,
     /// `[flow] max_kv_working_set` of each gateway (0: none).
     pub max_kv_working_set: f64,
+    /// `[flow] aging_s` of each gateway, simulated seconds.
+    pub aging_s: f64,
 }
 
 impl FlowSetup {
@@ -161,6 +163,7 @@ impl FlowSetup {
             interactive_reserve: 0.0,
             max_prefilling_per_endpoint: 0,
             max_kv_working_set: 0.0,
+            aging_s: AGING_S,
         }
     }
 
@@ -191,6 +194,12 @@ impl FlowSetup {
         self
     }
 
+    /// The same with continuing turns getting a head start of `aging_s` simulated seconds.
+    pub fn with_aging(mut self, aging_s: f64) -> FlowSetup {
+        self.aging_s = aging_s;
+        self
+    }
+
     /// The same with the interactive band holding `reserve` of the pool's request slots.
     pub fn with_interactive_reserve(mut self, reserve: f64) -> FlowSetup {
         self.interactive_reserve = reserve;
@@ -215,7 +224,10 @@ impl FlowSetup {
             self.max_prefilling_per_endpoint,
             self.max_kv_working_set,
             self.wall_ms(TURN_WINDOW_S) as f64 / 1000.0,
-            self.wall_ms(AGING_S) as f64 / 1000.0,
+            match self.aging_s > 0.0 {
+                true => self.wall_ms(self.aging_s) as f64 / 1000.0,
+                false => 0.0,
+            },
             self.wall_ms(PIN_WAIT_S) as f64 / 1000.0,
             self.wall_ms(EXCHANGE_INTERVAL_S),
         )
@@ -778,6 +790,10 @@ mod tests {
         assert!(text.contains("aging_s = 2.0\n"), "{text}");
         assert!(text.contains("pin_wait_s = 2.0\n"), "{text}");
         assert!(text.contains("max_prefilling_per_endpoint = 0\n"), "{text}");
+        // `--aging 30s` at time scale 0.2; `--aging 0s` turns turn-first ordering off.
+        let aged = |s| setup.clone().with_aging(s).toml();
+        assert!(aged(30.0).contains("aging_s = 6.0\n"));
+        assert!(aged(0.0).contains("aging_s = 0.0\n"));
         // 2048-token steps of 512-token chunks: one lower-band prompt prefilling; a step of
         // one chunk, or no threshold: no limit.
         let chunked = |b, t| {

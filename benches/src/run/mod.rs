@@ -167,6 +167,10 @@ pub struct Args {
     /// gateway's.
     #[arg(long, default_value_t = 0.6)]
     pub kv_working_set: f64,
+    /// `[flow] aging_s` of every gateway, simulated (e.g. 30s): the head start continuing
+    /// turns get over new sessions while requests queue. The default is the gateway's.
+    #[arg(long, default_value = "10s", value_parser = crate::duration::parse_duration)]
+    pub aging: Duration,
     /// mixed only: the agents team runs FACTOR x request slots sessions (replicas serving
     /// requests x max-num-seqs, on the first --topology layout), half
     /// starting within the first 10 s, half over the first half of the span (default: half of
@@ -476,6 +480,7 @@ pub async fn execute(
         long_prefill_token_threshold: args.long_prefill_token_threshold,
         interactive_reserve: args.interactive_reserve,
         kv_working_set: args.kv_working_set,
+        aging_s: args.aging.as_secs_f64(),
         request_slots: request_slots(args),
         flow_control: args
             .flow_control
@@ -562,6 +567,7 @@ fn flow_setup(args: &Args, mode: FlowMode, time_scale: f64) -> FlowSetup {
     )
     .with_interactive_reserve(args.interactive_reserve)
     .with_kv_working_set(args.kv_working_set)
+    .with_aging(args.aging.as_secs_f64())
     .with_engine_chunking(
         args.max_num_batched_tokens,
         args.long_prefill_token_threshold,
@@ -1247,6 +1253,7 @@ mod tests {
             long_prefill_token_threshold: 0,
             interactive_reserve: 0.25,
             kv_working_set: 0.6,
+            aging: Duration::from_secs(10),
             mixed_batch_load: None,
             interactive_alone: false,
             batch_sheddable: false,

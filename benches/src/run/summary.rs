@@ -62,6 +62,8 @@ pub struct RunSummary {
     pub interactive_reserve: f64,
     /// `--kv-working-set`: every gateway's `max_kv_working_set` (0: no limit).
     pub kv_working_set: f64,
+    /// `--aging`: every gateway's `[flow] aging_s`, simulated seconds.
+    pub aging_s: f64,
     /// Requests the fleet of the first `--topology` layout runs at once: replicas serving
     /// requests (all of `agg`, the decode ones of `pd:PxD`) x max_num_seqs. `--mixed-batch-load`
     /// is a factor of it; each row's own is in its `request_slots`.
