@@ -256,9 +256,43 @@ fn in_range(
     Ok(())
 }
 
+/// Most JSON values (strings, numbers, arrays, objects, ...) a request body may hold. A parsed
+/// value takes about 80 bytes, so a body of tiny values (`[0,0,0,...]`) would take some 40
+/// times its size in memory: at most a million of them keeps that near 80 MB whatever
+/// `max_body_bytes` allows. Real requests hold far fewer (text is one value per string; a long
+/// agent history with tools is some tens of thousands).
+pub const MAX_JSON_VALUES: usize = 1_000_000;
+
+/// An upper bound of the JSON values in `bytes`, in one pass without parsing: one per comma,
+/// colon or opening bracket outside strings, plus one. Exact enough to refuse bodies of
+/// millions of tiny values before they are parsed.
+fn json_values_at_most(bytes: &[u8]) -> usize {
+    let mut count = 1;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in bytes {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b',' | b':' | b'[' | b'{' => count += 1,
+                _ => {}
+            }
+        }
+    }
+    count
+}
+
 /// Parse a request body into JSON, with OpenAI's error for malformed bodies. A body sent with
 /// a `Content-Encoding` other than `identity` is refused with 415 rather than misread as
-/// malformed JSON.
+/// malformed JSON, and one of more than [`MAX_JSON_VALUES`] values with 413 before it is
+/// parsed.
 pub fn parse_json(headers: &axum::http::HeaderMap, bytes: &[u8]) -> Result<Value, HttpError> {
     if let Some(encoding) = headers.get(axum::http::header::CONTENT_ENCODING) {
         let encoding = String::from_utf8_lossy(encoding.as_bytes())
@@ -273,6 +307,19 @@ pub fn parse_json(headers: &axum::http::HeaderMap, bytes: &[u8]) -> Result<Value
                 Some("unsupported_content_encoding"),
             ));
         }
+    }
+    let values = json_values_at_most(bytes);
+    if values > MAX_JSON_VALUES {
+        return Err(HttpError::new(
+            413,
+            "invalid_request_error",
+            format!(
+                "The request body holds about {values} JSON values; this gateway accepts at most \
+                 {MAX_JSON_VALUES}."
+            ),
+            None,
+            Some("request_too_large"),
+        ));
     }
     let body: Value = serde_json::from_slice(bytes).map_err(|e| {
         HttpError::invalid(
@@ -425,6 +472,22 @@ impl CreateRequest {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn json_values_are_bounded_from_above_without_parsing() {
+        let count = |text: &str| json_values_at_most(text.as_bytes());
+        assert_eq!(count("{}"), 2);
+        assert_eq!(count(r#"{"a": [1, 2, 3], "b": {"c": null}}"#), 10);
+        // Commas, colons and brackets inside strings (escaped quotes too) are text.
+        assert_eq!(count(r#"{"t": "a, b: [c] {d} \" e, f"}"#), 3);
+        assert_eq!(count(r#"{"t": "ends with a backslash \\", "u": 1}"#), 5);
+        let zeros = format!("{{\"input\": [{}]}}", vec!["0"; MAX_JSON_VALUES].join(","));
+        let e = parse_json(&axum::http::HeaderMap::new(), zeros.as_bytes()).unwrap_err();
+        assert_eq!(e.error.status, 413);
+        assert_eq!(e.error.code.as_deref(), Some("request_too_large"));
+        let fine = format!("{{\"input\": [{}]}}", vec!["0"; 1000].join(","));
+        assert!(parse_json(&axum::http::HeaderMap::new(), fine.as_bytes()).is_ok());
+    }
+
     use super::*;
     use serde_json::json;
 
