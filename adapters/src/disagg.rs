@@ -144,7 +144,7 @@ impl EngineClient {
     }
 
     /// POST a non-streaming chat completion and return its JSON body (at most
-    /// [`MAX_JSON_BODY`](crate::client::MAX_JSON_BODY) bytes, each read waiting at most the
+    /// 16 MiB, each read waiting at most the
     /// idle timeout).
     pub async fn chat_json(&self, base_url: &str, body: &Value) -> Result<Value, UpstreamError> {
         let (url, response) = self.post_chat(base_url, body).await?;
@@ -200,7 +200,7 @@ impl EngineClient {
     /// SGLang: when the prefill leg fails before the decode engine answers, the decode leg is
     /// abandoned at once (its engine would otherwise wait in the bootstrap room until its
     /// transfer timeout) and the prefill leg is blamed. When the decode leg fails first, the
-    /// prefill leg is blamed only if it fails within [`PREFILL_VERDICT_WAIT`]; either leg's
+    /// prefill leg is blamed only if it fails within 2 s; either leg's
     /// answer is read with the client's first-byte and idle timeouts, so neither waits for
     /// ever on an engine that went silent.
     pub async fn open_disaggregated(

@@ -119,7 +119,7 @@ impl AppState {
 }
 
 /// The HTTP routes, one line each; `openapi.rs` documents the same list. Every `/v1` route
-/// checks the API key before its body is read ([`authenticate_first`]).
+/// checks the API key before its body is read.
 pub fn router(state: Arc<AppState>) -> Router {
     let limit = state.config.server.max_body_bytes;
     Router::new()
