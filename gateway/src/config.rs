@@ -291,11 +291,18 @@ pub struct BackgroundConfig {
     /// Background responses run at most this many at once per gateway process; the rest wait
     /// in `queued`, so detached work never crowds out interactive requests.
     pub max_concurrent: usize,
+    /// Background responses that may wait for a run slot per gateway process; one more is
+    /// refused with 429 `too_many_background_responses` (each waiting run holds its request
+    /// in memory until it starts).
+    pub max_queued: usize,
 }
 
 impl Default for BackgroundConfig {
     fn default() -> Self {
-        BackgroundConfig { max_concurrent: 4 }
+        BackgroundConfig {
+            max_concurrent: 4,
+            max_queued: 1024,
+        }
     }
 }
 

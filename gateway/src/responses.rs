@@ -525,6 +525,21 @@ async fn run(
     };
 
     if req.background {
+        let runs = state.background.lock().map_or(0, |runs| runs.len());
+        let limit = state.config.background.max_concurrent + state.config.background.max_queued;
+        if runs >= limit {
+            return Err(HttpError::new(
+                429,
+                "rate_limit_error",
+                format!(
+                    "This gateway already holds {runs} background responses (running and \
+                     waiting to run); retry once some have finished."
+                ),
+                None,
+                Some("too_many_background_responses"),
+            )
+            .with_retry_after(1));
+        }
         state
             .store
             .put(&turn::queued_record(&turn))

@@ -532,6 +532,46 @@ async fn background_response_runs_detached_and_can_be_cancelled() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_responses_past_the_waiting_limit_are_refused() {
+    let sim = start_sim("sim-model").await;
+    // Runs hold their first token back: one runs, one waits, a third is one too many.
+    set_sim_fault(&sim, json!({"stall_ms": 60_000})).await;
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        None,
+        "[server]\nshutdown_grace_s = 0.2\n[background]\nmax_concurrent = 1\nmax_queued = 1\n",
+    ))
+    .await;
+    let base = gw.base_url();
+    let job = json!({"model": "sim-model", "input": "job", "background": true});
+    let (s1, first) = create(&base, job.clone()).await;
+    let (s2, second) = create(&base, job.clone()).await;
+    assert_eq!((s1, s2), (200, 200), "{first} {second}");
+    let refused = post_response(&base, &job).await;
+    assert_eq!(refused.status(), 429);
+    assert_eq!(header(&refused, "retry-after"), "1");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(
+        body["error"]["code"], "too_many_background_responses",
+        "{body}"
+    );
+    // A cancelled one makes room again.
+    let waiting = second["id"].as_str().unwrap();
+    assert_eq!(cancel(&base, waiting).await["status"], "cancelled");
+    let mut again = 0;
+    for _ in 0..1500 {
+        again = post_response(&base, &job).await.status().as_u16();
+        if again == 200 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(again, 200);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
     let fleet = Fleet::of(2).policy("least_loaded").start().await;
     let pool = fleet.pool();
