@@ -16,7 +16,9 @@
 //!   otherwise), routing decisions and
 //!   their reason, session pin moves and their cause, discovery reloads, endpoint health
 //!   transitions, probe failures and probe latency, config reloads, response writes the store
-//!   refused (`agentgate_store_write_errors_total`, each try), rate-limit store errors;
+//!   refused (`agentgate_store_write_errors_total`, each try), rate-limit store errors. The
+//!   series naming an endpoint go when discovery removes it for good
+//!   ([`Metrics::forget_endpoint`]);
 //! - **the in-memory store**, read at scrape time: `agentgate_store_memory_bytes` and
 //!   `agentgate_store_evictions_total` (absent with Redis);
 //! - **flow control**, read from each pool's controller at scrape time ([`flow_state`]): queue
@@ -179,6 +181,11 @@ impl<const N: usize> CounterVec<N> {
     /// The series' value (0 if never counted).
     pub fn get(&self, values: [&str; N]) -> u64 {
         lock(&self.values).get(&key(values)).copied().unwrap_or(0)
+    }
+
+    /// Drop the series whose label values `matches` accepts.
+    pub fn forget(&self, matches: impl Fn(&[String]) -> bool) {
+        lock(&self.values).retain(|values, _| !matches(values));
     }
 
     /// Append the family in the text format.
@@ -531,6 +538,18 @@ impl Metrics {
     /// A discovery source was read: `result` is `ok` or `error`.
     pub fn discovery_reload(&self, pool: &str, result: &str) {
         self.discovery_reloads.inc([pool, result]);
+    }
+
+    /// An endpoint left `pool`'s list for good: drop the event series that name it (routing
+    /// decisions, health transitions, probe failures, failed KV transfers), so endpoints
+    /// replaced over months (pods renamed at each rollout) do not pile up series.
+    pub fn forget_endpoint(&self, pool: &str, endpoint: &str) {
+        let named = |values: &[String]| values[0] == pool && values[1] == endpoint;
+        self.routing_decisions.forget(named);
+        self.health_transitions.forget(named);
+        self.probe_failures.forget(named);
+        self.pd_transfer_failures
+            .forget(|values| values[0] == pool && (values[1] == endpoint || values[2] == endpoint));
     }
 
     /// The text exposition of every metric, live endpoint state read from `pools` at `now`.

@@ -352,8 +352,12 @@ async fn discovery_loop<D: Discovery>(
         if !diff.changed() {
             continue;
         }
+        let listed = pool.endpoints();
         for e in &diff.removed {
             tracing::info!(pool = %pool.name, endpoint = %e.name, url = %e.base_url, in_flight = e.in_flight_requests(), "endpoint removed; its requests in flight finish");
+            if !listed.iter().any(|l| l.name == e.name) {
+                live.metrics.forget_endpoint(&pool.name, &e.name);
+            }
         }
         for (_, e) in &diff.relabelled {
             tracing::info!(pool = %pool.name, endpoint = %e.name, slot = e.slot, role = e.role.name(), labels = ?e.labels, "endpoint relabelled");

@@ -186,8 +186,8 @@ async fn endpoints_file_adds_and_retires_replicas_without_cutting_requests() {
         "{m}"
     );
     assert!(
-        !m.contains("endpoint=\"file-b\"}"),
-        "a removed endpoint leaves the gauges"
+        !m.contains("endpoint=\"file-b\""),
+        "a removed endpoint leaves the gauges and the event series (its routing decisions)"
     );
     assert!(
         gw.state().metrics.discovery_reloads.get(["sim", "ok"]) >= 2,
