@@ -519,10 +519,10 @@ async fn read_until(stream: &mut tokio::net::TcpStream, until: impl Fn(&str) -> 
     String::from_utf8_lossy(&seen).into_owned()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_stops_reading_its_stream_does_not_hold_the_turn() {
-    // Answers of 10k-30k tokens, streamed fast: megabytes of events, far more than the
-    // connection's buffers hold.
+/// A replica whose answers are 10k-30k tokens, streamed fast (megabytes of events, far more
+/// than a connection's buffers hold), behind a gateway with small socket buffers that drops
+/// clients leaving their events unread for `stall_s`.
+async fn long_answers(stall_s: f64) -> (agentgate_sim::SimHandle, agentgate::Gateway) {
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
         listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         model: "sim-model".into(),
@@ -536,9 +536,29 @@ async fn a_client_that_stops_reading_its_stream_does_not_hold_the_turn() {
     let gw = start_gateway(&config_toml(
         &[sim.base_url()],
         None,
-        "[server]\nsocket_buffer_bytes = 4096\nclient_stall_timeout_s = 0.5\n",
+        &format!("[server]\nsocket_buffer_bytes = 4096\nclient_stall_timeout_s = {stall_s}\n"),
     ))
     .await;
+    (sim, gw)
+}
+
+/// The stored status of response `id` once it is `completed` or `incomplete`, polled for at
+/// most 15 s (the last status read otherwise).
+async fn finished_status(base: &str, id: &str) -> Value {
+    let mut status = Value::Null;
+    for _ in 0..1500 {
+        status = retrieve(base, id).await["status"].clone();
+        if status == "completed" || status == "incomplete" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    status
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_its_stream_does_not_hold_the_turn() {
+    let (sim, gw) = long_answers(0.5).await;
     let base = gw.base_url();
     let body =
         json!({"model": "sim-model", "input": "write at length", "stream": true}).to_string();
@@ -557,14 +577,7 @@ async fn a_client_that_stops_reading_its_stream_does_not_hold_the_turn() {
         .to_string();
     // The gateway stops sending to the stalled client; the turn runs to its end, is stored,
     // and gives its slot back.
-    let mut status = Value::Null;
-    for _ in 0..1500 {
-        status = retrieve(&base, &id).await["status"].clone();
-        if status == "completed" || status == "incomplete" {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    let status = finished_status(&base, &id).await;
     assert!(
         status == "completed" || status == "incomplete",
         "the turn ends although its client stopped reading: {status}"
@@ -681,22 +694,7 @@ async fn keep_alive_comments_do_not_hold_a_silent_engine_stream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_that_stops_reading_is_dropped() {
-    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
-        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-        model: "sim-model".into(),
-        default_output_tokens: 20_000,
-        decode_ms_per_token: 0.01,
-        time_scale: 1.0,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let gw = start_gateway(&config_toml(
-        &[sim.base_url()],
-        None,
-        "[server]\nsocket_buffer_bytes = 4096\nclient_stall_timeout_s = 0.2\n",
-    ))
-    .await;
+    let (sim, gw) = long_answers(0.2).await;
     let base = gw.base_url();
     let queued = json_body(
         reqwest::Client::new()
@@ -705,14 +703,7 @@ async fn a_follower_that_stops_reading_is_dropped() {
     )
     .await;
     let id = queued["id"].as_str().unwrap().to_string();
-    let mut status = Value::Null;
-    for _ in 0..1500 {
-        status = retrieve(&base, &id).await["status"].clone();
-        if status == "completed" || status == "incomplete" {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    let status = finished_status(&base, &id).await;
     assert!(status == "completed" || status == "incomplete", "{status}");
     // Megabytes of logged events: the follower reads the first, then nothing for seconds,
     // far past the stall timeout.
