@@ -388,23 +388,32 @@ async fn urls_that_do_not_decode_get_openai_errors() {
     fleet.shutdown().await;
 }
 
+/// Read a request's head (and whatever body arrives with it); `false` when the connection
+/// ends first.
+async fn read_request_head(socket: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut seen = Vec::new();
+    while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+        match socket.read(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+    }
+    true
+}
+
 /// A fake engine on a free port: every connection gets `answer` (the raw HTTP response) after
 /// its request head, then the connection closes.
 async fn broken_engine(answer: &'static str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((mut socket, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 1 << 16];
-                let mut seen = Vec::new();
-                // read the head and whatever body arrives with it
-                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match socket.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => seen.extend_from_slice(&buf[..n]),
-                    }
+                if !read_request_head(&mut socket).await {
+                    return;
                 }
                 let _ = socket.write_all(answer.as_bytes()).await;
                 let _ = socket.shutdown().await;
@@ -634,20 +643,15 @@ async fn requests_without_a_valid_key_are_refused_before_their_body_is_read() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keep_alive_comments_do_not_hold_a_silent_engine_stream() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     // An engine that starts a stream, sends one chunk, then only `: ping` comments.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
         while let Ok((mut socket, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 1 << 16];
-                let mut seen = Vec::new();
-                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match socket.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => seen.extend_from_slice(&buf[..n]),
-                    }
+                if !read_request_head(&mut socket).await {
+                    return;
                 }
                 let chunk = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":0,\"model\":\"sim-model\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"hel\"},\"finish_reason\":null}]}\n\n";
                 let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
