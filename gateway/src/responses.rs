@@ -735,8 +735,9 @@ pub async fn retrieve(
 /// store failed [`FOLLOW_STORE_TRIES`] times in a row, the response was deleted, nothing new
 /// arrived for [`FOLLOW_IDLE_LIMIT`] (a run lost with its replica stays `in_progress`), the
 /// client left its events unread for `client_stall_timeout_s`, or this gateway starts shutting
-/// down (a follow holds no work, so it does not wait out the grace, even blocked on a client
-/// that is not reading).
+/// down (a follow holds no work, so it does not wait out the grace; one blocked on a client
+/// that is not reading ends too, and the server closes the connection once that client reads
+/// or the grace ends).
 async fn stream_stored(
     state: Arc<AppState>,
     team: Team,
@@ -789,10 +790,7 @@ async fn stream_stored(
             }
             last_sequence = sequence.or(last_sequence);
             last_news = tokio::time::Instant::now();
-            let drain = async {
-                let _ = draining.wait_for(|stop| *stop).await;
-            };
-            if !turn::send_to_client(&tx, Bytes::from(frame), stall, drain).await {
+            if !turn::send_to_client(&tx, Bytes::from(frame), stall, drained(&mut draining)).await {
                 return;
             }
             if TERMINAL_EVENTS.contains(&event.as_str()) {
@@ -826,10 +824,8 @@ async fn stream_stored(
                     event: event.to_string(),
                     data,
                 };
-                let drain = async {
-                    let _ = draining.wait_for(|stop| *stop).await;
-                };
-                turn::send_to_client(&tx, Bytes::from(frame.to_sse_frame()), stall, drain).await;
+                let frame = Bytes::from(frame.to_sse_frame());
+                turn::send_to_client(&tx, frame, stall, drained(&mut draining)).await;
                 return;
             }
         }
@@ -841,6 +837,11 @@ async fn stream_stored(
             return;
         }
     }
+}
+
+/// Resolves once the gateway starts draining (or the signal is gone).
+async fn drained(draining: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = draining.wait_for(|stop| *stop).await;
 }
 
 /// The events that end a Responses stream.
