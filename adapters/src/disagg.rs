@@ -143,9 +143,8 @@ impl EngineClient {
         Ok((url, self.check_status(response).await?))
     }
 
-    /// POST a non-streaming chat completion and return its JSON body (at most
-    /// 16 MiB, each read waiting at most the
-    /// idle timeout).
+    /// POST a non-streaming chat completion and return its JSON body: at most 16 MiB, read
+    /// whole within the idle timeout.
     pub async fn chat_json(&self, base_url: &str, body: &Value) -> Result<Value, UpstreamError> {
         let (url, response) = self.post_chat(base_url, body).await?;
         let limit = self.options().idle_timeout;
@@ -200,9 +199,8 @@ impl EngineClient {
     /// SGLang: when the prefill leg fails before the decode engine answers, the decode leg is
     /// abandoned at once (its engine would otherwise wait in the bootstrap room until its
     /// transfer timeout) and the prefill leg is blamed. When the decode leg fails first, the
-    /// prefill leg is blamed only if it fails within 2 s; either leg's
-    /// answer is read with the client's first-byte and idle timeouts, so neither waits for
-    /// ever on an engine that went silent.
+    /// prefill leg is blamed only if it fails within 2 s. Either leg's answer is read with the
+    /// client's first-byte and idle timeouts, so neither waits for ever on a silent engine.
     pub async fn open_disaggregated(
         &self,
         flavor: Flavor,

@@ -1155,12 +1155,12 @@ impl Config {
     }
 }
 
-/// Seconds as a duration; validation keeps them finite and non-negative, anything else
-/// saturates.
 /// Longest duration any `*_s` key accepts (about 31 years): far beyond any useful timeout, and
 /// small enough that a deadline `now + it` never overflows the clock.
 const MAX_SECONDS: f64 = 1e9;
 
+/// Seconds as a duration; validation keeps them finite and non-negative, anything else
+/// saturates.
 fn seconds(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or(if s > 0.0 {
         Duration::MAX

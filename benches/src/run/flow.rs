@@ -31,8 +31,8 @@
 //! prefilling per endpoint (`max_prefilling_per_endpoint`, see
 //! [`FlowSetup::with_engine_chunking`]). Time-based settings are simulated durations converted to
 //! wall time with the replay's time scale (band TTLs, `turn_window_s` = [`TURN_WINDOW_S`],
-//! `aging_s` = [`AGING_S`] or `--aging`, `pin_wait_s` = [`PIN_WAIT_S`], and the engines' metrics scrape,
-//! [`SCRAPE_INTERVAL_S`]), so the gateway
+//! `aging_s` = [`AGING_S`] or `--aging`, `pin_wait_s` = [`PIN_WAIT_S`], and the engines'
+//! metrics scrape, [`SCRAPE_INTERVAL_S`]), so the gateway
 //! sees the engines as often, and waits as long, in simulated time as it would in real time.
 //!
 //! # Saturation
