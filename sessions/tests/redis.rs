@@ -2,6 +2,9 @@
 //! TTLs, script-cache loss, connection errors, the memory one conversation costs, and session
 //! pins (the shared pin suite, their TTL, key shape and length, races across connections).
 
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use agentgate_sessions::pins::MAX_KEY_PART_LEN;
@@ -12,6 +15,7 @@ use agentgate_sessions::{
     AnyStore, RedisStore, ResponseRecord, SessionPin, Store, StoreError, StoreOptions,
 };
 use redis::aio::MultiplexedConnection;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// TTL for test keys: long enough for any test, short enough not to pile up in a shared Redis.
 const TEST_TTL: Duration = Duration::from_secs(3600);
@@ -599,4 +603,106 @@ async fn two_gateways_on_one_redis_share_one_rate_budget() {
         }
     }
     assert_eq!(allowed, 4, "the budget is shared, not per gateway");
+}
+
+/// A TCP proxy to `upstream` whose connections can be silenced all at once: a silenced
+/// connection stays open and swallows what either side sends, as one does whose peer vanished
+/// without a reset (a failover to a new address, a NAT that dropped its state). Connections
+/// opened later are forwarded again.
+struct SilencingProxy {
+    port: u16,
+    generation: Arc<AtomicU64>,
+}
+
+impl SilencingProxy {
+    async fn start(upstream: SocketAddr) -> SilencingProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the proxy");
+        let port = listener.local_addr().expect("proxy address").port();
+        let generation = Arc::new(AtomicU64::new(0));
+        let current = generation.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let born = current.load(Ordering::SeqCst);
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::spawn(pump(client_read, server_write, born, current.clone()));
+                tokio::spawn(pump(server_read, client_write, born, current.clone()));
+            }
+        });
+        SilencingProxy { port, generation }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Silence every connection open now.
+    fn silence_open_connections(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Copy `from` to `to` while the proxy's generation is still `born`; after that, read and drop.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    born: u64,
+    generation: Arc<AtomicU64>,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if generation.load(Ordering::SeqCst) == born && to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_connection_whose_replies_stop_is_replaced() {
+    let redis = TestRedis::start();
+    let upstream: SocketAddr = redis
+        .url()
+        .trim_start_matches("redis://")
+        .split('/')
+        .next()
+        .and_then(|addr| addr.parse().ok())
+        .expect("the test Redis URL names an IP address and port");
+    let proxy = SilencingProxy::start(upstream).await;
+    let opts = StoreOptions {
+        ttl: TEST_TTL,
+        key_prefix: unique_prefix("silenced"),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&proxy.url(), opts)
+        .await
+        .expect("connect through the proxy");
+    store.put(&record("t", "r1", None, 10)).await.expect("put");
+
+    proxy.silence_open_connections();
+    let err = store
+        .get("t", "r1")
+        .await
+        .expect_err("no reply comes on the silenced connection");
+    assert!(err.to_string().contains("timed out"), "{err}");
+
+    // The timeout opened a new connection in the background; the next calls use it.
+    let mut found = None;
+    for _ in 0..10 {
+        if let Ok(rec) = store.get("t", "r1").await {
+            found = rec;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(found.expect("served again on a new connection").id, "r1");
+    assert_eq!(store.connections_replaced(), 1);
 }

@@ -19,14 +19,31 @@
 //! holding the pin as JSON, with their own TTL; a swap is one compare-and-set script, a touch
 //! one PEXPIRE.
 //!
+//! ## The connection
+//!
+//! One multiplexed connection ([`ConnectionManager`]) carries every call. It reconnects by
+//! itself when the connection reports a loss (reset, EOF, refused). A connection can also die
+//! without a word: Redis failed over to another address, or a NAT or load balancer dropped its
+//! state, and the gateway's packets go nowhere. Then every reply times out and nothing reports
+//! a loss, so two things replace it:
+//!
+//! - a call whose reply times out ([`RESPONSE_TIMEOUT`]) opens a new connection, one at a
+//!   time; calls made meanwhile wait for it (calls already sent on the old one finish or time
+//!   out there), and if it cannot be opened they go on with the old one;
+//! - the socket has TCP keep-alive (an idle dead peer is noticed within about a minute) and, on
+//!   Linux, `TCP_USER_TIMEOUT` (data unacknowledged for [`TCP_USER_TIMEOUT`] closes it).
+//!
 //! The history script reads predecessor keys it derives itself, so it needs a standalone Redis
 //! (or a primary with replicas), not Redis Cluster.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use ::redis::{Cmd, ErrorKind, FromRedisValue, ServerErrorKind};
+use ::redis::io::tcp::{socket2::TcpKeepalive, TcpSettings};
+use ::redis::ServerErrorKind;
+use ::redis::{Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, Pipeline, RedisResult};
 use serde_json::Value;
 
 use crate::exchange::board_key;
@@ -51,9 +68,69 @@ impl LuaScript {
     }
 }
 
+/// The connection every call uses, and what it takes to open a new one.
+struct Link {
+    /// Write-locked while a replacement is being opened, so calls wait for it rather than
+    /// going to the connection that stopped answering.
+    current: Arc<tokio::sync::RwLock<ConnectionManager>>,
+    client: ::redis::Client,
+    config: ConnectionManagerConfig,
+    /// A replacement connection is being opened.
+    replacing: AtomicBool,
+    /// Connections opened to replace one whose replies timed out.
+    replaced: AtomicU64,
+}
+
+impl Link {
+    async fn open(client: ::redis::Client, config: ConnectionManagerConfig) -> RedisResult<Self> {
+        let conn = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        Ok(Link {
+            current: Arc::new(tokio::sync::RwLock::new(conn)),
+            client,
+            config,
+            replacing: AtomicBool::new(false),
+            replaced: AtomicU64::new(0),
+        })
+    }
+
+    async fn conn(&self) -> ConnectionManager {
+        self.current.read().await.clone()
+    }
+
+    /// Open a new connection in the background, unless one is being opened already; calls
+    /// from now on wait for it (at most the connection timeout and its retries). If it cannot
+    /// be opened, calls go on with the old one.
+    fn replace(self: &Arc<Self>) {
+        if self.replacing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let link = Arc::clone(self);
+        let locked = Arc::clone(&self.current).try_write_owned();
+        tokio::spawn(async move {
+            let mut current = match locked {
+                Ok(guard) => guard,
+                Err(_) => Arc::clone(&link.current).write_owned().await,
+            };
+            match ConnectionManager::new_with_config(link.client.clone(), link.config.clone()).await
+            {
+                Ok(conn) => {
+                    *current = conn;
+                    link.replaced.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("redis replies timed out; now on a new connection");
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "redis replies timed out; no new connection either")
+                }
+            }
+            drop(current);
+            link.replacing.store(false, Ordering::Release);
+        });
+    }
+}
+
 /// Store backed by a Redis server.
 pub struct RedisStore {
-    conn: ConnectionManager,
+    link: Arc<Link>,
     ttl_ms: u64,
     pin_ttl_ms: u64,
     key_prefix: String,
@@ -78,22 +155,33 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 const RECONNECT_ATTEMPTS: usize = 3;
 /// Longest pause between two connection attempts.
 const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
+/// TCP keep-alive on the connection: first probe after this long idle, then every
+/// [`KEEPALIVE_INTERVAL`], giving up after [`KEEPALIVE_RETRIES`] unanswered.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
+/// Linux: the kernel closes the connection when data sent stays unacknowledged this long.
+pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(20);
 
 impl RedisStore {
     /// Connect to `url` (`redis://host:port/db`); reconnects by itself after connection loss.
     pub async fn connect(url: &str, opts: StoreOptions) -> Result<Self, StoreError> {
-        let client = ::redis::Client::open(url)
+        let info = url
+            .into_connection_info()
+            .map_err(|e| StoreError::InvalidUrl(format!("{url}: {e}")))?
+            .set_tcp_settings(tcp_settings());
+        let client = ::redis::Client::open(info)
             .map_err(|e| StoreError::InvalidUrl(format!("{url}: {e}")))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(CONNECT_TIMEOUT))
             .set_response_timeout(Some(RESPONSE_TIMEOUT))
             .set_number_of_retries(RECONNECT_ATTEMPTS)
             .set_max_delay(RECONNECT_MAX_DELAY);
-        let conn = ConnectionManager::new_with_config(client, config)
+        let link = Link::open(client, config)
             .await
             .map_err(|e| StoreError::Backend(format!("cannot connect to {url}: {e}")))?;
         let store = RedisStore {
-            conn,
+            link: Arc::new(link),
             ttl_ms: millis(opts.ttl),
             pin_ttl_ms: millis(opts.pin_ttl),
             resp_prefix: format!("{}resp:", opts.key_prefix),
@@ -166,8 +254,7 @@ impl RedisStore {
         ] {
             pipe.cmd("SCRIPT").arg("LOAD").arg(script.source).ignore();
         }
-        self.count_round_trip();
-        pipe.query_async::<()>(&mut self.conn.clone()).await?;
+        self.send_pipe(&pipe).await?;
         Ok(())
     }
 
@@ -175,9 +262,37 @@ impl RedisStore {
         self.round_trips.fetch_add(1, Ordering::Relaxed);
     }
 
-    async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+    /// Connections opened so far to replace one whose replies timed out.
+    pub fn connections_replaced(&self) -> u64 {
+        self.link.replaced.load(Ordering::Relaxed)
+    }
+
+    /// After a call: a reply that timed out replaces the connection.
+    fn watch<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
+        if let Err(err) = &result {
+            if err.is_timeout() {
+                self.link.replace();
+            }
+        }
+        result
+    }
+
+    /// Send one command.
+    async fn send_cmd<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
         self.count_round_trip();
-        Ok(cmd.query_async(&mut self.conn.clone()).await?)
+        let result = cmd.query_async(&mut self.link.conn().await).await;
+        self.watch(result)
+    }
+
+    /// Send one pipeline.
+    async fn send_pipe(&self, pipe: &Pipeline) -> RedisResult<()> {
+        self.count_round_trip();
+        let result = pipe.query_async(&mut self.link.conn().await).await;
+        self.watch(result)
+    }
+
+    async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        Ok(self.send_cmd(cmd).await?)
     }
 
     /// Run `script` with EVALSHA, falling back to EVAL if the server lost its script cache.
@@ -205,11 +320,7 @@ impl RedisStore {
             }
             cmd
         };
-        self.count_round_trip();
-        match build("EVALSHA", &script.sha)
-            .query_async(&mut self.conn.clone())
-            .await
-        {
+        match self.send_cmd(&build("EVALSHA", &script.sha)).await {
             Ok(value) => Ok(value),
             Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 self.query(&build("EVAL", script.source)).await
@@ -217,6 +328,20 @@ impl RedisStore {
             Err(err) => Err(err.into()),
         }
     }
+}
+
+/// Keep-alive and, on Linux, a user timeout, so a connection to a peer that vanished is closed.
+fn tcp_settings() -> TcpSettings {
+    let keepalive = TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    let settings = TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(keepalive);
+    #[cfg(target_os = "linux")]
+    let settings = settings.set_user_timeout(TCP_USER_TIMEOUT);
+    settings
 }
 
 /// A TTL in whole milliseconds for PEXPIRE / SET PX: at least 1, saturating.
@@ -278,8 +403,7 @@ impl Store for RedisStore {
             .ignore()
             .pexpire(&key, i64::try_from(self.ttl_ms).unwrap_or(i64::MAX))
             .ignore();
-        self.count_round_trip();
-        pipe.query_async::<()>(&mut self.conn.clone()).await?;
+        self.send_pipe(&pipe).await?;
         Ok(())
     }
 
@@ -456,8 +580,7 @@ impl Store for RedisStore {
                 .pexpire(&list, ttl)
                 .ignore();
         }
-        self.count_round_trip();
-        pipe.query_async::<()>(&mut self.conn.clone()).await?;
+        self.send_pipe(&pipe).await?;
         Ok(())
     }
 
