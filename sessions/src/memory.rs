@@ -20,6 +20,13 @@
 //! background responses still queued or running, and the records these continue.
 //! Conversations (Conversations API) count toward the same bound and take their turn in the
 //! same least-recently-used order (used: created, read, or written).
+//!
+//! Session pins are bounded apart from them: every new session key a client sends makes a pin
+//! that lives for the pin TTL, so a client inventing keys could otherwise fill memory within
+//! that hour. Pins may take an eighth of the bound (estimated as their key, endpoint name and
+//! [`PIN_ENTRY_BYTES`]); past it the expired ones go, then those set or touched least recently
+//! (they expire soonest) until the pins take three quarters of their share. A session whose
+//! pin went is routed afresh, as after its TTL; [`MemoryStore::pins_dropped`] counts them.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -71,10 +78,25 @@ struct PinEntry {
     expires_at: Instant,
 }
 
+/// Estimated bytes of a pin beyond its key and endpoint name: the map slot, two string
+/// headers, the expiry and the move count.
+pub const PIN_ENTRY_BYTES: u64 = 96;
+
+/// The share of the memory bound pins may take: `max_bytes / PINS_SHARE`.
+const PINS_SHARE: u64 = 8;
+
+fn pin_bytes(key: &str, pin: &SessionPin) -> u64 {
+    (key.len() + pin.endpoint.len()) as u64 + PIN_ENTRY_BYTES
+}
+
 /// The maps and their sweep and memory bookkeeping, guarded together.
 struct Records {
     by_id: HashMap<String, Entry>,
     pins: HashMap<String, PinEntry>,
+    /// Estimated size of `pins` ([`pin_bytes`]).
+    pin_bytes: u64,
+    /// Pins dropped for memory.
+    pins_dropped: u64,
     next_sweep: Instant,
     /// Record ids by use, oldest first. A record is pushed again on each use; only the
     /// occurrence whose tick equals its entry's `used` counts, the others are skipped.
@@ -157,9 +179,68 @@ impl Records {
         self.pins.get_mut(key).filter(|e| e.expires_at > now)
     }
 
+    /// Drop the pins `doomed` picks; returns how many.
+    fn drop_pins(&mut self, mut doomed: impl FnMut(&str, &PinEntry) -> bool) -> u64 {
+        let mut freed = 0;
+        let mut dropped = 0;
+        self.pins.retain(|key, e| {
+            if doomed(key, e) {
+                freed += pin_bytes(key, &e.pin);
+                dropped += 1;
+                false
+            } else {
+                true
+            }
+        });
+        self.pin_bytes -= freed;
+        dropped
+    }
+
+    /// Set the pin under `key`, then keep the pins to their share of the bound.
+    fn insert_pin(&mut self, key: String, entry: PinEntry, now: Instant) {
+        let bytes = pin_bytes(&key, &entry.pin);
+        if let Some(old) = self.pins.get(&key) {
+            self.pin_bytes -= pin_bytes(&key, &old.pin);
+        }
+        self.pins.insert(key.clone(), entry);
+        self.pin_bytes += bytes;
+        let share = self.max_bytes / PINS_SHARE;
+        if share == 0 || self.pin_bytes <= share {
+            return;
+        }
+        self.drop_pins(|_, e| e.expires_at <= now);
+        if self.pin_bytes <= share * 3 / 4 {
+            return;
+        }
+        // The pins expiring soonest are those set or touched least recently: drop about as many
+        // as leave three quarters of the share, never the one just set.
+        let len = self.pins.len();
+        let keep = (len as u128 * u128::from(share * 3 / 4) / u128::from(self.pin_bytes)) as usize;
+        let count = len - keep.clamp(1, len);
+        if count == 0 {
+            return;
+        }
+        let mut expiries: Vec<Instant> = self.pins.values().map(|e| e.expires_at).collect();
+        let line = *expiries.select_nth_unstable(count - 1).1;
+        let mut at_line = count - expiries.iter().filter(|&&at| at < line).count();
+        self.pins_dropped += self.drop_pins(|k, e| {
+            if k == key || e.expires_at > line {
+                false
+            } else if e.expires_at < line {
+                true
+            } else if at_line > 0 {
+                at_line -= 1;
+                true
+            } else {
+                false
+            }
+        });
+    }
+
     /// Drop expired entries if the sweep interval has passed.
     fn maybe_sweep(&mut self, now: Instant) {
         if now >= self.next_sweep {
+            self.drop_pins(|_, e| e.expires_at <= now);
             let bytes = &mut self.bytes;
             self.by_id.retain(|_, e| {
                 let live = e.expires_at > now;
@@ -168,7 +249,6 @@ impl Records {
                 }
                 live
             });
-            self.pins.retain(|_, e| e.expires_at > now);
             self.conversations.retain(|_, e| {
                 let live = e.expires_at > now;
                 if !live {
@@ -419,6 +499,8 @@ impl MemoryStore {
             records: Mutex::new(Records {
                 by_id: HashMap::new(),
                 pins: HashMap::new(),
+                pin_bytes: 0,
+                pins_dropped: 0,
                 next_sweep: Instant::now() + SWEEP_INTERVAL,
                 lru: VecDeque::new(),
                 tick: 0,
@@ -454,6 +536,11 @@ impl MemoryStore {
     /// Number of session pins held, including expired ones not yet swept.
     pub fn pin_count(&self) -> usize {
         self.lock().pins.len()
+    }
+
+    /// Pins dropped to keep the pins within their share of the memory bound.
+    pub fn pins_dropped(&self) -> u64 {
+        self.lock().pins_dropped
     }
 
     /// Number of records held, including expired ones not yet swept.
@@ -786,12 +873,13 @@ impl Store for MemoryStore {
                 return Ok(entry.pin.clone());
             }
         }
-        records.pins.insert(
+        records.insert_pin(
             key,
             PinEntry {
                 pin: new.clone(),
                 expires_at,
             },
+            now,
         );
         Ok(new.clone())
     }
@@ -1121,6 +1209,40 @@ mod tests {
         store.lock().next_sweep = Instant::now();
         store.put(&record("t", "r2", None, 1)).await.unwrap();
         assert_eq!(store.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn pins_are_kept_to_their_share_of_the_bound() {
+        let store = MemoryStore::new(StoreOptions {
+            max_memory_bytes: 80_000,
+            ..StoreOptions::default()
+        });
+        let share = 80_000 / PINS_SHARE;
+        store
+            .swap_pin("pool", "kept", None, &pin("e0", 0))
+            .await
+            .unwrap();
+        for i in 0..1_000 {
+            let session = format!("session-{i}");
+            store
+                .swap_pin("pool", &session, None, &pin("e1", 0))
+                .await
+                .unwrap();
+            store.touch_pin("pool", "kept").await.unwrap();
+            let held = store.lock().pin_bytes;
+            assert!(held <= share, "pins take {held} bytes, over their {share}");
+        }
+        // The sessions still active keep their pins, the oldest idle ones went.
+        assert_eq!(
+            store.get_pin("pool", "kept").await.unwrap(),
+            Some(pin("e0", 0))
+        );
+        let last = store.get_pin("pool", "session-999").await.unwrap();
+        assert_eq!(last, Some(pin("e1", 0)));
+        assert_eq!(store.get_pin("pool", "session-0").await.unwrap(), None);
+        let dropped = store.pins_dropped();
+        assert!(dropped > 900, "{dropped} of 1,001 pins dropped");
+        assert_eq!(store.pin_count() as u64 + dropped, 1_001);
     }
 
     #[tokio::test]
