@@ -36,8 +36,13 @@
 //! - **unchanged** (same name, address, port, role and labels): the same `Arc<Endpoint>` stays,
 //!   so its in-flight counts, health streak and load report carry on;
 //! - **relabelled** (same name and address, new role or labels): the same engine, so the new
-//!   endpoint takes the old one's slot (the prefix index keeps what it learnt), health verdict
-//!   and load report; the old one is retired;
+//!   endpoint takes the old one's slot (the prefix index keeps what it learnt) and shares its
+//!   live state: the requests in flight on the old object (they hold it until they end) count
+//!   on the new one, and so do its health verdict, scraped load, KV capacity, working set and
+//!   measured prefill throughput; the old one is retired;
+//! - **renamed** (a new name at the address of an endpoint that goes, or went and still has
+//!   requests in flight): the same engine under another name, handled as a relabel; sessions
+//!   pinned to the old name find it again by prefix;
 //! - **added** (or moved to another address): a new endpoint in a fresh slot, the lowest slot
 //!   not held by a live endpoint nor by a removed one that still has requests in flight. A slot
 //!   freed earlier is reused so per-slot tables stay small; the prefix index forgets what it
@@ -401,8 +406,9 @@ pub struct Diff {
     pub added: Vec<Arc<Endpoint>>,
     /// Endpoints to retire: gone from the list, or moved to another address.
     pub removed: Vec<Arc<Endpoint>>,
-    /// Same engine (name and address), new role or labels: `(old, new)`. The new endpoint
-    /// takes the old one's slot, health verdict and load report; the old one is retired.
+    /// Same engine (address), new name, role or labels: `(old, new)`. The new endpoint takes
+    /// the old one's slot and shares its live state ([`Endpoint::same_engine_as`]); the old
+    /// one is retired.
     pub relabelled: Vec<(Arc<Endpoint>, Arc<Endpoint>)>,
     /// Endpoints kept as they were.
     pub kept: usize,
@@ -477,6 +483,27 @@ pub fn diff(
         }
         plans.push(plan);
     }
+    // Second pass: a new name at the address of an endpoint that goes (or went and still has
+    // requests in flight) is that engine renamed, relabelled into its slot.
+    for (i, (_, url, _, _)) in wanted.iter().enumerate() {
+        if !matches!(plans[i], Plan::New) {
+            continue;
+        }
+        let claimed = |e: &Arc<Endpoint>| {
+            plans
+                .iter()
+                .any(|p| matches!(p, Plan::Keep(k) | Plan::Relabel(k) if k.is_same_engine(e)))
+        };
+        let earlier = current
+            .iter()
+            .chain(draining)
+            .find(|e| &e.base_url == url && !claimed(e))
+            .cloned();
+        if let Some(e) = earlier {
+            taken.insert(e.slot);
+            plans[i] = Plan::Relabel(e);
+        }
+    }
     let mut out = Diff::default();
     for e in current {
         let stays = plans
@@ -504,11 +531,13 @@ pub fn diff(
                 out.endpoints.push(e);
             }
             Plan::Relabel(old) => {
-                let e = fresh(old.slot);
-                e.set_healthy(old.is_healthy());
-                if let Some(report) = old.load_report() {
-                    e.set_load_report(report);
-                }
+                let e = Arc::new(
+                    Endpoint::new(d.name.clone(), url.clone())
+                        .with_slot(old.slot)
+                        .with_role(role)
+                        .with_labels(labels.clone())
+                        .same_engine_as(&old),
+                );
                 out.relabelled.push((old, e.clone()));
                 out.endpoints.push(e);
             }
@@ -683,6 +712,8 @@ mod tests {
         let first = diff("p", &[], &[], &[entry("a", 1)], &Defaults::default(), &[]).unwrap();
         let a = first.endpoints[0].clone();
         a.set_healthy(false);
+        a.set_kv_capacity_tokens(1_000_000);
+        let running = a.begin(500, 100);
         let mut relabelled = entry("a", 1);
         relabelled.labels.insert("zone".into(), "x".into());
         let defaults = Defaults {
@@ -696,6 +727,14 @@ mod tests {
         assert!(Arc::ptr_eq(old, &a));
         assert_eq!(new.slot, a.slot);
         assert!(!new.is_healthy(), "the health verdict carries over");
+        assert_eq!(new.kv_capacity_tokens(), 1_000_000);
+        // The request running on the old object counts on the engine under its new labels,
+        // and stops counting when it ends.
+        assert_eq!((new.in_flight_requests(), new.in_flight_tokens()), (1, 500));
+        assert_eq!(new.pending_prefill_tokens(), 100);
+        drop(running);
+        assert_eq!((new.in_flight_requests(), new.in_flight_tokens()), (0, 0));
+        assert_eq!(new.pending_prefill_tokens(), 0);
         assert_eq!(new.role, Role::Decode);
         assert_eq!(new.labels["pool"], "p");
         assert_eq!(new.labels["zone"], "x");
@@ -715,6 +754,67 @@ mod tests {
         .unwrap();
         assert!(!third.changed());
         assert_eq!(third.kept, 1);
+    }
+
+    #[test]
+    fn a_new_name_at_a_known_address_is_the_same_engine_renamed() {
+        let defaults = Defaults::default();
+        let first = diff("p", &[], &[], &[entry("a", 1)], &defaults, &[]).unwrap();
+        let a = first.endpoints[0].clone();
+        let running = a.begin(300, 0);
+        let second = diff("p", &[], &first.endpoints, &[entry("b", 1)], &defaults, &[]).unwrap();
+        assert!(second.added.is_empty() && second.removed.is_empty());
+        let (old, b) = &second.relabelled[0];
+        assert!(Arc::ptr_eq(old, &a));
+        assert_eq!((b.name.as_str(), b.slot), ("b", a.slot));
+        assert_eq!(
+            b.in_flight_requests(),
+            1,
+            "the running request counts on the renamed engine"
+        );
+
+        // Removed while its request runs, then listed again under a third name: still the same
+        // engine, in the same slot.
+        let third = diff(
+            "p",
+            &[],
+            &second.endpoints,
+            &[entry("x", 2)],
+            &defaults,
+            &[],
+        )
+        .unwrap();
+        assert!(Arc::ptr_eq(&third.removed[0], b));
+        let draining = [b.clone()];
+        let fourth = diff(
+            "p",
+            &[],
+            &third.endpoints,
+            &[entry("x", 2), entry("c", 1)],
+            &defaults,
+            &draining,
+        )
+        .unwrap();
+        assert!(fourth.added.is_empty());
+        let (old, c) = &fourth.relabelled[0];
+        assert!(Arc::ptr_eq(old, b));
+        assert_eq!((c.slot, c.in_flight_requests()), (a.slot, 1));
+        drop(running);
+        assert_eq!(c.in_flight_requests(), 0);
+
+        // Two new names at one address: the second is another endpoint.
+        let fifth = diff(
+            "p",
+            &[],
+            &fourth.endpoints,
+            &[entry("x", 2), entry("d", 1), entry("e", 1)],
+            &defaults,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(fifth.relabelled.len(), 1);
+        assert_eq!(fifth.added.len(), 1);
+        assert_ne!(fifth.added[0].slot, fifth.relabelled[0].1.slot);
     }
 
     #[test]

@@ -225,7 +225,7 @@ impl Pool {
             .chain(diff.relabelled.iter().map(|(old, _)| old))
         {
             e.retire();
-            if e.in_flight_requests() > 0 {
+            if e.in_flight_requests() > 0 && !draining.iter().any(|d| Arc::ptr_eq(d, e)) {
                 draining.push(e.clone());
             }
         }

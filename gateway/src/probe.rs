@@ -359,8 +359,15 @@ async fn discovery_loop<D: Discovery>(
                 live.metrics.forget_endpoint(&pool.name, &e.name);
             }
         }
-        for (_, e) in &diff.relabelled {
-            tracing::info!(pool = %pool.name, endpoint = %e.name, slot = e.slot, role = e.role.name(), labels = ?e.labels, "endpoint relabelled");
+        for (old, e) in &diff.relabelled {
+            if old.name == e.name {
+                tracing::info!(pool = %pool.name, endpoint = %e.name, slot = e.slot, role = e.role.name(), labels = ?e.labels, "endpoint relabelled");
+            } else {
+                tracing::info!(pool = %pool.name, endpoint = %e.name, was = %old.name, url = %e.base_url, slot = e.slot, role = e.role.name(), labels = ?e.labels, "endpoint renamed");
+                if !listed.iter().any(|l| l.name == old.name) {
+                    live.metrics.forget_endpoint(&pool.name, &old.name);
+                }
+            }
         }
         for e in &diff.added {
             tracing::info!(pool = %pool.name, endpoint = %e.name, url = %e.base_url, slot = e.slot, role = e.role.name(), "endpoint added");

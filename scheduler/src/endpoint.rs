@@ -183,12 +183,20 @@ pub struct Endpoint {
     pub role: Role,
     /// Free-form labels (`accelerator = "tpu-v5e"`, ...), from the config or discovery.
     pub labels: BTreeMap<String, String>,
+    retired: AtomicBool,
+    /// The engine's live state, shared with the endpoints that stand for the same engine
+    /// under another name, role or labels ([`Endpoint::same_engine_as`]).
+    live: Arc<Live>,
+}
+
+/// What the gateway knows and counts about one engine.
+#[derive(Debug)]
+struct Live {
     in_flight_requests: AtomicU64,
     in_flight_tokens: AtomicU64,
     pending_prefill_tokens: AtomicU64,
     prefilling_requests: AtomicU64,
     healthy: AtomicBool,
-    retired: AtomicBool,
     report: Mutex<Option<LoadReport>>,
     throughput: PrefillThroughput,
     reserved_turns: Mutex<Decayed>,
@@ -199,6 +207,26 @@ pub struct Endpoint {
     peer_working_set_tokens: AtomicU64,
     /// [`Endpoint::peer_in_flight`].
     peer_in_flight: AtomicU64,
+}
+
+impl Default for Live {
+    fn default() -> Self {
+        Live {
+            in_flight_requests: AtomicU64::new(0),
+            in_flight_tokens: AtomicU64::new(0),
+            pending_prefill_tokens: AtomicU64::new(0),
+            prefilling_requests: AtomicU64::new(0),
+            healthy: AtomicBool::new(true),
+            report: Mutex::new(None),
+            throughput: PrefillThroughput::default(),
+            reserved_turns: Mutex::new(Decayed::default()),
+            kv_capacity_tokens: AtomicU64::new(0),
+            working_set: Mutex::new(WorkingSet::default()),
+            working_set_tokens: AtomicU64::new(0),
+            peer_working_set_tokens: AtomicU64::new(0),
+            peer_in_flight: AtomicU64::new(0),
+        }
+    }
 }
 
 /// The distinct prompt chunks of the requests in flight on an endpoint, counted once however
@@ -245,20 +273,8 @@ impl Endpoint {
             slot: 0,
             role: Role::Both,
             labels: BTreeMap::new(),
-            in_flight_requests: AtomicU64::new(0),
-            in_flight_tokens: AtomicU64::new(0),
-            pending_prefill_tokens: AtomicU64::new(0),
-            prefilling_requests: AtomicU64::new(0),
-            healthy: AtomicBool::new(true),
             retired: AtomicBool::new(false),
-            report: Mutex::new(None),
-            throughput: PrefillThroughput::default(),
-            reserved_turns: Mutex::new(Decayed::default()),
-            kv_capacity_tokens: AtomicU64::new(0),
-            working_set: Mutex::new(WorkingSet::default()),
-            working_set_tokens: AtomicU64::new(0),
-            peer_working_set_tokens: AtomicU64::new(0),
-            peer_in_flight: AtomicU64::new(0),
+            live: Arc::new(Live::default()),
         }
     }
 
@@ -280,37 +296,50 @@ impl Endpoint {
         self
     }
 
+    /// Stand for the same engine as `other` (under a new name, role or labels): share its live
+    /// state, so its requests in flight, health, scraped load, KV capacity, working set and
+    /// measured throughput count for both, whichever object a request holds.
+    pub fn same_engine_as(mut self, other: &Endpoint) -> Self {
+        self.live = Arc::clone(&other.live);
+        self
+    }
+
+    /// Whether `other` shares this endpoint's live state ([`Endpoint::same_engine_as`]).
+    pub fn is_same_engine(&self, other: &Endpoint) -> bool {
+        Arc::ptr_eq(&self.live, &other.live)
+    }
+
     /// Requests this gateway process has in flight on the endpoint.
     pub fn in_flight_requests(&self) -> u64 {
-        self.in_flight_requests.load(Ordering::Relaxed)
+        self.live.in_flight_requests.load(Ordering::Relaxed)
     }
 
     /// Prompt tokens (estimated) of those requests.
     pub fn in_flight_tokens(&self) -> u64 {
-        self.in_flight_tokens.load(Ordering::Relaxed)
+        self.live.in_flight_tokens.load(Ordering::Relaxed)
     }
 
     /// Uncached prompt tokens (estimated) of the in-flight requests still waiting for their first
     /// token: the prefill work queued ahead of a new request.
     pub fn pending_prefill_tokens(&self) -> u64 {
-        self.pending_prefill_tokens.load(Ordering::Relaxed)
+        self.live.pending_prefill_tokens.load(Ordering::Relaxed)
     }
 
     /// In-flight requests of this gateway process still waiting for their first token, however
     /// much of their prompt was expected to be cached: each may be taking a prefill chunk of
     /// every engine step.
     pub fn prefilling_requests(&self) -> u64 {
-        self.prefilling_requests.load(Ordering::Relaxed)
+        self.live.prefilling_requests.load(Ordering::Relaxed)
     }
 
     /// Whether the last health probe passed (true until a probe says otherwise).
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
+        self.live.healthy.load(Ordering::Relaxed)
     }
 
     /// Record a health verdict; returns whether it changed.
     pub fn set_healthy(&self, healthy: bool) -> bool {
-        self.healthy.swap(healthy, Ordering::Relaxed) != healthy
+        self.live.healthy.swap(healthy, Ordering::Relaxed) != healthy
     }
 
     /// Whether discovery removed the endpoint (it finishes its requests, takes no new ones).
@@ -330,12 +359,20 @@ impl Endpoint {
 
     /// Store the latest scraped load figures.
     pub fn set_load_report(&self, report: LoadReport) {
-        *self.report.lock().unwrap_or_else(PoisonError::into_inner) = Some(report);
+        *self
+            .live
+            .report
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(report);
     }
 
     /// The latest scraped load figures, if any.
     pub fn load_report(&self) -> Option<LoadReport> {
-        *self.report.lock().unwrap_or_else(PoisonError::into_inner)
+        *self
+            .live
+            .report
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Saturated: metrics are expected and stale (or missing), or the engine's queue is at
@@ -349,13 +386,14 @@ impl Endpoint {
     /// request's uncached prompt tokens plus the pending prefill queued ahead of it) done in
     /// `elapsed` (see [`PrefillThroughput`]).
     pub fn observe_prefill(&self, tokens: u64, elapsed: Duration) {
-        self.throughput.observe(tokens, elapsed);
+        self.live.throughput.observe(tokens, elapsed);
     }
 
     /// Count a turn of a band with a reserve routed here at `now`; the count decays with time
     /// constant `window` (the flow-control turn window).
     pub fn note_reserved_turn(&self, now: Instant, window: Duration) {
         let mut count = self
+            .live
             .reserved_turns
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
@@ -368,7 +406,8 @@ impl Endpoint {
 
     /// Turns of bands with a reserve routed here, each weighted by `exp(-age / window)`.
     pub fn recent_reserved_turns(&self, now: Instant, window: Duration) -> f64 {
-        self.reserved_turns
+        self.live
+            .reserved_turns
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .at(now, window)
@@ -376,18 +415,20 @@ impl Endpoint {
 
     /// Record the engine's KV capacity in tokens (`vllm:cache_config_info`); 0: unknown.
     pub fn set_kv_capacity_tokens(&self, tokens: u64) {
-        self.kv_capacity_tokens.store(tokens, Ordering::Relaxed);
+        self.live
+            .kv_capacity_tokens
+            .store(tokens, Ordering::Relaxed);
     }
 
     /// The engine's KV capacity in tokens, 0 while unknown.
     pub fn kv_capacity_tokens(&self) -> u64 {
-        self.kv_capacity_tokens.load(Ordering::Relaxed)
+        self.live.kv_capacity_tokens.load(Ordering::Relaxed)
     }
 
     /// Tokens of KV the requests this gateway has in flight here span together: each distinct
     /// prompt chunk once, however many requests share it (see [`InFlight::hold_prompt`]).
     pub fn working_set_tokens(&self) -> u64 {
-        self.working_set_tokens.load(Ordering::Relaxed)
+        self.live.working_set_tokens.load(Ordering::Relaxed)
     }
 
     /// Whether the working set, with the peers' as last exchanged and the KV others held at
@@ -414,24 +455,26 @@ impl Endpoint {
     /// working set and requests in flight here (0 when none do or the exchange failed; the
     /// engine's scraped figures then stand in for them).
     pub fn set_peers(&self, working_set_tokens: u64, in_flight: u64) {
-        self.peer_working_set_tokens
+        self.live
+            .peer_working_set_tokens
             .store(working_set_tokens, Ordering::Relaxed);
-        self.peer_in_flight.store(in_flight, Ordering::Relaxed);
+        self.live.peer_in_flight.store(in_flight, Ordering::Relaxed);
     }
 
     /// Requests the other gateways published in flight here, as last exchanged.
     pub fn peer_in_flight(&self) -> u64 {
-        self.peer_in_flight.load(Ordering::Relaxed)
+        self.live.peer_in_flight.load(Ordering::Relaxed)
     }
 
     /// The working set other gateways published for this endpoint, as last exchanged.
     pub fn peer_working_set_tokens(&self) -> u64 {
-        self.peer_working_set_tokens.load(Ordering::Relaxed)
+        self.live.peer_working_set_tokens.load(Ordering::Relaxed)
     }
 
     /// Add (`add = true`) or remove one request's prompt chunks from the working set.
     fn update_working_set(&self, chunks: &[u64], tokens_per_chunk: u64, add: bool) {
         let mut set = self
+            .live
             .working_set
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
@@ -446,24 +489,30 @@ impl Endpoint {
             }
         }
         let tokens = (set.chunks.len() as u64).saturating_mul(tokens_per_chunk);
-        self.working_set_tokens.store(tokens, Ordering::Relaxed);
+        self.live
+            .working_set_tokens
+            .store(tokens, Ordering::Relaxed);
     }
 
     /// Measured prefill throughput in tokens per second, once enough has been observed.
     pub fn prefill_tokens_per_s(&self) -> Option<f64> {
-        self.throughput.tokens_per_s()
+        self.live.throughput.tokens_per_s()
     }
 
     /// Count a request as in flight until the returned guard drops; `uncached_tokens` of its
     /// `prompt_tokens` count as pending prefill until [`InFlight::prefill_done`].
     pub fn begin(self: &Arc<Self>, prompt_tokens: u64, uncached_tokens: u64) -> InFlight {
         let prefill = uncached_tokens.min(prompt_tokens);
-        self.in_flight_requests.fetch_add(1, Ordering::Relaxed);
-        self.in_flight_tokens
+        self.live.in_flight_requests.fetch_add(1, Ordering::Relaxed);
+        self.live
+            .in_flight_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
-        self.pending_prefill_tokens
+        self.live
+            .pending_prefill_tokens
             .fetch_add(prefill, Ordering::Relaxed);
-        self.prefilling_requests.fetch_add(1, Ordering::Relaxed);
+        self.live
+            .prefilling_requests
+            .fetch_add(1, Ordering::Relaxed);
         InFlight {
             endpoint: self.clone(),
             tokens: prompt_tokens,
@@ -518,10 +567,12 @@ impl InFlight {
     pub fn prefill_done(&mut self) {
         let prefill = std::mem::take(&mut self.prefill);
         self.endpoint
+            .live
             .pending_prefill_tokens
             .fetch_sub(prefill, Ordering::Relaxed);
         if std::mem::take(&mut self.prefilling) {
             self.endpoint
+                .live
                 .prefilling_requests
                 .fetch_sub(1, Ordering::Relaxed);
         }
@@ -536,9 +587,11 @@ impl Drop for InFlight {
                 .update_working_set(&held.chunks, held.tokens_per_chunk, false);
         }
         self.endpoint
+            .live
             .in_flight_requests
             .fetch_sub(1, Ordering::Relaxed);
         self.endpoint
+            .live
             .in_flight_tokens
             .fetch_sub(self.tokens, Ordering::Relaxed);
     }
