@@ -57,6 +57,42 @@ pub struct Config {
     /// `[[bands]]`, `[[teams]]` and `[flow]`.
     #[serde(skip)]
     pub source: Option<PathBuf>,
+    /// [`Config::source`] as it was just before it was read: the baseline its watcher compares
+    /// against, so an edit made while the gateway starts is still seen as one.
+    #[serde(skip)]
+    pub source_stamp: Option<FileStamp>,
+}
+
+/// What identifies a version of a watched file without reading it: its modification time and
+/// length and, on Unix, its inode and status-change time (so a file renamed over it, or a
+/// `chmod` that makes an unreadable file readable, counts as a change too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileStamp {
+    modified: Option<std::time::SystemTime>,
+    len: u64,
+    inode: u64,
+    changed: (i64, i64),
+}
+
+impl FileStamp {
+    /// The stamp of `path` now; `None` when it cannot be examined (missing, no permission on
+    /// its folder).
+    pub fn of(path: &Path) -> Option<FileStamp> {
+        let meta = std::fs::metadata(path).ok()?;
+        #[cfg(unix)]
+        let (inode, changed) = {
+            use std::os::unix::fs::MetadataExt;
+            (meta.ino(), (meta.ctime(), meta.ctime_nsec()))
+        };
+        #[cfg(not(unix))]
+        let (inode, changed) = (0, (0, 0));
+        Some(FileStamp {
+            modified: meta.modified().ok(),
+            len: meta.len(),
+            inode,
+            changed,
+        })
+    }
 }
 
 /// `[server]` section.
@@ -848,10 +884,12 @@ fn err(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
 impl Config {
     /// Read, parse and validate a configuration file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let stamp = FileStamp::of(path);
         let text = std::fs::read_to_string(path)
             .map_err(|e| err(path.display().to_string(), format!("cannot read file: {e}")))?;
         let mut config = Config::parse(&text)?;
         config.source = Some(path.to_path_buf());
+        config.source_stamp = stamp;
         let base = path.parent().unwrap_or(Path::new(""));
         for pool in &mut config.pools {
             if let Some(file) = pool.endpoints_file.as_mut() {

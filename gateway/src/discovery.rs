@@ -25,9 +25,11 @@
 //! Unknown keys, duplicate names, names taken by the pool's fixed endpoints, an empty file and
 //! a bad role are errors: the whole file is refused and the pool keeps its current list, so a
 //! half-written or mistyped file never empties a pool. To empty one, write `endpoints: []`.
-//! The file is polled every `routing.discovery_interval_ms` for a change of modification time
-//! or length (no file-system notification needed); writers should replace it atomically
-//! (write a temporary file, then rename it over the old one).
+//! The file is polled every `routing.discovery_interval_ms` for a change of modification time,
+//! length, inode or status-change time ([`FileStamp`]; no file-system notification needed);
+//! writers should replace it atomically (write a temporary file, then rename it over the old
+//! one). A file that cannot be read for now (no permission yet, out of file descriptors) is
+//! tried again at every poll until it can, with one warning per reason.
 //!
 //! # Applying a new list (see [`diff`])
 //!
@@ -57,12 +59,14 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::Value;
 
 use agentgate_scheduler::{Endpoint, Role};
+
+use crate::config::FileStamp;
 
 /// The label that sets an endpoint's role, as llm-d's deployments label their pods.
 pub const ROLE_LABEL: &str = "llm-d.ai/role";
@@ -131,20 +135,23 @@ pub trait Discovery: Send + 'static {
     fn next(&mut self) -> impl Future<Output = Update> + Send;
 }
 
-/// The modification time and length last seen, or that the file was missing.
+/// The file as last seen, or that it was missing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stamp {
     Missing,
-    Present(Option<SystemTime>, u64),
+    Present(FileStamp),
 }
 
-/// Watches an endpoints file: polls its modification time and length, re-reads it when either
-/// changes.
+/// Watches an endpoints file: polls its [`FileStamp`], re-reads it when that changes.
 #[derive(Debug)]
 pub struct FileDiscovery {
     path: PathBuf,
     interval: Duration,
     seen: Option<Stamp>,
+    /// The last read failure reported, while reads keep failing the same way.
+    unreadable: Option<String>,
+    /// Checked at least once: later checks wait `interval` first.
+    checked: bool,
 }
 
 impl FileDiscovery {
@@ -155,11 +162,23 @@ impl FileDiscovery {
             path: path.into(),
             interval,
             seen: None,
+            unreadable: None,
+            checked: false,
         }
     }
 
     /// Read and parse an endpoints file once: `Ok(None)` when it does not exist.
     pub fn read(path: &Path) -> Result<Option<Vec<DiscoveredEndpoint>>, String> {
+        let Some(text) = Self::read_text(path)? else {
+            return Ok(None);
+        };
+        parse_endpoints(&text)
+            .map(Some)
+            .map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// The file's text: `Ok(None)` when it does not exist, `Err` when it cannot be read.
+    fn read_text(path: &Path) -> Result<Option<String>, String> {
         match std::fs::metadata(path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
@@ -171,18 +190,15 @@ impl FileDiscovery {
             }
             Ok(_) => {}
         }
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        parse_endpoints(&text)
-            .map(Some)
-            .map_err(|e| format!("{}: {e}", path.display()))
+        match std::fs::read_to_string(path) {
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+        }
     }
 
     fn stamp(&self) -> Stamp {
-        match std::fs::metadata(&self.path) {
-            Ok(m) => Stamp::Present(m.modified().ok(), m.len()),
-            Err(_) => Stamp::Missing,
-        }
+        FileStamp::of(&self.path).map_or(Stamp::Missing, Stamp::Present)
     }
 
     /// One check: the update to report, if the file changed since the last check.
@@ -200,11 +216,33 @@ impl FileDiscovery {
                     self.path.display()
                 ))
             }),
-            Stamp::Present(..) => Some(match Self::read(&self.path) {
-                Ok(Some(list)) => Update::Endpoints(list),
-                Ok(None) => Update::Failed(format!("{} vanished while read", self.path.display())),
-                Err(e) => Update::Failed(e),
-            }),
+            Stamp::Present(_) => {
+                let text = match Self::read_text(&self.path) {
+                    Ok(Some(text)) => text,
+                    Ok(None) => {
+                        return Some(Update::Failed(format!(
+                            "{} vanished while read",
+                            self.path.display()
+                        )))
+                    }
+                    Err(e) => {
+                        // Not readable for now (no permission yet, out of file descriptors, too
+                        // large while being written): try again at every check, reporting each
+                        // new reason once.
+                        self.seen = previous;
+                        if self.unreadable.as_ref() == Some(&e) {
+                            return None;
+                        }
+                        self.unreadable = Some(e.clone());
+                        return Some(Update::Failed(e));
+                    }
+                };
+                self.unreadable = None;
+                Some(match parse_endpoints(&text) {
+                    Ok(list) => Update::Endpoints(list),
+                    Err(e) => Update::Failed(format!("{}: {e}", self.path.display())),
+                })
+            }
         }
     }
 }
@@ -216,9 +254,10 @@ impl Discovery for FileDiscovery {
 
     async fn next(&mut self) -> Update {
         loop {
-            if self.seen.is_some() {
+            if self.checked {
                 tokio::time::sleep(self.interval).await;
             }
+            self.checked = true;
             if let Some(update) = self.check() {
                 return update;
             }
@@ -258,32 +297,58 @@ impl LabelValue {
     }
 }
 
-/// Line of the first YAML alias (`*name`) in `text`, if any. The loader copies the anchored
-/// node at every alias, so a few nested aliases in a small file expand to gigabytes; an
-/// endpoints list has no use for them.
-fn first_alias(text: &str) -> Result<Option<usize>, String> {
-    struct Scan(Option<usize>);
-    impl yaml_rust2::parser::MarkedEventReceiver for Scan {
-        fn on_event(&mut self, ev: yaml_rust2::Event, mark: yaml_rust2::scanner::Marker) {
-            if matches!(ev, yaml_rust2::Event::Alias(_)) && self.0.is_none() {
-                self.0 = Some(mark.line());
+/// What the event pass over a file found that the loader must not see: an alias, or nesting
+/// deeper than [`MAX_DEPTH`].
+#[derive(Debug, PartialEq, Eq)]
+enum Refused {
+    /// Line of the first YAML alias (`*name`). The loader copies the anchored node at every
+    /// alias, so a few nested aliases in a small file expand to gigabytes; an endpoints list
+    /// has no use for them.
+    Alias(usize),
+    /// Line where the nesting passed [`MAX_DEPTH`]. The parser bounds only `[`/`{` nesting;
+    /// indented lists nest without limit, and dropping a tree some ten thousand levels deep
+    /// overflows the stack.
+    Deep(usize),
+}
+
+/// One pass over `text`'s YAML events, before anything is built (event by event: the parser's
+/// own `load` recurses once per level).
+fn scan_events(text: &str) -> Result<Option<Refused>, String> {
+    use yaml_rust2::Event;
+    let mut parser = yaml_rust2::parser::Parser::new_from_str(text);
+    let mut depth = 0usize;
+    loop {
+        let (event, mark) = parser.next_token().map_err(|e| e.to_string())?;
+        match event {
+            Event::StreamEnd => return Ok(None),
+            Event::Alias(_) => return Ok(Some(Refused::Alias(mark.line()))),
+            Event::SequenceStart(..) | Event::MappingStart(..) => {
+                depth += 1;
+                if depth > MAX_DEPTH {
+                    return Ok(Some(Refused::Deep(mark.line())));
+                }
             }
+            Event::SequenceEnd | Event::MappingEnd => depth = depth.saturating_sub(1),
+            _ => {}
         }
     }
-    let mut scan = Scan(None);
-    yaml_rust2::parser::Parser::new_from_str(text)
-        .load(&mut scan, true)
-        .map_err(|e| e.to_string())?;
-    Ok(scan.0)
 }
 
 /// Parse an endpoints file (YAML, or JSON) into its entries, checking each one.
 pub fn parse_endpoints(text: &str) -> Result<Vec<DiscoveredEndpoint>, String> {
-    if let Some(line) = first_alias(text)? {
-        return Err(format!(
-            "line {line}: YAML aliases (`*name`) are not accepted in an endpoints file; write \
-             each entry out"
-        ));
+    match scan_events(text)? {
+        Some(Refused::Alias(line)) => {
+            return Err(format!(
+                "line {line}: YAML aliases (`*name`) are not accepted in an endpoints file; \
+                 write each entry out"
+            ))
+        }
+        Some(Refused::Deep(line)) => {
+            return Err(format!(
+                "line {line}: nested deeper than {MAX_DEPTH} levels"
+            ))
+        }
+        None => {}
     }
     let docs = yaml_rust2::YamlLoader::load_from_str(text).map_err(|e| e.to_string())?;
     let doc = match docs.as_slice() {
@@ -818,6 +883,19 @@ mod tests {
     }
 
     #[test]
+    fn deeply_nested_files_are_refused_before_they_are_built() {
+        // Block nesting has no depth limit in the YAML parser; dropping a tree this deep would
+        // overflow the stack.
+        let text = format!("endpoints:\n{}1\n", "- ".repeat(200_000));
+        let err = parse_endpoints(&text).unwrap_err();
+        assert!(err.contains("nested deeper than"), "{err}");
+        let flow = format!("endpoints: {}{}", "[".repeat(200), "]".repeat(200));
+        assert!(parse_endpoints(&flow)
+            .unwrap_err()
+            .contains("nested deeper than"));
+    }
+
+    #[test]
     fn diff_refuses_clashing_names_and_changes_nothing() {
         let fixed = fixed(1);
         let e = diff(
@@ -858,6 +936,27 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert!(matches!(watch.check(), Some(Update::Failed(e)) if e.contains("missing")));
         assert_eq!(watch.check(), None, "missing is reported once");
+
+        // Unreadable (here a folder in its place): reported once, then tried again at every
+        // check until it reads.
+        std::fs::create_dir(&path).unwrap();
+        assert!(matches!(watch.check(), Some(Update::Failed(e)) if e.contains("cannot read")));
+        assert_eq!(watch.check(), None, "the same failure is reported once");
+        assert_ne!(watch.seen, Some(watch.stamp()), "and is tried again");
+        std::fs::remove_dir(&path).unwrap();
+        std::fs::write(&path, "endpoints:\n  - {name: b, address: h, port: 1}\n").unwrap();
+        match watch.check() {
+            Some(Update::Endpoints(list)) => assert_eq!(list[0].name, "b"),
+            other => panic!("{other:?}"),
+        }
+
+        // A chmod changes neither the time it was modified nor its length: still a change (an
+        // unreadable file made readable is then read).
+        let mut perms = std::fs::metadata(&path).unwrap().permissions();
+        std::thread::sleep(Duration::from_millis(20));
+        perms.set_readonly(true);
+        std::fs::set_permissions(&path, perms).unwrap();
+        assert!(matches!(watch.check(), Some(Update::Endpoints(_))));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

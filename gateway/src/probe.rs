@@ -72,8 +72,13 @@ pub async fn scrape(
     }
     if let Some(tokens) = metrics.kv_capacity_tokens() {
         endpoint.set_kv_capacity_tokens(tokens);
-        if let Some(index) = pool.picker.prefix_index() {
-            // Unknown slots (beyond the index's size) are ignored by the index.
+        if let Some(index) = pool
+            .picker
+            .prefix_index()
+            .filter(|_| !endpoint.is_retired())
+        {
+            // Unknown slots (beyond the index's size) are ignored by the index. A retired
+            // endpoint's slot may be another engine's by now.
             index.set_capacity(endpoint.slot, tokens);
         }
     }

@@ -2,7 +2,9 @@
 //! `[flow]`.
 //!
 //! The config file is polled every `server.reload_interval_ms` for a change of modification
-//! time or length (as the endpoints-file watcher does). A changed file is read and validated
+//! time, length, inode or status-change time (as the endpoints-file watcher does), against the
+//! file as it was when the running configuration was read; a changed file that cannot be opened
+//! yet is tried again at every poll. A changed file is read and validated
 //! whole; if it is valid, every pool's flow controller is reconfigured (queued requests stay
 //! queued, in arrival order, with their deadlines; see `FlowController::reconfigure`) and the
 //! key ring replaced. A file that does not parse or validate changes nothing: the reason is
@@ -12,23 +14,13 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::app::AppState;
-use crate::config::Config;
-
-/// What identifies a version of the file without reading it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp(Option<SystemTime>, u64);
-
-fn stamp(path: &Path) -> Option<Stamp> {
-    std::fs::metadata(path)
-        .ok()
-        .map(|m| Stamp(m.modified().ok(), m.len()))
-}
+use crate::config::{Config, FileStamp};
 
 /// Apply `config`'s `[[bands]]`, `[[teams]]` and `[flow]` to a running gateway: flow
 /// controllers first, then the key ring. On error nothing changes.
@@ -77,9 +69,9 @@ impl ConfigWatcher {
             return None;
         }
         let (stop, rx) = watch::channel(false);
-        // The baseline is taken here, not in the task: a change made before the task first
-        // runs is then still a change.
-        let seen = stamp(&path);
+        // The baseline is the file as it was when the running configuration was read: a change
+        // made since (while the gateway started) is then still a change.
+        let seen = state.config.source_stamp;
         let task = tokio::spawn(watch_loop(state.clone(), path, seen, every, rx));
         Some(ConfigWatcher { stop, task })
     }
@@ -94,24 +86,36 @@ impl ConfigWatcher {
 async fn watch_loop(
     state: Arc<AppState>,
     path: PathBuf,
-    mut seen: Option<Stamp>,
+    mut seen: Option<FileStamp>,
     every: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
+    let mut unreadable = None;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        let now = stamp(&path);
+        let now = FileStamp::of(&path);
         if now == seen {
             continue;
         }
-        seen = now;
         if now.is_none() {
+            seen = now;
             tracing::warn!(file = %path.display(), "config file is missing; keeping the current configuration");
             continue;
         }
+        // A file that cannot be opened for now (no permission yet, out of file descriptors)
+        // is tried again at every poll, with one warning, until it can.
+        if let Err(e) = std::fs::File::open(&path) {
+            if unreadable != Some(e.kind()) {
+                unreadable = Some(e.kind());
+                tracing::warn!(file = %path.display(), "cannot read the changed config file ({e}); keeping the current configuration and trying again");
+            }
+            continue;
+        }
+        unreadable = None;
+        seen = now;
         reload(&state, &path);
     }
 }

@@ -678,6 +678,34 @@ async fn hot_reload_keeps_queued_requests() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_edit_made_while_the_gateway_starts_is_applied() {
+    let sim = start_sim("sim-model").await;
+    let dir = std::env::temp_dir().join(unique_prefix("agentgate-early-edit").replace(':', "-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("gateway.toml");
+    let base_toml = config_toml(
+        &[sim.base_url()],
+        None,
+        "[server]\nreload_interval_ms = 20\n",
+    );
+    let alpha = team("alpha", "");
+    write_atomically(&file, &format!("{base_toml}{alpha}"));
+    let config = agentgate::Config::load(&file).expect("valid config");
+    // Edited after it was read, before the gateway is up.
+    write_atomically(&file, &format!("{base_toml}{alpha}{}", team("beta", "")));
+    let gw = Gateway::start(config, "127.0.0.1:0".parse().unwrap())
+        .await
+        .expect("gateway starts");
+    let reloads = |result: &str| gw.state().metrics.config_reloads.get([result]);
+    eventually("the edit is applied", || reloads("ok") == 1).await;
+    let answer = call(&gw.base_url(), Some("beta"), hello(), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    gw.shutdown().await;
+    sim.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limits_fail_open_when_the_store_is_down() {
     let mut redis = TestRedis::start_private();
     let prefix = unique_prefix("flow_fail_open");
