@@ -412,6 +412,9 @@ pub async fn open_upstream(
             key: session,
             room,
         };
+        // The list as it is after the store read: one discovery changed meanwhile would have
+        // retired the endpoints of the older one.
+        let endpoints = pool.endpoints();
         return open_local(state, pool, &endpoints, placement, None).await;
     }
     open_split(

@@ -186,6 +186,9 @@ impl Permit {
         state.in_flight_tokens = state.in_flight_tokens.saturating_sub(self.cost);
         if let Some(team) = state.teams.get_mut(&self.team) {
             team.in_flight = team.in_flight.saturating_sub(1);
+            team.finished_tokens = team
+                .finished_tokens
+                .saturating_add(self.actual_tokens.unwrap_or(self.cost));
             if let Some(actual) = self.actual_tokens {
                 team.dispatched_tokens = team
                     .dispatched_tokens
@@ -284,9 +287,22 @@ struct QueuedGuard {
 impl Drop for QueuedGuard {
     fn drop(&mut self) {
         if let Some(id) = self.id.take() {
-            let _ = self.inner.lock().remove_queued(id, Outcome::Cancelled);
+            let _ = leave_queue(&self.inner, id, Outcome::Cancelled);
         }
     }
+}
+
+/// Remove a queued request, then dispatch what that lets go (a turn it held back, say).
+fn leave_queue(inner: &Arc<Inner>, id: u64, outcome: Outcome) -> Option<Rejection> {
+    let mut out = VecDeque::new();
+    let rejection = {
+        let mut state = inner.lock();
+        let rejection = state.remove_queued(id, outcome);
+        state.pump(inner, &mut out);
+        rejection
+    };
+    deliver(inner, out);
+    rejection
 }
 
 impl FlowController {
@@ -394,7 +410,8 @@ impl FlowController {
                 let mut out = VecDeque::new();
                 inner.lock().pump(inner, &mut out);
                 deliver(inner, out);
-                at += every;
+                // A task that ran late looks again `every` from now, not in a burst.
+                at = (at + every).max(Instant::now() + every);
             }
         }
         let timed_out = match tokio::time::timeout_at(deadline, &mut answer).await {
@@ -404,7 +421,7 @@ impl FlowController {
             }
             Err(_elapsed) => {
                 guard.id = None;
-                inner.lock().remove_queued(id, Outcome::TimedOut)
+                leave_queue(inner, id, Outcome::TimedOut)
             }
         };
         match timed_out {
@@ -543,6 +560,7 @@ struct TeamState {
     queued: usize,
     dispatched_requests: u64,
     dispatched_tokens: u64,
+    finished_tokens: u64,
     shed: u64,
     rate_limited: u64,
     queue_full: u64,
@@ -949,9 +967,8 @@ impl State {
                     *promised.entry(endpoint.clone()).or_default() += 1;
                 }
             }
-            if pick.moving || share > 0.0 {
-                promised_any += 1;
-            }
+            // Every request sent takes room on some endpoint that routing has not counted yet.
+            promised_any += 1;
             if share > 0.0 {
                 if let Some(capacity) = inner.capacity.capacity() {
                     let reserved = (share * capacity as f64).ceil() as u64;
@@ -1237,6 +1254,7 @@ impl State {
                     in_flight: get(|t| t.in_flight),
                     dispatched_requests: get(|t| t.dispatched_requests),
                     dispatched_tokens: get(|t| t.dispatched_tokens),
+                    finished_tokens: get(|t| t.finished_tokens),
                     shed: get(|t| t.shed),
                     rate_limited: get(|t| t.rate_limited),
                     queue_full: get(|t| t.queue_full),
