@@ -1193,6 +1193,13 @@ impl Config {
     }
 }
 
+/// Shortest `flow.pin_wait_s` other than 0: a held turn looks for room again this often.
+const MIN_PIN_WAIT_S: f64 = 0.01;
+
+/// Smallest team weight: fair queuing divides a request's cost by it, and a weight near the
+/// smallest float would make that cost infinite.
+const MIN_TEAM_WEIGHT: f64 = 1e-6;
+
 /// Longest duration any `*_s` key accepts (about 31 years): far beyond any useful timeout, and
 /// small enough that a deadline `now + it` never overflows the clock.
 const MAX_SECONDS: f64 = 1e9;
@@ -1314,6 +1321,12 @@ impl Config {
             if !seconds_ok(value) {
                 return Err(err(key, "must be a number of seconds, 0 or more"));
             }
+        }
+        if f.pin_wait_s > 0.0 && f.pin_wait_s < MIN_PIN_WAIT_S {
+            return Err(err(
+                "flow.pin_wait_s",
+                format!("must be 0 (no wait) or at least {MIN_PIN_WAIT_S} (each waiting turn looks again that often)"),
+            ));
         }
         if f.default_max_output_tokens == 0 {
             return Err(err("flow.default_max_output_tokens", "must be at least 1"));
@@ -1447,8 +1460,11 @@ impl Config {
                     ));
                 }
             }
-            if !(team.weight.is_finite() && team.weight > 0.0) {
-                return Err(err(at("weight"), "must be a number greater than 0"));
+            if !(team.weight.is_finite() && team.weight >= MIN_TEAM_WEIGHT) {
+                return Err(err(
+                    at("weight"),
+                    format!("must be a number of at least {MIN_TEAM_WEIGHT}"),
+                ));
             }
             for (key, zero) in [
                 ("requests_per_minute", team.requests_per_minute == Some(0)),
@@ -1805,6 +1821,7 @@ endpoints = ["http://127.0.0.1:8000"]
             (team("bands = [\"interactive\"]"), "teams[0].bands[0]"),
             (team("bands = [\"gold\"]"), "teams[0].bands[0]"),
             (team("weight = 0"), "teams[0].weight"),
+            (team("weight = 1e-310"), "teams[0].weight"),
             (
                 team("requests_per_minute = 0"),
                 "teams[0].requests_per_minute",
@@ -1821,6 +1838,7 @@ endpoints = ["http://127.0.0.1:8000"]
                 "flow.shed_start",
             ),
             ("[flow]\naging_s = -1\n".to_string(), "flow.aging_s"),
+            ("[flow]\npin_wait_s = 1e-7\n".to_string(), "flow.pin_wait_s"),
             (
                 "[flow]\nturn_window_s = nan\n".to_string(),
                 "flow.turn_window_s",

@@ -354,13 +354,35 @@ impl CapacitySignal for PoolCapacity {
                 _ => true,
             },
             None => {
-                let serving = || {
-                    endpoints
-                        .iter()
-                        .filter(|e| e.is_available() && e.role != Role::Prefill)
-                };
-                let free = serving().filter(|e| fits(e, 0)).count() as u64;
-                free > promised || serving().next().is_none()
+                // Room for `promised` more: each endpoint's free slots below the line and
+                // prompts it may still start prefilling, and one request where the KV working
+                // set is below its line (routing has not counted the promised ones anywhere
+                // yet). An endpoint with no line at all has room for any number.
+                let mut room = 0u64;
+                let mut serving = 0;
+                for e in endpoints
+                    .iter()
+                    .filter(|e| e.is_available() && e.role != Role::Prefill)
+                {
+                    serving += 1;
+                    if !fits(e, 0) {
+                        continue;
+                    }
+                    let slots = match per {
+                        0 => u64::MAX,
+                        _ => line.saturating_sub(e.in_flight_requests()),
+                    };
+                    let starts = match prefilling {
+                        0 => u64::MAX,
+                        _ => prefilling.saturating_sub(e.prefilling_requests()),
+                    };
+                    let kv_room = match kv > 0.0 && e.kv_capacity_tokens() > 0 {
+                        true => 1,
+                        false => u64::MAX,
+                    };
+                    room = room.saturating_add(slots.min(starts).min(kv_room));
+                }
+                room > promised || serving == 0
             }
         }
     }
@@ -1018,6 +1040,10 @@ mod tests {
         assert!(cap.has_room(Some(a), 0.0, 0, true));
         assert!(cap.has_room(None, 0.0, 0, true));
         assert!(
+            !cap.has_room(None, 0.0, 1, true),
+            "one request per endpoint below its line until routed"
+        );
+        assert!(
             cap.has_room(Some(b), 0.5, 0, false),
             "a band with a reserve is not held"
         );
@@ -1065,6 +1091,21 @@ mod tests {
         eps[0].set_healthy(false);
         assert_eq!(cap.capacity(now), None);
         assert!(cap.can_dispatch(&load(100, 0)));
+        pools.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn room_below_a_reserve_is_each_endpoints_free_slots_under_the_line() {
+        let config = config("[flow]\nmax_in_flight_per_endpoint = 4\n");
+        let pools = pools(&config).await;
+        let pool = pools.for_model("m").unwrap();
+        let cap = PoolCapacity::new(pool.clone(), Arc::new(EndpointLimits::new(4, 0, 0.0)));
+        // Half of each endpoint's 4 slots held for the bands above: 2 + 2 below the line.
+        assert!(cap.has_room(None, 0.5, 3, false));
+        assert!(!cap.has_room(None, 0.5, 4, false));
+        let _running = pool.endpoints()[0].begin(10, 10);
+        assert!(cap.has_room(None, 0.5, 2, false));
+        assert!(!cap.has_room(None, 0.5, 3, false));
         pools.shutdown().await;
     }
 

@@ -612,7 +612,7 @@ fn encode_waits(
 /// | `agentgate_flow_queue_wait_seconds{pool,band}` | queue wait of dispatched requests (histogram) |
 /// | `agentgate_flow_team_queued_requests{pool,team}`, `agentgate_flow_team_in_flight_requests{pool,team}` | per team, now |
 /// | `agentgate_flow_team_requests_total{pool,team,outcome}` | `dispatched`, `shed`, `rate_limited`, `queue_full`, `timed_out`, `cancelled` |
-/// | `agentgate_flow_team_dispatched_tokens_total{pool,team}` | tokens dispatched (estimate, replaced by the actual count when the turn ends) |
+/// | `agentgate_flow_team_dispatched_tokens_total{pool,team}` | tokens of the team's dispatched turns, counted when each ends (its actual count; the estimate when it reported none) |
 /// | `agentgate_flow_team_queue_wait_seconds{pool,team}` | queue wait of the team's dispatched requests (histogram) |
 /// | `agentgate_flow_turn_wait_seconds{pool,turn}` | queue wait by turn kind, `continuing` or `new` (histogram) |
 /// | `agentgate_flow_promoted_total{pool}` | new sessions sent ahead of continuing turns because they aged |
@@ -660,7 +660,7 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
     );
     let team_tokens = CounterVec::new(
         "agentgate_flow_team_dispatched_tokens_total",
-        "Tokens dispatched for the team: the estimate, replaced by the actual count when the turn ends.",
+        "Tokens of the team's dispatched turns, counted when each ends: its actual count (the estimate when it reported none).",
         ["pool", "team"],
     );
     let promoted = CounterVec::new(
@@ -702,7 +702,7 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
             let l = [p, t.name.as_str()];
             team_queued.set(l, t.queued as f64);
             team_in_flight.set(l, t.in_flight as f64);
-            team_tokens.inc_by(l, t.dispatched_tokens);
+            team_tokens.inc_by(l, t.finished_tokens);
             team_waits.push((key(l), &t.wait));
             for (outcome, n) in [
                 ("dispatched", t.dispatched_requests),
@@ -1069,7 +1069,8 @@ mod tests {
             "agentgate_flow_queue_wait_seconds_count{pool=\"main\",band=\"default\"} 1",
             "agentgate_flow_team_in_flight_requests{pool=\"main\",team=\"default\"} 1",
             "agentgate_flow_team_requests_total{pool=\"main\",team=\"default\",outcome=\"dispatched\"} 1",
-            "agentgate_flow_team_dispatched_tokens_total{pool=\"main\",team=\"default\"} 40",
+            // Counted when the turn ends.
+            "agentgate_flow_team_dispatched_tokens_total{pool=\"main\",team=\"default\"} 0",
             "agentgate_flow_team_queue_wait_seconds_count{pool=\"main\",team=\"default\"} 1",
             "agentgate_flow_turn_wait_seconds_count{pool=\"main\",turn=\"new\"} 1",
             "agentgate_flow_promoted_total{pool=\"main\"} 0",
@@ -1083,10 +1084,14 @@ mod tests {
             assert!(series.starts_with("agentgate_flow_"), "{line}");
             assert!(value.parse::<f64>().is_ok(), "{line}");
         }
-        drop(permit);
+        // Estimated at 40, it used 25: the counter grows by 25 (it never gives back).
+        permit.finish(25);
         let mut out = String::new();
         flow_state(&flow, &mut out);
         assert!(out.contains("agentgate_flow_in_flight_requests{pool=\"main\"} 0\n"));
+        let tokens =
+            "agentgate_flow_team_dispatched_tokens_total{pool=\"main\",team=\"default\"} 25\n";
+        assert!(out.contains(tokens), "{out}");
         pools.shutdown().await;
     }
 

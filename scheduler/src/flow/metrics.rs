@@ -117,6 +117,10 @@ pub struct TeamSnapshot {
     /// Tokens dispatched: the estimate at dispatch, replaced by the actual count when the
     /// request reports it ([`Permit::finish`](super::Permit::finish)).
     pub dispatched_tokens: u64,
+    /// Tokens of the requests that finished: each one's actual count, or its estimate when it
+    /// reported none. Only grows, unlike `dispatched_tokens`, whose estimates shrink to the
+    /// actual counts.
+    pub finished_tokens: u64,
     /// Requests shed on arrival while saturated.
     pub shed: u64,
     /// Requests refused by the team's rate limits.

@@ -1059,6 +1059,58 @@ async fn a_continuing_turn_waiting_for_its_endpoint_keeps_its_head_start_over_ne
     assert!(!new.promoted());
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_request_leaving_the_queue_lets_the_ones_it_held_back_go() {
+    let signal = Endpoints::with_full("e0");
+    let mut config = config();
+    config.pin_wait = 10 * SEC;
+    let flow = FlowController::new(config, signal.clone()).unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let turn = Ticket::new("bulk", 10).continuing(true).affinity("e0");
+    let held = spawn_admit(&flow, turn, "turn", &tx);
+    wait_queued(&flow, 1).await;
+    tokio::time::advance(SEC).await;
+    spawn_admit(&flow, Ticket::new("bulk", 10), "new", &tx);
+    wait_queued(&flow, 2).await;
+    signal.cap.set_limit(1);
+    flow.notify();
+    tokio::task::yield_now().await;
+    assert!(
+        rx.try_recv().is_err(),
+        "the new session waits behind the held turn"
+    );
+    // The turn's client leaves: the new session goes at once, with no other event.
+    held.abort();
+    let (label, _new) = tokio::time::timeout(SEC, rx.recv())
+        .await
+        .expect("dispatched when the turn left")
+        .unwrap();
+    assert_eq!(label, "new");
+    assert_eq!(flow.snapshot().queued(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_without_an_endpoint_go_one_per_round_where_room_is_counted_per_request() {
+    // Room on some endpoint for one request at a time (as for a KV working set below its
+    // line): a round sends one, and the rest wait for routing to count it.
+    let signal = Endpoints::with_full("e0");
+    let flow = FlowController::new(config(), signal.clone()).unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    for i in 0..3 {
+        spawn_admit(&flow, Ticket::new("bulk", 10), format!("new-{i}"), &tx);
+    }
+    wait_queued(&flow, 3).await;
+    signal.cap.set_limit(10);
+    flow.notify();
+    let (label, _first) = rx.recv().await.unwrap();
+    assert_eq!(label, "new-0");
+    tokio::task::yield_now().await;
+    assert!(rx.try_recv().is_err(), "one request per round");
+    assert_eq!(flow.snapshot().queued(), 2);
+    flow.notify();
+    assert_eq!(rx.recv().await.unwrap().0, "new-1");
+}
+
 /// [`MaxInFlight`] plus what other gateways hold: `e0` has room while `room` is set, and
 /// `elsewhere` is the turn another gateway holds for it.
 struct Peers {
