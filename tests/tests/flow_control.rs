@@ -605,15 +605,25 @@ async fn background_responses_run_in_the_lowest_band() {
     fleet.shutdown().await;
 }
 
+/// A fresh folder named after `name` for a config file `gateway.toml` in front of `sim`:
+/// `(folder, file, config text)`, the text without any `[[teams]]` yet.
+fn watched_config(
+    sim: &agentgate_sim::SimHandle,
+    name: &str,
+    extra: &str,
+) -> (std::path::PathBuf, std::path::PathBuf, String) {
+    let dir = std::env::temp_dir().join(unique_prefix(name).replace(':', "-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("gateway.toml");
+    (dir, file, config_toml(&[sim.base_url()], None, extra))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_reload_keeps_queued_requests() {
     let sim = start_sim("sim-model").await;
-    let dir = std::env::temp_dir().join(unique_prefix("agentgate-flow-reload").replace(':', "-"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("gateway.toml");
-    let base_toml = config_toml(
-        &[sim.base_url()],
-        None,
+    let (dir, file, base_toml) = watched_config(
+        &sim,
+        "agentgate-flow-reload",
         &format!("{STILL}[server]\nreload_interval_ms = 20\n{BANDS}"),
     );
     let alpha = team("alpha", "default_band = \"batch\"");
@@ -680,12 +690,9 @@ async fn hot_reload_keeps_queued_requests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_config_edit_made_while_the_gateway_starts_is_applied() {
     let sim = start_sim("sim-model").await;
-    let dir = std::env::temp_dir().join(unique_prefix("agentgate-early-edit").replace(':', "-"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("gateway.toml");
-    let base_toml = config_toml(
-        &[sim.base_url()],
-        None,
+    let (dir, file, base_toml) = watched_config(
+        &sim,
+        "agentgate-early-edit",
         "[server]\nreload_interval_ms = 20\n",
     );
     let alpha = team("alpha", "");

@@ -1026,23 +1026,36 @@ async fn the_most_recently_active_session_goes_first_until_the_head_start_runs_o
     );
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_continuing_turn_waiting_for_its_endpoint_keeps_its_head_start_over_new_sessions() {
+/// A continuing turn queued for the full `e0` (pin_wait 10 s), then a second later a new
+/// session of the same team, then room for one request: not on e0, so nothing goes yet.
+/// Returns the signal, the controller, where permits arrive and the turn's admit task.
+async fn a_turn_held_for_its_endpoint_ahead_of_a_new_session() -> (
+    Arc<Endpoints>,
+    FlowController,
+    mpsc::UnboundedReceiver<(String, Permit)>,
+    JoinHandle<Result<(), Rejection>>,
+) {
     let signal = Endpoints::with_full("e0");
     let mut config = config();
     config.pin_wait = 10 * SEC;
     let flow = FlowController::new(config, signal.clone()).unwrap();
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::unbounded_channel();
     let turn = Ticket::new("bulk", 10).continuing(true).affinity("e0");
-    spawn_admit(&flow, turn, "turn", &tx);
+    let held = spawn_admit(&flow, turn, "turn", &tx);
     wait_queued(&flow, 1).await;
     tokio::time::advance(SEC).await;
     spawn_admit(&flow, Ticket::new("bulk", 10), "new", &tx);
     wait_queued(&flow, 2).await;
-    // There is room, but not on e0: the new session, which arrived after the turn, does not
-    // take it ahead of the turn.
     signal.cap.set_limit(1);
     flow.notify();
+    (signal, flow, rx, held)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_continuing_turn_waiting_for_its_endpoint_keeps_its_head_start_over_new_sessions() {
+    // There is room, but not on e0: the new session, which arrived after the turn, does not
+    // take it ahead of the turn.
+    let (signal, flow, mut rx, _held) = a_turn_held_for_its_endpoint_ahead_of_a_new_session().await;
     tokio::task::yield_now().await;
     assert_eq!(flow.snapshot().queued(), 2);
     assert!(rx.try_recv().is_err());
@@ -1061,19 +1074,7 @@ async fn a_continuing_turn_waiting_for_its_endpoint_keeps_its_head_start_over_ne
 
 #[tokio::test(start_paused = true)]
 async fn a_request_leaving_the_queue_lets_the_ones_it_held_back_go() {
-    let signal = Endpoints::with_full("e0");
-    let mut config = config();
-    config.pin_wait = 10 * SEC;
-    let flow = FlowController::new(config, signal.clone()).unwrap();
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let turn = Ticket::new("bulk", 10).continuing(true).affinity("e0");
-    let held = spawn_admit(&flow, turn, "turn", &tx);
-    wait_queued(&flow, 1).await;
-    tokio::time::advance(SEC).await;
-    spawn_admit(&flow, Ticket::new("bulk", 10), "new", &tx);
-    wait_queued(&flow, 2).await;
-    signal.cap.set_limit(1);
-    flow.notify();
+    let (_signal, flow, mut rx, held) = a_turn_held_for_its_endpoint_ahead_of_a_new_session().await;
     tokio::task::yield_now().await;
     assert!(
         rx.try_recv().is_err(),
