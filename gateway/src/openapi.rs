@@ -242,13 +242,13 @@ fn components() -> Value {
             "CreateResponse": {
                 "type": "object",
                 "description": "OpenAI Responses create body. Unknown fields are kept in the stored request.",
-                "required": ["model", "input"],
+                "required": ["model"],
                 "additionalProperties": true,
                 "properties": {
                     "model": {"type": "string"},
                     "input": {
                         "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}],
-                        "description": "A string, or items: messages, function_call, function_call_output, reasoning, compaction (only as produced by this gateway; others are refused with 400), and a last compaction_trigger, which makes the turn a compaction: its output is one compaction item"
+                        "description": "A string, or items: messages, function_call, function_call_output, reasoning, compaction (only as produced by this gateway; others are refused with 400), and a last compaction_trigger, which makes the turn a compaction: its output is one compaction item. May be left out with previous_response_id or conversation: the turn answers the history as it stands"
                     },
                     "instructions": {"type": "string", "nullable": true},
                     "previous_response_id": {"type": "string", "nullable": true},

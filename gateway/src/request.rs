@@ -403,7 +403,11 @@ impl CreateRequest {
             Some(_) => return Err(invalid_type("model", "a string")),
         };
         validate_common(&body)?;
-        if body.get("input").is_none_or(Value::is_null) {
+        // Without `input` a turn continues its history as it stands (a conversation whose
+        // items were just added, a response to carry on from); with neither, there is nothing
+        // for the model to answer.
+        let has = |key: &str| body.get(key).is_some_and(|v| !v.is_null());
+        if !has("input") && !has("previous_response_id") && !has("conversation") {
             return Err(HttpError::invalid(
                 "Missing required parameter: 'input'.",
                 Some("input"),

@@ -39,6 +39,20 @@ def test_responses_in_a_conversation_read_and_extend_it(client):
     assert page.has_more
 
 
+def test_a_response_without_input_answers_the_conversation_as_it_stands(client):
+    conv = client.conversations.create()
+    client.conversations.items.create(
+        conv.id, items=[{"type": "message", "role": "user", "content": "Say hello."}])
+    answer = client.responses.create(model=MODEL, conversation=conv.id)
+    assert answer.status == "completed" and answer.output_text
+    items = client.conversations.items.list(conv.id, order="asc")
+    assert _texts(items.data) == [("user", "Say hello."), ("assistant", answer.output_text)]
+    # With neither input nor history there is nothing to answer.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL)
+    assert err.value.body["param"] == "input"
+
+
 def test_conversation_items_and_metadata_can_be_managed(client):
     conv = client.conversations.create()
     added = client.conversations.items.create(
