@@ -19,6 +19,9 @@
 //! (vLLM >= 0.11). A reasoning or text item stays open until a delta of another kind arrives;
 //! tool calls (one item per chat `tool_calls[].index`) stay open until text/reasoning arrives or
 //! the stream ends, so interleaved argument deltas of parallel calls are all delivered.
+//! Whitespace-only text while no message is open (the newlines a tool parser passes on around
+//! calls) is held back: it opens a message only if other text follows, or if it is the whole
+//! answer, so it never becomes a message of its own between two calls.
 //! `finish_reason: "length"` ends as `incomplete` with `incomplete_details.reason =
 //! "max_output_tokens"` (`content_filter` -> `"content_filter"`); items still open then get status
 //! `incomplete`. When the engine reports no `completion_tokens_details.reasoning_tokens`, the
@@ -92,6 +95,10 @@ pub struct ResponseStream {
     ended: bool,
     /// `Some(summary so far)` for a compaction turn ([`ResponseStream::with_compaction`]).
     compaction: Option<String>,
+    /// Whitespace-only text that arrived while no message was open, held back: it opens a
+    /// message only if text follows it, so a tool parser's newlines around calls do not become
+    /// messages of their own between the calls.
+    held_whitespace: String,
 }
 
 impl ResponseStream {
@@ -115,6 +122,7 @@ impl ResponseStream {
             current: None,
             calls: Vec::new(),
             call_by_index: HashMap::new(),
+            held_whitespace: String::new(),
             finish_reason: None,
             engine_usage: None,
             reasoning_deltas: 0,
@@ -251,6 +259,11 @@ impl ResponseStream {
         } else {
             "completed"
         };
+        // An answer of whitespace alone is still the answer.
+        let held = std::mem::take(&mut self.held_whitespace);
+        if !held.is_empty() && self.output.is_empty() {
+            self.append_text(&held, &mut events);
+        }
         self.close_all(item_status, &mut events);
         self.ended = true;
         self.finalize_response();
@@ -412,6 +425,20 @@ impl ResponseStream {
     }
 
     fn text_delta(&mut self, text: &str, events: &mut Vec<SseEvent>) {
+        let open = matches!(self.current, Some(OpenItem::Message { .. }));
+        if !open && text.trim().is_empty() {
+            self.held_whitespace.push_str(text);
+            return;
+        }
+        let held = std::mem::take(&mut self.held_whitespace);
+        match held.is_empty() {
+            true => self.append_text(text, events),
+            false => self.append_text(&(held + text), events),
+        }
+    }
+
+    /// Add `text` to the open message, opening one first if none is.
+    fn append_text(&mut self, text: &str, events: &mut Vec<SseEvent>) {
         if !matches!(self.current, Some(OpenItem::Message { .. })) {
             let item_id = new_item_id("msg_");
             let item = json!({
@@ -443,6 +470,7 @@ impl ResponseStream {
     }
 
     fn tool_call_delta(&mut self, call: &Value, position: u64, events: &mut Vec<SseEvent>) {
+        self.held_whitespace.clear();
         self.close_current("completed", events);
         let index = call
             .get("index")
@@ -1017,6 +1045,44 @@ mod tests {
             usage["input_tokens_details"]["cached_tokens"], 0,
             "0 when absent"
         );
+    }
+
+    #[test]
+    fn whitespace_around_tool_calls_opens_no_message() {
+        let mut names = ToolNameMap::new();
+        names.insert(ToolName::plain("f"));
+        let call = |index: u64, id: &str| {
+            json!({"tool_calls": [{"index": index, "id": id, "type": "function",
+                                   "function": {"name": "f", "arguments": "{}"}}]})
+        };
+        let mut stream = ResponseStream::new(skeleton(), names);
+        let events = run(
+            &mut stream,
+            &[
+                chunk(json!({"content": "\n"}), None),
+                chunk(call(0, "call_a"), None),
+                chunk(json!({"content": "\n\n"}), None),
+                chunk(call(1, "call_b"), None),
+                chunk(json!({"content": "\n"}), Some("tool_calls")),
+            ],
+        );
+        let output = replay(&events);
+        let kinds: Vec<&str> = output.iter().map(|i| i["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds, ["function_call", "function_call"]);
+
+        // Whitespace followed by text is kept with it; whitespace alone is still an answer.
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = run(
+            &mut stream,
+            &[
+                chunk(json!({"content": "\n "}), None),
+                chunk(json!({"content": "Hi"}), Some("stop")),
+            ],
+        );
+        assert_eq!(replay(&events)[0]["content"][0]["text"], "\n Hi");
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = run(&mut stream, &[chunk(json!({"content": " "}), Some("stop"))]);
+        assert_eq!(replay(&events)[0]["content"][0]["text"], " ");
     }
 
     #[test]
