@@ -12,6 +12,9 @@
 //!                      output_text.delta*, output_text.done, content_part.done, output_item.done
 //! per tool call:       output_item.added (function_call), function_call_arguments.delta*,
 //!                      function_call_arguments.done, output_item.done
+//! per custom tool call: output_item.added (custom_tool_call), custom_tool_call_input.delta
+//!                      (the whole input, once the call is complete), custom_tool_call_input.done,
+//!                      output_item.done
 //! response.completed | response.incomplete | response.failed   (always last)
 //! ```
 //!
@@ -75,6 +78,8 @@ struct OpenCall {
     engine_name: String,
     arguments: String,
     closed: bool,
+    /// A custom tool's call: a `custom_tool_call` item whose input is the `input` argument.
+    custom: bool,
 }
 
 /// Chat chunks -> Responses events for one response (see the module doc).
@@ -501,6 +506,7 @@ impl ResponseStream {
                     engine_name: String::new(),
                     arguments: String::new(),
                     closed: false,
+                    custom: false,
                 });
                 self.call_by_index.insert(index, self.calls.len() - 1);
                 self.calls.len() - 1
@@ -529,16 +535,22 @@ impl ResponseStream {
             }
             let output_index = self.output.len();
             open.output_index = Some(output_index);
+            if self.tool_names.is_custom(&open.engine_name) {
+                open.custom = true;
+                open.item_id = new_item_id("ctc_");
+            }
+            let custom = open.custom;
             let buffered = open.arguments.clone();
             let item_id = open.item_id.clone();
-            let item = self.function_call_item(slot, "in_progress", "");
+            let item = self.call_item(slot, "in_progress", "");
             self.output.push(item.clone());
             self.emit(
                 events,
                 "response.output_item.added",
                 json!({"output_index": output_index, "item": item}),
             );
-            if !buffered.is_empty() {
+            // A custom call's input is inside its JSON arguments: it is sent whole at the end.
+            if !buffered.is_empty() && !custom {
                 self.emit(
                     events,
                     "response.function_call_arguments.delta",
@@ -553,27 +565,38 @@ impl ResponseStream {
             return;
         }
         open.arguments.push_str(arguments);
+        if open.custom {
+            return;
+        }
         let fields = json!({
             "item_id": open.item_id, "output_index": open.output_index, "delta": arguments,
         });
         self.emit(events, "response.function_call_arguments.delta", fields);
     }
 
-    fn function_call_item(&self, slot: usize, status: &str, arguments: &str) -> Value {
+    /// The output item of call `slot`: a `function_call` with `arguments`, or for a custom
+    /// tool a `custom_tool_call` whose `input` is `arguments` (the input itself).
+    fn call_item(&self, slot: usize, status: &str, arguments: &str) -> Value {
         let Some(call) = self.calls.get(slot) else {
             return Value::Null;
         };
         let tool = self.tool_names.resolve(&call.engine_name);
         let mut item = Map::new();
         item.insert("id".into(), json!(call.item_id));
-        item.insert("type".into(), json!("function_call"));
+        match call.custom {
+            true => item.insert("type".into(), json!("custom_tool_call")),
+            false => item.insert("type".into(), json!("function_call")),
+        };
         item.insert("status".into(), json!(status));
         item.insert("call_id".into(), json!(call.call_id));
         item.insert("name".into(), json!(tool.name));
         if let Some(namespace) = tool.namespace {
             item.insert("namespace".into(), json!(namespace));
         }
-        item.insert("arguments".into(), json!(arguments));
+        match call.custom {
+            true => item.insert("input".into(), json!(arguments)),
+            false => item.insert("arguments".into(), json!(arguments)),
+        };
         Value::Object(item)
     }
 
@@ -653,9 +676,36 @@ impl ResponseStream {
                 tracing::warn!(call_id = %call.call_id, "engine sent a tool call without a function name; dropping it");
                 continue;
             };
-            let arguments = call.arguments.clone();
             let item_id = call.item_id.clone();
-            let item = self.function_call_item(slot, status, &arguments);
+            if call.custom {
+                let input = custom_input(&call.arguments);
+                let item = self.call_item(slot, status, &input);
+                if !input.is_empty() {
+                    self.emit(
+                        events,
+                        "response.custom_tool_call_input.delta",
+                        json!({
+                            "item_id": item_id, "output_index": output_index, "delta": input,
+                        }),
+                    );
+                }
+                self.emit(
+                    events,
+                    "response.custom_tool_call_input.done",
+                    json!({
+                        "item_id": item_id, "output_index": output_index, "input": input,
+                    }),
+                );
+                self.store_item(output_index, item.clone());
+                self.emit(
+                    events,
+                    "response.output_item.done",
+                    json!({"output_index": output_index, "item": item}),
+                );
+                continue;
+            }
+            let arguments = call.arguments.clone();
+            let item = self.call_item(slot, status, &arguments);
             let name = item.get("name").cloned().unwrap_or(Value::Null);
             self.emit(events, "response.function_call_arguments.done", json!({
                 "item_id": item_id, "output_index": output_index, "name": name, "arguments": arguments,
@@ -733,6 +783,20 @@ fn engine_error_message(chunk: &Value) -> Option<String> {
         return Some(message);
     }
     None
+}
+
+/// A custom tool's input from the arguments the engine wrote for its one-string function:
+/// `{"input": "..."}`; arguments that are not such an object (a model that wrote the text
+/// itself) are the input as they are.
+fn custom_input(arguments: &str) -> String {
+    match serde_json::from_str::<Value>(arguments) {
+        Ok(Value::Object(object)) => match object.get("input") {
+            Some(Value::String(input)) => input.clone(),
+            _ => arguments.to_string(),
+        },
+        Ok(Value::String(input)) => input,
+        _ => arguments.to_string(),
+    }
 }
 
 #[cfg(test)]
@@ -1045,6 +1109,17 @@ mod tests {
             usage["input_tokens_details"]["cached_tokens"], 0,
             "0 when absent"
         );
+    }
+
+    #[test]
+    fn a_custom_tools_input_is_its_input_argument_or_the_text_as_written() {
+        assert_eq!(
+            custom_input(r#"{"input": "*** Begin Patch"}"#),
+            "*** Begin Patch"
+        );
+        assert_eq!(custom_input(r#""quoted""#), "quoted");
+        assert_eq!(custom_input("*** Begin Patch"), "*** Begin Patch");
+        assert_eq!(custom_input(r#"{"other": 1}"#), r#"{"other": 1}"#);
     }
 
     #[test]

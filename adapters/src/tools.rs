@@ -7,15 +7,25 @@
 //! to one function per member named `<namespace>__<name>` (or `<namespace><name>` when the
 //! namespace already ends in `_`), with characters outside `[A-Za-z0-9_-]` replaced by `_` and a
 //! numeric suffix on collision. Output `function_call` items carry the original `name` and
-//! `namespace` again. Hosted tools that no engine can run (web_search, file_search, computer use,
-//! code_interpreter, image_generation, mcp, local_shell, custom/freeform, tool_search, ...) are
-//! dropped with an info log line, or rejected with a 400 under [`HostedToolPolicy::Reject`].
+//! `namespace` again.
+//!
+//! Custom (freeform) tools (`{type: "custom", name, description, format}`; Codex declares
+//! `apply_patch` this way for some models) take free text, not JSON. The engine sees a function
+//! of one string parameter, `input`; a `format` other than plain text is added to the
+//! description (`The input must follow this lark grammar: ...`), since a chat tool call cannot
+//! be held to a grammar. The call comes back as a `custom_tool_call` item carrying that string
+//! (see `crate::stream`), and a `custom_tool_call` in the history goes back to the engine as the
+//! same function call.
+//!
+//! Hosted tools that no engine can run (web_search, file_search, computer use,
+//! code_interpreter, image_generation, mcp, local_shell, tool_search, ...) are dropped with an
+//! info log line, or rejected with a 400 under [`HostedToolPolicy::Reject`].
 
 use crate::error::ApiError;
 use crate::request::HostedToolPolicy;
 use crate::Flavor;
 use serde_json::{json, Map, Value};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// The client-facing identity of a tool: its name and, for namespace members, the namespace.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -49,6 +59,8 @@ impl ToolName {
 pub struct ToolNameMap {
     by_engine_name: HashMap<String, ToolName>,
     by_tool: HashMap<ToolName, String>,
+    /// Engine names of custom (freeform) tools.
+    custom: HashSet<String>,
 }
 
 impl ToolNameMap {
@@ -72,6 +84,18 @@ impl ToolNameMap {
         self.by_engine_name.insert(candidate.clone(), tool.clone());
         self.by_tool.insert(tool, candidate.clone());
         candidate
+    }
+
+    /// Registers a custom (freeform) tool: a function of one string, `input`, to the engine.
+    pub fn insert_custom(&mut self, tool: ToolName) -> String {
+        let engine_name = self.insert(tool);
+        self.custom.insert(engine_name.clone());
+        engine_name
+    }
+
+    /// Whether `engine_name` is a custom tool's: its calls become `custom_tool_call` items.
+    pub fn is_custom(&self, engine_name: &str) -> bool {
+        self.custom.contains(engine_name)
     }
 
     /// The client tool for an engine-visible name; unknown names resolve to a plain tool of that name.
@@ -176,10 +200,19 @@ pub(crate) fn translate_tools(
                         .push(chat_function_tool(member, &engine_name, flavor));
                 }
             }
+            "custom" => {
+                let name = required_name(tool, &param)?;
+                let engine_name = out.names.insert_custom(ToolName::plain(name));
+                out.chat_tools.push(chat_function_tool(
+                    &custom_as_function(tool),
+                    &engine_name,
+                    flavor,
+                ));
+            }
             "" => {
                 return Err(ApiError::invalid(
                     format!("{param}.type"),
-                    format!("{param}.type is required (\"function\" or \"namespace\")"),
+                    format!("{param}.type is required (\"function\", \"custom\" or \"namespace\")"),
                 ))
             }
             hosted => {
@@ -221,6 +254,44 @@ fn required_name<'a>(tool: &'a Value, param: &str) -> Result<&'a str, ApiError> 
             format!("{param}.name is required and must be a non-empty string"),
         )),
     }
+}
+
+/// A custom tool as the function the engine sees (see the module doc).
+fn custom_as_function(tool: &Value) -> Value {
+    let mut description = tool
+        .get("description")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let format = tool.get("format");
+    if format.and_then(|f| f.get("type")).and_then(Value::as_str) == Some("grammar") {
+        let syntax = format
+            .and_then(|f| f.get("syntax"))
+            .and_then(Value::as_str)
+            .unwrap_or("lark");
+        let definition = format
+            .and_then(|f| f.get("definition"))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        if !description.is_empty() {
+            description.push_str("\n\n");
+        }
+        description.push_str(&format!(
+            "The input must follow this {syntax} grammar:\n{definition}"
+        ));
+    }
+    let mut function = json!({
+        "name": tool.get("name").cloned().unwrap_or(Value::Null),
+        "parameters": {
+            "type": "object",
+            "properties": {"input": {"type": "string", "description": "The tool's input, as free text."}},
+            "required": ["input"],
+        },
+    });
+    if !description.is_empty() {
+        function["description"] = Value::from(description);
+    }
+    function
 }
 
 fn chat_function_tool(tool: &Value, engine_name: &str, flavor: Flavor) -> Value {
@@ -265,9 +336,9 @@ pub(crate) fn translate_tool_choice(
         Value::Object(object) => {
             let kind = object.get("type").and_then(Value::as_str).unwrap_or("");
             match kind {
-                "function" => {
+                "function" | "custom" => {
                     let name = object.get("name").and_then(Value::as_str).ok_or_else(|| {
-                        ApiError::invalid("tool_choice.name", "tool_choice.name is required for type \"function\"")
+                        ApiError::invalid("tool_choice.name", format!("tool_choice.name is required for type \"{kind}\""))
                     })?;
                     let namespace = object.get("namespace").and_then(Value::as_str);
                     let engine_name = names.engine_name(name, namespace);
@@ -357,19 +428,41 @@ mod tests {
     }
 
     #[test]
+    fn custom_tools_become_functions_of_one_string() {
+        let tools = json!([{
+            "type": "custom", "name": "apply_patch", "description": "Edit files.",
+            "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"},
+        }, {"type": "custom", "name": "note"}]);
+        let out = translate_tools(Some(&tools), Flavor::Vllm, HostedToolPolicy::Reject).unwrap();
+        assert!(out.dropped.is_empty());
+        let patch = &out.chat_tools[0]["function"];
+        assert_eq!(patch["name"], "apply_patch");
+        assert_eq!(
+            patch["description"],
+            "Edit files.\n\nThe input must follow this lark grammar:\nstart: /.+/"
+        );
+        assert_eq!(patch["parameters"]["required"], json!(["input"]));
+        assert_eq!(patch["parameters"]["properties"]["input"]["type"], "string");
+        assert!(out.chat_tools[1]["function"].get("description").is_none());
+        assert!(out.names.is_custom("apply_patch") && out.names.is_custom("note"));
+        let choice = json!({"type": "custom", "name": "apply_patch"});
+        let chat = translate_tool_choice(Some(&choice), &out.names, HostedToolPolicy::Reject);
+        assert_eq!(
+            chat.unwrap(),
+            Some(json!({"type": "function", "function": {"name": "apply_patch"}}))
+        );
+    }
+
+    #[test]
     fn hosted_tools_drop_or_reject() {
         let tools = json!([
             {"type": "web_search"},
             {"type": "function", "name": "f"},
-            {"type": "custom", "name": "apply_patch"},
             {"type": "local_shell"},
         ]);
         let out = translate_tools(Some(&tools), Flavor::Sglang, HostedToolPolicy::Drop).unwrap();
         assert_eq!(out.chat_tools.len(), 1);
-        assert_eq!(
-            out.dropped,
-            vec!["web_search", "custom:apply_patch", "local_shell"]
-        );
+        assert_eq!(out.dropped, vec!["web_search", "local_shell"]);
         let err =
             translate_tools(Some(&tools), Flavor::Sglang, HostedToolPolicy::Reject).unwrap_err();
         assert_eq!(err.status, 400);

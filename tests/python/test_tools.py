@@ -227,3 +227,41 @@ def test_tool_choice_auto_calls_a_tool_the_user_names(client):
                                 tools=[WEATHER_TOOL], tool_choice="auto")
     calls = _function_calls(r)
     assert calls and calls[0].name == "get_weather"
+
+
+APPLY_PATCH_TOOL = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files with a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/'},
+}
+
+
+def test_custom_tool_calls_carry_free_text_input_and_round_trip(client):
+    stream = client.responses.create(
+        model=MODEL, input="Fix the typo in README.md.", tools=[APPLY_PATCH_TOOL],
+        tool_choice={"type": "custom", "name": "apply_patch"}, stream=True,
+    )
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.status == "completed"
+    calls = [item for item in final.output if item.type == "custom_tool_call"]
+    assert len(calls) == 1, final.output
+    call = calls[0]
+    assert call.name == "apply_patch" and call.call_id and call.id.startswith("ctc_")
+    assert isinstance(call.input, str) and call.input
+    done = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert [e.input for e in done] == [call.input]
+    deltas = [e.delta for e in events if e.type == "response.custom_tool_call_input.delta"]
+    assert "".join(deltas) == call.input
+    assert not [e for e in events if e.type.startswith("response.function_call_arguments")]
+
+    second = client.responses.create(
+        model=MODEL, previous_response_id=final.id, tools=[APPLY_PATCH_TOOL],
+        input=[{"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done."}],
+    )
+    assert second.status == "completed" and second.output_text.strip()
+    items = list(client.responses.input_items.list(second.id, order="asc", limit=100))
+    assert [i.type for i in items] == ["message", "custom_tool_call", "custom_tool_call_output"]
+    assert items[1].input == call.input
