@@ -357,7 +357,9 @@ impl CapacitySignal for PoolCapacity {
                 // Room for `promised` more: each endpoint's free slots below the line and
                 // prompts it may still start prefilling, and one request where the KV working
                 // set is below its line (routing has not counted the promised ones anywhere
-                // yet). An endpoint with no line at all has room for any number.
+                // yet; a policy without a prefix index keeps no working set and is not held
+                // for it). An endpoint with no line at all has room for any number.
+                let kv_tracked = kv > 0.0 && self.pool.picker.prefix_index().is_some();
                 let mut room = 0u64;
                 let mut serving = 0;
                 for e in endpoints
@@ -376,7 +378,7 @@ impl CapacitySignal for PoolCapacity {
                         0 => u64::MAX,
                         _ => prefilling.saturating_sub(e.prefilling_requests()),
                     };
-                    let kv_room = match kv > 0.0 && e.kv_capacity_tokens() > 0 {
+                    let kv_room = match kv_tracked && e.kv_capacity_tokens() > 0 {
                         true => 1,
                         false => u64::MAX,
                     };
@@ -1091,6 +1093,19 @@ mod tests {
         eps[0].set_healthy(false);
         assert_eq!(cap.capacity(now), None);
         assert!(cap.can_dispatch(&load(100, 0)));
+        pools.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_policy_without_a_prefix_index_is_not_held_for_kv() {
+        let config = config("policy = \"least_loaded\"\n[flow]\nmax_kv_working_set = 0.5\n");
+        let pools = pools(&config).await;
+        let pool = pools.for_model("m").unwrap();
+        let cap = PoolCapacity::new(pool.clone(), Arc::new(EndpointLimits::new(0, 0, 0.5)));
+        for e in pool.endpoints().iter() {
+            e.set_kv_capacity_tokens(1_000);
+        }
+        assert!(cap.has_room(None, 0.0, 10, true));
         pools.shutdown().await;
     }
 
