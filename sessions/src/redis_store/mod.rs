@@ -27,7 +27,7 @@
 //! state, and the gateway's packets go nowhere. Then every reply times out and nothing reports
 //! a loss, so two things replace it:
 //!
-//! - a call whose reply times out ([`RESPONSE_TIMEOUT`]) opens a new connection, one at a
+//! - a call whose reply times out (`RESPONSE_TIMEOUT`, 5 s) opens a new connection, one at a
 //!   time; calls made meanwhile wait for it (calls already sent on the old one finish or time
 //!   out there), and if it cannot be opened they go on with the old one;
 //! - the socket has TCP keep-alive (an idle dead peer is noticed within about a minute) and, on
