@@ -37,8 +37,8 @@ pub trait CapacitySignal: Send + Sync {
 
     /// Whether `endpoint` (`None`: some endpoint) can start one more request of a band that
     /// leaves `held_share` of each endpoint's slots to the bands above it, with `promised`
-    /// requests already sent its way (for `None`: sent anywhere, pinned or not) that it does
-    /// not count yet. Asked for queued requests that expect to go to `endpoint` (their session's
+    /// requests already sent its way (for `None`: sent to endpoints this way) that it does not
+    /// count yet. Asked for queued requests that expect to go to `endpoint` (their session's
     /// pin), which then wait for it while others go ahead, and for requests of bands below a
     /// reserve. With `kv_bound` (a band without a reserve of its own) the endpoint must also
     /// have room in its KV cache, if the signal tracks it; a band with a reserve is never held

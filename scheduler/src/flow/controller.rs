@@ -967,8 +967,9 @@ impl State {
                     *promised.entry(endpoint.clone()).or_default() += 1;
                 }
             }
-            // Every request sent takes room on some endpoint that routing has not counted yet.
-            promised_any += 1;
+            if pick.moving || share > 0.0 {
+                promised_any += 1;
+            }
             if share > 0.0 {
                 if let Some(capacity) = inner.capacity.capacity() {
                     let reserved = (share * capacity as f64).ceil() as u64;

@@ -1090,28 +1090,6 @@ async fn a_request_leaving_the_queue_lets_the_ones_it_held_back_go() {
     assert_eq!(flow.snapshot().queued(), 0);
 }
 
-#[tokio::test(start_paused = true)]
-async fn requests_without_an_endpoint_go_one_per_round_where_room_is_counted_per_request() {
-    // Room on some endpoint for one request at a time (as for a KV working set below its
-    // line): a round sends one, and the rest wait for routing to count it.
-    let signal = Endpoints::with_full("e0");
-    let flow = FlowController::new(config(), signal.clone()).unwrap();
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    for i in 0..3 {
-        spawn_admit(&flow, Ticket::new("bulk", 10), format!("new-{i}"), &tx);
-    }
-    wait_queued(&flow, 3).await;
-    signal.cap.set_limit(10);
-    flow.notify();
-    let (label, _first) = rx.recv().await.unwrap();
-    assert_eq!(label, "new-0");
-    tokio::task::yield_now().await;
-    assert!(rx.try_recv().is_err(), "one request per round");
-    assert_eq!(flow.snapshot().queued(), 2);
-    flow.notify();
-    assert_eq!(rx.recv().await.unwrap().0, "new-1");
-}
-
 /// [`MaxInFlight`] plus what other gateways hold: `e0` has room while `room` is set, and
 /// `elsewhere` is the turn another gateway holds for it.
 struct Peers {
