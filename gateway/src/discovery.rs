@@ -582,13 +582,11 @@ pub fn diff(
         }
     }
     for ((d, url, role, labels), plan) in wanted.into_iter().zip(plans) {
-        let fresh = |slot: usize| {
-            Arc::new(
-                Endpoint::new(d.name.clone(), url.clone())
-                    .with_slot(slot)
-                    .with_role(role)
-                    .with_labels(labels.clone()),
-            )
+        let endpoint = |slot: usize| {
+            Endpoint::new(d.name.clone(), url.clone())
+                .with_slot(slot)
+                .with_role(role)
+                .with_labels(labels.clone())
         };
         match plan {
             Plan::Keep(e) => {
@@ -596,20 +594,14 @@ pub fn diff(
                 out.endpoints.push(e);
             }
             Plan::Relabel(old) => {
-                let e = Arc::new(
-                    Endpoint::new(d.name.clone(), url.clone())
-                        .with_slot(old.slot)
-                        .with_role(role)
-                        .with_labels(labels.clone())
-                        .same_engine_as(&old),
-                );
+                let e = Arc::new(endpoint(old.slot).same_engine_as(&old));
                 out.relabelled.push((old, e.clone()));
                 out.endpoints.push(e);
             }
             Plan::New => {
                 let slot = (0..).find(|s| !taken.contains(s)).unwrap_or(taken.len());
                 taken.insert(slot);
-                let e = fresh(slot);
+                let e = Arc::new(endpoint(slot));
                 out.added.push(e.clone());
                 out.endpoints.push(e);
             }

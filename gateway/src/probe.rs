@@ -358,20 +358,22 @@ async fn discovery_loop<D: Discovery>(
             continue;
         }
         let listed = pool.endpoints();
+        // A name no longer listed takes its metric series with it.
+        let forget_unlisted = |name: &str| {
+            if !listed.iter().any(|l| l.name == name) {
+                live.metrics.forget_endpoint(&pool.name, name);
+            }
+        };
         for e in &diff.removed {
             tracing::info!(pool = %pool.name, endpoint = %e.name, url = %e.base_url, in_flight = e.in_flight_requests(), "endpoint removed; its requests in flight finish");
-            if !listed.iter().any(|l| l.name == e.name) {
-                live.metrics.forget_endpoint(&pool.name, &e.name);
-            }
+            forget_unlisted(&e.name);
         }
         for (old, e) in &diff.relabelled {
             if old.name == e.name {
                 tracing::info!(pool = %pool.name, endpoint = %e.name, slot = e.slot, role = e.role.name(), labels = ?e.labels, "endpoint relabelled");
             } else {
                 tracing::info!(pool = %pool.name, endpoint = %e.name, was = %old.name, url = %e.base_url, slot = e.slot, role = e.role.name(), labels = ?e.labels, "endpoint renamed");
-                if !listed.iter().any(|l| l.name == old.name) {
-                    live.metrics.forget_endpoint(&pool.name, &old.name);
-                }
+                forget_unlisted(&old.name);
             }
         }
         for e in &diff.added {
