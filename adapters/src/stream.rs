@@ -6,6 +6,8 @@
 //!
 //! ```text
 //! response.created, response.in_progress
+//!   (a response that waits before it runs, a background one: response.created and
+//!    response.queued with status `queued` when it is created, response.in_progress when it runs)
 //! per reasoning item:  output_item.added, content_part.added (reasoning_text),
 //!                      reasoning_text.delta*, reasoning_text.done, content_part.done, output_item.done
 //! per message item:    output_item.added, content_part.added (output_text),
@@ -96,6 +98,8 @@ pub struct ResponseStream {
     finish_reason: Option<String>,
     engine_usage: Option<Value>,
     reasoning_deltas: u64,
+    /// `response.created` has been emitted (by [`ResponseStream::queued`] or the start).
+    created: bool,
     started: bool,
     ended: bool,
     /// `Some(summary so far)` for a compaction turn ([`ResponseStream::with_compaction`]).
@@ -131,6 +135,7 @@ impl ResponseStream {
             finish_reason: None,
             engine_usage: None,
             reasoning_deltas: 0,
+            created: false,
             started: false,
             ended: false,
             compaction: None,
@@ -154,7 +159,33 @@ impl ResponseStream {
         self
     }
 
-    /// `response.created` and `response.in_progress` (empty if already started).
+    /// `response.created` and `response.queued`, the response's status `queued`: for a response
+    /// that waits before it runs. [`ResponseStream::start`] then announces only
+    /// `response.in_progress`. Empty once created.
+    pub fn queued(&mut self) -> Vec<SseEvent> {
+        let mut events = Vec::new();
+        if self.created {
+            return events;
+        }
+        self.created = true;
+        self.set_field("status", json!("queued"));
+        let snapshot = self.response.clone();
+        self.emit(
+            &mut events,
+            "response.created",
+            json!({"response": snapshot}),
+        );
+        let snapshot = self.response.clone();
+        self.emit(
+            &mut events,
+            "response.queued",
+            json!({"response": snapshot}),
+        );
+        events
+    }
+
+    /// `response.created` (unless [`ResponseStream::queued`] announced it) and
+    /// `response.in_progress` (empty if already started).
     pub fn start(&mut self) -> Vec<SseEvent> {
         let mut events = Vec::new();
         self.start_into(&mut events);
@@ -166,8 +197,12 @@ impl ResponseStream {
             return;
         }
         self.started = true;
-        let snapshot = self.response.clone();
-        self.emit(events, "response.created", json!({"response": snapshot}));
+        self.set_field("status", json!("in_progress"));
+        if !self.created {
+            self.created = true;
+            let snapshot = self.response.clone();
+            self.emit(events, "response.created", json!({"response": snapshot}));
+        }
         let snapshot = self.response.clone();
         self.emit(
             events,
@@ -295,15 +330,30 @@ impl ResponseStream {
     /// Ends the stream with `response.failed` (`error: {code, message}`) as the last event; items
     /// still open are closed first with status `incomplete` so the event log stays consistent.
     pub fn fail(&mut self, code: &str, message: &str) -> Vec<SseEvent> {
+        self.end_unsuccessful("failed", code, message)
+    }
+
+    /// End the stream because the response was cancelled: `response.failed` (the Responses
+    /// stream has no other terminal event for it) carrying status `cancelled`, as the stored
+    /// response says, and `error` with `code` and `message`.
+    pub fn cancel(&mut self, code: &str, message: &str) -> Vec<SseEvent> {
+        self.end_unsuccessful("cancelled", code, message)
+    }
+
+    /// `response.failed` with `status`. A response announced as queued that never ran goes
+    /// straight there; one never announced is announced first.
+    fn end_unsuccessful(&mut self, status: &str, code: &str, message: &str) -> Vec<SseEvent> {
         let mut events = Vec::new();
         if self.ended {
             return events;
         }
-        self.start_into(&mut events);
+        if !self.created {
+            self.start_into(&mut events);
+        }
         self.close_all("incomplete", &mut events);
         self.ended = true;
         self.finalize_response();
-        self.set_field("status", json!("failed"));
+        self.set_field("status", json!(status));
         self.set_field("error", json!({"code": code, "message": message}));
         let snapshot = self.response.clone();
         self.emit(

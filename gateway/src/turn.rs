@@ -1131,16 +1131,43 @@ pub(crate) async fn send_to_client(
 /// Returns the final Response object.
 pub async fn drive(
     state: Arc<AppState>,
+    turn: Turn,
+    chunks: ChunkStream,
+    routed: Routed,
+    tx: Option<mpsc::Sender<Bytes>>,
+    stops: Option<StopSignals>,
+) -> Value {
+    let rs = new_stream(&turn);
+    let sink = Sink::new(&state, &turn, tx, stops.clone());
+    drive_announced(state, turn, chunks, routed, Announced { rs, sink }, stops).await
+}
+
+/// A turn's event stream and where its events go, from before it runs: a background response
+/// is announced (`response.created`, `response.queued`) when it is created.
+struct Announced {
+    rs: ResponseStream,
+    sink: Sink,
+}
+
+impl Announced {
+    /// End a turn that never ran: `events` (its terminal one last) to the client and the log.
+    async fn end(mut self, state: &AppState, events: Vec<SseEvent>) {
+        self.sink.send(state, events, true).await;
+    }
+}
+
+/// [`drive`] with the stream already announced.
+async fn drive_announced(
+    state: Arc<AppState>,
     mut turn: Turn,
     mut chunks: ChunkStream,
     mut routed: Routed,
-    tx: Option<mpsc::Sender<Bytes>>,
+    announced: Announced,
     mut stops: Option<StopSignals>,
 ) -> Value {
+    let Announced { mut rs, mut sink } = announced;
     let endpoint = routed.endpoint().clone();
     let mut first_token: Option<Instant> = None;
-    let mut rs = new_stream(&turn);
-    let mut sink = Sink::new(&state, &turn, tx, stops.clone());
     sink.send(&state, rs.start(), false).await;
     let terminal = loop {
         // Events waiting for the log go out after a pause in the engine's stream too.
@@ -1150,7 +1177,7 @@ pub async fn drive(
                 chunk = chunks.next() => chunk,
                 stop = stops.stopped() => {
                     tracing::info!(response = %turn.id, why = stop.code(), "response stopped while running");
-                    break rs.fail(stop.code(), stop.message());
+                    break stop.end(&mut rs);
                 }
                 () = tokio::time::sleep(EVENT_LOG_BATCH), if flush_due => {
                     sink.send(&state, Vec::new(), false).await;
@@ -1412,10 +1439,11 @@ pub fn queued_record(turn: &Turn) -> ResponseRecord {
     }
 }
 
-/// Run a background turn: wait for a background slot, then for flow-control admission
-/// (`admission`, in the team's lowest band unless the request asked for one), mark it
+/// Run a background turn: announce it (`response.created` and `response.queued`, to a
+/// streaming client and the event log), wait for a background slot, then for flow-control
+/// admission (`admission`, in the team's lowest band unless the request asked for one), mark it
 /// `in_progress`, run it, record the result. A refused admission fails the response with the
-/// refusal's code.
+/// refusal's code; a cancel ends its stream with status `cancelled`, whether it ran or not.
 pub async fn run_background(
     state: Arc<AppState>,
     mut turn: Turn,
@@ -1424,10 +1452,15 @@ pub async fn run_background(
     mut stops: StopSignals,
 ) {
     let id = turn.id.clone();
+    // Announced at once, to a streaming client and in the event log a follower replays.
+    let mut rs = new_stream(&turn);
+    let mut sink = Sink::new(&state, &turn, tx, Some(stops.clone()));
+    sink.send(&state, rs.queued(), false).await;
+    let announced = Announced { rs, sink };
     turn.background_slot = tokio::select! {
         permit = state.background_slots.clone().acquire_owned() => permit.ok(),
         stop = stops.stopped() => {
-            stop_queued(&state, &turn, &tx, stop).await;
+            stop_queued(&state, &turn, announced, stop).await;
             return;
         }
     };
@@ -1435,14 +1468,14 @@ pub async fn run_background(
         let admitted = tokio::select! {
             admitted = pending.admit() => admitted,
             stop = stops.stopped() => {
-                stop_queued(&state, &turn, &tx, stop).await;
+                stop_queued(&state, &turn, announced, stop).await;
                 return;
             }
         };
         match admitted {
             Ok(permit) => turn.permit = Some(permit),
             Err(err) => {
-                fail_background(&state, &turn, &tx, &err).await;
+                fail_background(&state, &turn, announced, &err).await;
                 forget_run(&state, &id);
                 return;
             }
@@ -1457,8 +1490,10 @@ pub async fn run_background(
     {
         Ok(true) => {}
         Ok(false) => {
-            forget_run(&state, &id);
-            return; // cancelled while queued
+            // Cancelled (or deleted) while queued; the cancel may have come from another
+            // gateway replica, so this one has no signal for it.
+            stop_queued(&state, &turn, announced, Stop::Cancelled).await;
+            return;
         }
         Err(e) => tracing::error!(response = %turn.id, "store error starting background run: {e}"),
     }
@@ -1468,15 +1503,15 @@ pub async fn run_background(
     let opened = tokio::select! {
         opened = open_turn(&state, &mut turn) => opened,
         stop = stops.stopped() => {
-            stop_queued(&state, &turn, &tx, stop).await;
+            stop_queued(&state, &turn, announced, stop).await;
             return;
         }
     };
     match opened {
         Ok((chunks, ep)) => {
-            drive(state.clone(), turn, chunks, ep, tx, Some(stops)).await;
+            drive_announced(state.clone(), turn, chunks, ep, announced, Some(stops)).await;
         }
-        Err(err) => fail_background(&state, &turn, &tx, &err).await,
+        Err(err) => fail_background(&state, &turn, announced, &err).await,
     }
     forget_run(&state, &id);
 }
@@ -1499,6 +1534,14 @@ impl Stop {
         match self {
             Stop::Cancelled => "response_cancelled",
             Stop::Shutdown => SHUTDOWN_CODE,
+        }
+    }
+
+    /// End `rs` for this stop: cancelled, or failed by the shutdown.
+    fn end(self, rs: &mut ResponseStream) -> Vec<SseEvent> {
+        match self {
+            Stop::Cancelled => rs.cancel(self.code(), self.message()),
+            Stop::Shutdown => rs.fail(self.code(), self.message()),
         }
     }
 
@@ -1558,34 +1601,40 @@ impl StopSignals {
 /// A background run stopped before its engine stream opened: cancelled (the record already
 /// says so), or cut short by shutdown (recorded as failed, so a client polling it stops
 /// waiting).
-async fn stop_queued(state: &AppState, turn: &Turn, tx: &Option<mpsc::Sender<Bytes>>, stop: Stop) {
-    if stop == Stop::Shutdown {
-        let err = HttpError::server(503, stop.message(), stop.code());
-        fail_background(state, turn, tx, &err).await;
+async fn stop_queued(state: &AppState, turn: &Turn, mut announced: Announced, stop: Stop) {
+    match stop {
+        Stop::Shutdown => {
+            let err = HttpError::server(503, stop.message(), stop.code());
+            fail_background(state, turn, announced, &err).await;
+        }
+        // The record says `cancelled` already; the stream and the log end saying so too.
+        Stop::Cancelled => {
+            let events = stop.end(&mut announced.rs);
+            announced.end(state, events).await;
+        }
     }
     forget_run(state, &turn.id);
 }
 
 /// Record a background response that could not run as failed with `err`'s code and message,
 /// and tell a streaming client.
-async fn fail_background(
-    state: &AppState,
-    turn: &Turn,
-    tx: &Option<mpsc::Sender<Bytes>>,
-    err: &HttpError,
-) {
-    let mut rs = new_stream(turn);
-    let mut events = rs.start();
-    events.extend(rs.fail(
+async fn fail_background(state: &AppState, turn: &Turn, mut announced: Announced, err: &HttpError) {
+    let events = announced.rs.fail(
         err.error.code.as_deref().unwrap_or("server_error"),
         &err.error.message,
-    ));
+    );
     // Nothing was generated: a record that cannot be written leaves nothing to lose.
-    persist(state, turn, rs.response(), rs.output_items()).await;
-    state.metrics.response_ended(&turn.pool.name, rs.response());
-    Sink::new(state, turn, tx.clone(), None)
-        .send(state, events, true)
-        .await;
+    persist(
+        state,
+        turn,
+        announced.rs.response(),
+        announced.rs.output_items(),
+    )
+    .await;
+    state
+        .metrics
+        .response_ended(&turn.pool.name, announced.rs.response());
+    announced.end(state, events).await;
 }
 
 fn forget_run(state: &AppState, id: &str) {

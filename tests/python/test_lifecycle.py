@@ -48,7 +48,9 @@ def test_background_response_streams_again_with_retrieve(slow_gateway):
     # Followed while it runs: every event from the first, then the rest after one of them.
     events = list(client.responses.retrieve(r.id, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert events[0].type == "response.created"
+    assert [(e.type, e.response.status) for e in events[:3]] == [
+        ("response.created", "queued"), ("response.queued", "queued"),
+        ("response.in_progress", "in_progress")]
     assert events[-1].type in ("response.completed", "response.incomplete")
     final = events[-1].response
     assert final.id == r.id and final.output_text
@@ -57,6 +59,19 @@ def test_background_response_streams_again_with_retrieve(slow_gateway):
     rest = list(client.responses.retrieve(r.id, stream=True, starting_after=3))
     assert [e.sequence_number for e in rest] == list(range(4, len(events)))
     assert client.responses.retrieve(r.id).output_text == final.output_text
+
+
+def test_a_streamed_background_response_is_announced_as_queued_then_runs(client):
+    events = list(client.responses.create(model=MODEL, input="Stream this in the background.",
+                                          background=True, stream=True,
+                                          max_output_tokens=16))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:3]] == [
+        "response.created", "response.queued", "response.in_progress"]
+    assert events[1].response.status == "queued" and events[1].response.background
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert client.responses.retrieve(events[0].response.id).output_text \
+        == events[-1].response.output_text
 
 
 def test_background_requires_store(client):

@@ -635,13 +635,91 @@ async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
         text.push_str(std::str::from_utf8(&chunk).unwrap());
     }
     let events = parse_sse(&text);
+    // Announced as queued, then running.
+    let statuses: Vec<(&str, &Value)> = events[..3]
+        .iter()
+        .map(|e| (e.event.as_str(), &e.data["response"]["status"]))
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            ("response.created", &json!("queued")),
+            ("response.queued", &json!("queued")),
+            ("response.in_progress", &json!("in_progress")),
+        ]
+    );
     let last = events.last().unwrap();
     assert_eq!(last.event, "response.failed");
+    assert_eq!(last.data["response"]["status"], "cancelled");
     assert_eq!(last.data["response"]["error"]["code"], "response_cancelled");
     assert_sequence_numbers(&events);
     let got = retrieve(&base, &id).await;
     assert_eq!(got["status"], "cancelled");
     fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_when_cancelled() {
+    let sim = start_sim("sim-model").await;
+    // The first run holds the only background slot: its first token never comes.
+    set_sim_fault(&sim, json!({"stall_ms": 60_000})).await;
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        None,
+        "[server]\nshutdown_grace_s = 0.2\n[background]\nmax_concurrent = 1\n",
+    ))
+    .await;
+    let base = gw.base_url();
+    let (s, busy) = create(
+        &base,
+        json!({"model": "sim-model", "input": "job", "background": true}),
+    )
+    .await;
+    assert_eq!(s, 200, "{busy}");
+    let mut resp = post_response(
+        &base,
+        &json!({"model": "sim-model", "input": "waits", "background": true, "stream": true}),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    // The client hears at once that its response exists and waits.
+    let mut text = String::new();
+    while parse_sse(&text).len() < 2 {
+        let chunk = resp.chunk().await.unwrap().expect("stream continues");
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let events = parse_sse(&text);
+    assert_eq!(events[0].event, "response.created");
+    assert_eq!(events[1].event, "response.queued");
+    assert_eq!(events[1].data["response"]["status"], "queued");
+    let id = events[0].data["response"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(retrieve(&base, &id).await["status"], "queued");
+
+    // Cancelled while it waits: the stream ends, saying so.
+    assert_eq!(cancel(&base, &id).await["status"], "cancelled");
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let events = parse_sse(&text);
+    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["response.created", "response.queued", "response.failed"]
+    );
+    assert_sequence_numbers(&events);
+    assert_eq!(events[2].data["response"]["status"], "cancelled");
+    // A follower replays the same events from the log.
+    let followed = follow(&base, &id, None).await;
+    assert_eq!(
+        followed.iter().map(|e| &e.data).collect::<Vec<_>>(),
+        events.iter().map(|e| &e.data).collect::<Vec<_>>()
+    );
+    cancel(&base, busy["id"].as_str().unwrap()).await;
+    gw.shutdown().await;
+    sim.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1228,14 +1306,13 @@ async fn a_background_response_streams_again_from_any_gateway() {
     let waiting = waiting["id"].as_str().unwrap().to_string();
     assert_eq!(cancel(&b, &waiting).await["status"], "cancelled");
     let events = follow(&b, &waiting, None).await;
+    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
     assert_eq!(
-        events.len(),
-        1,
-        "{:?}",
-        events.iter().map(|e| &e.event).collect::<Vec<_>>()
+        kinds,
+        ["response.created", "response.queued", "response.failed"]
     );
-    assert_eq!(events[0].event, "response.failed");
-    assert_eq!(events[0].data["response"]["status"], "cancelled");
+    assert_sequence_numbers(&events);
+    assert_eq!(events[2].data["response"]["status"], "cancelled");
     cancel(&a, busy["id"].as_str().unwrap()).await;
     fleet.shutdown().await;
 }
