@@ -27,7 +27,8 @@
 //! Whitespace-only text while no message is open (the newlines a tool parser passes on around
 //! calls) is held back: it opens a message only if other text follows, or if it is the whole
 //! answer, so it never becomes a message of its own between two calls.
-//! `finish_reason: "length"` ends as `incomplete` with `incomplete_details.reason =
+//! `finish_reason: "abort"` or `"error"` (vLLM: the engine aborted or failed the request) ends as
+//! `failed`, code `server_error`. `finish_reason: "length"` ends as `incomplete` with `incomplete_details.reason =
 //! "max_output_tokens"` (`content_filter` -> `"content_filter"`); items still open then get status
 //! `incomplete`. When the engine reports no `completion_tokens_details.reasoning_tokens`, the
 //! number of reasoning deltas is used as the count.
@@ -269,13 +270,25 @@ impl ResponseStream {
     }
 
     /// Closes open parts/items and ends with `response.completed`, or `response.incomplete`
-    /// when the engine stopped for length or content filtering.
+    /// when the engine stopped for length or content filtering, or `response.failed` when it
+    /// reported the request aborted or failed (`finish_reason` `abort` or `error`).
     pub fn finish(&mut self) -> Vec<SseEvent> {
         let mut events = Vec::new();
         if self.ended {
             return events;
         }
         self.start_into(&mut events);
+        // vLLM ends a request it aborted (engine shutdown or pause, an abort of the request, a
+        // failed KV transfer) or failed with these, then `[DONE]`: what came is cut short.
+        let cut_short = match self.finish_reason.as_deref() {
+            Some("abort") => Some("The engine aborted the request before it finished; retry it."),
+            Some("error") => Some("The engine failed while generating the response; retry it."),
+            _ => None,
+        };
+        if let Some(message) = cut_short {
+            events.extend(self.fail("server_error", message));
+            return events;
+        }
         if let Some(summary) = self.compaction.take() {
             if summary.trim().is_empty() {
                 // Nothing to replace the history with (e.g. the whole budget went to reasoning).

@@ -5,6 +5,8 @@
 //! - `status=503`: answer with this HTTP status and an engine-shaped error body;
 //! - `stall_ms=2000`: hold the first token back this many wall milliseconds;
 //! - `cut_after=3`: drop the connection after 3 SSE chunks (non-streaming: before the body);
+//! - `abort_after=3` (streaming): after 3 SSE chunks end the request as vLLM ends one it aborts:
+//!   a chunk with `finish_reason: "abort"`, the usage chunk if asked for, `data: [DONE]`;
 //! - `slow=4`: run 4x slower (global: every engine step; per request: its token delivery);
 //! - `unhealthy=true` (global only): `/health` answers 503.
 
@@ -25,6 +27,9 @@ pub struct FaultSpec {
     /// Cut the stream after this many chunks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cut_after: Option<usize>,
+    /// End the stream with `finish_reason: "abort"` after this many chunks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abort_after: Option<usize>,
     /// Slow-down factor (>= 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slow: Option<f64>,
@@ -44,12 +49,15 @@ impl FaultSpec {
         {
             let (key, raw) = part.split_once('=').unwrap_or((part, "true"));
             let bad = || {
-                format!("x-sim-fault: cannot parse `{part}`; use status=503, stall_ms=N, cut_after=N, slow=F or unhealthy")
+                format!("x-sim-fault: cannot parse `{part}`; use status=503, stall_ms=N, cut_after=N, abort_after=N, slow=F or unhealthy")
             };
             match key.trim() {
                 "status" => spec.status = Some(raw.trim().parse().map_err(|_| bad())?),
                 "stall_ms" => spec.stall_ms = Some(raw.trim().parse().map_err(|_| bad())?),
                 "cut_after" => spec.cut_after = Some(raw.trim().parse().map_err(|_| bad())?),
+                "abort_after" => {
+                    spec.abort_after = Some(raw.trim().parse().map_err(|_| bad())?);
+                }
                 "slow" => spec.slow = Some(raw.trim().parse().map_err(|_| bad())?),
                 "unhealthy" => spec.unhealthy = raw.trim().parse().map_err(|_| bad())?,
                 _ => return Err(bad()),
@@ -64,6 +72,7 @@ impl FaultSpec {
             status: request.status.or(self.status),
             stall_ms: request.stall_ms.or(self.stall_ms),
             cut_after: request.cut_after.or(self.cut_after),
+            abort_after: request.abort_after.or(self.abort_after),
             slow: request.slow,
             unhealthy: self.unhealthy || request.unhealthy,
         }

@@ -32,7 +32,7 @@
 //! status=503,stall_ms=200,cut_after=3,slow=4`, or for all requests with `POST /sim/faults` and a
 //! JSON body `{"status":503,"stall_ms":200,"cut_after":3,"slow":4,"unhealthy":true}` (cleared by
 //! `DELETE /sim/faults`, read by `GET /sim/faults`); see [`faults`]. `unhealthy` makes `/health`
-//! answer 503. `POST /reset_prefix_cache` (vLLM) or `/flush_cache` (SGLang) empties the cache.
+//! answer 503; `abort_after` ends a stream the way vLLM ends an aborted request. `POST /reset_prefix_cache` (vLLM) or `/flush_cache` (SGLang) empties the cache.
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {

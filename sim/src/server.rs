@@ -838,6 +838,7 @@ fn stream_response(
     tokio::spawn(async move {
         let mut pacer = Pacer::new(&state, &prepared.faults);
         let cut_after = prepared.faults.cut_after;
+        let abort_after = prepared.faults.abort_after;
         let mut sent = 0usize;
         let mut generated = 0usize;
         let total = prepared.plan.pieces.len();
@@ -864,6 +865,13 @@ fn stream_response(
                     }
                     let end = (generated + count).min(total);
                     for index in generated..end {
+                        if abort_after.is_some_and(|after| sent >= after) {
+                            // The engine aborts the request: what it made so far counts.
+                            let choice = json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": "abort", "stop_reason": null});
+                            send!(chunk(&prepared, state.created, choice));
+                            generated = index;
+                            break;
+                        }
                         let Some((channel, text)) = prepared.plan.pieces.get(index) else {
                             break;
                         };
@@ -872,6 +880,9 @@ fn stream_response(
                         if let Some(choice) = piece_choice(&prepared, *channel, text, finish) {
                             send!(chunk(&prepared, state.created, choice));
                         }
+                    }
+                    if abort_after.is_some_and(|after| sent > after) {
+                        break 0;
                     }
                     generated = end;
                 }
@@ -1047,7 +1058,7 @@ async fn set_faults(State(state): State<Shared>, body: Result<Bytes, BytesReject
         Err(e) => error_response(
             flavor,
             StatusCode::BAD_REQUEST,
-            &format!("fault spec not understood: {e}; fields: status, stall_ms, cut_after, slow, unhealthy"),
+            &format!("fault spec not understood: {e}; fields: status, stall_ms, cut_after, abort_after, slow, unhealthy"),
             None,
         ),
     }

@@ -433,6 +433,35 @@ async fn input_items_paginate_over_the_whole_conversation() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_engine_aborts_fails_rather_than_completes() {
+    let sim = start_sim("sim-model").await;
+    // vLLM's way: a last chunk with finish_reason "abort", then [DONE].
+    set_sim_fault(&sim, json!({"abort_after": 3})).await;
+    let fleet = Fleet::over(vec![sim]).start().await;
+    let base = fleet.base_url();
+    let resp = post_response(&base, &json!({"model": "sim-model", "input": "cut short", "stream": true, "max_output_tokens": 64})).await;
+    assert_eq!(resp.status(), 200);
+    let events = read_sse(resp).await;
+    assert_sequence_numbers(&events);
+    let last = events.last().expect("events");
+    assert_eq!(last.event, "response.failed");
+    let response = &last.data["response"];
+    assert_eq!(response["status"], "failed");
+    assert_eq!(response["error"]["code"], "server_error");
+    // What arrived is kept, marked incomplete, and nothing chains on it as an answer.
+    assert_eq!(response["output"][0]["status"], "incomplete", "{response}");
+    let id = response["id"].as_str().unwrap();
+    assert_eq!(retrieve(&base, id).await["status"], "failed");
+    let (s, e) = create(
+        &base,
+        json!({"model": "sim-model", "input": "cut short too", "max_output_tokens": 64}),
+    )
+    .await;
+    assert_eq!((s, &e["error"]["code"]), (502, &json!("upstream_error")));
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_failing_mid_stream_ends_with_response_failed() {
     let sim = start_sim("sim-model").await;
     set_sim_fault(&sim, json!({"cut_after": 3})).await;
