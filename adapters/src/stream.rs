@@ -387,6 +387,12 @@ impl ResponseStream {
         &self.output
     }
 
+    /// Whether the engine reported the request's usage (the response's `usage` is then the
+    /// engine's count; otherwise zeros).
+    pub fn reports_usage(&self) -> bool {
+        self.engine_usage.is_some()
+    }
+
     /// True once `finish` or `fail` has produced the terminal event.
     pub fn is_finished(&self) -> bool {
         self.ended

@@ -9,11 +9,10 @@
 //! Two kinds of series:
 //!
 //! - **events**, counted as they happen through [`Metrics`]' methods: responses by how they
-//!   ended (`agentgate_responses_total{pool,status,code}`: `completed`, `incomplete` or
-//!   `failed`, with a failure's error code: the engine failure's, `store_unavailable`,
-//!   `compaction_failed`,
-//!   `server_shutdown`, or `response_cancelled` for a cancelled background run; empty
-//!   otherwise), routing decisions and
+//!   ended (`agentgate_responses_total{pool,status,code}`: `completed`, `incomplete`,
+//!   `cancelled` or `failed`, with a failure's error code: the engine failure's,
+//!   `store_unavailable`, `compaction_failed`, `server_shutdown`, or `client_disconnected` for
+//!   a turn nobody could read later whose client left; empty otherwise), routing decisions and
 //!   their reason, session pin moves and their cause, discovery reloads, endpoint health
 //!   transitions, probe failures and probe latency, config reloads, response writes the store
 //!   refused (`agentgate_store_write_errors_total`, each try), rate-limit store errors. The

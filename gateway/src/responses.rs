@@ -591,13 +591,15 @@ async fn run(
     let reason = (in_flight.reason, in_flight.pin_moved);
     if req.stream {
         let (tx, rx) = mpsc::channel(256);
+        let stops = turn::StopSignals::shutdown_only(state.stopping.subscribe())
+            .until_client_leaves(&turn, &tx);
         tokio::spawn(turn::drive(
             state.clone(),
             turn,
             chunks,
             in_flight,
             Some(tx),
-            Some(turn::StopSignals::shutdown_only(state.stopping.subscribe())),
+            Some(stops),
         ));
         let resp = with_reason(sse_response(rx, Some(&endpoint)), reason);
         return Ok(Started::Answered(with_headers(resp, flow_headers)));
@@ -607,15 +609,23 @@ async fn run(
         true => turn.history.clone(),
         false => Vec::new(),
     };
+    // Held while the client waits: a client that leaves drops this handler, and with it
+    // `waiting`, which stops a turn nobody could read later.
+    let (client, waiting) = mpsc::channel(1);
+    let stops = turn::StopSignals::shutdown_only(state.stopping.subscribe())
+        .until_client_leaves(&turn, &client);
+    drop(client);
     let task = tokio::spawn(turn::drive(
         state.clone(),
         turn,
         chunks,
         in_flight,
         None,
-        Some(turn::StopSignals::shutdown_only(state.stopping.subscribe())),
+        Some(stops),
     ));
-    let response = task.await.map_err(|e| {
+    let response = task.await;
+    drop(waiting);
+    let response = response.map_err(|e| {
         HttpError::server(
             500,
             format!("the response task failed: {e}"),

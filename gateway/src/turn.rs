@@ -1079,7 +1079,8 @@ impl Sink {
     /// one that stopped reading holds the turn: the first is noticed at the next send; the
     /// second once its connection's buffers stay full for the stall timeout, or at once when
     /// the turn is stopped (cancel, shutdown). Either way the client is dropped (its stream
-    /// ends) and the turn runs on to its end and is stored as usual.
+    /// ends) and the turn runs on to its end and is stored as usual (one that would not be
+    /// kept stops when its client goes: [`StopSignals::until_client_leaves`]).
     async fn emit(&mut self, events: Vec<SseEvent>) {
         for ev in &events {
             let Some(tx) = self.tx.as_ref() else {
@@ -1199,6 +1200,11 @@ async fn drive_announced(
                     }
                 }
                 let events = rs.on_chunk(&chunk);
+                if rs.is_finished() {
+                    // An error the engine sent in its stream: the terminal event goes out once
+                    // the response is stored, like any other.
+                    break events;
+                }
                 sink.send(&state, events, false).await;
             }
             Some(Err(e)) => {
@@ -1211,6 +1217,9 @@ async fn drive_announced(
             None => break rs.finish(),
         }
     };
+    // Whatever the engine would still send is not wanted: a stopped or failed turn releases
+    // its engine request now, not after the store write.
+    drop(chunks);
     let mut response = rs.response().clone();
     let status = response
         .get("status")
@@ -1249,7 +1258,11 @@ async fn drive_announced(
     drop(routed);
     drop(turn.background_slot.take());
     if let Some(permit) = turn.permit.take() {
-        flow::finish(permit, &response);
+        match rs.reports_usage() {
+            true => flow::finish(permit, &response),
+            // Cut short before the engine counted it: charged at its estimate, not as free.
+            false => drop(permit),
+        }
     }
     let stored = persist(&state, &turn, &response, rs.output_items()).await;
     let mut terminal = terminal;
@@ -1523,6 +1536,9 @@ pub enum Stop {
     Cancelled,
     /// The gateway is shutting down and `[background] shutdown_grace_s` has run out.
     Shutdown,
+    /// The client of a turn whose result nobody could read later (not stored, in no
+    /// conversation) went away.
+    ClientGone,
 }
 
 /// Code of a turn ended by the gateway's shutdown.
@@ -1534,6 +1550,7 @@ impl Stop {
         match self {
             Stop::Cancelled => "response_cancelled",
             Stop::Shutdown => SHUTDOWN_CODE,
+            Stop::ClientGone => "client_disconnected",
         }
     }
 
@@ -1541,7 +1558,7 @@ impl Stop {
     fn end(self, rs: &mut ResponseStream) -> Vec<SseEvent> {
         match self {
             Stop::Cancelled => rs.cancel(self.code(), self.message()),
-            Stop::Shutdown => rs.fail(self.code(), self.message()),
+            Stop::Shutdown | Stop::ClientGone => rs.fail(self.code(), self.message()),
         }
     }
 
@@ -1551,6 +1568,10 @@ impl Stop {
             Stop::Cancelled => "The response was cancelled.",
             Stop::Shutdown => {
                 "The gateway running this response shut down before it finished. Create it again."
+            }
+            Stop::ClientGone => {
+                "The client disconnected before the response finished; it was not stored, so the \
+                 engine request was stopped."
             }
         }
     }
@@ -1562,6 +1583,8 @@ impl Stop {
 pub struct StopSignals {
     cancel: Option<watch::Receiver<bool>>,
     shutdown: watch::Receiver<bool>,
+    /// Closed when the client goes away, for a turn that stops then ([`Stop::ClientGone`]).
+    client: Option<mpsc::Sender<Bytes>>,
 }
 
 impl StopSignals {
@@ -1570,6 +1593,7 @@ impl StopSignals {
         StopSignals {
             cancel: Some(cancel),
             shutdown,
+            client: None,
         }
     }
 
@@ -1578,7 +1602,18 @@ impl StopSignals {
         StopSignals {
             cancel: None,
             shutdown,
+            client: None,
         }
+    }
+
+    /// Also stop when `client`'s receiving end is dropped (the client went away), if `turn`'s
+    /// result could not be read later anyway: not stored and in no conversation. Generating
+    /// it for nobody would hold an engine slot and the team's admission for its whole length.
+    pub fn until_client_leaves(mut self, turn: &Turn, client: &mpsc::Sender<Bytes>) -> Self {
+        if !turn.store && turn.conversation.is_none() && !turn.background {
+            self.client = Some(client.clone());
+        }
+        self
     }
 
     /// Resolves when a signal is raised (a dropped cancel sender counts as a cancel).
@@ -1591,9 +1626,16 @@ impl StopSignals {
                 None => std::future::pending::<()>().await,
             }
         };
+        let client = async {
+            match self.client.as_ref() {
+                Some(client) => client.closed().await,
+                None => std::future::pending::<()>().await,
+            }
+        };
         tokio::select! {
             _ = cancel => Stop::Cancelled,
             Ok(_) = self.shutdown.wait_for(|s| *s) => Stop::Shutdown,
+            () = client => Stop::ClientGone,
         }
     }
 }
@@ -1603,7 +1645,8 @@ impl StopSignals {
 /// waiting).
 async fn stop_queued(state: &AppState, turn: &Turn, mut announced: Announced, stop: Stop) {
     match stop {
-        Stop::Shutdown => {
+        // (A background run does not stop when a client leaves.)
+        Stop::Shutdown | Stop::ClientGone => {
             let err = HttpError::server(503, stop.message(), stop.code());
             fail_background(state, turn, announced, &err).await;
         }

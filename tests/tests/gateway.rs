@@ -751,6 +751,72 @@ async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_whe
     sim.shutdown().await;
 }
 
+/// `vllm:num_requests_running` as `sim` reports it.
+async fn running_on(sim: &str) -> f64 {
+    let text = metrics_text(sim).await;
+    text.lines()
+        .find(|l| l.starts_with("vllm:num_requests_running"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .expect("vllm:num_requests_running")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_nobody_can_read_later_stops_when_its_client_leaves() {
+    // 200 ms per token: a 4000-token answer would take minutes.
+    let sim = slow_sim(200.0).await;
+    let sim_url = sim.base_url();
+    let fleet = Fleet::over(vec![sim]).start().await;
+    let base = fleet.base_url();
+    let pool = fleet.pool();
+    let long = |stream| json!({"model": "sim-model", "input": "a long answer", "store": false, "stream": stream, "max_output_tokens": 4000});
+    let idle = |pool: &std::sync::Arc<agentgate::pools::Pool>| {
+        pool.endpoints().iter().all(|e| e.in_flight_requests() == 0)
+    };
+
+    // Streamed: the client reads the first words, then goes.
+    let mut resp = post_response(&base, &long(true)).await;
+    let mut text = String::new();
+    while !text.contains("response.output_text.delta") {
+        let chunk = resp.chunk().await.unwrap().expect("stream continues");
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    drop(resp);
+    eventually("the gateway lets the turn go", || idle(&pool)).await;
+    let mut running = running_on(&sim_url).await;
+    for _ in 0..500 {
+        if running == 0.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        running = running_on(&sim_url).await;
+    }
+    assert_eq!(running, 0.0, "the engine request was not dropped");
+
+    // Not streamed: the client stops waiting.
+    let gave_up = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_millis(500))
+        .build()
+        .unwrap()
+        .post(format!("{base}/v1/responses"))
+        .json(&long(false))
+        .send()
+        .await;
+    assert!(gave_up.is_err());
+    eventually("the gateway lets the turn go", || idle(&pool)).await;
+    let ended = metrics_text(&base).await;
+    assert!(
+        ended.contains("code=\"client_disconnected\"} 2"),
+        "{}",
+        ended
+            .lines()
+            .filter(|l| l.contains("client_disconnected"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_context() {
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
