@@ -1264,11 +1264,24 @@ async fn drive_announced(
             false => drop(permit),
         }
     }
-    let stored = persist(&state, &turn, &response, rs.output_items()).await;
+    let persisted = persist(&state, &turn, &response, rs.output_items()).await;
     let mut terminal = terminal;
-    if !stored && !turn.background {
+    match persisted {
         // The client would get an id it cannot retrieve or continue from: say so instead.
-        fail_unstored(&mut response, &mut terminal);
+        Persisted::Failed if !turn.background => fail_unstored(&mut response, &mut terminal),
+        // Cancelled as it ended (or by a gateway replica with no signal to this run): the
+        // stream and the log end as the record says.
+        Persisted::Discarded => {
+            let stop = Stop::Cancelled;
+            rewrite_terminal(
+                &mut response,
+                &mut terminal,
+                "cancelled",
+                stop.code(),
+                stop.message(),
+            );
+        }
+        _ => {}
     }
     state.metrics.response_ended(&turn.pool.name, &response);
     if turn.plan.compaction {
@@ -1284,13 +1297,28 @@ pub const UNSTORED_CODE: &str = "store_unavailable";
 /// Turn a finished `response` and its terminal event into a failure: the store could not keep
 /// it, so its id can be neither retrieved nor continued (`previous_response_id`).
 fn fail_unstored(response: &mut Value, terminal: &mut [agentgate_adapters::SseEvent]) {
-    response["status"] = Value::from("failed");
+    rewrite_terminal(
+        response,
+        terminal,
+        "failed",
+        UNSTORED_CODE,
+        "The response was generated but the conversation store could not keep it, so its id \
+         cannot be retrieved or continued. Retry the request.",
+    );
+}
+
+/// End a finished `response` and its terminal event as `response.failed` with `status` and
+/// an error of `code` and `message`.
+fn rewrite_terminal(
+    response: &mut Value,
+    terminal: &mut [agentgate_adapters::SseEvent],
+    status: &str,
+    code: &str,
+    message: &str,
+) {
+    response["status"] = Value::from(status);
     response["incomplete_details"] = Value::Null;
-    response["error"] = serde_json::json!({
-        "code": UNSTORED_CODE,
-        "message": "The response was generated but the conversation store could not keep it, \
-                    so its id cannot be retrieved or continued. Retry the request.",
-    });
+    response["error"] = serde_json::json!({"code": code, "message": message});
     if let Some(last) = terminal.last_mut() {
         last.event = "response.failed".into();
         last.data["type"] = Value::from("response.failed");
@@ -1298,9 +1326,25 @@ fn fail_unstored(response: &mut Value, terminal: &mut [agentgate_adapters::SseEv
     }
 }
 
+/// What became of a finished response's write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Persisted {
+    /// Stored (or nothing to store).
+    Stored,
+    /// A background response cancelled or deleted meanwhile: its result was discarded.
+    Discarded,
+    /// The store did not take it.
+    Failed,
+}
+
 /// Store the finished response (or update the background record in place), trying again while
-/// the store fails (`retry_pause`). False when it could not be stored.
-pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[Value]) -> bool {
+/// the store fails (`retry_pause`).
+pub async fn persist(
+    state: &AppState,
+    turn: &Turn,
+    response: &Value,
+    output: &[Value],
+) -> Persisted {
     // A finished turn in a conversation adds its items to it (a failed one adds nothing).
     let joins = turn.conversation.is_some()
         && matches!(
@@ -1310,20 +1354,20 @@ pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[
     let mut stored = !turn.store;
     let mut joined = !joins;
     if stored && joined {
-        return true;
+        return Persisted::Stored;
     }
     let mut stopping = state.stopping.subscribe();
     let mut failures = 0;
     loop {
-        let Err(e) = persist_steps(state, turn, response, output, &mut stored, &mut joined).await
-        else {
-            return true;
+        let e = match persist_steps(state, turn, response, output, &mut stored, &mut joined).await {
+            Ok(persisted) => return persisted,
+            Err(e) => e,
         };
         failures += 1;
         state.metrics.store_write_errors.inc([]);
         let Some(pause) = retry_pause(turn.background, failures) else {
             tracing::error!(response = %turn.id, tries = failures, "could not store the response: {e}");
-            return false;
+            return Persisted::Failed;
         };
         tracing::warn!(response = %turn.id, tries = failures, "could not store the response ({e}); retrying in {pause:?}");
         if !turn.background {
@@ -1334,7 +1378,7 @@ pub async fn persist(state: &AppState, turn: &Turn, response: &Value, output: &[
             () = tokio::time::sleep(pause) => {}
             _ = stopping.wait_for(|stop| *stop) => {
                 tracing::error!(response = %turn.id, tries = failures, "could not store the response before shutdown: {e}");
-                return false;
+                return Persisted::Failed;
             }
         }
     }
@@ -1362,7 +1406,8 @@ fn retry_pause(background: bool, failures: u32) -> Option<Duration> {
 /// The writes of [`persist`] still to do: the response (`stored`), then the conversation's new
 /// items (`joined`); each flag is set once its write has landed, so a retry does not repeat it
 /// (and the store adds one response's items to a conversation once, should a write land whose
-/// reply was lost). A background response cancelled meanwhile adds nothing.
+/// reply was lost). A background response cancelled meanwhile adds nothing, and is
+/// [`Persisted::Discarded`].
 async fn persist_steps(
     state: &AppState,
     turn: &Turn,
@@ -1370,7 +1415,8 @@ async fn persist_steps(
     output: &[Value],
     stored: &mut bool,
     joined: &mut bool,
-) -> Result<(), agentgate_sessions::StoreError> {
+) -> Result<Persisted, agentgate_sessions::StoreError> {
+    let mut persisted = Persisted::Stored;
     if !*stored {
         let applied = persist_once(state, turn, response, output).await?;
         if !applied {
@@ -1383,6 +1429,7 @@ async fn persist_steps(
                 .is_some_and(|record| record.response == *response);
             if !landed {
                 *joined = true;
+                persisted = Persisted::Discarded;
             }
         }
         *stored = true;
@@ -1406,7 +1453,7 @@ async fn persist_steps(
         }
         *joined = true;
     }
-    Ok(())
+    Ok(persisted)
 }
 
 /// Write the response; false when a background response was cancelled (or deleted) meanwhile

@@ -688,6 +688,42 @@ async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() {
+    // 100 ms per token: the cancel lands mid-run, on the gateway that does not run it.
+    let fleet = Fleet::over(vec![slow_sim(100.0).await])
+        .shared_memory()
+        .gateways(2)
+        .start()
+        .await;
+    let (a, b) = (
+        fleet.gateways()[0].base_url(),
+        fleet.gateways()[1].base_url(),
+    );
+    let mut resp = post_response(&a, &json!({"model": "sim-model", "input": "a streamed job", "background": true, "stream": true, "max_output_tokens": 30})).await;
+    let mut text = String::new();
+    while !text.contains("response.output_text.delta") {
+        let chunk = resp.chunk().await.unwrap().expect("stream continues");
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let id = parse_sse(&text)[0].data["response"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(cancel(&b, &id).await["status"], "cancelled");
+    // The run on `a` has no signal: it runs to its end, and then ends as the record says.
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let events = parse_sse(&text);
+    assert_sequence_numbers(&events);
+    let last = events.last().unwrap();
+    assert_eq!(last.event, "response.failed");
+    assert_eq!(last.data["response"]["status"], "cancelled");
+    assert_eq!(retrieve(&a, &id).await["status"], "cancelled");
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_when_cancelled() {
     let sim = start_sim("sim-model").await;
     // The first run holds the only background slot: its first token never comes.
