@@ -192,6 +192,7 @@ async fn prepare(
                 .await
                 .map_err(store_error)?
                 .ok_or_else(|| previous_not_found(prev))?;
+            previous_answered(prev, &h.status)?;
             (h.items, Some(h.root_id))
         }
         (None, None) => (Vec::new(), None),
@@ -417,6 +418,24 @@ struct Finished {
     flow_headers: Vec<(&'static str, String)>,
     /// A compaction turn's history (empty for other turns).
     history: Vec<Value>,
+}
+
+/// A turn continues from a previous response's answer: one still queued or running has none
+/// yet, and a failed or cancelled one has none to go on from (a failed one may end in a tool
+/// call cut short).
+fn previous_answered(id: &str, status: &str) -> Result<(), HttpError> {
+    let why = match status {
+        "queued" | "in_progress" => "has not finished yet; continue from it once it has",
+        "failed" | "cancelled" => {
+            "has no answer to continue from; continue from the response before it, or retry it"
+        }
+        _ => return Ok(()),
+    };
+    Err(HttpError::invalid(
+        format!("Previous response '{id}' is {status}: it {why}."),
+        Some("previous_response_id"),
+        Some("invalid_value"),
+    ))
 }
 
 /// A failed non-streamed response as the HTTP error it is: 503 when the store could not keep

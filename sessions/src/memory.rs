@@ -615,6 +615,7 @@ impl Store for MemoryStore {
         let mut walked = 0usize;
         let mut root_id = id.to_string();
         let mut chain = Vec::new();
+        let mut status = String::new();
         while let Some(current) = next.take() {
             let Some(entry) = records.live_mut(team, &current, now) else {
                 if walked == 0 {
@@ -633,6 +634,9 @@ impl Store for MemoryStore {
                 });
             }
             entry.expires_at = expires_at;
+            if walked == 1 {
+                status = entry.rec.status().to_string();
+            }
             reversed.extend(entry.rec.output_items.iter().rev().cloned());
             reversed.extend(entry.rec.input_items.iter().rev().cloned());
             next = entry.rec.previous_response_id.clone();
@@ -646,6 +650,7 @@ impl Store for MemoryStore {
         Ok(Some(History {
             items: reversed,
             root_id,
+            status,
         }))
     }
 

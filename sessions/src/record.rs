@@ -44,6 +44,8 @@ pub struct History {
     /// Id of the oldest response walked: the chain's root, or the oldest response still stored
     /// when the beginning has expired or been deleted.
     pub root_id: String,
+    /// `status` of the newest response, the one asked for (`completed`, `in_progress`, ...).
+    pub status: String,
 }
 
 impl ResponseRecord {

@@ -791,6 +791,18 @@ pub async fn response_suite<S: Store>(store: &S) {
         Some("resp_1".to_string()),
         "the chain's root names the conversation"
     );
+    // The status is the newest response's, whatever its predecessors'.
+    let mut running = record(a, "resp_running", Some("resp_3"), 40);
+    running.response["status"] = json!("in_progress");
+    one!("put", store.put(&running));
+    assert_eq!(
+        one!("history status", store.history(a, "resp_running")).map(|h| h.status),
+        Some("in_progress".to_string())
+    );
+    assert_eq!(
+        one!("history status", store.history(a, "resp_3")).map(|h| h.status),
+        Some("completed".to_string())
+    );
     assert_eq!(
         one!("history other team", store.history(b, "resp_3")).map(|h| h.items),
         None

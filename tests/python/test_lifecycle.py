@@ -85,12 +85,20 @@ def test_cancel_background_response(slow_gateway):
     r = client.responses.create(model=MODEL, input="Write a very long story.", background=True,
                                 max_output_tokens=4000)
     assert r.status in ("queued", "in_progress")
+    # Nothing to continue from while it runs, nor once it is cancelled.
+    with pytest.raises(openai.BadRequestError) as running:
+        client.responses.create(model=MODEL, input="and then?", previous_response_id=r.id)
+    assert running.value.param == "previous_response_id"
     cancelled = client.responses.cancel(r.id)
     assert cancelled.id == r.id
     assert cancelled.status == "cancelled"
     assert client.responses.retrieve(r.id).status == "cancelled"
     # Cancelling again is idempotent.
     assert client.responses.cancel(r.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError) as gone:
+        client.responses.create(model=MODEL, input="and then?", previous_response_id=r.id)
+    assert gone.value.param == "previous_response_id"
+    assert "cancelled" in gone.value.message
 
 
 def test_cancel_of_foreground_response_is_rejected(client):

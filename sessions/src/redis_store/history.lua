@@ -6,8 +6,8 @@
 -- ARGV[4]: longest chain accepted; longer means a cycle
 -- ARGV[5]: id of the newest response (KEYS[1] without the prefix)
 -- Returns nil if KEYS[1] is missing or another team's; otherwise the id of the oldest response
--- walked (the chain's root) followed by the JSON blobs [input_1, output_1, ..., input_n,
--- output_n]. The walk stops at the first predecessor that is missing (expired or deleted) or
+-- walked (the chain's root), the status of KEYS[1]'s response, then the JSON blobs [input_1,
+-- output_1, ..., input_n, output_n]. The walk stops at the first predecessor that is missing (expired or deleted) or
 -- owned by another team.
 local team = ARGV[1]
 local prefix = ARGV[2]
@@ -16,10 +16,11 @@ local max_len = tonumber(ARGV[4])
 
 local key = KEYS[1]
 local root = ARGV[5]
-local fields = redis.call('HMGET', key, 'team', 'prev', 'input', 'output')
+local fields = redis.call('HMGET', key, 'team', 'prev', 'input', 'output', 'status')
 if fields[1] ~= team then
   return false
 end
+local status = fields[5] or ''
 
 local reversed = {}
 local walked = 0
@@ -43,7 +44,7 @@ while true do
   root = prev
 end
 
-local blobs = {root}
+local blobs = {root, status}
 for i = #reversed, 1, -1 do
   blobs[#blobs + 1] = reversed[i]
 end

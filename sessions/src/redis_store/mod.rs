@@ -478,6 +478,12 @@ impl Store for RedisStore {
         let Some((root, blobs)) = blobs.as_deref().and_then(<[Vec<u8>]>::split_first) else {
             return Ok(None);
         };
+        let Some((status, blobs)) = blobs.split_first() else {
+            return Err(StoreError::Corrupt {
+                id: id.to_string(),
+                reason: "the history script returned no status".into(),
+            });
+        };
         let mut items = Vec::new();
         for blob in blobs {
             let part: Vec<Value> = decode(id, "input/output of a predecessor", blob)?;
@@ -486,6 +492,7 @@ impl Store for RedisStore {
         Ok(Some(History {
             items,
             root_id: String::from_utf8_lossy(root).into_owned(),
+            status: String::from_utf8_lossy(status).into_owned(),
         }))
     }
 
