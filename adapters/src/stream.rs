@@ -393,6 +393,17 @@ impl ResponseStream {
         self.engine_usage.is_some()
     }
 
+    /// The cached prompt tokens the engine reported (`usage.prompt_tokens_details.cached_tokens`),
+    /// `None` when it reported none: vLLM and SGLang leave the field out when nothing was
+    /// cached, and always unless started with `--enable-prompt-tokens-details` /
+    /// `--enable-cache-report`. The response's own `usage` says 0 then.
+    pub fn engine_cached_tokens(&self) -> Option<u64> {
+        self.engine_usage
+            .as_ref()?
+            .pointer("/prompt_tokens_details/cached_tokens")?
+            .as_u64()
+    }
+
     /// True once `finish` or `fail` has produced the terminal event.
     pub fn is_finished(&self) -> bool {
         self.ended

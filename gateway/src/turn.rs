@@ -1234,11 +1234,10 @@ async fn drive_announced(
         compaction = turn.plan.compaction,
         "turn finished"
     );
-    if status == "completed" || status == "incomplete" {
-        let cached = response
-            .pointer("/usage/input_tokens_details/cached_tokens")
-            .and_then(Value::as_u64)
-            .unwrap_or(0);
+    // What the engine served from cache corrects the prefix index and times its prefill; an
+    // engine that does not report it leaves both as they are.
+    let cached = endpoint.cached_tokens(rs.engine_cached_tokens());
+    if let (true, Some(cached)) = (status == "completed" || status == "incomplete", cached) {
         turn.pool
             .picker
             .completed(routed.slot, &routed.prefix, routed.matched_chunks, cached);

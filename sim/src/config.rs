@@ -76,6 +76,11 @@ pub struct SimConfig {
     /// (vLLM: lower first; SGLang: higher first) and preempts the lowest priority first.
     #[arg(long, value_enum, default_value_t = SchedulingPolicyArg::Fcfs)]
     pub scheduling_policy: SchedulingPolicyArg,
+    /// Report a request's cached prompt tokens (`usage.prompt_tokens_details.cached_tokens`,
+    /// left out when there are none) as vLLM started with `--enable-prompt-tokens-details`
+    /// does, or SGLang with `--enable-cache-report`; `false`: never, as both do by default.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub prompt_tokens_details: bool,
     /// Prefill throughput: uncached prompt tokens processed per simulated second.
     #[arg(long, default_value_t = 20000.0)]
     pub prefill_tokens_per_s: f64,

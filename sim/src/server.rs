@@ -636,13 +636,18 @@ impl Pacer {
     }
 }
 
-fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
-    json!({
+/// A request's `usage`; `prompt_tokens_details` only when the engine reports cached tokens
+/// (`--prompt-tokens-details`) and there are some, as vLLM and SGLang do.
+fn usage(config: &SimConfig, prompt: usize, completion: usize, cached: usize) -> Value {
+    let mut usage = json!({
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    })
+    });
+    if config.prompt_tokens_details && cached > 0 {
+        usage["prompt_tokens_details"] = json!({"cached_tokens": cached});
+    }
+    usage
 }
 
 async fn complete_response(
@@ -690,7 +695,7 @@ async fn complete_response(
         }),
         _ => Value::Null,
     };
-    let usage = usage(prepared.tokens.len(), generated, cached);
+    let usage = usage(&state.config, prepared.tokens.len(), generated, cached);
     let body = match prepared.api {
         Api::Chat => {
             let content = plan.text(Channel::Content, generated);
@@ -904,7 +909,7 @@ fn stream_response(
         if prepared.include_usage {
             let mut last = chunk(&prepared, state.created, Value::Null);
             last["choices"] = json!([]);
-            last["usage"] = usage(prepared.tokens.len(), generated, cached);
+            last["usage"] = usage(&state.config, prepared.tokens.len(), generated, cached);
             send!(last);
         }
         if cut_after.is_some_and(|cut| sent >= cut) {

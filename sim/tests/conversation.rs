@@ -99,9 +99,11 @@ fn usage(response: &Value) -> (u64, u64, u64) {
         usage["completion_tokens"]
             .as_u64()
             .expect("completion_tokens"),
-        usage["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .expect("cached_tokens"),
+        // Left out when nothing was cached, as vLLM does.
+        match &usage["prompt_tokens_details"] {
+            Value::Null => 0,
+            details => details["cached_tokens"].as_u64().expect("cached_tokens"),
+        },
     )
 }
 

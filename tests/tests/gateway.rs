@@ -933,6 +933,74 @@ async fn prefix_policy_keeps_a_conversation_where_its_cache_is() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_does_not_report_cached_tokens_leaves_the_prefix_index_alone() {
+    // Held chunks of the one endpoint after each of: conversation A, conversation B, A's next
+    // turn (which the index predicts mostly cached), all stateless.
+    async fn held_after_a_b_a(reports: bool) -> (Fleet, [usize; 3]) {
+        let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+            listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            model: "sim-model".into(),
+            time_scale: 0.0,
+            prompt_tokens_details: reports,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let fleet = Fleet::over(vec![sim]).policy("prefix").start().await;
+        let base = fleet.base_url();
+        let index = fleet.pool();
+        let index = index.picker.prefix_index().expect("prefix policy");
+        let turn = |system: &str, turns: usize| {
+            let input: Vec<Value> = (0..turns)
+                .map(|t| json!({"role": "user", "content": format!("step {t}")}))
+                .collect();
+            json!({"model": "sim-model", "instructions": system.repeat(200), "input": input,
+                   "store": false, "max_output_tokens": 16})
+        };
+        let mut held = [0; 3];
+        for (i, body) in [
+            turn("Conversation A reads files. ", 1),
+            turn("Conversation B writes tests. ", 1),
+            turn("Conversation A reads files. ", 2),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (s, r) = create(&base, body).await;
+            assert_eq!(s, 200, "{r}");
+            held[i] = index.held_chunks(0);
+        }
+        (fleet, held)
+    }
+
+    // Silent engine: its silence says nothing, so nothing is forgotten.
+    let (fleet, [_, b, a2]) = held_after_a_b_a(false).await;
+    assert!(a2 >= b, "chunks forgotten on no evidence: {b} then {a2}");
+    fleet.shutdown().await;
+
+    // An engine that reports: once it has, its silence means nothing was cached. After its
+    // cache is emptied, A's next turn finds nothing, and the index forgets what it over-counted.
+    let (fleet, [_, _, a2]) = held_after_a_b_a(true).await;
+    let sim = fleet.sims()[0].base_url();
+    let reset = client()
+        .post(format!("{sim}/reset_prefix_cache"))
+        .send()
+        .await
+        .unwrap();
+    assert!(reset.status().is_success());
+    let base = fleet.base_url();
+    let (s, r) = create(&base, json!({"model": "sim-model", "instructions": "Conversation A reads files. ".repeat(200),
+        "input": [{"role": "user", "content": "step 0"}, {"role": "user", "content": "step 1"}, {"role": "user", "content": "step 2"}],
+        "store": false, "max_output_tokens": 16})).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["usage"]["input_tokens_details"]["cached_tokens"], 0);
+    let pool = fleet.pool();
+    let after = pool.picker.prefix_index().unwrap().held_chunks(0);
+    assert!(after < a2, "nothing forgotten: {a2} then {after}");
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
     let redis = TestRedis::start();
     let prefix = unique_prefix("session_pins");
