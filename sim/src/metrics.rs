@@ -376,6 +376,31 @@ pub fn render(flavor: Flavor, model: &str, stats: &Stats, gauges: Gauges) -> Str
                 l,
                 stats.requests_finished as f64,
             );
+            scalar(
+                &mut out,
+                "counter",
+                "sglang:num_retracted_requests_total",
+                "Number of retracted requests.",
+                l,
+                stats.preemptions as f64,
+            );
+            // The KV capacity, as SGLang states it: tokens, and tokens per page.
+            scalar(
+                &mut out,
+                "gauge",
+                "sglang:max_total_num_tokens",
+                "Maximum total number of tokens in the KV cache pool.",
+                l,
+                (gauges.num_blocks * gauges.block_size) as f64,
+            );
+            scalar(
+                &mut out,
+                "gauge",
+                "sglang:page_size",
+                "The page size of the KV cache.",
+                l,
+                gauges.block_size as f64,
+            );
             stats.ttft.render(
                 &mut out,
                 "sglang:time_to_first_token_seconds",

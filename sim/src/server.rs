@@ -63,10 +63,7 @@ impl AppState {
             .engine_id
             .clone()
             .unwrap_or_else(|| format!("sim-{}", advertised.port()));
-        let created = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
+        let created = unix_now();
         AppState {
             config,
             commands,
@@ -282,6 +279,16 @@ struct Prepared {
     bootstrap: Option<(String, u16, u64)>,
     /// Scheduling priority, lower first (see [`request_priority`]).
     priority: i64,
+    /// When the request arrived (Unix seconds): every chunk's and the response's `created`.
+    created: u64,
+}
+
+/// Wall-clock Unix seconds.
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// The request's `priority` field, normalised to "lower runs first". vLLM takes lower values
@@ -472,6 +479,7 @@ fn prepare(
     };
     let prefix = if api == Api::Chat { "chatcmpl" } else { "cmpl" };
     Ok(Prepared {
+        created: unix_now(),
         api,
         id: state.request_id(prefix),
         model: state.config.model.clone(),
@@ -722,7 +730,7 @@ async fn complete_response(
             json!({
                 "id": prepared.id,
                 "object": "chat.completion",
-                "created": state.created,
+                "created": prepared.created,
                 "model": prepared.model,
                 "choices": [{
                     "index": 0,
@@ -750,7 +758,7 @@ async fn complete_response(
         Api::Completion => json!({
             "id": prepared.id,
             "object": "text_completion",
-            "created": state.created,
+            "created": prepared.created,
             "model": prepared.model,
             "choices": [{
                 "index": 0,
@@ -866,14 +874,14 @@ fn stream_response(
                     pacer.before(count).await;
                     if generated == 0 && prepared.api == Api::Chat {
                         let first = json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
-                        send!(chunk(&prepared, state.created, first));
+                        send!(chunk(&prepared, prepared.created, first));
                     }
                     let end = (generated + count).min(total);
                     for index in generated..end {
                         if abort_after.is_some_and(|after| sent >= after) {
                             // The engine aborts the request: what it made so far counts.
                             let choice = json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": "abort", "stop_reason": null});
-                            send!(chunk(&prepared, state.created, choice));
+                            send!(chunk(&prepared, prepared.created, choice));
                             generated = index;
                             break;
                         }
@@ -883,7 +891,7 @@ fn stream_response(
                         let finish =
                             (index + 1 == total).then(|| prepared.plan.finish_reason_after(total));
                         if let Some(choice) = piece_choice(&prepared, *channel, text, finish) {
-                            send!(chunk(&prepared, state.created, choice));
+                            send!(chunk(&prepared, prepared.created, choice));
                         }
                     }
                     if abort_after.is_some_and(|after| sent > after) {
@@ -907,7 +915,7 @@ fn stream_response(
             }
         };
         if prepared.include_usage {
-            let mut last = chunk(&prepared, state.created, Value::Null);
+            let mut last = chunk(&prepared, prepared.created, Value::Null);
             last["choices"] = json!([]);
             last["usage"] = usage(&state.config, prepared.tokens.len(), generated, cached);
             send!(last);

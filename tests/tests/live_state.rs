@@ -214,3 +214,36 @@ async fn endpoints_file_adds_and_retires_replicas_without_cutting_requests() {
 async fn turn_owned(base: String) -> (u16, String) {
     turn(&base).await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_capacity_is_read_from_either_engines_metrics() {
+    for (flavor, name) in [
+        (agentgate_sim::Flavor::Vllm, "vllm"),
+        (agentgate_sim::Flavor::Sglang, "sglang"),
+    ] {
+        let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+            flavor,
+            listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            model: "sim-model".into(),
+            kv_blocks: 1_000,
+            block_size: 16,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let config = format!(
+            "{FAST_PROBES}[[pools]]\nname = \"p\"\nmodel = \"sim-model\"\nflavor = \"{name}\"\n\
+             endpoints = [\"{}\"]\n",
+            sim.base_url()
+        );
+        let gw = start_gateway(&config).await;
+        let pool = gw.state().pools.all()[0].clone();
+        let ep = pool.endpoints()[0].clone();
+        eventually(&format!("{name}: the KV capacity is known"), || {
+            ep.kv_capacity_tokens() == 16_000
+        })
+        .await;
+        gw.shutdown().await;
+        sim.shutdown().await;
+    }
+}
