@@ -45,6 +45,11 @@ fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
             object.insert("type".into(), json!("message"));
             "message".to_string()
         }
+        // An item reference may leave its type out: `{"id": "msg_..."}`.
+        None if object.len() == 1 && object.get("id").is_some_and(Value::is_string) => {
+            object.insert("type".into(), json!("item_reference"));
+            "item_reference".to_string()
+        }
         _ => {
             return Err(ApiError::invalid(
                 format!("{param}.type"),

@@ -854,7 +854,7 @@ mod tests {
             ..TranslateOptions::new(Flavor::Vllm)
         };
         let err = build_chat_request(&req, &[], &[], &opts).unwrap_err();
-        assert_eq!((err.status, err.param.as_deref()), (400, Some("tools")));
+        assert_eq!((err.status, err.param.as_deref()), (400, Some("tools[0]")));
     }
 
     #[test]

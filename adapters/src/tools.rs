@@ -191,7 +191,7 @@ pub(crate) fn translate_tools(
                     let member_kind = member.get("type").and_then(Value::as_str);
                     if !matches!(member_kind, None | Some("function")) {
                         let label = format!("{namespace}.{}", member_kind.unwrap_or("unknown"));
-                        handle_hosted(&label, policy, &mut out.dropped)?;
+                        handle_hosted(&label, &member_param, policy, &mut out.dropped)?;
                         continue;
                     }
                     let name = required_name(member, &member_param)?;
@@ -220,7 +220,7 @@ pub(crate) fn translate_tools(
                     Some(name) => format!("{hosted}:{name}"),
                     None => hosted.to_string(),
                 };
-                handle_hosted(&label, policy, &mut out.dropped)?;
+                handle_hosted(&label, &param, policy, &mut out.dropped)?;
             }
         }
     }
@@ -229,6 +229,7 @@ pub(crate) fn translate_tools(
 
 fn handle_hosted(
     label: &str,
+    param: &str,
     policy: HostedToolPolicy,
     dropped: &mut Vec<String>,
 ) -> Result<(), ApiError> {
@@ -239,7 +240,7 @@ fn handle_hosted(
             Ok(())
         }
         HostedToolPolicy::Reject => Err(ApiError::invalid(
-            "tools",
+            param,
             format!("tool `{label}` is a hosted tool that this gateway's engines cannot run; remove it or declare it as a function tool"),
         )
         .with_code("unsupported_tool")),
@@ -466,8 +467,16 @@ mod tests {
         let err =
             translate_tools(Some(&tools), Flavor::Sglang, HostedToolPolicy::Reject).unwrap_err();
         assert_eq!(err.status, 400);
-        assert_eq!(err.param.as_deref(), Some("tools"));
+        assert_eq!(err.param.as_deref(), Some("tools[0]"));
         assert!(err.message.contains("web_search"));
+        let tools = json!([
+            {"type": "function", "name": "f"},
+            {"type": "namespace", "name": "ns", "tools": [
+                {"type": "function", "name": "g"}, {"type": "web_search"}]},
+        ]);
+        let err =
+            translate_tools(Some(&tools), Flavor::Vllm, HostedToolPolicy::Reject).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("tools[1].tools[1]"));
     }
 
     #[test]

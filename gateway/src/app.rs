@@ -151,7 +151,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(responses::input_items),
         )
         .route("/v1/models", get(handlers::list_models))
-        .route("/v1/models/{model}", get(handlers::get_model))
+        // Model names may hold slashes (`Qwen/Qwen3-8B`).
+        .route("/v1/models/{*model}", get(handlers::get_model))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             authenticate_first,

@@ -88,7 +88,8 @@ fn opt_bool(body: &Value, key: &str) -> Result<Option<bool>, HttpError> {
     }
 }
 
-fn opt_str<'a>(body: &'a Value, key: &str) -> Result<Option<&'a str>, HttpError> {
+/// `body[key]` as a string, `None` when absent or null; another type is 400 naming `key`.
+pub fn opt_str<'a>(body: &'a Value, key: &str) -> Result<Option<&'a str>, HttpError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),

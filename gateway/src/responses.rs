@@ -1084,7 +1084,7 @@ pub async fn input_tokens(
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
     let body = parse_json(&headers, &bytes)?;
     validate_common(&body)?;
-    let model = match body.get("model").and_then(Value::as_str) {
+    let model = match crate::request::opt_str(&body, "model")? {
         Some(m) => m.to_string(),
         None => state
             .pools
@@ -1093,10 +1093,7 @@ pub async fn input_tokens(
             .map(|p| p.model.clone())
             .ok_or_else(|| model_not_found(""))?,
     };
-    let previous = body
-        .get("previous_response_id")
-        .and_then(Value::as_str)
-        .map(str::to_string);
+    let previous = crate::request::opt_str(&body, "previous_response_id")?.map(str::to_string);
     let conversation = crate::request::conversation_id(&body)?;
     let prepared = prepare(
         &state,

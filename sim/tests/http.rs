@@ -75,7 +75,11 @@ async fn shared_prefix_hits_the_cache_on_the_same_replica_only() {
     .await;
     assert_eq!(status, 200, "{first}");
     // Nothing cached: no details, as vLLM reports it.
-    assert_eq!(first["usage"]["prompt_tokens_details"], Value::Null, "{first}");
+    assert_eq!(
+        first["usage"]["prompt_tokens_details"],
+        Value::Null,
+        "{first}"
+    );
     let hits_before = metric(&client, &warm, "vllm:prefix_cache_hits_total").await;
     let (_, second) = post(
         &client,

@@ -36,6 +36,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
 ALIAS = "gpt-5-codex"
+# An alias with a slash, as Hugging Face model names have.
+SLASHED_ALIAS = "org/sim-model"
 TEAM_A_KEY = "sk-test-team-alpha"
 TEAM_B_KEY = "sk-test-team-beta"
 READY_TIMEOUT_S = 60.0
@@ -108,7 +110,7 @@ def config_toml(*, time_scale: float, replicas: int, decode_ms_per_token: float 
         "[[pools]]",
         'name = "sim"',
         f'model = "{MODEL}"',
-        f'aliases = ["{ALIAS}"]',
+        f'aliases = ["{ALIAS}", "{SLASHED_ALIAS}"]',
         'flavor = "vllm"',
         "endpoints = []",
         "",

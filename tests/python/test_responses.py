@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import ALIAS, MODEL
+from conftest import ALIAS, MODEL, SLASHED_ALIAS
 
 
 def _usage_is_complete(usage) -> None:
@@ -49,7 +49,9 @@ def test_model_alias_is_served(client):
     assert r.status == "completed"
     assert r.output_text
     models = {m.id for m in client.models.list()}
-    assert {MODEL, ALIAS} <= models
+    assert {MODEL, ALIAS, SLASHED_ALIAS} <= models
+    assert client.models.retrieve(SLASHED_ALIAS).id == SLASHED_ALIAS
+    assert client.models.retrieve(ALIAS).id == ALIAS
 
 
 def test_raw_stream_event_order_and_sequence(client):
@@ -289,3 +291,18 @@ def test_a_compaction_item_from_elsewhere_is_refused(client):
         client.responses.create(model=MODEL, input=[foreign, {"role": "user", "content": "hi"}])
     assert (e.value.param, e.value.code) == ("input[0].encrypted_content",
                                              "invalid_encrypted_content")
+
+
+def test_item_references_resolve_against_the_previous_response(client):
+    first = client.responses.create(model=MODEL, input="Say something.")
+    said = first.output[-1].id
+    # With its type, or as a bare id (the type is optional).
+    for ref in ({"type": "item_reference", "id": said}, {"id": said}):
+        r = client.responses.create(model=MODEL, previous_response_id=first.id,
+                                    input=[ref, {"role": "user", "content": "and then?"}])
+        assert r.status == "completed"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, previous_response_id=first.id,
+                                input=[{"role": "user", "content": "x"}, {"id": "msg_unknown"}])
+    assert e.value.param == "input[1]"
+    assert e.value.code == "item_not_found"

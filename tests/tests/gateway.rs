@@ -1392,6 +1392,18 @@ async fn a_compaction_turn_streams_one_item_that_later_turns_read_back() {
         tokens["input_tokens"].as_u64().unwrap() > 65_536,
         "{tokens}"
     );
+    // A model that is not a string is an error, not the first pool's model.
+    let resp = client()
+        .post(format!("{base}/v1/responses/input_tokens"))
+        .json(&json!({"model": 123, "input": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    assert_eq!(
+        resp.json::<Value>().await.unwrap()["error"]["param"],
+        "model"
+    );
     let (s, shrunk) = create(
         &base,
         json!({"model": "sim-model", "input": input, "tools": tools, "store": false}),
