@@ -14,8 +14,9 @@
 //! - `function_call_output` / `custom_tool_call_output` -> a `tool` message with `tool_call_id`
 //!   (array outputs are flattened to their text; images become `[image]`).
 //! - `reasoning` items: for vLLM / SGLang the reasoning text (from `content`, else from this
-//!   gateway's `encrypted_content` blob, else from `summary`) is attached as `reasoning_content` to
-//!   the next assistant message, so templates that re-render thinking (Qwen3, DeepSeek, gpt-oss)
+//!   gateway's `encrypted_content` blob, else from `summary`) is attached to the next assistant
+//!   message (as `reasoning_content` for SGLang; as `reasoning` and `reasoning_content` for vLLM,
+//!   which reads the first since 0.11 and only it in later versions), so templates that re-render thinking (Qwen3, DeepSeek, gpt-oss)
 //!   see it; for the OpenAI flavor reasoning items are dropped from the prompt.
 //! - hosted-tool items (`web_search_call`, ...) are skipped; `item_reference` is rejected (the
 //!   caller resolves references before translating).
@@ -404,7 +405,7 @@ impl<'a> MessageBuilder<'a> {
     }
 
     fn attach_reasoning(&mut self, message: &mut Map<String, Value>) {
-        attach_reasoning(self.pending_reasoning.take(), message);
+        attach_reasoning(self.flavor, self.pending_reasoning.take(), message);
     }
 
     fn push_tool_call(&mut self, call_id: &str, engine_name: &str, arguments: String) {
@@ -422,7 +423,7 @@ impl<'a> MessageBuilder<'a> {
                         last.insert("tool_calls".into(), json!([call]));
                     }
                 }
-                attach_reasoning(pending, last);
+                attach_reasoning(self.flavor, pending, last);
                 return;
             }
         }
@@ -435,7 +436,7 @@ impl<'a> MessageBuilder<'a> {
         message.insert("role".into(), json!("assistant"));
         message.insert("content".into(), empty_content);
         message.insert("tool_calls".into(), json!([call]));
-        attach_reasoning(pending, &mut message);
+        attach_reasoning(self.flavor, pending, &mut message);
         self.messages.push(Value::Object(message));
     }
 
@@ -449,18 +450,26 @@ impl<'a> MessageBuilder<'a> {
     }
 }
 
-/// Adds `reasoning` as `reasoning_content` on an assistant message (appending to any already there).
-fn attach_reasoning(reasoning: Option<String>, message: &mut Map<String, Value>) {
+/// Adds `reasoning` to an assistant message (appending to any already there), under the names
+/// the engine reads: SGLang `reasoning_content`; vLLM `reasoning` since 0.11 (later versions
+/// ignore `reasoning_content`) and `reasoning_content` before, so both.
+fn attach_reasoning(flavor: Flavor, reasoning: Option<String>, message: &mut Map<String, Value>) {
     let Some(reasoning) = reasoning else {
         return;
     };
-    match message.get_mut("reasoning_content") {
-        Some(Value::String(existing)) => {
-            existing.push_str("\n\n");
-            existing.push_str(&reasoning);
-        }
-        _ => {
-            message.insert("reasoning_content".into(), json!(reasoning));
+    let keys: &[&str] = match flavor {
+        Flavor::Vllm => &["reasoning", "reasoning_content"],
+        Flavor::Sglang | Flavor::Openai => &["reasoning_content"],
+    };
+    for key in keys {
+        match message.get_mut(*key) {
+            Some(Value::String(existing)) => {
+                existing.push_str("\n\n");
+                existing.push_str(&reasoning);
+            }
+            _ => {
+                message.insert((*key).into(), json!(reasoning));
+            }
         }
     }
 }
@@ -652,14 +661,14 @@ mod tests {
             plan.body["messages"],
             json!([
                 {"role": "user", "content": "list files"},
-                {"role": "assistant", "content": "Sure.", "reasoning_content": "think about ls",
+                {"role": "assistant", "content": "Sure.", "reasoning": "think about ls", "reasoning_content": "think about ls",
                  "tool_calls": [
                     {"id": "call_a", "type": "function", "function": {"name": "shell", "arguments": "{\"cmd\":\"ls\"}"}},
                     {"id": "call_b", "type": "function", "function": {"name": "mcp__docs__search", "arguments": "{}"}},
                  ]},
                 {"role": "tool", "tool_call_id": "call_a", "content": "a.txt"},
                 {"role": "tool", "tool_call_id": "call_b", "content": "doc\n[image]"},
-                {"role": "assistant", "content": "", "reasoning_content": "raw thought", "tool_calls": [
+                {"role": "assistant", "content": "", "reasoning": "raw thought", "reasoning_content": "raw thought", "tool_calls": [
                     {"id": "call_c", "type": "function",
                      "function": {"name": "apply_patch", "arguments": "{\"input\":\"*** Begin\"}"}},
                 ]},
@@ -844,6 +853,30 @@ mod tests {
             &json!({"include": ["message.output_text.logprobs"]})
         ));
         assert!(!includes_encrypted_reasoning(&json!({})));
+    }
+
+    #[test]
+    fn reasoning_goes_back_under_the_names_each_engine_reads() {
+        let input = normalize_input(&json!([
+            {"role": "user", "content": "hi"},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "thought"}]},
+            {"role": "assistant", "content": "hello"},
+        ]))
+        .unwrap();
+        for (flavor, keys) in [
+            (Flavor::Vllm, vec!["reasoning", "reasoning_content"]),
+            (Flavor::Sglang, vec!["reasoning_content"]),
+        ] {
+            let plan = build_chat_request(&json!({}), &[], &input, &TranslateOptions::new(flavor))
+                .unwrap();
+            let answer = &plan.body["messages"][1];
+            let present: Vec<&str> = ["reasoning", "reasoning_content"]
+                .into_iter()
+                .filter(|k| answer.get(*k) == Some(&json!("thought")))
+                .collect();
+            assert_eq!(present, keys, "{flavor:?}: {answer}");
+        }
     }
 
     #[test]

@@ -172,7 +172,12 @@ pub fn prompt_tokens(request_body: &Value, history: &[Value], input_items: &[Val
         .get("tools")
         .and_then(Value::as_array)
         .map(Vec::as_slice);
-    agentgate_sim::tokenizer::tokenize(&agentgate_sim::template::render_chat(messages, tools))
+    // Rendered as the simulated vLLM renders it, reasoning under vLLM's name.
+    agentgate_sim::tokenizer::tokenize(&agentgate_sim::template::render_chat(
+        messages,
+        tools,
+        "reasoning",
+    ))
 }
 
 #[cfg(test)]
@@ -284,6 +289,7 @@ mod tests {
                 json!({"role": "user", "content": "hello there"}),
             ],
             None,
+            "reasoning",
         ));
         assert_eq!(tokens, expected);
         let rejected = json!({"model": "m", "instructions": 5});

@@ -685,10 +685,10 @@ mod tests {
             if reasoning {
                 answer["reasoning_content"] = json!(out.text(Channel::Reasoning, usize::MAX));
             }
-            let before = tokenize(&render_chat(&history, Some(&tools)));
+            let before = tokenize(&render_chat(&history, Some(&tools), "reasoning_content"));
             let mut after = history.clone();
             after.push(answer);
-            let after = tokenize(&render_chat(&after, Some(&tools)));
+            let after = tokenize(&render_chat(&after, Some(&tools), "reasoning_content"));
             let generated: Vec<u32> = out.token_ids().collect();
             assert_eq!(
                 after.get(before.len()..before.len() + generated.len()),

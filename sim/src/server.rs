@@ -365,7 +365,14 @@ fn prepare(
                 .get("tools")
                 .and_then(Value::as_array)
                 .map(Vec::as_slice);
-            (tokenize(&render_chat(messages, tools)), messages.as_slice())
+            (
+                tokenize(&render_chat(
+                    messages,
+                    tools,
+                    reasoning_field(state.config.flavor),
+                )),
+                messages.as_slice(),
+            )
         }
         Api::Completion => {
             let tokens = match body.get("prompt") {
@@ -742,7 +749,7 @@ async fn complete_response(
                         "audio": null,
                         "function_call": null,
                         "tool_calls": tool_calls,
-                        "reasoning_content": reasoning,
+                        reasoning_field(state.config.flavor): reasoning,
                     },
                     "logprobs": null,
                     "finish_reason": finish_reason,
@@ -806,8 +813,18 @@ fn chunk(prepared: &Prepared, created: u64, choice: Value) -> Value {
     json!({"id": prepared.id, "object": object, "created": created, "model": prepared.model, "choices": [choice]})
 }
 
+/// The field reasoning text comes in, out and back in a history: vLLM has named it `reasoning`
+/// since 0.11 (and dropped `reasoning_content` in 2026); SGLang still says `reasoning_content`.
+fn reasoning_field(flavor: Flavor) -> &'static str {
+    match flavor {
+        Flavor::Vllm => "reasoning",
+        Flavor::Sglang => "reasoning_content",
+    }
+}
+
 /// The chunk choice revealing one piece; `None` for a hidden piece that does not end the output.
 fn piece_choice(
+    flavor: Flavor,
     prepared: &Prepared,
     channel: Channel,
     text: &str,
@@ -821,7 +838,7 @@ fn piece_choice(
     let delta = match channel {
         Channel::Markup if finish.is_none() => return None,
         Channel::Markup => json!({}),
-        Channel::Reasoning => json!({"reasoning_content": text}),
+        Channel::Reasoning => json!({reasoning_field(flavor): text}),
         Channel::Content => json!({"content": text}),
         Channel::ToolHeader => {
             let (id, name) = prepared
@@ -890,7 +907,9 @@ fn stream_response(
                         };
                         let finish =
                             (index + 1 == total).then(|| prepared.plan.finish_reason_after(total));
-                        if let Some(choice) = piece_choice(&prepared, *channel, text, finish) {
+                        if let Some(choice) =
+                            piece_choice(state.config.flavor, &prepared, *channel, text, finish)
+                        {
                             send!(chunk(&prepared, prepared.created, choice));
                         }
                     }
@@ -1019,7 +1038,11 @@ async fn tokenize_endpoint(
                 .get("tools")
                 .and_then(Value::as_array)
                 .map(Vec::as_slice);
-            tokenize(&render_chat(messages, tools))
+            tokenize(&render_chat(
+                messages,
+                tools,
+                reasoning_field(state.config.flavor),
+            ))
         }
         _ => {
             return ApiError::bad_request("send `prompt` (a string) or `messages`")

@@ -51,8 +51,10 @@ pub fn content_text(content: &Value) -> String {
     }
 }
 
-/// Render a chat request (`messages`, optional `tools`) to the prompt string.
-pub fn render_chat(messages: &[Value], tools: Option<&[Value]>) -> String {
+/// Render a chat request (`messages`, optional `tools`) to the prompt string; an assistant
+/// message's reasoning is read from its `reasoning_key` field (the engine's name for it), and
+/// under any other name is not seen, as the engine would not see it.
+pub fn render_chat(messages: &[Value], tools: Option<&[Value]>, reasoning_key: &str) -> String {
     let mut out = String::with_capacity(256);
     if let Some(tools) = tools.filter(|tools| !tools.is_empty()) {
         out.push_str("<|im_start|>tools\n");
@@ -70,11 +72,7 @@ pub fn render_chat(messages: &[Value], tools: Option<&[Value]>) -> String {
         out.push_str("<|im_start|>");
         out.push_str(role);
         out.push('\n');
-        if let Some(reasoning) = message
-            .get("reasoning_content")
-            .or_else(|| message.get("reasoning"))
-            .and_then(Value::as_str)
-        {
+        if let Some(reasoning) = message.get(reasoning_key).and_then(Value::as_str) {
             out.push_str(THINK_OPEN);
             out.push_str(reasoning);
             out.push_str(THINK_CLOSE);
@@ -114,11 +112,11 @@ mod tests {
         second.push(json!({"role":"assistant","content":null,"tool_calls":[
             {"id":"c1","type":"function","function":{"name":"ls","arguments":"{\"path\":\".\"}"}}]}));
         second.push(json!({"role":"tool","tool_call_id":"c1","content":"a.txt"}));
-        let a = render_chat(&first, Some(&tools));
-        let b = render_chat(&second, Some(&tools));
+        let a = render_chat(&first, Some(&tools), "reasoning");
+        let b = render_chat(&second, Some(&tools), "reasoning");
         let a_without_generation_prompt = a.trim_end_matches("<|im_start|>assistant\n");
         assert!(b.starts_with(a_without_generation_prompt));
         assert!(b.contains("<tool_call>{\"name\":\"ls\""));
-        assert_eq!(a, render_chat(&first, Some(&tools)));
+        assert_eq!(a, render_chat(&first, Some(&tools), "reasoning"));
     }
 }

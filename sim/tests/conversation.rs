@@ -71,7 +71,7 @@ async fn post_streamed(client: &reqwest::Client, sim: &SimHandle, body: &Value) 
         }
         let delta = &choice["delta"];
         content.push_str(delta["content"].as_str().unwrap_or(""));
-        reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or(""));
+        reasoning.push_str(delta["reasoning"].as_str().unwrap_or(""));
         if let Some(tool) = delta["tool_calls"][0].as_object() {
             if tool.contains_key("id") {
                 call = json!({"id": tool["id"], "type": "function",
@@ -82,7 +82,7 @@ async fn post_streamed(client: &reqwest::Client, sim: &SimHandle, body: &Value) 
     }
     let mut message = json!({"role": "assistant", "content": content});
     if !reasoning.is_empty() {
-        message["reasoning_content"] = json!(reasoning);
+        message["reasoning"] = json!(reasoning);
     }
     if !call.is_null() {
         call["function"]["arguments"] = json!(arguments);
@@ -117,8 +117,8 @@ fn answer(response: &Value) -> Value {
     {
         answer["tool_calls"] = message["tool_calls"].clone();
     }
-    if message["reasoning_content"].is_string() {
-        answer["reasoning_content"] = message["reasoning_content"].clone();
+    if message["reasoning"].is_string() {
+        answer["reasoning"] = message["reasoning"].clone();
     }
     answer
 }
@@ -208,7 +208,7 @@ async fn conversation_reuses_answers(time_scale: f64, streamed: bool) {
         streamed,
     )
     .await;
-    assert!(thought["choices"][0]["message"]["reasoning_content"].is_string());
+    assert!(thought["choices"][0]["message"]["reasoning"].is_string());
     sim.shutdown().await;
 }
 
