@@ -194,6 +194,25 @@ fn normalize_message(object: &mut Map<String, Value>, param: &str) -> Result<(),
                         format!("{part_param}.type is required (input_text, output_text, input_image, ...)"),
                     )
                 })?;
+                match kind {
+                    "input_text" | "output_text" | "text" | "summary_text" | "refusal"
+                    | "input_image" | "input_file" | "input_audio" => {}
+                    // A Chat Completions part: say what the Responses API calls it.
+                    "image_url" => {
+                        return Err(ApiError::invalid(
+                            format!("{part_param}.type"),
+                            format!("{part_param}.type \"image_url\" is a Chat Completions part; in the Responses API an image is {{\"type\": \"input_image\", \"image_url\": \"...\"}}"),
+                        )
+                        .with_code("invalid_value"))
+                    }
+                    other => {
+                        return Err(ApiError::invalid(
+                            format!("{part_param}.type"),
+                            format!("{part_param}.type \"{other}\" is not a content part type; use input_text, input_image or input_file (output_text or refusal in an assistant message)"),
+                        )
+                        .with_code("invalid_value"))
+                    }
+                }
                 if matches!(kind, "input_text" | "output_text" | "text" | "summary_text")
                     && !part.get("text").is_some_and(Value::is_string)
                 {

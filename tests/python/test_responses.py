@@ -306,3 +306,12 @@ def test_item_references_resolve_against_the_previous_response(client):
                                 input=[{"role": "user", "content": "x"}, {"id": "msg_unknown"}])
     assert e.value.param == "input[1]"
     assert e.value.code == "item_not_found"
+
+
+def test_a_content_part_the_api_does_not_know_is_refused_not_dropped(client):
+    for part in ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                 {"type": "input_txt", "text": "typo"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input=[
+                {"role": "user", "content": [{"type": "input_text", "text": "look"}, part]}])
+        assert e.value.param == "input[0].content[1].type"
