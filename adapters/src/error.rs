@@ -166,6 +166,27 @@ fn engine_error_text(body: &str) -> String {
 
 /// True when an engine message says the prompt does not fit the context window
 /// (vLLM: "maximum context length is N tokens", SGLang: "longer than the model's context length").
+/// The model's context window as an engine's overflow message states it: vLLM "maximum
+/// context length is N tokens", SGLang "the model's context length (N tokens)" or "maximum
+/// context length of N tokens".
+pub fn context_window_in(message: &str) -> Option<u64> {
+    let lower = message.to_ascii_lowercase();
+    [
+        "maximum context length is ",
+        "context length (",
+        "maximum context length of ",
+    ]
+    .iter()
+    .find_map(|lead| {
+        let at = lower.find(lead)? + lead.len();
+        let digits: String = lower[at..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse().ok()
+    })
+}
+
 fn is_context_overflow(message: &str) -> bool {
     let lower = message.to_ascii_lowercase();
     lower.contains("context length")
@@ -190,6 +211,20 @@ impl std::error::Error for UpstreamError {}
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_context_window_is_read_from_either_engines_message() {
+        use super::context_window_in;
+        for (message, window) in [
+            ("This model's maximum context length is 400 tokens. However, you requested 5000 tokens (100 in the messages, 4900 in the completion).", Some(400)),
+            ("'max_tokens' or 'max_completion_tokens' is too large: 5000. This model's maximum context length is 4096 tokens and your request has 100 input tokens (5000 > 4096 - 100).", Some(4096)),
+            ("The input (9000 tokens) is longer than the model's context length (8192 tokens).", Some(8192)),
+            ("Requested token count exceeds the model's maximum context length of 32768 tokens.", Some(32768)),
+            ("something else", None),
+        ] {
+            assert_eq!(context_window_in(message), window, "{message}");
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -642,9 +642,9 @@ async fn run(
         None,
         Some(stops),
     ));
-    let response = task.await;
+    let served = task.await;
     drop(waiting);
-    let response = response.map_err(|e| {
+    let served = served.map_err(|e| {
         HttpError::server(
             500,
             format!("the response task failed: {e}"),
@@ -652,9 +652,9 @@ async fn run(
         )
     })?;
     Ok(Started::Finished(Finished {
-        response,
-        endpoint,
-        reason,
+        response: served.response,
+        endpoint: served.endpoint,
+        reason: served.reason,
         flow_headers,
         history,
     }))

@@ -261,7 +261,16 @@ pub async fn open_turn(
             room,
             known_pin,
         );
-        match routed.await {
+        let routed = routed.await;
+        // No truncation helps when the output budget alone fills the window.
+        if let Some(err) = routed
+            .as_ref()
+            .err()
+            .and_then(|e| output_fills_the_window(&turn.plan.body, e))
+        {
+            return Err(err);
+        }
+        match routed {
             Err(e)
                 if turn.plan.compaction
                     && rounds < MAX_TRUNCATION_ROUNDS
@@ -310,6 +319,31 @@ pub async fn open_turn(
             other => return other,
         }
     }
+}
+
+/// The client's error when the engine refused a prompt as over its context window while the
+/// requested output alone (`max_output_tokens`, sent as `max_tokens`) fills the window: it is
+/// that parameter's fault, and neither truncating the history nor compacting it (which a
+/// `context_length_exceeded` code asks of Codex) would help.
+fn output_fills_the_window(body: &Value, e: &HttpError) -> Option<HttpError> {
+    if e.error.code.as_deref() != Some("context_length_exceeded") {
+        return None;
+    }
+    let window = agentgate_adapters::context_window_in(&e.error.message)?;
+    let asked = body
+        .get("max_tokens")
+        .or_else(|| body.get("max_completion_tokens"))
+        .and_then(Value::as_u64)?;
+    (asked >= window).then(|| {
+        HttpError::invalid(
+            format!(
+                "'max_output_tokens' is {asked}, but the model's context window is {window} \
+                 tokens in all, the input included; ask for fewer."
+            ),
+            Some("max_output_tokens"),
+            Some("invalid_value"),
+        )
+    })
 }
 
 /// Where a request was sent: the in-flight guard, the endpoint's slot in its pool, and the
@@ -1129,7 +1163,7 @@ pub(crate) async fn send_to_client(
 }
 
 /// Drive an opened engine stream to the end, persist, then send the terminal event.
-/// Returns the final Response object.
+/// Returns the final Response object and where it ran.
 pub async fn drive(
     state: Arc<AppState>,
     turn: Turn,
@@ -1137,11 +1171,15 @@ pub async fn drive(
     routed: Routed,
     tx: Option<mpsc::Sender<Bytes>>,
     stops: Option<StopSignals>,
-) -> Value {
+) -> Served {
     let rs = new_stream(&turn);
     let sink = Sink::new(&state, &turn, tx, stops.clone());
     drive_announced(state, turn, chunks, routed, Announced { rs, sink }, stops).await
 }
+
+/// How many times a turn whose engine failed before its first token is sent again (each time
+/// to an endpoint picked afresh; the failed one is usually down by then, or refuses at once).
+const MAX_REOPENS: u32 = 2;
 
 /// A turn's event stream and where its events go, from before it runs: a background response
 /// is announced (`response.created`, `response.queued`) when it is created.
@@ -1165,10 +1203,11 @@ async fn drive_announced(
     mut routed: Routed,
     announced: Announced,
     mut stops: Option<StopSignals>,
-) -> Value {
+) -> Served {
     let Announced { mut rs, mut sink } = announced;
-    let endpoint = routed.endpoint().clone();
+    let mut endpoint = routed.endpoint().clone();
     let mut first_token: Option<Instant> = None;
+    let mut reopens_left = MAX_REOPENS;
     sink.send(&state, rs.start(), false).await;
     let terminal = loop {
         // Events waiting for the log go out after a pause in the engine's stream too.
@@ -1206,6 +1245,30 @@ async fn drive_announced(
                     break events;
                 }
                 sink.send(&state, events, false).await;
+            }
+            // Nothing came of it yet (the engine answers with its headers at once, then
+            // queues and prefills): the client has seen nothing of the engine's, so another
+            // endpoint may run it.
+            Some(Err(e)) if first_token.is_none() && reopens_left > 0 => {
+                reopens_left -= 1;
+                tracing::warn!(response = %turn.id, endpoint = %endpoint.name, "engine failed before its first token ({e}); trying the request again");
+                // (The failed request still counts on its endpoint while another is picked.)
+                match open_turn(&state, &mut turn).await {
+                    Ok((reopened, placed)) => {
+                        chunks = reopened;
+                        routed = placed;
+                        endpoint = routed.endpoint().clone();
+                    }
+                    Err(err) => {
+                        tracing::warn!(response = %turn.id, "no endpoint could take the request again: {}", err.error.message);
+                        break rs.fail(
+                            e.failure_code(),
+                            &format!(
+                                "The model backend failed before generating the response: {e}"
+                            ),
+                        );
+                    }
+                }
             }
             Some(Err(e)) => {
                 tracing::warn!(response = %turn.id, endpoint = %endpoint.name, "engine stream failed: {e}");
@@ -1254,6 +1317,7 @@ async fn drive_announced(
     }
     // The engine is done with it: its slot and admission permit go before the store write,
     // which a background run may retry for minutes.
+    let reason = (routed.reason, routed.pin_moved);
     drop(routed);
     drop(turn.background_slot.take());
     if let Some(permit) = turn.permit.take() {
@@ -1287,7 +1351,23 @@ async fn drive_announced(
         state.metrics.compaction_ended(&turn.pool.name, &response);
     }
     sink.send(&state, terminal, true).await;
-    response
+    Served {
+        response,
+        endpoint,
+        reason,
+    }
+}
+
+/// A driven turn: its final Response object and where it ran (another endpoint than the one
+/// first picked when the engine failed before its first token and the turn ran again).
+pub struct Served {
+    /// The final Response object.
+    pub response: Value,
+    /// The endpoint that served it.
+    pub endpoint: Arc<Endpoint>,
+    /// Why that endpoint, and why the session's pin moved there ([`Routed::reason`],
+    /// [`Routed::pin_moved`]).
+    pub reason: (&'static str, Option<&'static str>),
 }
 
 /// Code of a response generated but not stored (the store failed).

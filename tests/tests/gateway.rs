@@ -462,6 +462,37 @@ async fn a_request_the_engine_aborts_fails_rather_than_completes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_engine_fails_before_its_first_token_runs_elsewhere() {
+    let fleet = Fleet::of(2).policy("round_robin").start().await;
+    // sim/0 takes requests, then drops each before its first token (as a replica that dies
+    // while they queue or prefill).
+    set_sim_fault(&fleet.sims()[0], json!({"cut_after": 0})).await;
+    let base = fleet.base_url();
+    for i in 0..4 {
+        let stream = i % 2 == 0;
+        let resp = post_response(&base, &json!({"model": "sim-model", "input": format!("turn {i}"), "stream": stream, "max_output_tokens": 16})).await;
+        assert_eq!(resp.status(), 200);
+        let served = served_endpoint(&resp);
+        let status = if stream {
+            let events = read_sse(resp).await;
+            assert_sequence_numbers(&events);
+            events.last().unwrap().data["response"]["status"].clone()
+        } else {
+            resp.json::<Value>().await.unwrap()["status"].clone()
+        };
+        assert!(
+            status == "completed" || status == "incomplete",
+            "turn {i}: {status}"
+        );
+        if !stream {
+            // (A stream's headers went out before its first token.)
+            assert_eq!(served, "sim/1", "turn {i}: the header names where it ran");
+        }
+    }
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_failing_mid_stream_ends_with_response_failed() {
     let sim = start_sim("sim-model").await;
     set_sim_fault(&sim, json!({"cut_after": 3})).await;
@@ -879,10 +910,20 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
             assert_eq!(r["error"]["code"], "context_length_exceeded", "{r}");
             // The same turn with truncation: auto goes through.
             body["truncation"] = json!("auto");
-            let (s, r) = create(&base, body).await;
+            let (s, r) = create(&base, body.clone()).await;
             assert_eq!(s, 200, "{r}");
             assert_eq!(r["truncation"], "auto");
             assert!(r["usage"]["input_tokens"].as_u64().unwrap() < 400);
+            // An output budget that fills the window alone is that parameter's fault: no
+            // truncation would help, and nothing asks the client to compact.
+            body["max_output_tokens"] = json!(400);
+            let (s, r) = create(&base, body).await;
+            assert_eq!(s, 400, "{r}");
+            assert_eq!(
+                (&r["error"]["param"], &r["error"]["code"]),
+                (&json!("max_output_tokens"), &json!("invalid_value")),
+                "{r}"
+            );
             overflowed = true;
             break;
         }
