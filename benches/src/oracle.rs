@@ -9,7 +9,8 @@
 //! touched, the tail block least recently used so a prefix is evicted from its end; when over
 //! capacity the least recently used blocks go first. With no capacity it never evicts.
 //! [`ReuseOracle::observe_with_output`] also caches the blocks of the generated answer, as the
-//! simulator does; [`reuse_ratio`] replays prompts only.
+//! simulator does (a benchmark run replays every request that way, [`output_tokens`] giving the
+//! answer's tokens); [`reuse_ratio`] replays prompts only.
 
 use std::collections::HashSet;
 
@@ -178,6 +179,34 @@ pub fn prompt_tokens(request_body: &Value, history: &[Value], input_items: &[Val
         tools,
         "reasoning",
     ))
+}
+
+/// The tokens a simulated engine generated for a request whose prompt was `prompt` (from
+/// [`prompt_tokens`] of the same `request_body`, `history` and `input_items`) and whose answer
+/// came back as the Response `output` items: what the chat template renders for that answer
+/// when it comes back in the history, which the simulator generates token for token (and
+/// caches). Empty when the answer does not render after the prompt that way.
+pub fn output_tokens(
+    request_body: &Value,
+    history: &[Value],
+    input_items: &[Value],
+    output: &[Value],
+    prompt: &[u32],
+) -> Vec<u32> {
+    if output.is_empty() || prompt.is_empty() {
+        return Vec::new();
+    }
+    let answered: Vec<Value> = input_items.iter().chain(output).cloned().collect();
+    let with_answer = prompt_tokens(request_body, history, &answered);
+    // The answer is followed by its end and the next generation prompt.
+    let after = agentgate_sim::tokenizer::tokenize("<|im_end|>\n<|im_start|>assistant\n");
+    match with_answer
+        .strip_prefix(prompt)
+        .and_then(|rest| rest.strip_suffix(after.as_slice()))
+    {
+        Some(answer) => answer.to_vec(),
+        None => Vec::new(),
+    }
 }
 
 #[cfg(test)]

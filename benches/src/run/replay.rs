@@ -454,6 +454,7 @@ async fn send_turn(
                 body: strip_input(body),
                 history,
                 items,
+                output: output.clone(),
             });
             conversation.history.extend(new_items);
             conversation.history.extend(output.iter().cloned());

@@ -32,6 +32,8 @@ pub enum ReuseJob {
         history: Vec<Value>,
         /// This request's input items.
         items: Vec<Value>,
+        /// The response's output items (the answer the engine generated and cached).
+        output: Vec<Value>,
     },
     /// A request that failed or was shed (it reached no engine cache).
     Failed {
@@ -80,15 +82,23 @@ pub struct ReuseFeed {
     worker: std::thread::JoinHandle<ReuseOutcome>,
 }
 
-/// Token ids of a served request (empty for a failed one).
-fn tokens_of(job: ReuseJob) -> Option<Vec<u32>> {
+/// Token ids of a served request's prompt and of its answer.
+type Served = (Vec<u32>, Vec<u32>);
+
+/// [`Served`] tokens of a request (`None` for a failed one).
+fn tokens_of(job: ReuseJob) -> Option<Served> {
     match job {
         ReuseJob::Served {
             body,
             history,
             items,
+            output,
             ..
-        } => Some(oracle::prompt_tokens(&body, &history, &items)),
+        } => {
+            let prompt = oracle::prompt_tokens(&body, &history, &items);
+            let answer = oracle::output_tokens(&body, &history, &items, &output, &prompt);
+            Some((prompt, answer))
+        }
         ReuseJob::Failed { .. } => None,
     }
 }
@@ -110,13 +120,17 @@ impl ReuseFeed {
                 let mut survivors =
                     survivor_blocks.map(|blocks| ReuseOracle::new(block_size, Some(blocks)));
                 let mut next_seq = 0u64;
-                let mut pending: BTreeMap<u64, Option<Vec<u32>>> = BTreeMap::new();
+                let mut pending: BTreeMap<u64, Option<Served>> = BTreeMap::new();
                 let mut per_request = Vec::new();
-                let mut observe = |seq: u64, prompt: Option<Vec<u32>>| {
-                    if let Some(prompt) = prompt {
-                        let hit = available.observe(&prompt);
-                        infinite.observe(&prompt);
-                        let survivor_hit = survivors.as_mut().map(|o| o.observe(&prompt) as u64);
+                // Each prompt looks up, then its blocks and its answer's are cached, as the
+                // engines cache them.
+                let mut observe = |seq: u64, tokens: Option<Served>| {
+                    if let Some((prompt, answer)) = tokens {
+                        let hit = available.observe_with_output(&prompt, &answer);
+                        infinite.observe_with_output(&prompt, &answer);
+                        let survivor_hit = survivors
+                            .as_mut()
+                            .map(|o| o.observe_with_output(&prompt, &answer) as u64);
                         per_request.push(OracleHit {
                             seq,
                             prompt_tokens: prompt.len() as u64,
@@ -173,7 +187,7 @@ mod tests {
         let first = vec![json!({"type": "message", "role": "user", "content": "list the files"})];
         let reply = json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]});
         let mut second = first.clone();
-        second.push(reply);
+        second.push(reply.clone());
         second.push(json!({"type": "message", "role": "user", "content": "now read them"}));
         // The survivor oracle is too small for the first prompt: it never hits.
         let feed = ReuseFeed::start(4, 1000, Some(1)).unwrap();
@@ -185,6 +199,7 @@ mod tests {
                 body: body.clone(),
                 history: Vec::new(),
                 items: second.clone(),
+                output: Vec::new(),
             },
             ReuseJob::Failed { seq: 1 },
             ReuseJob::Served {
@@ -192,6 +207,7 @@ mod tests {
                 body: body.clone(),
                 history: Vec::new(),
                 items: first.clone(),
+                output: vec![reply.clone()],
             },
         ] {
             sender.send(job).unwrap();
@@ -199,13 +215,23 @@ mod tests {
         drop(sender);
         let outcome = feed.finish().unwrap();
         let (available, infinite) = (outcome.available, outcome.infinite);
-        let first_len = oracle::prompt_tokens(&body, &[], &first).len() as u64;
+        let first_prompt = oracle::prompt_tokens(&body, &[], &first);
+        let first_len = first_prompt.len() as u64;
+        let answer_len = oracle::output_tokens(
+            &body,
+            &[],
+            &first,
+            std::slice::from_ref(&reply),
+            &first_prompt,
+        )
+        .len() as u64;
+        assert!(answer_len > 0);
         let second_len = oracle::prompt_tokens(&body, &[], &second).len() as u64;
         assert_eq!(available.prompt_tokens, first_len + second_len);
         assert_eq!(
             available.hit_tokens,
-            first_len / 4 * 4,
-            "the second prompt reuses the first one's full blocks"
+            (first_len + answer_len) / 4 * 4,
+            "the second prompt reuses the first one's full blocks, its answer's included"
         );
         assert_eq!(infinite.hit_tokens, available.hit_tokens);
         assert_eq!(
@@ -225,7 +251,7 @@ mod tests {
                 OracleHit {
                     seq: 2,
                     prompt_tokens: second_len,
-                    hit_tokens: first_len / 4 * 4,
+                    hit_tokens: (first_len + answer_len) / 4 * 4,
                     survivor_hit_tokens: Some(0),
                 },
             ],
