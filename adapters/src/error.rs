@@ -164,8 +164,6 @@ fn engine_error_text(body: &str) -> String {
         .unwrap_or_else(|| body.to_string())
 }
 
-/// True when an engine message says the prompt does not fit the context window
-/// (vLLM: "maximum context length is N tokens", SGLang: "longer than the model's context length").
 /// The model's context window as an engine's overflow message states it: vLLM "maximum
 /// context length is N tokens", SGLang "the model's context length (N tokens)" or "maximum
 /// context length of N tokens".
@@ -187,6 +185,8 @@ pub fn context_window_in(message: &str) -> Option<u64> {
     })
 }
 
+/// True when an engine message says the prompt does not fit the context window
+/// (vLLM: "maximum context length is N tokens", SGLang: "longer than the model's context length").
 fn is_context_overflow(message: &str) -> bool {
     let lower = message.to_ascii_lowercase();
     lower.contains("context length")

@@ -223,9 +223,17 @@ async fn prepare(
     })
 }
 
-fn sse_response(rx: mpsc::Receiver<Bytes>, endpoint: Option<&Endpoint>) -> Response {
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+/// An SSE response of the frames sent on `rx`; `held` goes with the body, so its sender sees
+/// it closed when the body is dropped (the client went away, or the stream ended).
+fn sse_response(
+    rx: mpsc::Receiver<Bytes>,
+    endpoint: Option<&Endpoint>,
+    held: Option<mpsc::Receiver<()>>,
+) -> Response {
+    let stream = futures_util::stream::unfold((rx, held), |(mut rx, held)| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(b), (rx, held)))
     });
     let mut resp = Response::new(Body::from_stream(stream));
     let h = resp.headers_mut();
@@ -514,6 +522,7 @@ async fn run(
         permit: None,
         lineage: None,
         admission_pin: None,
+        failed_slots: Vec::new(),
         background_slot: None,
         conversation: req.conversation.clone(),
     };
@@ -584,7 +593,7 @@ async fn run(
             stops,
         ));
         return Ok(Started::Answered(match rx {
-            Some(rx) => sse_response(rx, None),
+            Some(rx) => sse_response(rx, None, None),
             None => Json(queued).into_response(),
         }));
     }
@@ -610,8 +619,9 @@ async fn run(
     let reason = (in_flight.reason, in_flight.pin_moved);
     if req.stream {
         let (tx, rx) = mpsc::channel(256);
+        let (present, here) = mpsc::channel(1);
         let stops = turn::StopSignals::shutdown_only(state.stopping.subscribe())
-            .until_client_leaves(&turn, &tx);
+            .until_client_leaves(&turn, &present);
         tokio::spawn(turn::drive(
             state.clone(),
             turn,
@@ -620,7 +630,7 @@ async fn run(
             Some(tx),
             Some(stops),
         ));
-        let resp = with_reason(sse_response(rx, Some(&endpoint)), reason);
+        let resp = with_reason(sse_response(rx, Some(&endpoint), Some(here)), reason);
         return Ok(Started::Answered(with_headers(resp, flow_headers)));
     }
     // A compaction answers with the history's user messages besides its summary.
@@ -630,10 +640,10 @@ async fn run(
     };
     // Held while the client waits: a client that leaves drops this handler, and with it
     // `waiting`, which stops a turn nobody could read later.
-    let (client, waiting) = mpsc::channel(1);
+    let (present, waiting) = mpsc::channel(1);
     let stops = turn::StopSignals::shutdown_only(state.stopping.subscribe())
-        .until_client_leaves(&turn, &client);
-    drop(client);
+        .until_client_leaves(&turn, &present);
+    drop(present);
     let task = tokio::spawn(turn::drive(
         state.clone(),
         turn,
@@ -749,7 +759,7 @@ pub async fn retrieve(
     }
     let (tx, rx) = mpsc::channel(256);
     tokio::spawn(stream_stored(state.clone(), team, id, starting_after, tx));
-    Ok(sse_response(rx, None))
+    Ok(sse_response(rx, None, None))
 }
 
 /// Follow a background response's event log (`Store::events`, written by the run wherever it
@@ -944,6 +954,9 @@ pub async fn cancel(
     }
     let mut cancelled = rec.response.clone();
     cancelled["status"] = Value::from("cancelled");
+    // What a stream of it ends with says the same (`turn::Stop::Cancelled`).
+    let stop = turn::Stop::Cancelled;
+    cancelled["error"] = json!({"code": stop.code(), "message": stop.message()});
     let applied = state
         .store
         .update_if_active(&team.0, &id, &cancelled, &rec.output_items)

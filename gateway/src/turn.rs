@@ -113,6 +113,9 @@ pub struct Turn {
     /// without waiting, and reads the store again otherwise: a queued turn's pin may have
     /// moved meanwhile.
     pub admission_pin: Option<Option<SessionPin>>,
+    /// Slots of the endpoints this turn failed on before its first token: its next attempt
+    /// goes elsewhere.
+    pub failed_slots: Vec<usize>,
     /// A background run's slot (`[background] max_concurrent`), released with the engine.
     pub background_slot: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The conversation the turn runs in (`conversation`): its items were the history, and
@@ -260,12 +263,15 @@ pub async fn open_turn(
             &mut turn.lineage,
             room,
             known_pin,
+            &turn.failed_slots,
         );
         let routed = routed.await;
-        // No truncation helps when the output budget alone fills the window.
+        // No truncation helps when the output budget alone fills the window (a compaction's
+        // budget is the gateway's, and it summarizes less of the history instead).
         if let Some(err) = routed
             .as_ref()
             .err()
+            .filter(|_| !turn.plan.compaction)
             .and_then(|e| output_fills_the_window(&turn.plan.body, e))
         {
             return Err(err);
@@ -417,6 +423,7 @@ pub async fn session_pin(
 /// its headers name it, and `named` whether `session` names more than this one request (a
 /// request whose key does not may not be found a parent by prefix). `known_pin` is the
 /// session's pin when it was just read (at admission); otherwise it is read from the store.
+/// The endpoints in slots `avoid` (where the request failed before) are not picked to run it.
 #[allow(clippy::too_many_arguments)]
 pub async fn open_upstream(
     state: &AppState,
@@ -427,6 +434,7 @@ pub async fn open_upstream(
     lineage: &mut Option<Lineage>,
     room: Room,
     known_pin: Option<Option<SessionPin>>,
+    avoid: &[usize],
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let endpoints = pool.endpoints();
     let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
@@ -445,6 +453,7 @@ pub async fn open_upstream(
             },
             key: session,
             room,
+            avoid: avoid.to_vec(),
         };
         // The list as it is after the store read: one discovery changed meanwhile would have
         // retired the endpoints of the older one.
@@ -462,6 +471,7 @@ pub async fn open_upstream(
         named,
         lineage,
         room,
+        avoid,
     )
     .await
 }
@@ -549,6 +559,19 @@ struct Placement<'a> {
     pin: Option<SessionPin>,
     /// Where the request's band may start it.
     room: Room,
+    /// Slots of endpoints not to run it on (it failed there before its first token).
+    avoid: Vec<usize>,
+}
+
+impl Placement<'_> {
+    /// Positions in `view` of the endpoints to avoid.
+    fn avoided_in(&self, view: &[Arc<Endpoint>]) -> Vec<usize> {
+        view.iter()
+            .enumerate()
+            .filter(|(_, e)| self.avoid.contains(&e.slot))
+            .map(|(i, _)| i)
+            .collect()
+    }
 }
 
 /// The pin's position in `view`: `At`, `Gone` when its endpoint is not there, `None` unpinned.
@@ -585,7 +608,7 @@ async fn open_local(
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let pinned = pinned_in(view, placement.pin.as_ref());
     let mut first = first.filter(|(p, ..)| p.index < view.len());
-    let mut tried: Vec<usize> = Vec::new();
+    let mut tried: Vec<usize> = placement.avoided_in(view);
     let mut last = String::from("no available endpoint");
     let begin = |pick: Pick| count_local(pool, view, &placement, pick);
     loop {
@@ -718,6 +741,7 @@ async fn open_split(
     named: bool,
     lineage: &mut Option<Lineage>,
     room: Room,
+    avoid: &[usize],
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let prefill_view: Vec<Arc<Endpoint>> = endpoints
         .iter()
@@ -771,6 +795,7 @@ async fn open_split(
         pin,
         key,
         room,
+        avoid: avoid.to_vec(),
     };
 
     // 1. The decode endpoint, counted there as it is picked. Siblings of a burst spread by
@@ -782,7 +807,9 @@ async fn open_split(
     } else {
         &placement.prefix
     };
+    let avoided = placement.avoided_in(&decode_view);
     let request = placement.room.pick_request(PickRequest {
+        exclude: &avoided,
         prefix: decode_prefix,
         prompt_tokens,
         pinned: pinned_in(&decode_view, placement.pin.as_ref()),
@@ -1251,9 +1278,22 @@ async fn drive_announced(
             // endpoint may run it.
             Some(Err(e)) if first_token.is_none() && reopens_left > 0 => {
                 reopens_left -= 1;
-                tracing::warn!(response = %turn.id, endpoint = %endpoint.name, "engine failed before its first token ({e}); trying the request again");
+                tracing::warn!(response = %turn.id, endpoint = %endpoint.name, "engine failed before its first token ({e}); trying the request again elsewhere");
                 // (The failed request still counts on its endpoint while another is picked.)
-                match open_turn(&state, &mut turn).await {
+                turn.failed_slots.push(routed.slot);
+                // The pin may have moved to the failed endpoint: read it again.
+                turn.admission_pin = None;
+                let reopened = match stops.as_mut() {
+                    Some(stops) => tokio::select! {
+                        reopened = open_turn(&state, &mut turn) => reopened,
+                        stop = stops.stopped() => {
+                            tracing::info!(response = %turn.id, why = stop.code(), "response stopped while running");
+                            break stop.end(&mut rs);
+                        }
+                    },
+                    None => open_turn(&state, &mut turn).await,
+                };
+                match reopened {
                     Ok((reopened, placed)) => {
                         chunks = reopened;
                         routed = placed;
@@ -1298,12 +1338,20 @@ async fn drive_announced(
         "turn finished"
     );
     // What the engine served from cache corrects the prefix index and times its prefill; an
-    // engine that does not report it leaves both as they are.
-    let cached = endpoint.cached_tokens(rs.engine_cached_tokens());
-    if let (true, Some(cached)) = (status == "completed" || status == "incomplete", cached) {
-        turn.pool
-            .picker
-            .completed(routed.slot, &routed.prefix, routed.matched_chunks, cached);
+    // engine that does not report it leaves the index as it is.
+    let reported = endpoint.cached_tokens(rs.engine_cached_tokens());
+    if status == "completed" || status == "incomplete" {
+        if let Some(cached) = reported {
+            turn.pool
+                .picker
+                .completed(routed.slot, &routed.prefix, routed.matched_chunks, cached);
+        }
+        // Unreported, the prefill is timed with what the index expected the engine to hold.
+        let cached = reported.unwrap_or_else(|| {
+            turn.pool.picker.prefix_index().map_or(0, |index| {
+                (routed.matched_chunks as u64).saturating_mul(index.tokens_per_chunk())
+            })
+        });
         // A request run whole: its first token came after its own prefill and the prefill
         // queued ahead of it.
         let input = response
@@ -1343,6 +1391,13 @@ async fn drive_announced(
                 stop.code(),
                 stop.message(),
             );
+            // As stored, where the store still has it (a deleted response is gone).
+            if let Ok(Some(record)) = state.store.get(&turn.team, &turn.id).await {
+                response = record.response;
+                if let Some(last) = terminal.last_mut() {
+                    last.data["response"] = response.clone();
+                }
+            }
         }
         _ => {}
     }
@@ -1710,7 +1765,7 @@ pub struct StopSignals {
     cancel: Option<watch::Receiver<bool>>,
     shutdown: watch::Receiver<bool>,
     /// Closed when the client goes away, for a turn that stops then ([`Stop::ClientGone`]).
-    client: Option<mpsc::Sender<Bytes>>,
+    client: Option<mpsc::Sender<()>>,
 }
 
 impl StopSignals {
@@ -1732,10 +1787,11 @@ impl StopSignals {
         }
     }
 
-    /// Also stop when `client`'s receiving end is dropped (the client went away), if `turn`'s
+    /// Also stop when `client`'s receiving end is dropped (held by what serves the client: the
+    /// response body of a stream, the handler waiting for a non-streamed answer), if `turn`'s
     /// result could not be read later anyway: not stored and in no conversation. Generating
     /// it for nobody would hold an engine slot and the team's admission for its whole length.
-    pub fn until_client_leaves(mut self, turn: &Turn, client: &mpsc::Sender<Bytes>) -> Self {
+    pub fn until_client_leaves(mut self, turn: &Turn, client: &mpsc::Sender<()>) -> Self {
         if !turn.store && turn.conversation.is_none() && !turn.background {
             self.client = Some(client.clone());
         }

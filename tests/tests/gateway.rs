@@ -463,30 +463,49 @@ async fn a_request_the_engine_aborts_fails_rather_than_completes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_engine_fails_before_its_first_token_runs_elsewhere() {
-    let fleet = Fleet::of(2).policy("round_robin").start().await;
-    // sim/0 takes requests, then drops each before its first token (as a replica that dies
-    // while they queue or prefill).
-    set_sim_fault(&fleet.sims()[0], json!({"cut_after": 0})).await;
+    // The default policy: a session's turns stay where it ran, pinned and cached there.
+    let fleet = Fleet::of(2).start().await;
     let base = fleet.base_url();
-    for i in 0..4 {
+    let turn = |i: usize, previous: Option<&str>, stream: bool| {
+        let mut body = json!({"model": "sim-model", "input": format!("turn {i}"), "stream": stream, "max_output_tokens": 16});
+        if let Some(p) = previous {
+            body["previous_response_id"] = json!(p);
+        }
+        body
+    };
+    let resp = post_response(&base, &turn(0, None, false)).await;
+    let home = served_endpoint(&resp);
+    let mut previous = resp.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .map(str::to_string);
+    let (home_index, elsewhere) = match home.as_str() {
+        "sim/0" => (0, "sim/1"),
+        _ => (1, "sim/0"),
+    };
+    // The session's replica now takes requests, then drops each before its first token (as a
+    // replica that dies while they queue or prefill).
+    set_sim_fault(&fleet.sims()[home_index], json!({"cut_after": 0})).await;
+    for i in 1..5 {
         let stream = i % 2 == 0;
-        let resp = post_response(&base, &json!({"model": "sim-model", "input": format!("turn {i}"), "stream": stream, "max_output_tokens": 16})).await;
+        let resp = post_response(&base, &turn(i, previous.as_deref(), stream)).await;
         assert_eq!(resp.status(), 200);
         let served = served_endpoint(&resp);
-        let status = if stream {
+        let response = if stream {
             let events = read_sse(resp).await;
             assert_sequence_numbers(&events);
-            events.last().unwrap().data["response"]["status"].clone()
+            events.last().unwrap().data["response"].clone()
         } else {
-            resp.json::<Value>().await.unwrap()["status"].clone()
+            resp.json::<Value>().await.unwrap()
         };
+        previous = response["id"].as_str().map(str::to_string);
+        let status = &response["status"];
         assert!(
             status == "completed" || status == "incomplete",
             "turn {i}: {status}"
         );
         if !stream {
             // (A stream's headers went out before its first token.)
-            assert_eq!(served, "sim/1", "turn {i}: the header names where it ran");
+            assert_eq!(served, elsewhere, "turn {i}: the header names where it ran");
         }
     }
     fleet.shutdown().await;
@@ -715,6 +734,7 @@ async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
     assert_sequence_numbers(&events);
     let got = retrieve(&base, &id).await;
     assert_eq!(got["status"], "cancelled");
+    assert_eq!(last.data["response"], got, "the stream ends as stored");
     fleet.shutdown().await;
 }
 
@@ -750,7 +770,7 @@ async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() 
     let last = events.last().unwrap();
     assert_eq!(last.event, "response.failed");
     assert_eq!(last.data["response"]["status"], "cancelled");
-    assert_eq!(retrieve(&a, &id).await["status"], "cancelled");
+    assert_eq!(last.data["response"], retrieve(&a, &id).await);
     fleet.shutdown().await;
 }
 
