@@ -21,6 +21,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -66,6 +67,8 @@ pub struct Pool {
     pub engine_priority: bool,
     /// Held across one placement: see [`Pool::place`].
     placing: Mutex<()>,
+    /// An engine of the pool has reported cached prompt tokens: see [`Pool::cached_tokens`].
+    engines_report_cached: AtomicBool,
 }
 
 /// A pool's prefill/decode settings (`[pools.disaggregation]`).
@@ -128,6 +131,24 @@ impl Pool {
             .endpoints
             .write()
             .unwrap_or_else(PoisonError::into_inner) = Arc::new(endpoints);
+    }
+
+    /// The cached prompt tokens of a request an engine of this pool served, as far as they can
+    /// be told: `reported` when the engine reported them. vLLM and SGLang leave the count out
+    /// when nothing was cached, and always unless started with `--enable-prompt-tokens-details`
+    /// / `--enable-cache-report`. A pool's engines run alike, so once one has reported a
+    /// count, silence means none were cached; until then it says nothing (`None`).
+    pub fn cached_tokens(&self, reported: Option<u64>) -> Option<u64> {
+        match reported {
+            Some(tokens) => {
+                self.engines_report_cached.store(true, Ordering::Relaxed);
+                Some(tokens)
+            }
+            None => self
+                .engines_report_cached
+                .load(Ordering::Relaxed)
+                .then_some(0),
+        }
     }
 
     /// Run one placement, a pick and the `Endpoint::begin` that counts the request where it
@@ -375,6 +396,7 @@ impl Pools {
                 disaggregation,
                 engine_priority: pc.engine_priority,
                 placing: Mutex::new(()),
+                engines_report_cached: AtomicBool::new(false),
             });
             let record_load = config.routing.scrape_interval().is_some();
             if pool.flavor != Flavor::Openai

@@ -1339,7 +1339,7 @@ async fn drive_announced(
     );
     // What the engine served from cache corrects the prefix index and times its prefill; an
     // engine that does not report it leaves the index as it is.
-    let reported = endpoint.cached_tokens(rs.engine_cached_tokens());
+    let reported = turn.pool.cached_tokens(rs.engine_cached_tokens());
     if status == "completed" || status == "incomplete" {
         if let Some(cached) = reported {
             turn.pool

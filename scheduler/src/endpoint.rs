@@ -207,8 +207,6 @@ struct Live {
     peer_working_set_tokens: AtomicU64,
     /// [`Endpoint::peer_in_flight`].
     peer_in_flight: AtomicU64,
-    /// [`Endpoint::reports_cached_tokens`].
-    reports_cached_tokens: AtomicBool,
 }
 
 impl Default for Live {
@@ -227,7 +225,6 @@ impl Default for Live {
             working_set_tokens: AtomicU64::new(0),
             peer_working_set_tokens: AtomicU64::new(0),
             peer_in_flight: AtomicU64::new(0),
-            reports_cached_tokens: AtomicBool::new(false),
         }
     }
 }
@@ -383,22 +380,6 @@ impl Endpoint {
     /// [`Saturation::saturated`]).
     pub fn saturated(&self, limits: &Saturation, now: Instant) -> bool {
         limits.saturated(self.load_report().as_ref(), now)
-    }
-
-    /// The cached prompt tokens of a request this engine served, as far as it can be told:
-    /// `reported` when the engine reported them. An engine that reported some once reports
-    /// them (it runs with `--enable-prompt-tokens-details` or `--enable-cache-report`), so
-    /// its silence means none were cached; one that never did may simply not report them
-    /// (both engines' default), and its silence says nothing (`None`).
-    pub fn cached_tokens(&self, reported: Option<u64>) -> Option<u64> {
-        let reports = &self.live.reports_cached_tokens;
-        match reported {
-            Some(tokens) => {
-                reports.store(true, Ordering::Relaxed);
-                Some(tokens)
-            }
-            None => reports.load(Ordering::Relaxed).then_some(0),
-        }
     }
 
     /// Record a prefill the gateway timed on this endpoint: `tokens` of prefill work (the
