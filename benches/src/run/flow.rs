@@ -38,7 +38,7 @@
 //! # Saturation
 //!
 //! While a replay runs, [`SaturationSampler`] reads every gateway's flow controller every
-//! [`SAMPLE_EVERY`] of wall time: the pool is *saturated* when requests are queued or the
+//! [`SAMPLE_EVERY`] on the run's clock (simulated time on the virtual clock): the pool is *saturated* when requests are queued or the
 //! requests in flight reach its capacity. The gateway decides a refusal somewhere between the
 //! request's send and its answer (it reads the body and loads the history first), so a refusal
 //! is counted in `shed_unsaturated` when no sample from the one before its send time to the one

@@ -387,7 +387,7 @@ pub fn flow_section(summary: &RunSummary) -> Option<String> {
     }
     out.push_str(
         "Queue waits are the gateway's `x-agentgate-queue-wait-ms` of admitted requests; \
-         \"saturated\" is the share of samples (every 20 ms of wall time) in which the pool had \
+         \"saturated\" is the share of samples (every 20 ms on the run's clock) in which the pool had \
          requests queued or its in-flight requests at capacity, and \"shed while not saturated\" \
          counts refusals with no saturated sample from just before their send to just after \
          their answer.\n\n",
