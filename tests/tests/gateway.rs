@@ -433,35 +433,6 @@ async fn input_items_paginate_over_the_whole_conversation() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_the_engine_aborts_fails_rather_than_completes() {
-    let sim = start_sim("sim-model").await;
-    // vLLM's way: a last chunk with finish_reason "abort", then [DONE].
-    set_sim_fault(&sim, json!({"abort_after": 3})).await;
-    let fleet = Fleet::over(vec![sim]).start().await;
-    let base = fleet.base_url();
-    let resp = post_response(&base, &json!({"model": "sim-model", "input": "cut short", "stream": true, "max_output_tokens": 64})).await;
-    assert_eq!(resp.status(), 200);
-    let events = read_sse(resp).await;
-    assert_sequence_numbers(&events);
-    let last = events.last().expect("events");
-    assert_eq!(last.event, "response.failed");
-    let response = &last.data["response"];
-    assert_eq!(response["status"], "failed");
-    assert_eq!(response["error"]["code"], "server_error");
-    // What arrived is kept, marked incomplete, and nothing chains on it as an answer.
-    assert_eq!(response["output"][0]["status"], "incomplete", "{response}");
-    let id = response["id"].as_str().unwrap();
-    assert_eq!(retrieve(&base, id).await["status"], "failed");
-    let (s, e) = create(
-        &base,
-        json!({"model": "sim-model", "input": "cut short too", "max_output_tokens": 64}),
-    )
-    .await;
-    assert_eq!((s, &e["error"]["code"]), (502, &json!("upstream_error")));
-    fleet.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_engine_fails_before_its_first_token_runs_elsewhere() {
     // The default policy: a session's turns stay where it ran, pinned and cached there.
     let fleet = Fleet::of(2).start().await;
@@ -513,36 +484,45 @@ async fn a_request_whose_engine_fails_before_its_first_token_runs_elsewhere() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_failing_mid_stream_ends_with_response_failed() {
-    let sim = start_sim("sim-model").await;
-    set_sim_fault(&sim, json!({"cut_after": 3})).await;
-    let fleet = Fleet::over(vec![sim]).start().await;
-    let base = fleet.base_url();
-    let resp = post_response(&base, &json!({"model": "sim-model", "input": "this will break", "stream": true, "max_output_tokens": 64})).await;
-    assert_eq!(resp.status(), 200);
-    let events = read_sse(resp).await;
-    let last = events.last().expect("events");
-    assert_eq!(
-        last.event,
-        "response.failed",
-        "events: {:?}",
-        events.iter().map(|e| &e.event).collect::<Vec<_>>()
-    );
-    assert_eq!(last.data["response"]["status"], "failed");
-    assert!(last.data["response"]["error"]["message"].as_str().is_some());
-    assert_sequence_numbers(&events);
-    // The failed response is stored as failed, not lost.
-    let id = last.data["response"]["id"].as_str().unwrap();
-    let got = retrieve(&base, id).await;
-    assert_eq!(got["status"], "failed");
-    // Non-streaming: a clear 502 in OpenAI's shape.
-    let (s, e) = create(
-        &base,
-        json!({"model": "sim-model", "input": "this will break too", "max_output_tokens": 64}),
-    )
-    .await;
-    assert_eq!(s, 502, "{e}");
-    assert_eq!(e["error"]["code"], "upstream_error");
-    fleet.shutdown().await;
+    // A broken connection, and vLLM's way of ending a request it aborted (a last chunk with
+    // finish_reason "abort", then [DONE]): both after some output.
+    for fault in [json!({"cut_after": 3}), json!({"abort_after": 3})] {
+        let sim = start_sim("sim-model").await;
+        set_sim_fault(&sim, fault.clone()).await;
+        let fleet = Fleet::over(vec![sim]).start().await;
+        let base = fleet.base_url();
+        let resp = post_response(&base, &json!({"model": "sim-model", "input": "this will break", "stream": true, "max_output_tokens": 64})).await;
+        assert_eq!(resp.status(), 200);
+        let events = read_sse(resp).await;
+        let last = events.last().expect("events");
+        assert_eq!(
+            last.event,
+            "response.failed",
+            "{fault}: {:?}",
+            events.iter().map(|e| &e.event).collect::<Vec<_>>()
+        );
+        let response = &last.data["response"];
+        assert_eq!(response["status"], "failed");
+        assert_eq!(response["error"]["code"], "server_error", "{fault}");
+        assert!(response["error"]["message"].as_str().is_some());
+        if fault.get("abort_after").is_some() {
+            // What arrived is kept, marked incomplete, and nothing chains on it as an answer.
+            assert_eq!(response["output"][0]["status"], "incomplete", "{response}");
+        }
+        assert_sequence_numbers(&events);
+        // The failed response is stored as failed, not lost.
+        let id = response["id"].as_str().unwrap();
+        assert_eq!(retrieve(&base, id).await["status"], "failed");
+        // Non-streaming: a clear 502 in OpenAI's shape.
+        let (s, e) = create(
+            &base,
+            json!({"model": "sim-model", "input": "this will break too", "max_output_tokens": 64}),
+        )
+        .await;
+        assert_eq!(s, 502, "{fault}: {e}");
+        assert_eq!(e["error"]["code"], "upstream_error");
+        fleet.shutdown().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -610,17 +590,28 @@ async fn background_response_runs_detached_and_can_be_cancelled() {
     fleet.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn background_responses_past_the_waiting_limit_are_refused() {
+/// A simulator that holds every first token back for a minute, behind a gateway with one
+/// background slot (and `background` settings added to that section).
+async fn one_stalled_background_slot(
+    background: &str,
+) -> (agentgate_sim::SimHandle, agentgate::Gateway) {
     let sim = start_sim("sim-model").await;
-    // Runs hold their first token back: one runs, one waits, a third is one too many.
     set_sim_fault(&sim, json!({"stall_ms": 60_000})).await;
     let gw = start_gateway(&config_toml(
         &[sim.base_url()],
         None,
-        "[server]\nshutdown_grace_s = 0.2\n[background]\nmax_concurrent = 1\nmax_queued = 1\n",
+        &format!(
+            "[server]\nshutdown_grace_s = 0.2\n[background]\nmax_concurrent = 1\n{background}"
+        ),
     ))
     .await;
+    (sim, gw)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_responses_past_the_waiting_limit_are_refused() {
+    // Runs hold their first token back: one runs, one waits, a third is one too many.
+    let (sim, gw) = one_stalled_background_slot("max_queued = 1\n").await;
     let base = gw.base_url();
     let job = json!({"model": "sim-model", "input": "job", "background": true});
     let (s1, first) = create(&base, job.clone()).await;
@@ -699,20 +690,10 @@ async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
     let mut resp = post_response(&base, &json!({"model": "sim-model", "input": "a long streamed job", "background": true, "stream": true, "max_output_tokens": 4000})).await;
     assert_eq!(resp.status(), 200);
     // Read until the first text delta, so the run is mid-generation.
-    let mut text = String::new();
-    while !text.contains("response.output_text.delta") {
-        let chunk = resp.chunk().await.unwrap().expect("stream continues");
-        text.push_str(std::str::from_utf8(&chunk).unwrap());
-    }
-    let id = parse_sse(&text)[0].data["response"]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (mut text, id) = read_until_generating(&mut resp).await;
     let cancelled = cancel(&base, &id).await;
     assert_eq!(cancelled["status"], "cancelled");
-    while let Some(chunk) = resp.chunk().await.unwrap() {
-        text.push_str(std::str::from_utf8(&chunk).unwrap());
-    }
+    read_until(&mut resp, &mut text, |_| false).await;
     let events = parse_sse(&text);
     // Announced as queued, then running.
     let statuses: Vec<(&str, &Value)> = events[..3]
@@ -751,20 +732,10 @@ async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() 
         fleet.gateways()[1].base_url(),
     );
     let mut resp = post_response(&a, &json!({"model": "sim-model", "input": "a streamed job", "background": true, "stream": true, "max_output_tokens": 30})).await;
-    let mut text = String::new();
-    while !text.contains("response.output_text.delta") {
-        let chunk = resp.chunk().await.unwrap().expect("stream continues");
-        text.push_str(std::str::from_utf8(&chunk).unwrap());
-    }
-    let id = parse_sse(&text)[0].data["response"]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (mut text, id) = read_until_generating(&mut resp).await;
     assert_eq!(cancel(&b, &id).await["status"], "cancelled");
     // The run on `a` has no signal: it runs to its end, and then ends as the record says.
-    while let Some(chunk) = resp.chunk().await.unwrap() {
-        text.push_str(std::str::from_utf8(&chunk).unwrap());
-    }
+    read_until(&mut resp, &mut text, |_| false).await;
     let events = parse_sse(&text);
     assert_sequence_numbers(&events);
     let last = events.last().unwrap();
@@ -776,15 +747,8 @@ async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_when_cancelled() {
-    let sim = start_sim("sim-model").await;
     // The first run holds the only background slot: its first token never comes.
-    set_sim_fault(&sim, json!({"stall_ms": 60_000})).await;
-    let gw = start_gateway(&config_toml(
-        &[sim.base_url()],
-        None,
-        "[server]\nshutdown_grace_s = 0.2\n[background]\nmax_concurrent = 1\n",
-    ))
-    .await;
+    let (sim, gw) = one_stalled_background_slot("").await;
     let base = gw.base_url();
     let (s, busy) = create(
         &base,
@@ -800,10 +764,7 @@ async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_whe
     assert_eq!(resp.status(), 200);
     // The client hears at once that its response exists and waits.
     let mut text = String::new();
-    while parse_sse(&text).len() < 2 {
-        let chunk = resp.chunk().await.unwrap().expect("stream continues");
-        text.push_str(std::str::from_utf8(&chunk).unwrap());
-    }
+    read_until(&mut resp, &mut text, |text| parse_sse(text).len() >= 2).await;
     let events = parse_sse(&text);
     assert_eq!(events[0].event, "response.created");
     assert_eq!(events[1].event, "response.queued");
@@ -816,17 +777,9 @@ async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_whe
 
     // Cancelled while it waits: the stream ends, saying so.
     assert_eq!(cancel(&base, &id).await["status"], "cancelled");
-    while let Some(chunk) = resp.chunk().await.unwrap() {
-        text.push_str(std::str::from_utf8(&chunk).unwrap());
-    }
+    read_until(&mut resp, &mut text, |_| false).await;
     let events = parse_sse(&text);
-    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
-    assert_eq!(
-        kinds,
-        ["response.created", "response.queued", "response.failed"]
-    );
-    assert_sequence_numbers(&events);
-    assert_eq!(events[2].data["response"]["status"], "cancelled");
+    assert_cancelled_while_queued(&events);
     // A follower replays the same events from the log.
     let followed = follow(&base, &id, None).await;
     assert_eq!(
@@ -836,6 +789,46 @@ async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_whe
     cancel(&base, busy["id"].as_str().unwrap()).await;
     gw.shutdown().await;
     sim.shutdown().await;
+}
+
+/// Read `resp`'s stream into `text` until `enough` says so, or to its end.
+async fn read_until(
+    resp: &mut reqwest::Response,
+    text: &mut String,
+    enough: impl Fn(&str) -> bool,
+) {
+    while !enough(text) {
+        match resp.chunk().await.unwrap() {
+            Some(chunk) => text.push_str(std::str::from_utf8(&chunk).unwrap()),
+            None => return,
+        }
+    }
+}
+
+/// Read a streamed response until its first text delta (it is mid-generation then): the text
+/// so far and the response's id.
+async fn read_until_generating(resp: &mut reqwest::Response) -> (String, String) {
+    let mut text = String::new();
+    read_until(resp, &mut text, |text| {
+        text.contains("response.output_text.delta")
+    })
+    .await;
+    let id = parse_sse(&text)[0].data["response"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    (text, id)
+}
+
+/// The events of a background response cancelled before it ran: announced, then cancelled.
+fn assert_cancelled_while_queued(events: &[Event]) {
+    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["response.created", "response.queued", "response.failed"]
+    );
+    assert_sequence_numbers(events);
+    assert_eq!(events[2].data["response"]["status"], "cancelled");
 }
 
 /// `vllm:num_requests_running` as `sim` reports it.
@@ -864,10 +857,10 @@ async fn a_turn_nobody_can_read_later_stops_when_its_client_leaves() {
     // Streamed: the client reads the first words, then goes.
     let mut resp = post_response(&base, &long(true)).await;
     let mut text = String::new();
-    while !text.contains("response.output_text.delta") {
-        let chunk = resp.chunk().await.unwrap().expect("stream continues");
-        text.push_str(std::str::from_utf8(&chunk).unwrap());
-    }
+    read_until(&mut resp, &mut text, |text| {
+        text.contains("response.output_text.delta")
+    })
+    .await;
     drop(resp);
     eventually("the gateway lets the turn go", || idle(&pool)).await;
     let mut running = running_on(&sim_url).await;
@@ -1577,14 +1570,7 @@ async fn a_background_response_streams_again_from_any_gateway() {
     let (_, waiting) = create(&a, body).await;
     let waiting = waiting["id"].as_str().unwrap().to_string();
     assert_eq!(cancel(&b, &waiting).await["status"], "cancelled");
-    let events = follow(&b, &waiting, None).await;
-    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
-    assert_eq!(
-        kinds,
-        ["response.created", "response.queued", "response.failed"]
-    );
-    assert_sequence_numbers(&events);
-    assert_eq!(events[2].data["response"]["status"], "cancelled");
+    assert_cancelled_while_queued(&follow(&b, &waiting, None).await);
     cancel(&a, busy["id"].as_str().unwrap()).await;
     fleet.shutdown().await;
 }
