@@ -170,18 +170,8 @@ impl ResponseStream {
         }
         self.created = true;
         self.set_field("status", json!("queued"));
-        let snapshot = self.response.clone();
-        self.emit(
-            &mut events,
-            "response.created",
-            json!({"response": snapshot}),
-        );
-        let snapshot = self.response.clone();
-        self.emit(
-            &mut events,
-            "response.queued",
-            json!({"response": snapshot}),
-        );
+        self.emit_snapshot(&mut events, "response.created");
+        self.emit_snapshot(&mut events, "response.queued");
         events
     }
 
@@ -201,15 +191,9 @@ impl ResponseStream {
         self.set_field("status", json!("in_progress"));
         if !self.created {
             self.created = true;
-            let snapshot = self.response.clone();
-            self.emit(events, "response.created", json!({"response": snapshot}));
+            self.emit_snapshot(events, "response.created");
         }
-        let snapshot = self.response.clone();
-        self.emit(
-            events,
-            "response.in_progress",
-            json!({"response": snapshot}),
-        );
+        self.emit_snapshot(events, "response.in_progress");
     }
 
     /// Translates one engine chunk; an error chunk ends the stream with `response.failed`.
@@ -335,8 +319,7 @@ impl ResponseStream {
                 .unwrap_or(0);
             self.set_field("completed_at", json!(now));
         }
-        let snapshot = self.response.clone();
-        self.emit(&mut events, event, json!({"response": snapshot}));
+        self.emit_snapshot(&mut events, event);
         events
     }
 
@@ -368,12 +351,7 @@ impl ResponseStream {
         self.finalize_response();
         self.set_field("status", json!(status));
         self.set_field("error", json!({"code": code, "message": message}));
-        let snapshot = self.response.clone();
-        self.emit(
-            &mut events,
-            "response.failed",
-            json!({"response": snapshot}),
-        );
+        self.emit_snapshot(&mut events, "response.failed");
         events
     }
 
@@ -442,6 +420,12 @@ impl ResponseStream {
             event: kind.to_string(),
             data: Value::Object(data),
         });
+    }
+
+    /// Emit `kind` carrying the Response object as it stands.
+    fn emit_snapshot(&mut self, events: &mut Vec<SseEvent>, kind: &str) {
+        let snapshot = self.response.clone();
+        self.emit(events, kind, json!({"response": snapshot}));
     }
 
     fn set_field(&mut self, key: &str, value: Value) {

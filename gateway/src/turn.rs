@@ -1205,7 +1205,7 @@ pub async fn drive(
 }
 
 /// How many times a turn whose engine failed before its first token is sent again (each time
-/// to an endpoint picked afresh; the failed one is usually down by then, or refuses at once).
+/// to an endpoint it has not failed on: `Turn::failed_slots`).
 const MAX_REOPENS: u32 = 2;
 
 /// A turn's event stream and where its events go, from before it runs: a background response
@@ -1382,7 +1382,12 @@ async fn drive_announced(
         Persisted::Failed if !turn.background => fail_unstored(&mut response, &mut terminal),
         // Cancelled as it ended (or by a gateway replica with no signal to this run): the
         // stream and the log end as the record says.
-        Persisted::Discarded => {
+        // As stored, where the store still has it (a deleted response is gone).
+        Persisted::Discarded(Some(stored)) => {
+            response = stored;
+            end_failed(&mut terminal, &response);
+        }
+        Persisted::Discarded(None) => {
             let stop = Stop::Cancelled;
             rewrite_terminal(
                 &mut response,
@@ -1391,13 +1396,6 @@ async fn drive_announced(
                 stop.code(),
                 stop.message(),
             );
-            // As stored, where the store still has it (a deleted response is gone).
-            if let Ok(Some(record)) = state.store.get(&turn.team, &turn.id).await {
-                response = record.response;
-                if let Some(last) = terminal.last_mut() {
-                    last.data["response"] = response.clone();
-                }
-            }
         }
         _ => {}
     }
@@ -1453,6 +1451,11 @@ fn rewrite_terminal(
     response["status"] = Value::from(status);
     response["incomplete_details"] = Value::Null;
     response["error"] = serde_json::json!({"code": code, "message": message});
+    end_failed(terminal, response);
+}
+
+/// Make the last of `terminal` a `response.failed` carrying `response`.
+fn end_failed(terminal: &mut [agentgate_adapters::SseEvent], response: &Value) {
     if let Some(last) = terminal.last_mut() {
         last.event = "response.failed".into();
         last.data["type"] = Value::from("response.failed");
@@ -1461,12 +1464,13 @@ fn rewrite_terminal(
 }
 
 /// What became of a finished response's write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Persisted {
     /// Stored (or nothing to store).
     Stored,
-    /// A background response cancelled or deleted meanwhile: its result was discarded.
-    Discarded,
+    /// A background response cancelled or deleted meanwhile: its result was discarded. The
+    /// Response object stored instead, unless it was deleted.
+    Discarded(Option<Value>),
     /// The store did not take it.
     Failed,
 }
@@ -1556,14 +1560,13 @@ async fn persist_steps(
         if !applied {
             // Cancelled or deleted meanwhile, or an earlier try landed and only its reply was
             // lost: the stored record says which.
-            let landed = state
-                .store
-                .get(&turn.team, &turn.id)
-                .await?
-                .is_some_and(|record| record.response == *response);
-            if !landed {
+            let current = state.store.get(&turn.team, &turn.id).await?;
+            if current
+                .as_ref()
+                .is_none_or(|record| record.response != *response)
+            {
                 *joined = true;
-                persisted = Persisted::Discarded;
+                persisted = Persisted::Discarded(current.map(|record| record.response));
             }
         }
         *stored = true;
