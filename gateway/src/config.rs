@@ -161,6 +161,8 @@ pub struct StoreConfig {
     /// In-memory store only: MiB its responses may take (estimated) before the least recently
     /// used are dropped; 0: no bound.
     pub memory_max_mb: u64,
+    /// How long a session pin lives after the session's last turn, in seconds.
+    pub pin_ttl_s: f64,
 }
 
 impl Default for StoreConfig {
@@ -170,6 +172,7 @@ impl Default for StoreConfig {
             ttl_days: 30.0,
             key_prefix: "agentgate:".into(),
             memory_max_mb: 1024,
+            pin_ttl_s: 3600.0,
         }
     }
 }
@@ -933,8 +936,18 @@ impl Config {
         if self.compaction.max_output_tokens == 0 {
             return Err(err("compaction.max_output_tokens", "must be at least 1"));
         }
-        if !(self.store.ttl_days.is_finite() && self.store.ttl_days > 0.0) {
-            return Err(err("store.ttl_days", "must be a positive number of days"));
+        // Bounded so that a TTL in milliseconds stays a valid Redis expiry.
+        if !(self.store.ttl_days > 0.0 && self.store.ttl_days <= 36_500.0) {
+            return Err(err(
+                "store.ttl_days",
+                "must be a positive number of days, at most 36500",
+            ));
+        }
+        if !(self.store.pin_ttl_s > 0.0 && self.store.pin_ttl_s <= 1e9) {
+            return Err(err(
+                "store.pin_ttl_s",
+                "must be a positive number of seconds, at most 1e9",
+            ));
         }
         if self.routing.session_header.trim().is_empty()
             || !self
@@ -1178,7 +1191,7 @@ impl Config {
             ttl: self.store_ttl(),
             key_prefix: self.store.key_prefix.clone(),
             max_memory_bytes: self.store.memory_max_mb.saturating_mul(1 << 20),
-            ..agentgate_sessions::StoreOptions::default()
+            pin_ttl: seconds(self.store.pin_ttl_s),
         }
     }
 
@@ -1584,6 +1597,24 @@ endpoints = ["http://127.0.0.1:8000"]
                 .unwrap_err();
         assert_eq!(e.key, "pools[0].policy");
         assert!(e.reason.contains("unknown policy"), "{e}");
+    }
+
+    #[test]
+    fn store_ttls_map_to_the_store_options_and_stay_valid_redis_expiries() {
+        let c = Config::parse(MINIMAL).unwrap();
+        assert_eq!(c.store_options().pin_ttl, Duration::from_secs(3600));
+        let c = Config::parse(&format!("[store]\npin_ttl_s = 1.5\n{MINIMAL}")).unwrap();
+        assert_eq!(c.store_options().pin_ttl, Duration::from_millis(1500));
+        for (line, key) in [
+            ("pin_ttl_s = 0", "store.pin_ttl_s"),
+            ("pin_ttl_s = 1e12", "store.pin_ttl_s"),
+            ("pin_ttl_s = nan", "store.pin_ttl_s"),
+            ("ttl_days = 1e9", "store.ttl_days"),
+            ("ttl_days = -1", "store.ttl_days"),
+        ] {
+            let e = Config::parse(&format!("[store]\n{line}\n{MINIMAL}")).unwrap_err();
+            assert_eq!(e.key, key, "{line}");
+        }
     }
 
     #[test]

@@ -646,7 +646,18 @@ async fn open_local(
                     .routing_decision(&pool.name, &ep.name, pick.reason.as_str());
                 let mut pin_moved = None;
                 if let Some(key) = placement.key.filter(|_| pool.policy.uses_pins()) {
-                    pin_moved = repin(state, pool, key, placement.pin.as_ref(), ep, pick.pin).await;
+                    let pin_failed =
+                        matches!(pinned, Pinned::At(i) if tried[..tried.len() - 1].contains(&i));
+                    pin_moved = repin(
+                        state,
+                        pool,
+                        key,
+                        placement.pin.as_ref(),
+                        ep,
+                        pick.pin,
+                        pin_failed,
+                    )
+                    .await;
                     if let Some(cause) = pin_moved {
                         state.metrics.pin_moved(&pool.name, cause);
                     }
@@ -936,7 +947,20 @@ async fn open_split(
                 .routing_decision(&pool.name, &d.name, decode.reason.as_str());
             let mut pin_moved = None;
             if let Some(key) = key.filter(|_| pool.policy.uses_pins()) {
-                pin_moved = repin(state, pool, key, placement.pin.as_ref(), &d, decode.pin).await;
+                let pin_failed = matches!(
+                    pinned_in(&decode_view, placement.pin.as_ref()),
+                    Pinned::At(i) if avoided.contains(&i)
+                );
+                pin_moved = repin(
+                    state,
+                    pool,
+                    key,
+                    placement.pin.as_ref(),
+                    &d,
+                    decode.pin,
+                    pin_failed,
+                )
+                .await;
                 if let Some(cause) = pin_moved {
                     state.metrics.pin_moved(&pool.name, cause);
                 }
@@ -948,6 +972,7 @@ async fn open_split(
                     own_prefill_pin.as_ref(),
                     &p,
                     prefill.pin,
+                    false,
                 )
                 .await
                 {
@@ -1010,8 +1035,11 @@ async fn open_split(
     open_local(state, pool, &decode_view, placement, Some(placed)).await
 }
 
-/// Point the pin under `key` at `ep` when it points elsewhere (or nowhere yet). Returns the
-/// cause of the move when an existing pin moved, for the caller to count.
+/// Point the pin under `key` at `ep` when it points elsewhere (or nowhere yet), or refresh its
+/// TTL when it holds, so a pin lasts `pin_ttl` after the session's last turn rather than after
+/// its last move. Returns the cause of the move when an existing pin moved, for the caller to
+/// count: `failed` when its endpoint failed this request (`pin_failed`), else why the pick broke
+/// it. A move another gateway made first (the swap did not apply) is not counted here.
 async fn repin(
     state: &AppState,
     pool: &Pool,
@@ -1019,21 +1047,35 @@ async fn repin(
     pin: Option<&SessionPin>,
     ep: &Endpoint,
     outcome: PinOutcome,
+    pin_failed: bool,
 ) -> Option<&'static str> {
     if pin.is_some_and(|p| p.endpoint == ep.name) {
+        // Off the request's path: the turn does not wait on a TTL refresh.
+        let (store, pool, key) = (state.store.clone(), pool.name.clone(), key.to_string());
+        tokio::spawn(async move {
+            if let Err(e) = store.touch_pin(&pool, &key).await {
+                tracing::debug!("could not refresh the session pin: {e}");
+            }
+        });
         return None;
     }
     let new = SessionPin {
         endpoint: ep.name.clone(),
         moves: pin.map_or(0, |p| p.moves.saturating_add(1)),
     };
-    if let Err(e) = state.store.swap_pin(&pool.name, key, pin, &new).await {
-        tracing::warn!("could not store the session pin: {e}");
+    match state.store.swap_pin(&pool.name, key, pin, &new).await {
+        Ok(in_force) if in_force != new => {
+            tracing::info!(key, pinned = %in_force.endpoint, served = %ep.name, "another gateway re-pinned the session first");
+            return None;
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!("could not store the session pin: {e}"),
     }
     let old = pin?;
-    // A pin that held but whose endpoint then failed this request moved because it failed.
     let cause = match outcome {
+        _ if pin_failed => "failed",
         PinOutcome::Broken(cause) => cause.as_str(),
+        // Held or not consulted, yet the request went elsewhere: its pinned endpoint failed.
         _ => "failed",
     };
     tracing::info!(key, from = %old.endpoint, to = %ep.name, moves = new.moves, cause, "session re-pinned");
@@ -1378,8 +1420,10 @@ async fn drive_announced(
     let persisted = persist(&state, &turn, &response, rs.output_items()).await;
     let mut terminal = terminal;
     match persisted {
-        // The client would get an id it cannot retrieve or continue from: say so instead.
-        Persisted::Failed if !turn.background => fail_unstored(&mut response, &mut terminal),
+        // The client would get an id it cannot retrieve or continue from: say so instead. A
+        // background run that gave up (the store failed for minutes, or the gateway is
+        // stopping) says so to its stream too; its record stays as last written.
+        Persisted::Failed => fail_unstored(&mut response, &mut terminal),
         // Cancelled as it ended (or by a gateway replica with no signal to this run): the
         // stream and the log end as the record says.
         // As stored, where the store still has it (a deleted response is gone).

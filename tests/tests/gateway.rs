@@ -1092,7 +1092,7 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
         .parse::<usize>()
         .unwrap();
     set_sim_fault(&fleet.sims()[pinned], json!({"status": 503})).await;
-    let mut moved = Vec::new();
+    let (mut moved, mut causes) = (Vec::new(), Vec::new());
     for gw in [a, b, a] {
         let resp = client()
             .post(format!("{}/v1/responses", gw.base_url()))
@@ -1106,7 +1106,14 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
             header(&resp, agentgate::responses::ENDPOINT_HEADER),
             header(&resp, agentgate::responses::ROUTE_REASON_HEADER),
         ));
+        causes.push(
+            resp.headers()
+                .get(agentgate::responses::PIN_MOVED_HEADER)
+                .map(|v| v.to_str().unwrap().to_string()),
+        );
     }
+    // The first turn tried its pinned replica, which failed it; the others follow the new pin.
+    assert_eq!(causes, [Some("failed".to_string()), None, None]);
     assert_ne!(moved[0].0, seen[0].0);
     assert_ne!(moved[0].1, "pin", "{moved:?}");
     assert!(moved.iter().all(|(e, _)| e == &moved[0].0), "{moved:?}");
@@ -1119,6 +1126,41 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
         .unwrap()
         .unwrap();
     assert_eq!((pin.endpoint.as_str(), pin.moves), (moved[0].0.as_str(), 1));
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pin_lives_its_ttl_after_the_sessions_last_turn_not_after_its_first() {
+    let fleet = Fleet::of(2)
+        .extra("[store]\npin_ttl_s = 1.5\n")
+        .start()
+        .await;
+    let base = fleet.base_url();
+    let turn = || async {
+        let resp = client()
+            .post(format!("{base}/v1/responses"))
+            .header("x-session-id", "busy")
+            .json(&json!({"model": "sim-model", "input": "next step", "store": false}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        header(&resp, agentgate::responses::ROUTE_REASON_HEADER)
+    };
+    let store = fleet.gateway().state().store.clone();
+    turn().await;
+    let first = store.get_pin("sim", "h:busy").await.unwrap().unwrap();
+    // A turn a second later stays on the pin and refreshes it.
+    tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+    assert_eq!(turn().await, "pin");
+    // Past the TTL counted from the first turn, within it counted from the second.
+    tokio::time::sleep(std::time::Duration::from_millis(900)).await;
+    let pin = store.get_pin("sim", "h:busy").await.unwrap();
+    assert_eq!(
+        pin,
+        Some(first),
+        "the session's pin expired while it was busy"
+    );
     fleet.shutdown().await;
 }
 
@@ -1236,6 +1278,39 @@ async fn a_response_the_store_cannot_keep_fails_instead_of_completing() {
     let (s, r) = create(&base, next).await;
     assert_eq!(s, 200, "{r}");
     fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_run_that_cannot_store_its_result_ends_its_stream_as_failed() {
+    let mut redis = TestRedis::start_private();
+    let prefix = unique_prefix("unstored-background");
+    // 50 ms per token: the store goes while the run generates.
+    let fleet = Fleet::over(vec![slow_sim(50.0).await])
+        .store(redis.url(), &prefix)
+        .extra("[server]\nshutdown_grace_s = 0.2\n")
+        .start()
+        .await;
+    let base = fleet.base_url();
+    let mut resp = post_response(&base, &json!({"model": "sim-model", "input": "a job", "background": true, "stream": true, "max_output_tokens": 16})).await;
+    assert_eq!(resp.status(), 200);
+    let (mut text, _) = read_until_generating(&mut resp).await;
+    redis.stop();
+    // Generated to its end (its engine slot is free); the store write then fails and is
+    // retried for minutes, until the shutdown.
+    let pool = fleet.pool();
+    eventually("the run has finished generating", || {
+        pool.endpoints().iter().all(|e| e.in_flight_requests() == 0)
+    })
+    .await;
+    let shutdown = tokio::spawn(fleet.shutdown());
+    read_until(&mut resp, &mut text, |_| false).await;
+    shutdown.await.unwrap();
+    let events = parse_sse(&text);
+    let last = events.last().unwrap();
+    // Not `response.completed`: the id it names can be neither retrieved nor continued.
+    assert_eq!(last.event, "response.failed", "{text}");
+    assert_eq!(last.data["response"]["error"]["code"], "store_unavailable");
+    assert_sequence_numbers(&events);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
