@@ -706,3 +706,61 @@ async fn a_connection_whose_replies_stop_is_replaced() {
     assert_eq!(found.expect("served again on a new connection").id, "r1");
     assert_eq!(store.connections_replaced(), 1);
 }
+
+#[tokio::test]
+async fn a_reconnect_refused_by_the_server_does_not_break_the_store_for_good() {
+    let redis = TestRedis::start_private();
+    let mut admin = raw(&redis).await;
+    let set_password = |conn: &mut MultiplexedConnection, password: &'static str| {
+        let mut conn = conn.clone();
+        async move {
+            redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("requirepass")
+                .arg(password)
+                .query_async::<()>(&mut conn)
+                .await
+                .expect("CONFIG SET requirepass");
+        }
+    };
+    set_password(&mut admin, "first").await;
+    let url = redis.url().replace("redis://", "redis://:first@");
+    let opts = StoreOptions {
+        key_prefix: unique_prefix("refused-reconnect"),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&url, opts).await.expect("connect");
+    store
+        .put(&record("t", "before", None, 10))
+        .await
+        .expect("put");
+
+    // The connection drops, and its reconnect is refused (the password changed meanwhile, as
+    // during a credentials rotation; a full client table answers with an error likewise).
+    set_password(&mut admin, "second").await;
+    redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .arg("SKIPME")
+        .arg("yes")
+        .query_async::<()>(&mut admin)
+        .await
+        .expect("CLIENT KILL");
+    for _ in 0..3 {
+        assert!(store.get("t", "before").await.is_err());
+    }
+    // Once the server takes the credentials again, so does the store.
+    set_password(&mut admin, "first").await;
+    let mut result = store.get("t", "before").await;
+    for _ in 0..100 {
+        if result.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        result = store.get("t", "before").await;
+    }
+    assert!(result
+        .expect("get after the server takes the credentials again")
+        .is_some());
+}

@@ -77,9 +77,22 @@ struct Link {
     config: ConnectionManagerConfig,
     /// A replacement connection is being opened.
     replacing: AtomicBool,
-    /// Connections opened to replace one whose replies timed out.
+    /// Connections opened to replace one whose replies timed out or that kept failing.
     replaced: AtomicU64,
+    /// Calls failed in a row (any error; a success resets it).
+    failures: AtomicU64,
+    /// When the last replacement was started, in ms since `opened` (`u64::MAX`: never).
+    replace_started_ms: AtomicU64,
+    opened: std::time::Instant,
 }
+
+/// Failed calls in a row after which the connection is replaced, at most once per
+/// [`REPLACE_FAILING_EVERY`]. The connection manager reconnects by itself after a connection
+/// loss, but keeps handing back the error of a reconnect the server refused (an authentication
+/// failure during a credentials rotation, a full client table): without a new manager every
+/// call would fail until the process restarts.
+const REPLACE_AFTER_FAILURES: u64 = 3;
+const REPLACE_FAILING_EVERY: Duration = Duration::from_secs(2);
 
 impl Link {
     async fn open(client: ::redis::Client, config: ConnectionManagerConfig) -> RedisResult<Self> {
@@ -90,6 +103,9 @@ impl Link {
             config,
             replacing: AtomicBool::new(false),
             replaced: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            replace_started_ms: AtomicU64::new(u64::MAX),
+            opened: std::time::Instant::now(),
         })
     }
 
@@ -97,13 +113,36 @@ impl Link {
         self.current.read().await.clone()
     }
 
+    /// After a call: a reply that timed out replaces the connection, and so do
+    /// [`REPLACE_AFTER_FAILURES`] failed calls in a row (at most every [`REPLACE_FAILING_EVERY`]).
+    fn observe<T>(self: &Arc<Self>, result: &RedisResult<T>) {
+        let Err(err) = result else {
+            self.failures.store(0, Ordering::Relaxed);
+            return;
+        };
+        if err.is_timeout() {
+            self.replace("redis replies timed out");
+            return;
+        }
+        let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        let last = self.replace_started_ms.load(Ordering::Relaxed);
+        let due = last == u64::MAX
+            || now.saturating_sub(last) >= REPLACE_FAILING_EVERY.as_millis() as u64;
+        if failures >= REPLACE_AFTER_FAILURES && due {
+            self.replace("redis calls keep failing");
+        }
+    }
+
     /// Open a new connection in the background, unless one is being opened already; calls
     /// from now on wait for it (at most the connection timeout and its retries). If it cannot
     /// be opened, calls go on with the old one.
-    fn replace(self: &Arc<Self>) {
+    fn replace(self: &Arc<Self>, why: &'static str) {
         if self.replacing.swap(true, Ordering::AcqRel) {
             return;
         }
+        let now = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        self.replace_started_ms.store(now, Ordering::Relaxed);
         let link = Arc::clone(self);
         let locked = Arc::clone(&self.current).try_write_owned();
         tokio::spawn(async move {
@@ -116,10 +155,11 @@ impl Link {
                 Ok(conn) => {
                     *current = conn;
                     link.replaced.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!("redis replies timed out; now on a new connection");
+                    link.failures.store(0, Ordering::Relaxed);
+                    tracing::warn!("{why}; now on a new connection");
                 }
                 Err(err) => {
-                    tracing::warn!(error = %err, "redis replies timed out; no new connection either")
+                    tracing::warn!(error = %err, "{why}; no new connection either")
                 }
             }
             drop(current);
@@ -262,18 +302,14 @@ impl RedisStore {
         self.round_trips.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Connections opened so far to replace one whose replies timed out.
+    /// Connections opened so far to replace one whose replies timed out or that kept failing.
     pub fn connections_replaced(&self) -> u64 {
         self.link.replaced.load(Ordering::Relaxed)
     }
 
-    /// After a call: a reply that timed out replaces the connection.
+    /// After a call: see `Link::observe`.
     fn watch<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
-        if let Err(err) = &result {
-            if err.is_timeout() {
-                self.link.replace();
-            }
-        }
+        self.link.observe(&result);
         result
     }
 
