@@ -148,6 +148,43 @@ async fn every_key_gets_the_ttl_and_history_refreshes_it() {
         .await
         .expect("put");
     assert!(pttl(&mut conn, &store.response_key(&chain[2].id)).await > 10_000);
+
+    // A running response and its event log live as long as each other: appending events
+    // refreshes the response, finishing it refreshes the log.
+    let (resp_key, log_key) = (
+        store.response_key(&chain[2].id),
+        store.events_key(&chain[2].id),
+    );
+    let admin = conn.clone();
+    let shorten = |key: String| {
+        let mut conn = admin.clone();
+        async move {
+            let _: () = redis::cmd("PEXPIRE")
+                .arg(&key)
+                .arg(10_000)
+                .query_async(&mut conn)
+                .await
+                .expect("PEXPIRE");
+        }
+    };
+    store
+        .append_events(&chain[2].id, &["event: a\n\n".to_string()])
+        .await
+        .expect("append");
+    shorten(resp_key.clone()).await;
+    store
+        .append_events(&chain[2].id, &["event: b\n\n".to_string()])
+        .await
+        .expect("append");
+    assert!(pttl(&mut conn, &resp_key).await > 10_000);
+    shorten(log_key.clone()).await;
+    let mut done = running;
+    done["status"] = "completed".into();
+    assert!(store
+        .update_if_active("t", &chain[2].id, &done, &chain[2].output_items)
+        .await
+        .expect("update"));
+    assert!(pttl(&mut conn, &log_key).await > 10_000);
 }
 
 #[tokio::test]
@@ -501,23 +538,26 @@ async fn unreadable_pins_are_reported_and_replaced_by_the_next_swap() {
     let redis = TestRedis::start();
     let store = store(&redis, "pin_corrupt").await;
     let mut conn = raw(&redis).await;
-    let _: () = redis::cmd("SET")
-        .arg(store.pin_key("pool", "s"))
-        .arg("{not json")
-        .query_async(&mut conn)
-        .await
-        .expect("SET");
-    let err = store
-        .get_pin("pool", "s")
-        .await
-        .expect_err("get_pin must fail");
-    assert!(matches!(err, StoreError::CorruptPin { .. }), "{err}");
-    let set = store
-        .swap_pin("pool", "s", None, &pin("e0", 0))
-        .await
-        .expect("swap over an unreadable pin");
-    assert_eq!(set, pin("e0", 0));
-    assert_eq!(store.get_pin("pool", "s").await.expect("get"), Some(set));
+    // Not JSON, and JSON without a pin's fields.
+    for unreadable in ["{not json", r#"{"endpoint":"e9"}"#] {
+        let _: () = redis::cmd("SET")
+            .arg(store.pin_key("pool", "s"))
+            .arg(unreadable)
+            .query_async(&mut conn)
+            .await
+            .expect("SET");
+        let err = store
+            .get_pin("pool", "s")
+            .await
+            .expect_err("get_pin must fail");
+        assert!(matches!(err, StoreError::CorruptPin { .. }), "{err}");
+        let set = store
+            .swap_pin("pool", "s", None, &pin("e0", 0))
+            .await
+            .expect("swap over an unreadable pin");
+        assert_eq!(set, pin("e0", 0), "{unreadable}");
+        assert_eq!(store.get_pin("pool", "s").await.expect("get"), Some(set));
+    }
 }
 
 #[tokio::test]

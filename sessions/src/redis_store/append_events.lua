@@ -10,5 +10,7 @@ end
 for first = 2, #ARGV, 1000 do
   redis.call('RPUSH', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
 end
+-- The log and its response live as long as each other.
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1

@@ -543,9 +543,9 @@ impl Store for RedisStore {
         let output = to_json(&output_items)?;
         let ttl = self.ttl_ms.to_string();
         let applied: i64 = self
-            .run_script(
+            .run_script_keys(
                 &self.update_script,
-                &self.response_key(id),
+                &[&self.response_key(id), &self.events_key(id)],
                 &[
                     team.as_bytes(),
                     packed.as_bytes(),

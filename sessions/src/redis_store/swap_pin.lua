@@ -8,7 +8,10 @@
 local current = redis.call('GET', KEYS[1])
 if current then
   local ok, pin = pcall(cjson.decode, current)
-  if ok and type(pin) == 'table' then
+  -- A pin without both fields (another version's, a corrupted one) is unreadable to the
+  -- gateway too: replaced, not kept alive.
+  if ok and type(pin) == 'table' and type(pin.endpoint) == 'string'
+      and type(pin.moves) == 'number' then
     local same = false
     if ARGV[1] ~= '' then
       local expected = cjson.decode(ARGV[1])

@@ -1,5 +1,5 @@
 -- Replace a response's Response object and output items only while it is still running.
--- KEYS[1]: hash of the response
+-- KEYS[1]: hash of the response   KEYS[2]: its event log (TTL refreshed with it, if any)
 -- ARGV[1]: team that must own it
 -- ARGV[2]: new Response object (JSON)   ARGV[3]: new output items (JSON array)
 -- ARGV[4]: new status                   ARGV[5]: "1" if the output is shared with the response
@@ -14,4 +14,5 @@ if current[2] ~= 'queued' and current[2] ~= 'in_progress' then
 end
 redis.call('HSET', KEYS[1], 'response', ARGV[2], 'output', ARGV[3], 'status', ARGV[4], 'shared', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
+redis.call('PEXPIRE', KEYS[2], ARGV[6])
 return 1
