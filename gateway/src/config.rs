@@ -1,7 +1,8 @@
 //! Configuration: the TOML file `agentgate serve --config FILE` reads, its defaults and validation.
 //!
-//! Every key is documented in `examples/quickstart.toml` (flow control: `examples/teams.toml`)
-//! and the README's configuration reference.
+//! Every key is documented in the README's configuration reference; the files in `examples/`
+//! show them in context (`quickstart.toml` the common ones, `fleet.toml` live endpoint state,
+//! `teams.toml` flow control, `pd.toml` prefill/decode).
 //! Unknown keys are rejected, and a bad value fails at start with the key's path and the reason,
 //! so a typo never silently changes behaviour.
 

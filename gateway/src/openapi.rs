@@ -59,7 +59,7 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "Delete a stored response.",
         request: None,
         response: "DeletedResponse",
-        errors: &[400, 401, 404],
+        errors: &[400, 401, 404, 503],
         query: &[],
     },
     RouteDoc {
@@ -68,7 +68,7 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "Cancel a background response.",
         request: None,
         response: "Response",
-        errors: &[400, 401, 404],
+        errors: &[400, 401, 404, 503],
         query: &[],
     },
     RouteDoc {
@@ -77,7 +77,7 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "List the input items of a response.",
         request: None,
         response: "InputItemList",
-        errors: &[400, 401, 404],
+        errors: &[400, 401, 404, 503],
         query: &[
             ("limit", "1-100, default 20"),
             ("order", "asc or desc (default)"),
@@ -90,7 +90,7 @@ pub const ROUTES: &[RouteDoc] = &[
         summary: "Count the input tokens a create request would use.",
         request: Some("CreateResponse"),
         response: "InputTokens",
-        errors: &[400, 401, 404, 413, 415, 502],
+        errors: &[400, 401, 404, 413, 415, 502, 503],
         query: &[],
     },
     RouteDoc {
