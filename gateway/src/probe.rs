@@ -223,6 +223,11 @@ impl Live {
                 continue;
             }
             if healthy {
+                // Back from a failure, most likely restarted: its cache is empty, whatever the
+                // index last knew of it.
+                if let Some(index) = pool.picker.prefix_index() {
+                    index.clear(e.slot);
+                }
                 self.metrics
                     .health_transitions
                     .inc([&pool.name, &e.name, "healthy"]);

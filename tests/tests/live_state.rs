@@ -104,6 +104,39 @@ async fn failing_replica_is_taken_out_and_returns_when_it_recovers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_back_from_a_failure_is_indexed_as_holding_nothing() {
+    let fleet = Fleet::of(2).extra(FAST_PROBES).start().await;
+    let base = fleet.base_url();
+    let pool = fleet.pool();
+    let resp = post_response(
+        &base,
+        &json!({"model": "sim-model", "input": "a long prompt to index ".repeat(200),
+                "max_output_tokens": 16}),
+    )
+    .await;
+    assert_eq!(resp.status().as_u16(), 200);
+    let served = endpoint(&pool, &served_endpoint(&resp)).unwrap();
+    let index = pool
+        .picker
+        .prefix_index()
+        .expect("policy session keeps an index");
+    assert!(index.held_chunks(served.slot) > 0);
+
+    // It fails and comes back (a restart: its cache is gone); the index forgets it too.
+    let sim = &fleet.sims()[served
+        .name
+        .trim_start_matches("sim/")
+        .parse::<usize>()
+        .unwrap()];
+    set_sim_fault(sim, json!({"unhealthy": true})).await;
+    eventually("the replica is taken out", || !served.is_available()).await;
+    clear_sim_faults(sim).await;
+    eventually("the replica returns", || served.is_available()).await;
+    assert_eq!(index.held_chunks(served.slot), 0);
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_file_adds_and_retires_replicas_without_cutting_requests() {
     let fixed = start_sim("sim-model").await;
     let extra = start_sim("sim-model").await;
