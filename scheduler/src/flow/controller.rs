@@ -1009,7 +1009,8 @@ impl State {
     /// the band (its share is [`reserve_above`](Self::reserve_above), counting the requests
     /// this pump already sent there), or, to move elsewhere, once it has been passed over for
     /// [`FlowConfig::pin_wait`]: fair queuing picks the team, and within it a request whose
-    /// endpoint has room goes before one that would move.
+    /// endpoint has room goes before one that would move, until both have waited out the head
+    /// start (then arrival order).
     fn pick(
         &self,
         capacity: &dyn CapacitySignal,

@@ -266,13 +266,13 @@ impl BandQueue {
     /// turn, unless the new session chosen the same way arrived at least `aging` before it.
     /// Only entries `placeable` accepts count, looking at most [`PLACEABLE_SCAN`] deep into
     /// each turn kind's queue: one whose endpoint has no room yet lets the next one go. Of a
-    /// turn kind's [`Placeable::Now`] entries, the first [`Warmth::Aged`] counts, else the
-    /// warmest [`Warmth::Since`], else the first; without any, the first
-    /// [`Placeable::Moving`]. So fair queuing across teams decides which team a free slot
-    /// serves; among a team's requests of one kind, one whose endpoint has room goes before
-    /// one that would have to move, and the session active most recently first until
-    /// requests have waited out the head start (turn-first order between the kinds is
-    /// unchanged).
+    /// turn kind's [`Placeable::Now`] and [`Placeable::Moving`] entries, the first
+    /// [`Warmth::Aged`] counts; else, of the `Now` ones, the warmest [`Warmth::Since`], else
+    /// the first; without any, the first `Moving`. So fair queuing across teams decides which
+    /// team a free slot serves; among a team's requests of one kind, one whose endpoint has
+    /// room goes before one that would have to move, and the session active most recently
+    /// first, until requests have waited out the head start: then they go in arrival order,
+    /// moving if they must (turn-first order between the kinds is unchanged).
     pub fn pick(
         &self,
         enqueued_at: impl Fn(u64) -> Option<Instant>,
@@ -282,8 +282,9 @@ impl BandQueue {
         warmth: impl Fn(u64) -> Warmth,
     ) -> Option<Pick> {
         let mut best: Option<(f64, u64, Pick)> = None;
-        // Of the entries placeable now: the first that waited out its head start, else the
-        // warmest, else the first; failing those, the first that would move (and whether).
+        // The first that waited out its head start (placeable now or by moving), else of the
+        // entries placeable now the warmest, else the first; failing those, the first that
+        // would move (and whether it moves).
         let first = |queue: &VecDeque<u64>| {
             let mut moving = None;
             let mut warmest: Option<(Instant, u64)> = None;
@@ -301,8 +302,16 @@ impl BandQueue {
                             unknown.get_or_insert(id);
                         }
                     },
-                    Placeable::Moving if moving.is_none() => moving = Some((id, true)),
-                    _ => {}
+                    // Past its head start a turn goes in arrival order even if it must move:
+                    // ranked below turns with room, it would wait as long as the team sends
+                    // those (and hold back the team's new sessions, which follow it).
+                    Placeable::Moving => match warmth(id) {
+                        Warmth::Aged => return Some((id, true)),
+                        _ => {
+                            moving.get_or_insert((id, true));
+                        }
+                    },
+                    Placeable::No => {}
                 }
             }
             warmest

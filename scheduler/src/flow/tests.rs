@@ -983,6 +983,36 @@ async fn a_team_pinned_to_busy_endpoints_still_gets_its_share_by_moving() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_held_turn_past_its_head_start_goes_in_arrival_order_though_it_must_move() {
+    let signal = Endpoints::with_full("e0");
+    let mut config = config();
+    config.pin_wait = 10 * SEC;
+    config.aging = 10 * SEC;
+    let flow = FlowController::new(config, signal.clone()).unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let turn = |endpoint: &str| Ticket::new("bulk", 10).continuing(true).affinity(endpoint);
+    spawn_admit(&flow, turn("e0"), "held", &tx);
+    tokio::time::advance(Duration::from_millis(1)).await;
+    spawn_admit(&flow, turn("e1"), "first-e1", &tx);
+    wait_queued(&flow, 2).await;
+    signal.cap.set_limit(1);
+    flow.notify();
+    let (label, running) = rx.recv().await.unwrap();
+    assert_eq!(label, "first-e1", "the held turn waits for e0 at first");
+    // The team keeps sending turns whose endpoint has room.
+    tokio::time::advance(Duration::from_millis(1)).await;
+    spawn_admit(&flow, turn("e1"), "next-e1", &tx);
+    wait_queued(&flow, 2).await;
+    // Past pin_wait and its head start, the held turn goes before the later one, by moving:
+    // a team sending turns for other endpoints does not keep it waiting until its TTL.
+    tokio::time::sleep(11 * SEC).await;
+    drop(running);
+    let (label, moved) = rx.recv().await.unwrap();
+    assert_eq!(label, "held");
+    assert!(moved.outwaited_pin().is_some());
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_most_recently_active_session_goes_first_until_the_head_start_runs_out() {
     let mut config = config();
     config.aging = 10 * SEC;
