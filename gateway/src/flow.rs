@@ -195,8 +195,8 @@ use serde_json::Value;
 
 use agentgate_scheduler::flow::rate_limit::{format_reset, RATE_PERIOD};
 use agentgate_scheduler::flow::{
-    CapacitySignal, FlowLoad, HeldTurn, Quota, RateCheck, RateCost, RateKind, RateLimited,
-    RateLimiter, RateLimits, RateStatus,
+    CapacitySignal, FlowLoad, HeldTurn, Quota, RateCharge, RateCheck, RateCost, RateKind,
+    RateLimited, RateLimiter, RateLimits, RateStatus,
 };
 use agentgate_scheduler::{Endpoint, FlowController, Permit, Rejection, Role, Ticket};
 use agentgate_sessions::{AnyStore, RateDecision, RateLimit, Store};
@@ -525,6 +525,27 @@ impl RateLimiter for StoreRateLimiter {
                     &format!("no answer within {}", format_reset(RATE_LIMIT_TIMEOUT)),
                 ),
             }
+        })
+    }
+
+    fn charge_tokens<'a>(&'a self, team: &'a str, tpm: u64, tokens: u64) -> RateCharge<'a> {
+        Box::pin(async move {
+            let charge = [RateLimit {
+                key: Self::keys(team).1,
+                limit: tpm,
+                period: RATE_PERIOD,
+                cost: tokens,
+            }];
+            let reason =
+                match tokio::time::timeout(RATE_LIMIT_TIMEOUT, self.store.rate_charge(&charge))
+                    .await
+                {
+                    Ok(Ok(())) => return,
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => format!("no answer within {}", format_reset(RATE_LIMIT_TIMEOUT)),
+                };
+            // Fails open like the check: the tokens go uncounted.
+            let _ = self.fail_open(team, &reason);
         })
     }
 }

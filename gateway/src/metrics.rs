@@ -607,7 +607,7 @@ fn encode_waits(
 /// | `agentgate_flow_capacity_requests{pool}` | requests the pool may have in flight now (absent while no endpoint is available) |
 /// | `agentgate_flow_in_flight_requests{pool}` | requests admitted and not finished |
 /// | `agentgate_flow_queued_requests{pool,band}`, `agentgate_flow_queued_bytes{pool,band}` | waiting now |
-/// | `agentgate_flow_band_requests_total{pool,band,outcome}` | `dispatched`, `shed`, `queue_full`, `timed_out`, `cancelled` |
+/// | `agentgate_flow_band_requests_total{pool,band,outcome}` | `dispatched`, `shed`, `rate_limited`, `queue_full`, `timed_out`, `cancelled` |
 /// | `agentgate_flow_queue_wait_seconds{pool,band}` | queue wait of dispatched requests (histogram) |
 /// | `agentgate_flow_team_queued_requests{pool,team}`, `agentgate_flow_team_in_flight_requests{pool,team}` | per team, now |
 /// | `agentgate_flow_team_requests_total{pool,team,outcome}` | `dispatched`, `shed`, `rate_limited`, `queue_full`, `timed_out`, `cancelled` |
@@ -639,7 +639,7 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
     );
     let band_requests = CounterVec::new(
         "agentgate_flow_band_requests_total",
-        "Requests of the band by outcome: dispatched, shed, queue_full, timed_out, cancelled.",
+        "Requests of the band by outcome: dispatched, shed, rate_limited, queue_full, timed_out, cancelled.",
         ["pool", "band", "outcome"],
     );
     let team_queued = GaugeVec::new(
@@ -689,6 +689,7 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
             for (outcome, n) in [
                 ("dispatched", b.dispatched),
                 ("shed", b.shed),
+                ("rate_limited", b.rate_limited),
                 ("queue_full", b.queue_full),
                 ("timed_out", b.timed_out),
                 ("cancelled", b.cancelled),

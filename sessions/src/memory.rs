@@ -910,12 +910,31 @@ impl Store for MemoryStore {
             .iter()
             .map(|l| gcra_step(rates.get(&l.key).copied(), now, l))
             .collect();
-        if steps.iter().all(|(d, _)| d.allowed()) {
+        let passed = steps.iter().all(|(d, _)| d.allowed());
+        if passed {
             for (limit, (_, tat)) in limits.iter().zip(&steps) {
                 rates.insert(limit.key.clone(), *tat);
             }
         }
-        Ok(steps.into_iter().map(|(d, _)| d).collect())
+        // Refused by one limit, the others were not charged either: they say so.
+        Ok(steps
+            .into_iter()
+            .zip(limits)
+            .map(|((d, _), l)| match passed || !d.allowed() {
+                true => d,
+                false => crate::rate::uncharged(rates.get(&l.key).copied(), now, l),
+            })
+            .collect())
+    }
+
+    async fn rate_charge(&self, limits: &[RateLimit]) -> Result<(), StoreError> {
+        let now = self.epoch.elapsed().as_secs_f64() * 1000.0;
+        let mut rates = self.rates.lock().unwrap_or_else(PoisonError::into_inner);
+        for limit in limits {
+            let tat = crate::rate::charged_tat(rates.get(&limit.key).copied(), now, limit);
+            rates.insert(limit.key.clone(), tat);
+        }
+        Ok(())
     }
 
     async fn exchange(

@@ -64,6 +64,33 @@ fn units_left(span_ms: f64, t: f64) -> u64 {
     (span_ms / t + 1e-6).floor().max(0.0) as u64
 }
 
+fn ms(v: f64) -> Duration {
+    Duration::from_secs_f64(v.max(0.0) / 1000.0)
+}
+
+/// The figures of `limit` at `now_ms` with nothing charged: what a limit that would let a
+/// request through reports when another limit of the same check refused it.
+pub fn uncharged(tat: Option<f64>, now_ms: f64, limit: &RateLimit) -> RateDecision {
+    let period = limit.period.as_secs_f64() * 1000.0;
+    let t = period / limit.limit.max(1) as f64;
+    let tat = tat.unwrap_or(now_ms).max(now_ms);
+    RateDecision {
+        limit: limit.limit,
+        remaining: units_left(now_ms - (tat - period), t),
+        reset_after: ms(tat - now_ms),
+        retry_after: None,
+        too_large: false,
+    }
+}
+
+/// The `tat` once `limit.cost` is charged at `now_ms` whatever the budget: past `now_ms +
+/// period` when it takes the budget into debt.
+pub fn charged_tat(tat: Option<f64>, now_ms: f64, limit: &RateLimit) -> f64 {
+    let period = limit.period.as_secs_f64() * 1000.0;
+    let t = period / limit.limit.max(1) as f64;
+    tat.unwrap_or(now_ms).max(now_ms) + t * limit.cost as f64
+}
+
 /// One GCRA step for `limit` at time `now_ms` over the stored `tat` (None: no key). Returns the
 /// decision and the new `tat` to store if every limit of the check passes.
 pub fn gcra_step(tat: Option<f64>, now_ms: f64, limit: &RateLimit) -> (RateDecision, f64) {
@@ -73,17 +100,14 @@ pub fn gcra_step(tat: Option<f64>, now_ms: f64, limit: &RateLimit) -> (RateDecis
     let tat = tat.unwrap_or(now_ms).max(now_ms);
     let new_tat = tat + t * limit.cost as f64;
     let allow_at = new_tat - period;
-    let ms = |v: f64| Duration::from_secs_f64(v.max(0.0) / 1000.0);
     let too_large = limit.cost > limit.limit;
     if too_large || allow_at > now_ms {
         // Refused: nothing is charged, so the figures are those before this request.
         return (
             RateDecision {
-                limit: limit.limit,
-                remaining: units_left(now_ms - (tat - period), t),
-                reset_after: ms(tat - now_ms),
                 retry_after: (!too_large).then(|| ms(allow_at - now_ms)),
                 too_large,
+                ..uncharged(Some(tat), now_ms, limit)
             },
             tat,
         );

@@ -173,6 +173,13 @@ pub trait Store: Send + Sync + 'static {
         limits: &[RateLimit],
     ) -> impl Future<Output = Result<Vec<RateDecision>, StoreError>> + Send;
 
+    /// Charge every limit its cost whatever its budget (see [`crate::rate::charged_tat`]):
+    /// usage found out after admission, which may take a budget into debt. One round trip.
+    fn rate_charge(
+        &self,
+        limits: &[RateLimit],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Publish `state`, gateway `gateway`'s view of `pool`, on the pool's exchange board and
     /// return the other gateways' states published within `fresh` (see [`crate::exchange`]),
     /// each with its age. Older states are not returned (and are deleted once
@@ -395,6 +402,13 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.rate_limit(limits).await,
             AnyStore::Redis(s) => s.rate_limit(limits).await,
+        }
+    }
+
+    async fn rate_charge(&self, limits: &[RateLimit]) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.rate_charge(limits).await,
+            AnyStore::Redis(s) => s.rate_charge(limits).await,
         }
     }
 

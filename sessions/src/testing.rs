@@ -532,6 +532,14 @@ pub async fn rate_suite<S: Store>(store: &S) {
     // Tokens refuse: nothing is charged, not even the request.
     let d = check!([rpm(1), tpm(600)]);
     assert!(d[0].allowed() && !d[1].allowed(), "{d:?}");
+    // The limit that would have let it through reports its figures as they are: 2 requests
+    // left, not 1 as if this one had been charged.
+    assert_eq!((d[0].remaining, d[1].remaining), (2, 400), "{d:?}");
+    assert!(
+        d[0].reset_after <= Duration::from_secs(1200)
+            && d[0].reset_after > Duration::from_secs(1190),
+        "{d:?}"
+    );
     let retry = d[1].retry_after.expect("a refusal says when to retry");
     assert!(
         retry > Duration::from_secs(700) && retry <= Duration::from_secs(721),
@@ -554,6 +562,26 @@ pub async fn rate_suite<S: Store>(store: &S) {
     }]);
     assert!(d[0].allowed());
     assert!(check!([]).is_empty());
+
+    // Usage found out after admission is charged whatever the budget, into debt.
+    let used = |cost| RateLimit {
+        key: "team:c:tokens".into(),
+        ..tpm(cost)
+    };
+    let d = check!([used(900)]);
+    assert_eq!(d[0].remaining, 100);
+    at_most_one_round_trip(store, "rate_charge", store.rate_charge(&[used(500)]))
+        .await
+        .unwrap_or_else(|e| panic!("rate_charge failed: {e}"));
+    let d = check!([used(1)]);
+    assert!(!d[0].allowed() && !d[0].too_large, "{d:?}");
+    assert_eq!(d[0].remaining, 0);
+    // 401 tokens' worth of the hour until one more fits.
+    let retry = d[0].retry_after.expect("refused");
+    assert!(
+        retry > Duration::from_secs(1440) && retry <= Duration::from_millis(1_443_600),
+        "{retry:?}"
+    );
 }
 
 /// Session pins: get, compare-and-set swaps, a race of two swaps, touch, and session keys that

@@ -217,12 +217,23 @@ impl Drop for Permit {
         }
         let inner = Arc::clone(&self.inner);
         let mut out = VecDeque::new();
-        {
+        let tpm = {
             let mut state = inner.lock();
             self.release_locked(&mut state, Instant::now());
             state.pump(&inner, &mut out);
-        }
+            state.team_spec(&self.team).and_then(|t| t.tpm)
+        };
         deliver(&inner, out);
+        // Used more tokens than it was admitted with: the rest goes to the team's budget.
+        let excess = self.actual_tokens.unwrap_or(0).saturating_sub(self.cost);
+        if let (Some(tpm), true, true) = (tpm, excess > 0, self.rate.is_some()) {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let team = std::mem::take(&mut self.team);
+                runtime.spawn(async move {
+                    inner.limiter.charge_tokens(&team, tpm, excess).await;
+                });
+            }
+        }
     }
 }
 
@@ -364,8 +375,9 @@ impl FlowController {
             if sheddable && state.should_shed(&*inner.capacity) {
                 return Err(state.count_shed(&ticket.team, &band_name));
             }
-            limits
+            (limits, band_name)
         };
+        let (limits, band_name) = limits;
         let rate = if limits.is_unlimited() {
             None
         } else {
@@ -376,8 +388,12 @@ impl FlowController {
             match inner.limiter.check(&ticket.team, limits, cost).await {
                 Ok(status) => Some(status),
                 Err(limited) => {
-                    if let Some(team) = inner.lock().teams.get_mut(&ticket.team) {
+                    let mut state = inner.lock();
+                    if let Some(team) = state.teams.get_mut(&ticket.team) {
                         team.rate_limited += 1;
+                    }
+                    if let Some(&b) = state.band_index.get(&band_name) {
+                        state.bands[b].counters.rate_limited += 1;
                     }
                     return Err(Rejection::RateLimited(limited));
                 }
@@ -1237,6 +1253,7 @@ impl State {
                 queued_bytes: band.queued_bytes,
                 dispatched: band.counters.dispatched,
                 shed: band.counters.shed,
+                rate_limited: band.counters.rate_limited,
                 queue_full: band.counters.queue_full,
                 timed_out: band.counters.timed_out,
                 cancelled: band.counters.cancelled,

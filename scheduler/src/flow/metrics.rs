@@ -93,6 +93,8 @@ pub struct BandSnapshot {
     pub dispatched: u64,
     /// Requests shed on arrival while saturated.
     pub shed: u64,
+    /// Requests of the band refused by their team's rate limits.
+    pub rate_limited: u64,
     /// Requests refused because the queue was full.
     pub queue_full: u64,
     /// Requests that waited the whole TTL.

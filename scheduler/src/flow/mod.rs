@@ -156,7 +156,7 @@
 //! # Metrics
 //!
 //! [`FlowController::snapshot`] returns, per band, the queue depth and bytes, dispatched,
-//! shed, queue-full, timed-out and cancelled counters and a wait-time histogram
+//! shed, rate-limited, queue-full, timed-out and cancelled counters and a wait-time histogram
 //! ([`WAIT_BUCKETS_SECONDS`]); per team, queued, in flight, dispatched requests and tokens,
 //! shed, rate-limited, queue-full, timed-out and cancelled, and a wait-time histogram; and
 //! wait histograms of continuing turns and new sessions.
@@ -177,8 +177,8 @@ pub use metrics::{
 };
 pub use queue::{HeldTurn, TurnKind, Warmth};
 pub use rate_limit::{
-    LocalRateLimiter, Quota, RateCheck, RateCost, RateKind, RateLimited, RateLimiter, RateLimits,
-    RateStatus,
+    LocalRateLimiter, Quota, RateCharge, RateCheck, RateCost, RateKind, RateLimited, RateLimiter,
+    RateLimits, RateStatus,
 };
 pub use rejection::{QueueLimit, Rejection};
 

@@ -89,6 +89,7 @@ pub(super) struct Pick {
 pub(super) struct BandCounters {
     pub dispatched: u64,
     pub shed: u64,
+    pub rate_limited: u64,
     pub queue_full: u64,
     pub timed_out: u64,
     pub cancelled: u64,

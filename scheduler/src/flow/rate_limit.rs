@@ -20,7 +20,10 @@
 //! with `n > L` can never fit; it is refused with [`RateLimited::exceeds_limit`] set. Both
 //! buckets are computed first and written only if both allow, so a request refused for tokens
 //! does not use up a request. Tokens are charged at admission with the request's estimate
-//! (input + max output), as OpenAI does.
+//! (input + max output), as OpenAI does; a request that then used more (it named no max output,
+//! and the engine wrote past the default assumed) is charged the rest when it finishes
+//! ([`RateLimiter::charge_tokens`]), unconditionally: the bucket goes into debt and the team's
+//! next requests wait until it refills, so the limit holds over time whatever the estimates.
 //!
 //! The reported figures map onto OpenAI's headers ([`RateStatus::headers`]):
 //! `x-ratelimit-limit-{requests,tokens}`, `x-ratelimit-remaining-*` and `x-ratelimit-reset-*`
@@ -189,7 +192,15 @@ pub type RateCheck<'a> = Pin<Box<dyn Future<Output = Result<RateStatus, RateLimi
 pub trait RateLimiter: Send + Sync {
     /// Check and charge one request.
     fn check<'a>(&'a self, team: &'a str, limits: RateLimits, cost: RateCost) -> RateCheck<'a>;
+
+    /// Charge `tokens` more to `team`'s tokens bucket of `tpm` per minute, unconditionally:
+    /// what a finished request used beyond the estimate it was admitted with. The bucket may
+    /// go into debt; later requests wait until it refills.
+    fn charge_tokens<'a>(&'a self, team: &'a str, tpm: u64, tokens: u64) -> RateCharge<'a>;
 }
+
+/// The future of [`RateLimiter::charge_tokens`].
+pub type RateCharge<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 
 /// One bucket's GCRA step: see the module doc.
 #[derive(Debug, Clone, Copy)]
@@ -345,6 +356,16 @@ impl LocalRateLimiter {
 impl RateLimiter for LocalRateLimiter {
     fn check<'a>(&'a self, team: &'a str, limits: RateLimits, cost: RateCost) -> RateCheck<'a> {
         Box::pin(std::future::ready(self.check_now(team, limits, cost)))
+    }
+
+    fn charge_tokens<'a>(&'a self, team: &'a str, tpm: u64, tokens: u64) -> RateCharge<'a> {
+        let now = Instant::now().duration_since(self.base).as_secs_f64() * 1000.0;
+        let period = RATE_PERIOD.as_secs_f64() * 1000.0;
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = buckets.tats.entry(team.to_string()).or_default();
+        let step = gcra_step(entry.1, now, tpm.max(1), tokens, period);
+        entry.1 = Some(step.new_tat);
+        Box::pin(std::future::ready(()))
     }
 }
 

@@ -650,6 +650,28 @@ async fn max_concurrent_caps_a_team_without_holding_back_others() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn tokens_used_beyond_the_estimate_are_charged_when_the_request_finishes() {
+    let mut config = config();
+    config.teams[1].tpm = Some(10_000);
+    let (flow, _capacity) = controller(config, 10);
+    let permit = flow.admit(Ticket::new("bulk", 1000)).await.unwrap();
+    assert_eq!(
+        permit.rate_status().unwrap().tokens.unwrap().remaining,
+        9000
+    );
+    // Admitted with an estimate of 1,000 tokens; the engine wrote past it.
+    permit.finish(5000);
+    tokio::task::yield_now().await;
+    let next = flow.admit(Ticket::new("bulk", 1000)).await.unwrap();
+    assert_eq!(next.rate_status().unwrap().tokens.unwrap().remaining, 4000);
+    // Used less than estimated: nothing comes back (OpenAI charges the estimate too).
+    next.finish(10);
+    tokio::task::yield_now().await;
+    let last = flow.admit(Ticket::new("bulk", 1000)).await.unwrap();
+    assert_eq!(last.rate_status().unwrap().tokens.unwrap().remaining, 3000);
+}
+
+#[tokio::test(start_paused = true)]
 async fn rate_limits_refuse_and_reset() {
     let mut config = config();
     config.teams[1].rpm = Some(2);
@@ -682,6 +704,8 @@ async fn rate_limits_refuse_and_reset() {
         .is_none());
     let snapshot = flow.snapshot();
     assert_eq!(snapshot.team("bulk").unwrap().rate_limited, 1);
+    assert_eq!(snapshot.band("batch").unwrap().rate_limited, 1);
+    assert_eq!(snapshot.band("interactive").unwrap().rate_limited, 0);
     assert_eq!(snapshot.team("bulk").unwrap().dispatched_requests, 2);
     tokio::time::advance(30 * SEC).await;
     assert!(flow.admit(Ticket::new("bulk", 1000)).await.is_ok());

@@ -279,6 +279,34 @@ impl RedisStore {
         pin_key(&self.key_prefix, pool, session)
     }
 
+    /// Run `rate_limit.lua` over `limits` (not empty); `force` charges whatever the budgets.
+    async fn run_rate_script(
+        &self,
+        limits: &[RateLimit],
+        force: bool,
+    ) -> Result<Vec<i64>, StoreError> {
+        let keys: Vec<String> = limits
+            .iter()
+            .map(|l| format!("{}rate:{}", self.key_prefix, l.key))
+            .collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let mut args: Vec<String> = limits
+            .iter()
+            .flat_map(|l| {
+                [
+                    millis(l.period).to_string(),
+                    l.limit.to_string(),
+                    l.cost.to_string(),
+                ]
+            })
+            .collect();
+        if force {
+            args.push("force".into());
+        }
+        let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
+        self.run_script_keys(&self.rate_script, &keys, &args).await
+    }
+
     /// Cache all scripts on the server so the first calls need no EVAL fallback.
     async fn load_scripts(&self) -> Result<(), StoreError> {
         let mut pipe = ::redis::pipe();
@@ -768,25 +796,7 @@ impl Store for RedisStore {
         if limits.is_empty() {
             return Ok(Vec::new());
         }
-        let keys: Vec<String> = limits
-            .iter()
-            .map(|l| format!("{}rate:{}", self.key_prefix, l.key))
-            .collect();
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let args: Vec<String> = limits
-            .iter()
-            .flat_map(|l| {
-                [
-                    millis(l.period).to_string(),
-                    l.limit.to_string(),
-                    l.cost.to_string(),
-                ]
-            })
-            .collect();
-        let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
-        let reply: Vec<i64> = self
-            .run_script_keys(&self.rate_script, &keys, &args)
-            .await?;
+        let reply = self.run_rate_script(limits, false).await?;
         if reply.len() != 1 + 4 * limits.len() {
             return Err(StoreError::Backend(format!(
                 "rate limit script returned {} values for {} limits",
@@ -806,6 +816,13 @@ impl Store for RedisStore {
                 too_large: r[3] == 1,
             })
             .collect())
+    }
+
+    async fn rate_charge(&self, limits: &[RateLimit]) -> Result<(), StoreError> {
+        if !limits.is_empty() {
+            self.run_rate_script(limits, true).await?;
+        }
+        Ok(())
     }
 
     async fn exchange(

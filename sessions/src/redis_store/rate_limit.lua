@@ -1,6 +1,8 @@
 -- GCRA over several limits at once, all-or-nothing (see sessions/src/rate.rs for the formulas).
 -- KEYS[i]: the counter of limit i (holds its theoretical arrival time, ms)
 -- ARGV[3i-2], ARGV[3i-1], ARGV[3i]: period in ms, units per period, cost of limit i
+-- ARGV[3n+1] (optional): "force" charges every limit whatever its budget (usage found out after
+-- admission; a budget may go into debt).
 -- Returns {passed, then per limit: remaining, reset_after_ms, retry_after_ms (-1: none),
 -- too_large (0/1)}. The server's clock is used, so every gateway agrees on "now".
 local t = redis.call('TIME')
@@ -8,6 +10,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local passed = 1
 local out = {}
 local new_tats = {}
+local before = {}
 for i = 1, #KEYS do
   local period = tonumber(ARGV[3 * i - 2])
   local limit = tonumber(ARGV[3 * i - 1])
@@ -37,16 +40,29 @@ for i = 1, #KEYS do
     too_large = 0
   end
   new_tats[i] = new_tat
+  -- The figures with nothing charged, for a limit that lets the request through when another
+  -- refuses it.
+  before[i] = {math.floor((now - (tat - period)) / per + 1e-6), tat - now}
   out[#out + 1] = math.max(remaining, 0)
   out[#out + 1] = math.ceil(math.max(reset_after, 0))
   out[#out + 1] = retry_after
   out[#out + 1] = too_large
+end
+if ARGV[3 * #KEYS + 1] == 'force' then
+  passed = 1
 end
 if passed == 1 then
   for i = 1, #KEYS do
     local ttl = math.ceil(new_tats[i] - now)
     if ttl > 0 then
       redis.call('SET', KEYS[i], string.format('%.3f', new_tats[i]), 'PX', ttl)
+    end
+  end
+else
+  for i = 1, #KEYS do
+    if out[4 * i - 1] == -1 and out[4 * i] == 0 then
+      out[4 * i - 3] = math.max(before[i][1], 0)
+      out[4 * i - 2] = math.ceil(math.max(before[i][2], 0))
     end
   end
 end
