@@ -790,6 +790,9 @@ impl State {
             };
             self.bands[band].push(id, &entry.team, entry.kind, entry.bytes);
         }
+        for band in &mut self.bands {
+            band.requeued();
+        }
         for team in self.teams.values_mut() {
             team.queued = 0;
         }

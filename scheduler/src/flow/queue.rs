@@ -57,6 +57,8 @@ pub(super) struct Flow {
     continuing: VecDeque<u64>,
     /// New sessions, in arrival order (entry ids).
     new: VecDeque<u64>,
+    /// Emptied by [`BandQueue::clear`] while backlogged: re-queued, it keeps its virtual time.
+    was_backlogged: bool,
 }
 
 impl Flow {
@@ -228,12 +230,20 @@ impl BandQueue {
     pub fn push(&mut self, id: u64, team: &str, kind: TurnKind, bytes: u64) {
         let vtime = self.vtime;
         let flow = self.flows.entry(team.to_string()).or_default();
-        if flow.is_empty() {
+        if flow.is_empty() && !std::mem::take(&mut flow.was_backlogged) {
             flow.finish = flow.finish.max(vtime);
         }
         flow.queue(kind).push_back(id);
         self.queued += 1;
         self.queued_bytes = self.queued_bytes.saturating_add(bytes);
+    }
+
+    /// Re-queueing after [`BandQueue::clear`] is over: a team none of whose requests came
+    /// back here is idle from now on.
+    pub fn requeued(&mut self) {
+        for flow in self.flows.values_mut() {
+            flow.was_backlogged = false;
+        }
     }
 
     /// Take entry `id` out of the queue (client gone, timed out, refused); `false` if it is
@@ -252,9 +262,13 @@ impl BandQueue {
         true
     }
 
-    /// Empty every flow, keeping virtual times (before re-queueing on reconfiguration).
+    /// Empty every flow, keeping virtual times (before re-queueing on reconfiguration): a
+    /// backlogged team's first request pushed again is not clipped to the band's virtual
+    /// time as an idle team's would be. Call [`BandQueue::requeued`] once every request is
+    /// back.
     pub fn clear(&mut self) {
         for flow in self.flows.values_mut() {
+            flow.was_backlogged = !flow.is_empty();
             flow.continuing.clear();
             flow.new.clear();
         }
@@ -435,6 +449,45 @@ mod tests {
         }
         assert_eq!(q.queued, 0);
         order
+    }
+
+    #[test]
+    fn a_backlogged_team_keeps_its_credit_through_a_requeue_an_idle_one_earns_none() {
+        let mut q = band();
+        let take = |q: &mut BandQueue, team: &str, id: u64, cost: u64| {
+            let pick = Pick {
+                team: team.into(),
+                kind: TurnKind::New,
+                id,
+                promoted: false,
+                moving: false,
+            };
+            assert!(q.take(&pick, cost, 1.0, 0));
+        };
+        // a runs one request estimated at 5,000 tokens while b runs three of 1,000; a's used
+        // 10, so a is owed: its next request (id 3) starts well below the band's time.
+        q.push(1, "a", TurnKind::New, 0);
+        take(&mut q, "a", 1, 5000);
+        q.push(3, "a", TurnKind::New, 0);
+        for id in [2, 4, 5] {
+            q.push(id, "b", TurnKind::New, 0);
+            take(&mut q, "b", id, 1000);
+        }
+        q.push(6, "b", TurnKind::New, 0);
+        q.recharge("a", -4990.0, 1.0);
+        assert_eq!((q.flows["a"].finish, q.vtime), (10.0, 2000.0));
+        // A reload empties and refills the queues: a stays owed.
+        q.clear();
+        q.push(3, "a", TurnKind::New, 0);
+        q.push(6, "b", TurnKind::New, 0);
+        q.requeued();
+        assert_eq!(q.flows["a"].finish, 10.0);
+        // A team idle at the reload (c) starts at the band's time when it comes back.
+        q.flows.entry("c".into()).or_default().finish = 5.0;
+        q.clear();
+        q.requeued();
+        q.push(7, "c", TurnKind::New, 0);
+        assert_eq!(q.flows["c"].finish, 2000.0);
     }
 
     #[test]
