@@ -272,6 +272,18 @@ impl FlowConfig {
                 ));
             }
         }
+        // Added to instants: bounded so that no deadline overflows the clock.
+        let most = Duration::from_secs(1_000_000_000);
+        for (key, d) in [
+            ("turn_window", self.turn_window),
+            ("aging", self.aging),
+            ("pin_wait", self.pin_wait),
+            ("retry_after", self.retry_after),
+        ] {
+            if d > most {
+                problems.push(format!("{key} must be at most 1e9 seconds, got {d:?}"));
+            }
+        }
         let mut team_names = HashSet::new();
         for team in &self.teams {
             let t = &team.name;

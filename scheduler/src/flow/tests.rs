@@ -856,6 +856,20 @@ fn reserves_outside_zero_to_one_are_refused() {
     assert!(config.validate().is_err());
 }
 
+#[test]
+fn durations_that_would_overflow_a_deadline_are_refused() {
+    let mut config = config();
+    config.aging = Duration::MAX;
+    let error = config.validate().unwrap_err().to_string();
+    assert!(
+        error.contains("aging must be at most 1e9 seconds"),
+        "{error}"
+    );
+    let mut config = self::config();
+    config.pin_wait = Duration::from_secs(1_000_000_000);
+    assert!(config.validate().is_ok());
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_head_start_grows_with_the_bands_typical_wait() {
     // aging 1 s, but the batch band's requests have been waiting 20 s (typical wait 12.9 s
