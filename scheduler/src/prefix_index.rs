@@ -330,11 +330,14 @@ impl PrefixIndex {
     }
 
     /// How full a slot is and how cold its eviction victim is, read without taking its LRU lock
-    /// (all zeros for unknown slots).
+    /// (a slot nothing was recorded in yet is empty, of the default capacity).
     pub fn occupancy(&self, slot: usize) -> Occupancy {
         let table = self.read();
         let Some(s) = table.slots.get(slot) else {
-            return Occupancy::default();
+            return Occupancy {
+                capacity_chunks: self.default_capacity,
+                ..Occupancy::default()
+            };
         };
         let held_chunks = s.held.load(Ordering::Relaxed);
         let idle = if held_chunks == 0 {
@@ -994,6 +997,15 @@ mod tests {
     }
 
     #[test]
+    fn a_slot_nothing_was_recorded_in_is_empty_not_full() {
+        let index = PrefixIndex::new(0, config(4, 200));
+        let unseen = index.occupancy(7);
+        assert_eq!((unseen.held_chunks, unseen.capacity_chunks), (0, 200));
+        assert!(!unseen.is_full());
+        assert_eq!(unseen.fraction(), 0.0);
+    }
+
+    #[test]
     fn concurrent_records_and_scores_stay_consistent() {
         // Slots spread over three groups of 64 and added while other threads score and record.
         let slots: Vec<usize> = (0..8).map(|e| e * 20).collect();
@@ -1053,7 +1065,7 @@ mod tests {
         index.set_capacity(usize::MAX, 10);
         assert_eq!(index.slots(), 201);
         assert_eq!(index.match_len(MAX_SLOTS, &[1]), 0);
-        assert_eq!(index.occupancy(usize::MAX), Occupancy::default());
+        assert_eq!(index.occupancy(usize::MAX).held_chunks, 0);
     }
 
     #[test]
