@@ -226,6 +226,9 @@ impl Pool {
         desired: &[DiscoveredEndpoint],
         draining: &mut Vec<Arc<Endpoint>>,
     ) -> Result<discovery::Diff, String> {
+        // No request places meanwhile: one counted on a removed endpoint after the diff saw it
+        // idle would share its slot with the endpoint that reuses it.
+        let _no_placement = self.placing.lock().unwrap_or_else(PoisonError::into_inner);
         let snapshot = self.endpoints();
         let (fixed, current) = snapshot.split_at(self.fixed.min(snapshot.len()));
         draining.retain(|e| e.in_flight_requests() > 0);
