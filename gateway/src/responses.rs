@@ -928,8 +928,8 @@ pub async fn delete(
 }
 
 /// Tell a background run in this process to stop (runs in other gateway processes notice the
-/// cancelled status when they finish, and discard their result).
-fn signal_cancel(state: &AppState, id: &str) {
+/// cancelled status at their next event-log write, or when they finish, and stop there).
+pub(crate) fn signal_cancel(state: &AppState, id: &str) {
     if let Ok(mut runs) = state.background.lock() {
         if let Some(cancel) = runs.remove(id) {
             cancel.send_replace(true);

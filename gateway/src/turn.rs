@@ -1099,6 +1099,8 @@ const EVENT_LOG_BATCH: Duration = Duration::from_millis(100);
 /// with the terminal event, is written after the response is stored, as the stream gets it. A
 /// batch the store refuses is kept for the next write; the last is tried three times and then
 /// dropped (logged): a follower then misses those events but still ends, on the stored status.
+/// A write that finds the response no longer running (cancelled or deleted through another
+/// gateway replica) stops the run as a cancel here would.
 struct Sink {
     /// The streaming client, until it goes away or stalls.
     tx: Option<mpsc::Sender<Bytes>>,
@@ -1156,8 +1158,14 @@ impl Sink {
                 let tries = if last { 3 } else { 1 };
                 for attempt in 1..=tries {
                     match state.store.append_events(&log.id, &log.pending).await {
-                        Ok(()) => {
+                        Ok(running) => {
                             log.pending.clear();
+                            // Cancelled (or deleted) through another gateway replica, which
+                            // cannot signal this run: it stops here as if cancelled here.
+                            if !running && !last {
+                                tracing::info!(response = %log.id, "the response no longer runs in the store (cancelled elsewhere); stopping its run");
+                                crate::responses::signal_cancel(state, &log.id);
+                            }
                             break;
                         }
                         Err(e) if attempt < tries => {

@@ -690,18 +690,19 @@ impl Store for MemoryStore {
         Ok(true)
     }
 
-    async fn append_events(&self, id: &str, events: &[String]) -> Result<(), StoreError> {
+    async fn append_events(&self, id: &str, events: &[String]) -> Result<bool, StoreError> {
         let now = Instant::now();
         let expires_at = self.expiry_from(now);
         let mut records = self.lock();
         let Some(entry) = records.by_id.get_mut(id).filter(|e| e.expires_at > now) else {
-            return Ok(());
+            return Ok(false);
         };
         entry.events.extend_from_slice(events);
         entry.expires_at = expires_at;
+        let active = is_active_status(response_status(&entry.rec.response));
         records.resize(id);
         records.evict();
-        Ok(())
+        Ok(active)
     }
 
     async fn events(&self, id: &str, from: usize) -> Result<Vec<String>, StoreError> {

@@ -58,11 +58,14 @@ pub trait Store: Send + Sync + 'static {
     /// `id`, which lives as long as the response (the TTL is refreshed). Background responses
     /// log theirs, so `GET /v1/responses/{id}?stream=true` can replay and follow them from any
     /// gateway replica. One round trip; the caller has checked the response is its team's.
+    /// Returns whether the response is still queued or in progress: `false` when it was
+    /// cancelled or has ended (or is gone, and nothing was appended), which tells a run still
+    /// logging, on any gateway replica, to stop.
     fn append_events(
         &self,
         id: &str,
         events: &[String],
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// The logged events of response `id` from position `from` (an event's position is its
     /// `sequence_number`) to the end; empty when there are none. One round trip; the caller has
@@ -280,7 +283,7 @@ impl Store for AnyStore {
         }
     }
 
-    async fn append_events(&self, id: &str, events: &[String]) -> Result<(), StoreError> {
+    async fn append_events(&self, id: &str, events: &[String]) -> Result<bool, StoreError> {
         match self {
             AnyStore::Memory(s) => s.append_events(id, events).await,
             AnyStore::Redis(s) => s.append_events(id, events).await,

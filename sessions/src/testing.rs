@@ -897,6 +897,10 @@ pub async fn response_suite<S: Store>(store: &S) {
     // update_if_active: applies while queued / in_progress, then never again.
     let running = with_status(record(a, "resp_bg", Some("resp_3"), 40), "queued");
     one!("put", store.put(&running));
+    assert!(
+        one!("append while queued", store.append_events("resp_bg", &[])),
+        "a queued response runs on"
+    );
     let mut progress = running.response.clone();
     progress["status"] = json!("in_progress");
     assert!(one!(
@@ -953,15 +957,24 @@ pub async fn response_suite<S: Store>(store: &S) {
         one!("events of none", store.events("resp_2", 0)),
         Vec::<String>::new()
     );
-    one!(
+    // resp_2 has ended: appended, and the writer is told it no longer runs.
+    assert!(!one!(
         "append events",
         store.append_events("resp_2", &frames(0..3))
-    );
-    one!(
+    ));
+    assert!(!one!(
         "append more events",
         store.append_events("resp_2", &frames(3..5))
+    ));
+    assert!(!one!("append nothing", store.append_events("resp_2", &[])));
+    assert!(!one!(
+        "append to none",
+        store.append_events("resp_nope", &frames(0..1))
+    ));
+    assert_eq!(
+        one!("events of none", store.events("resp_nope", 0)),
+        Vec::<String>::new()
     );
-    one!("append nothing", store.append_events("resp_2", &[]));
     assert_eq!(one!("all events", store.events("resp_2", 0)), frames(0..5));
     assert_eq!(
         one!("events from 3", store.events("resp_2", 3)),

@@ -721,8 +721,19 @@ async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() {
-    // 100 ms per token: the cancel lands mid-run, on the gateway that does not run it.
-    let fleet = Fleet::over(vec![slow_sim(100.0).await])
+    // 100 ms per token, answers of 2000 to 6000 tokens: the cancel lands mid-run, on the
+    // gateway that does not run it.
+    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        model: "sim-model".into(),
+        decode_ms_per_token: 100.0,
+        default_output_tokens: 4000,
+        time_scale: 1.0,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let fleet = Fleet::over(vec![sim])
         .shared_memory()
         .gateways(2)
         .start()
@@ -731,11 +742,18 @@ async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() 
         fleet.gateways()[0].base_url(),
         fleet.gateways()[1].base_url(),
     );
-    let mut resp = post_response(&a, &json!({"model": "sim-model", "input": "a streamed job", "background": true, "stream": true, "max_output_tokens": 30})).await;
+    // Minutes of generation, were the run to go on.
+    let mut resp = post_response(&a, &json!({"model": "sim-model", "input": "a streamed job", "background": true, "stream": true, "max_output_tokens": 4000})).await;
     let (mut text, id) = read_until_generating(&mut resp).await;
     assert_eq!(cancel(&b, &id).await["status"], "cancelled");
-    // The run on `a` has no signal: it runs to its end, and then ends as the record says.
-    read_until(&mut resp, &mut text, |_| false).await;
+    // The run on `a` learns it from the store at its next event-log write and stops, ending as
+    // the record says.
+    tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        read_until(&mut resp, &mut text, |_| false),
+    )
+    .await
+    .expect("the run stops instead of generating its 4000 tokens");
     let events = parse_sse(&text);
     assert_sequence_numbers(&events);
     let last = events.last().unwrap();

@@ -598,22 +598,19 @@ impl Store for RedisStore {
         Ok(deleted == 1)
     }
 
-    async fn append_events(&self, id: &str, events: &[String]) -> Result<(), StoreError> {
-        if events.is_empty() {
-            return Ok(());
-        }
+    async fn append_events(&self, id: &str, events: &[String]) -> Result<bool, StoreError> {
         let ttl = self.ttl_ms.to_string();
         let mut args: Vec<&[u8]> = Vec::with_capacity(events.len() + 1);
         args.push(ttl.as_bytes());
         args.extend(events.iter().map(|e| e.as_bytes()));
-        let _length: i64 = self
+        let state: i64 = self
             .run_script_keys(
                 &self.append_events_script,
                 &[&self.response_key(id), &self.events_key(id)],
                 &args,
             )
             .await?;
-        Ok(())
+        Ok(state == 1)
     }
 
     async fn events(&self, id: &str, from: usize) -> Result<Vec<String>, StoreError> {
