@@ -199,7 +199,8 @@ impl EngineClient {
     /// SGLang: when the prefill leg fails before the decode engine answers, the decode leg is
     /// abandoned at once (its engine would otherwise wait in the bootstrap room until its
     /// transfer timeout) and the prefill leg is blamed. When the decode leg fails first, the
-    /// prefill leg is blamed only if it fails within 2 s. Either leg's answer is read with the
+    /// prefill leg is blamed only if it fails within 2 s. A prefill leg still running when the
+    /// decode leg fails, or when its stream is dropped, is dropped too. Either leg's answer is read with the
     /// client's first-byte and idle timeouts, so neither waits for ever on a silent engine.
     pub async fn open_disaggregated(
         &self,
@@ -249,9 +250,18 @@ impl EngineClient {
                         _ => decode.await.map_err(DisaggError::Decode),
                     },
                 };
+                // Once the decode leg is over (failed, or its stream dropped: the turn ended or
+                // failed), nobody will fetch what a prefill leg still running computes: it is
+                // dropped (the engine aborts a request whose client went) rather than left to
+                // run to its end and wait out its transfer timeout. A prefill leg that finished
+                // is not affected.
+                let prefill_leg = AbortOnDrop(prefill_task.abort_handle());
                 // The decode engine answers once the KV cache has arrived in the room.
                 opened.map(|stream| Disaggregated {
-                    stream,
+                    stream: Box::pin(stream.map(move |chunk| {
+                        let _held = &prefill_leg;
+                        chunk
+                    })),
                     prefill_latency: started.elapsed(),
                     prefill_usage: None,
                 })
@@ -283,6 +293,15 @@ impl EngineClient {
                 })
             }
         }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

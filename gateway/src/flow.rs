@@ -90,7 +90,7 @@
 //! (`r` the largest reserve above the band, `promised` what the same dispatch round already
 //! sent there), or, once it has been passed over for `[flow] pin_wait_s`, to move to an
 //! endpoint with room when fair queuing picks its team (within the team, a turn whose endpoint
-//! has room goes first); meanwhile turns for other endpoints go ahead, but not the team's new
+//! has room goes first, until the held one has waited half its band's queue TTL); meanwhile turns for other endpoints go ahead, but not the team's new
 //! sessions that arrived after it (less than the head start before it). A turn dispatched
 //! after that wait asks routing for an endpoint below the same line
 //! (`PickRequest::free_slot_below`), so its pin breaks as for a saturated endpoint when another

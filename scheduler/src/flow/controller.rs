@@ -1028,8 +1028,8 @@ impl State {
     /// the band (its share is [`reserve_above`](Self::reserve_above), counting the requests
     /// this pump already sent there), or, to move elsewhere, once it has been passed over for
     /// [`FlowConfig::pin_wait`]: fair queuing picks the team, and within it a request whose
-    /// endpoint has room goes before one that would move, until both have waited out the head
-    /// start (then arrival order).
+    /// endpoint has room goes before one that would move, until that one has waited half its
+    /// band's queue TTL (then arrival order, rather than time out).
     fn pick(
         &self,
         capacity: &dyn CapacitySignal,
@@ -1080,9 +1080,12 @@ impl State {
                     entry.held_since.set(Some(now));
                     now
                 });
-                match now.saturating_duration_since(since) >= pin_wait && room_anywhere() {
-                    true => Placeable::Moving,
-                    false => Placeable::No,
+                if now.saturating_duration_since(since) < pin_wait || !room_anywhere() {
+                    return Placeable::No;
+                }
+                match now.saturating_duration_since(entry.enqueued_at) >= band.spec.queue_ttl / 2 {
+                    true => Placeable::Overdue,
+                    false => Placeable::Moving,
                 }
             };
             // Until it has waited out the head start, a turn is ranked by when its session

@@ -121,6 +121,9 @@ pub enum Placeable {
     No,
     /// Only by moving elsewhere: it waited out its endpoint (`pin_wait`).
     Moving,
+    /// Only by moving elsewhere, and it has waited half its band's queue TTL: it goes in
+    /// arrival order, before turns whose endpoint has room, rather than time out.
+    Overdue,
     /// Yes: it has no endpoint of its own, or its endpoint has room.
     Now,
 }
@@ -281,13 +284,14 @@ impl BandQueue {
     /// turn, unless the new session chosen the same way arrived at least `aging` before it.
     /// Only entries `placeable` accepts count, looking at most [`PLACEABLE_SCAN`] deep into
     /// each turn kind's queue: one whose endpoint has no room yet lets the next one go. Of a
-    /// turn kind's [`Placeable::Now`] and [`Placeable::Moving`] entries, the first
-    /// [`Warmth::Aged`] counts; else, of the `Now` ones, the warmest [`Warmth::Since`], else
-    /// the first; without any, the first `Moving`. So fair queuing across teams decides which
-    /// team a free slot serves; among a team's requests of one kind, one whose endpoint has
-    /// room goes before one that would have to move, and the session active most recently
-    /// first, until requests have waited out the head start: then they go in arrival order,
-    /// moving if they must (turn-first order between the kinds is unchanged).
+    /// turn kind's [`Placeable::Now`] and [`Placeable::Overdue`] entries, the first `Overdue`
+    /// or [`Warmth::Aged`] `Now` one counts; else, of the `Now` ones, the warmest
+    /// [`Warmth::Since`], else the first; without any, the first [`Placeable::Moving`]. So fair
+    /// queuing across teams decides which team a free slot serves; among a team's requests of
+    /// one kind, one whose endpoint has room goes before one that would have to move (until
+    /// that one has waited half its TTL), and the session active most recently first until
+    /// requests have waited out the head start (turn-first order between the kinds is
+    /// unchanged).
     pub fn pick(
         &self,
         enqueued_at: impl Fn(u64) -> Option<Instant>,
@@ -297,9 +301,9 @@ impl BandQueue {
         warmth: impl Fn(u64) -> Warmth,
     ) -> Option<Pick> {
         let mut best: Option<(f64, u64, Pick)> = None;
-        // The first that waited out its head start (placeable now or by moving), else of the
-        // entries placeable now the warmest, else the first; failing those, the first that
-        // would move (and whether it moves).
+        // The first overdue or (placeable now) aged, else of the entries placeable now the
+        // warmest, else the first; failing those, the first that would move (and whether it
+        // moves).
         let first = |queue: &VecDeque<u64>| {
             let mut moving = None;
             let mut warmest: Option<(Instant, u64)> = None;
@@ -317,15 +321,12 @@ impl BandQueue {
                             unknown.get_or_insert(id);
                         }
                     },
-                    // Past its head start a turn goes in arrival order even if it must move:
-                    // ranked below turns with room, it would wait as long as the team sends
+                    // Ranked below turns with room, it would wait as long as its team sends
                     // those (and hold back the team's new sessions, which follow it).
-                    Placeable::Moving => match warmth(id) {
-                        Warmth::Aged => return Some((id, true)),
-                        _ => {
-                            moving.get_or_insert((id, true));
-                        }
-                    },
+                    Placeable::Overdue => return Some((id, true)),
+                    Placeable::Moving => {
+                        moving.get_or_insert((id, true));
+                    }
                     Placeable::No => {}
                 }
             }

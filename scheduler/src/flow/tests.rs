@@ -1021,7 +1021,7 @@ async fn a_team_pinned_to_busy_endpoints_still_gets_its_share_by_moving() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_held_turn_past_its_head_start_goes_in_arrival_order_though_it_must_move() {
+async fn a_held_turn_goes_by_moving_before_it_would_time_out_though_its_team_has_turns_with_room() {
     let signal = Endpoints::with_full("e0");
     let mut config = config();
     config.pin_wait = 10 * SEC;
@@ -1041,9 +1041,17 @@ async fn a_held_turn_past_its_head_start_goes_in_arrival_order_though_it_must_mo
     tokio::time::advance(Duration::from_millis(1)).await;
     spawn_admit(&flow, turn("e1"), "next-e1", &tx);
     wait_queued(&flow, 2).await;
-    // Past pin_wait and its head start, the held turn goes before the later one, by moving:
-    // a team sending turns for other endpoints does not keep it waiting until its TTL.
+    // Past pin_wait and its head start, a turn whose endpoint has room still goes first.
     tokio::time::sleep(11 * SEC).await;
+    drop(running);
+    let (label, running) = rx.recv().await.unwrap();
+    assert_eq!(label, "next-e1");
+    tokio::time::advance(Duration::from_millis(1)).await;
+    spawn_admit(&flow, turn("e1"), "last-e1", &tx);
+    wait_queued(&flow, 2).await;
+    // At half its band's TTL (batch: 60 s) the held turn goes before it, by moving: a team
+    // sending turns for other endpoints does not keep it waiting until it times out.
+    tokio::time::sleep(20 * SEC).await;
     drop(running);
     let (label, moved) = rx.recv().await.unwrap();
     assert_eq!(label, "held");
