@@ -219,9 +219,9 @@ impl EngineClient {
                     ))));
                 };
                 let leg = sglang_leg(body, host, *port, new_bootstrap_room());
-                // The prefill leg runs on its own task: the decode stream may be read long after
-                // the prefill answer arrives, and a dropped decode must not cancel a prefill the
-                // engine is already running.
+                // The prefill leg runs on its own task, so it goes on while the decode leg is
+                // opened and read, however late; it is dropped only once the decode leg is over
+                // (below).
                 let client = self.clone();
                 let prefill_url = prefill.base_url.clone();
                 let prefill_leg = leg.clone();

@@ -1035,9 +1035,9 @@ async fn open_split(
     open_local(state, pool, &decode_view, placement, Some(placed)).await
 }
 
-/// Point the pin under `key` at `ep` when it points elsewhere (or nowhere yet), or refresh its
-/// TTL when it holds, so a pin lasts `pin_ttl` after the session's last turn rather than after
-/// its last move. Returns the cause of the move when an existing pin moved, for the caller to
+/// Point the pin under `key` at `ep` when it points elsewhere (or nowhere yet). (A pin that
+/// holds had its TTL refreshed when it was read for the turn, so it lasts `pin_ttl` after the
+/// session's last turn.) Returns the cause of the move when an existing pin moved, for the caller to
 /// count: `failed` when its endpoint failed this request (`pin_failed`), else why the pick broke
 /// it. A move another gateway made first (the swap did not apply) is not counted here.
 async fn repin(
@@ -1050,13 +1050,7 @@ async fn repin(
     pin_failed: bool,
 ) -> Option<&'static str> {
     if pin.is_some_and(|p| p.endpoint == ep.name) {
-        // Off the request's path: the turn does not wait on a TTL refresh.
-        let (store, pool, key) = (state.store.clone(), pool.name.clone(), key.to_string());
-        tokio::spawn(async move {
-            if let Err(e) = store.touch_pin(&pool, &key).await {
-                tracing::debug!("could not refresh the session pin: {e}");
-            }
-        });
+        // Reading it for this turn refreshed its TTL.
         return None;
     }
     let new = SessionPin {
@@ -1432,6 +1426,9 @@ async fn drive_announced(
         // background run that gave up (the store failed for minutes, or the gateway is
         // stopping) says so to its stream too; its record stays as last written.
         Persisted::Failed => fail_unstored(&mut response, &mut terminal),
+        // A client waiting on a conversation turn is told it did not land (its items are not
+        // in the conversation); a background run's record is complete and retrievable.
+        Persisted::Unjoined if !turn.background => fail_unstored(&mut response, &mut terminal),
         // Cancelled as it ended (or by a gateway replica with no signal to this run): the
         // stream and the log end as the record says.
         // As stored, where the store still has it (a deleted response is gone).
@@ -1525,6 +1522,18 @@ pub enum Persisted {
     Discarded(Option<Value>),
     /// The store did not take it.
     Failed,
+    /// Stored, but its items could not be added to its conversation.
+    Unjoined,
+}
+
+impl Persisted {
+    /// The outcome of giving up, once the response itself was written (`stored`) or not.
+    fn failed(stored: bool) -> Persisted {
+        match stored {
+            true => Persisted::Unjoined,
+            false => Persisted::Failed,
+        }
+    }
 }
 
 /// Store the finished response (or update the background record in place), trying again while
@@ -1557,7 +1566,7 @@ pub async fn persist(
         state.metrics.store_write_errors.inc([]);
         let Some(pause) = retry_pause(turn.background, failures) else {
             tracing::error!(response = %turn.id, tries = failures, "could not store the response: {e}");
-            return Persisted::Failed;
+            return Persisted::failed(stored);
         };
         tracing::warn!(response = %turn.id, tries = failures, "could not store the response ({e}); retrying in {pause:?}");
         if !turn.background {
@@ -1568,7 +1577,7 @@ pub async fn persist(
             () = tokio::time::sleep(pause) => {}
             _ = stopping.wait_for(|stop| *stop) => {
                 tracing::error!(response = %turn.id, tries = failures, "could not store the response before shutdown: {e}");
-                return Persisted::Failed;
+                return Persisted::failed(stored);
             }
         }
     }

@@ -319,7 +319,7 @@ impl PrefixIndex {
         s.publish(&lru);
     }
 
-    /// A slot's LRU capacity in chunks (0 for unknown slots).
+    /// A slot's LRU capacity in chunks (the default capacity for a slot nothing was recorded in).
     pub fn capacity_chunks(&self, slot: usize) -> usize {
         self.occupancy(slot).capacity_chunks
     }

@@ -2,7 +2,7 @@
 //! gateway replica through the store so all of them route a session's turns to the same place.
 //!
 //! A pin is stored under `{prefix}pin:{pool}:{session}` with its own TTL
-//! ([`crate::StoreOptions::pin_ttl`]), refreshed by every swap and by [`crate::Store::touch_pin`].
+//! ([`crate::StoreOptions::pin_ttl`]), refreshed by every read, swap and [`crate::Store::touch_pin`].
 //! Changing a pin is a compare-and-set ([`crate::Store::swap_pin`]), so when two gateways decide
 //! to move the same session at once exactly one move applies and both route to the winner.
 //!

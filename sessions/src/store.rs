@@ -138,8 +138,9 @@ pub trait Store: Send + Sync + 'static {
         item_id: &str,
     ) -> impl Future<Output = Result<Option<bool>, StoreError>> + Send;
 
-    /// The pin of `session` in `pool`, if one is in force (one round trip; does not refresh
-    /// the TTL).
+    /// The pin of `session` in `pool`, if one is in force, its TTL refreshed: a pin is read for
+    /// each turn of its session, so it lasts `pin_ttl` after the session's last turn. One
+    /// round trip.
     fn get_pin(
         &self,
         pool: &str,

@@ -399,7 +399,7 @@ async fn pins_expire_after_their_own_ttl() {
 }
 
 #[tokio::test]
-async fn pins_get_the_pin_ttl_and_swaps_and_touches_refresh_it() {
+async fn pins_get_the_pin_ttl_and_swaps_reads_and_touches_refresh_it() {
     let redis = TestRedis::start();
     let store = connect(
         &redis,
@@ -437,6 +437,21 @@ async fn pins_get_the_pin_ttl_and_swaps_and_touches_refresh_it() {
         .query_async(&mut conn)
         .await
         .expect("PEXPIRE");
+    let before = store.round_trips();
+    assert_eq!(
+        store.get_pin("pool", "s").await.expect("get"),
+        Some(pin("e0", 0))
+    );
+    assert_eq!(store.round_trips() - before, 1);
+    assert!(
+        pttl(&mut conn, &key).await > 10_000,
+        "a read (one per turn) refreshes the TTL"
+    );
+
+    let _: () = shorten(10_000)
+        .query_async(&mut conn)
+        .await
+        .expect("PEXPIRE");
     let lost = store
         .swap_pin("pool", "s", Some(&pin("other", 0)), &pin("e1", 1))
         .await
@@ -458,16 +473,6 @@ async fn pins_get_the_pin_ttl_and_swaps_and_touches_refresh_it() {
     assert!(
         pttl(&mut conn, &key).await > 10_000,
         "a winning swap sets the TTL"
-    );
-
-    let _: () = shorten(10_000)
-        .query_async(&mut conn)
-        .await
-        .expect("PEXPIRE");
-    store.get_pin("pool", "s").await.expect("get");
-    assert!(
-        pttl(&mut conn, &key).await <= 10_000,
-        "a read does not refresh the TTL"
     );
 
     store

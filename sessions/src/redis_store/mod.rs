@@ -182,6 +182,7 @@ pub struct RedisStore {
     append_events_script: LuaScript,
     conversation_script: LuaScript,
     swap_pin_script: LuaScript,
+    get_pin_script: LuaScript,
     rate_script: LuaScript,
     exchange_script: LuaScript,
 }
@@ -233,6 +234,7 @@ impl RedisStore {
             append_events_script: LuaScript::new(include_str!("append_events.lua")),
             conversation_script: LuaScript::new(include_str!("conversation.lua")),
             swap_pin_script: LuaScript::new(include_str!("swap_pin.lua")),
+            get_pin_script: LuaScript::new(include_str!("get_pin.lua")),
             rate_script: LuaScript::new(include_str!("rate_limit.lua")),
             exchange_script: LuaScript::new(include_str!("exchange.lua")),
         };
@@ -317,6 +319,7 @@ impl RedisStore {
             &self.append_events_script,
             &self.conversation_script,
             &self.swap_pin_script,
+            &self.get_pin_script,
             &self.rate_script,
             &self.exchange_script,
         ] {
@@ -755,9 +758,10 @@ impl Store for RedisStore {
 
     async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {
         let key = self.pin_key(pool, session);
-        let mut cmd = ::redis::cmd("GET");
-        cmd.arg(&key);
-        let stored: Option<Vec<u8>> = self.query(&cmd).await?;
+        let ttl = self.pin_ttl_ms.to_string();
+        let stored: Option<Vec<u8>> = self
+            .run_script(&self.get_pin_script, &key, &[ttl.as_bytes()])
+            .await?;
         stored.map(|bytes| decode_pin(&key, &bytes)).transpose()
     }
 
