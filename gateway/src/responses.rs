@@ -125,12 +125,18 @@ fn previous_not_found(id: &str) -> HttpError {
 
 /// Resolve `item_reference` input items. A reference to an item already in the conversation
 /// (the loaded history or earlier in this input) adds nothing new to the context, so it is
-/// dropped rather than duplicated; a reference to an unknown item is a 400.
-fn resolve_item_references(items: Vec<Value>, history: &[Value]) -> Result<Vec<Value>, HttpError> {
+/// dropped rather than duplicated; a reference to an unknown item is a 400. Returns the items
+/// kept and, for each, its position in the request's `input` (for error `param`s).
+fn resolve_item_references(
+    items: Vec<Value>,
+    history: &[Value],
+) -> Result<(Vec<Value>, Vec<usize>), HttpError> {
     let mut out: Vec<Value> = Vec::with_capacity(items.len());
+    let mut positions = Vec::with_capacity(items.len());
     for (i, item) in items.into_iter().enumerate() {
         if item.get("type").and_then(Value::as_str) != Some("item_reference") {
             out.push(item);
+            positions.push(i);
             continue;
         }
         let id = item.get("id").and_then(Value::as_str).unwrap_or_default();
@@ -146,7 +152,15 @@ fn resolve_item_references(items: Vec<Value>, history: &[Value]) -> Result<Vec<V
             ));
         }
     }
-    Ok(out)
+    Ok((out, positions))
+}
+
+/// `param` (`input[k]...`, `k` counting the input items kept) with `k` as the client sent it.
+fn param_in_request(param: &str, positions: &[usize]) -> Option<String> {
+    let rest = param.strip_prefix("input[")?;
+    let (k, tail) = rest.split_once(']')?;
+    let sent = positions.get(k.parse::<usize>().ok()?)?;
+    Some(format!("input[{sent}]{tail}"))
 }
 
 /// A resolved turn before it runs: pool, history, translated plan.
@@ -197,7 +211,7 @@ async fn prepare(
         }
         (None, None) => (Vec::new(), None),
     };
-    let input_items = resolve_item_references(input_items, &history)?;
+    let (input_items, positions) = resolve_item_references(input_items, &history)?;
     if input_items.is_empty() && history.is_empty() {
         return Err(HttpError::invalid(
             "'input' must contain at least one item when there is no 'previous_response_id'.",
@@ -210,6 +224,13 @@ async fn prepare(
         // The history came from the conversation, not from a previous response.
         if conversation.is_some() && e.param.as_deref() == Some("previous_response_id") {
             e.param = Some("conversation".into());
+        }
+        if let Some(sent) = e
+            .param
+            .as_deref()
+            .and_then(|p| param_in_request(p, &positions))
+        {
+            e.param = Some(sent);
         }
         e
     })?;

@@ -306,6 +306,12 @@ def test_item_references_resolve_against_the_previous_response(client):
                                 input=[{"role": "user", "content": "x"}, {"id": "msg_unknown"}])
     assert e.value.param == "input[1]"
     assert e.value.code == "item_not_found"
+    # An error in an item after a resolved reference names the item as sent.
+    by_file = {"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, previous_response_id=first.id,
+                                input=[{"id": said}, by_file])
+    assert e.value.param == "input[1].content[0].image_url"
 
 
 def test_a_content_part_the_api_does_not_know_is_refused_not_dropped(client):
