@@ -566,7 +566,11 @@ async fn run(
     let admission = match admission {
         Some(pending) if continuing => {
             let pin = turn::session_pin(state, &turn.pool, turn.session.as_deref()).await;
-            let endpoint = pin.as_ref().map(|p| p.endpoint.clone());
+            // A pin naming an endpoint that now has another URL holds nothing: no affinity.
+            let endpoint = pin
+                .as_ref()
+                .filter(|p| turn.pool.endpoints().iter().any(|e| turn::pins_to(p, e)))
+                .map(|p| p.endpoint.clone());
             turn.admission_pin = Some(pin);
             Some(pending.with_affinity(endpoint))
         }

@@ -580,9 +580,15 @@ fn pinned_in(view: &[Arc<Endpoint>], pin: Option<&SessionPin>) -> Pinned {
         None => Pinned::None,
         Some(p) => view
             .iter()
-            .position(|e| e.name == p.endpoint)
+            .position(|e| pins_to(p, e))
             .map_or(Pinned::Gone, Pinned::At),
     }
+}
+
+/// Whether `pin` names `e`: its name, and its URL when the pin recorded one (a name that now
+/// stands for another engine does not hold the session's cache).
+pub(crate) fn pins_to(pin: &SessionPin, e: &Endpoint) -> bool {
+    pin.endpoint == e.name && pin.url.as_deref().is_none_or(|url| url == e.base_url)
 }
 
 fn no_endpoint(pool: &Pool, last: &str) -> HttpError {
@@ -1049,16 +1055,17 @@ async fn repin(
     outcome: PinOutcome,
     pin_failed: bool,
 ) -> Option<&'static str> {
-    if pin.is_some_and(|p| p.endpoint == ep.name) {
+    if pin.is_some_and(|p| pins_to(p, ep)) {
         // Reading it for this turn refreshed its TTL.
         return None;
     }
     let new = SessionPin {
         endpoint: ep.name.clone(),
         moves: pin.map_or(0, |p| p.moves.saturating_add(1)),
+        url: Some(ep.base_url.clone()),
     };
     match state.store.swap_pin(&pool.name, key, pin, &new).await {
-        Ok(in_force) if in_force != new => {
+        Ok(in_force) if !in_force.same_as(&new) => {
             tracing::info!(key, pinned = %in_force.endpoint, served = %ep.name, "another gateway re-pinned the session first");
             return None;
         }

@@ -879,7 +879,7 @@ impl Store for MemoryStore {
         records.maybe_sweep(now);
         if let Some(entry) = records.live_pin_mut(&key, now) {
             entry.expires_at = expires_at;
-            if Some(&entry.pin) != expected {
+            if !expected.is_some_and(|e| e.same_as(&entry.pin)) {
                 return Ok(entry.pin.clone());
             }
         }

@@ -26,6 +26,20 @@ pub struct SessionPin {
     pub endpoint: String,
     /// How many times the session has been moved to another endpoint.
     pub moves: u32,
+    /// The endpoint's base URL when the pin was set. A name can come to stand for another
+    /// engine (config endpoints are named by their place in the list, and pins outlive a
+    /// gateway restart): a pin whose endpoint now has another URL is treated as gone. Absent in
+    /// pins written before it existed, which match by name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+}
+
+impl SessionPin {
+    /// Whether `self` and `other` are the same pin for a compare-and-set: same endpoint and
+    /// move count (what the Redis script compares).
+    pub fn same_as(&self, other: &SessionPin) -> bool {
+        self.endpoint == other.endpoint && self.moves == other.moves
+    }
 }
 
 /// Longest encoded pool or session part kept verbatim in a key; longer ones are hashed.
@@ -129,6 +143,7 @@ mod tests {
         let pin = SessionPin {
             endpoint: "vllm-0".into(),
             moves: 3,
+            url: None,
         };
         let json = encode_pin(&pin).unwrap();
         assert_eq!(json, r#"{"endpoint":"vllm-0","moves":3}"#);

@@ -282,6 +282,7 @@ pub fn pin(endpoint: &str, moves: u32) -> SessionPin {
     SessionPin {
         endpoint: endpoint.to_string(),
         moves,
+        url: None,
     }
 }
 

@@ -1148,6 +1148,72 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
+    let fleet = Fleet::of(2).start().await;
+    let base = fleet.base_url();
+    let turn = || async {
+        let resp = client()
+            .post(format!("{base}/v1/responses"))
+            .header("x-session-id", "renamed")
+            .json(&json!({"model": "sim-model", "input": "next step", "store": false}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        (
+            header(&resp, agentgate::responses::ENDPOINT_HEADER),
+            resp.headers()
+                .get(agentgate::responses::PIN_MOVED_HEADER)
+                .map(|v| v.to_str().unwrap().to_string()),
+        )
+    };
+    let store = fleet.gateway().state().store.clone();
+    let (served, _) = turn().await;
+    let pin = store.get_pin("sim", "h:renamed").await.unwrap().unwrap();
+    let url = fleet
+        .pool()
+        .endpoints()
+        .iter()
+        .find(|e| e.name == served)
+        .unwrap()
+        .base_url
+        .clone();
+    assert_eq!(
+        pin.url.as_deref(),
+        Some(url.as_str()),
+        "the pin records the engine"
+    );
+    // The same name, set when it stood for another engine (an edited endpoint list, a restart).
+    let stale = agentgate_sessions::SessionPin {
+        url: Some("http://127.0.0.1:9".into()),
+        ..pin.clone()
+    };
+    assert!(store
+        .swap_pin("sim", "h:renamed", Some(&pin), &stale)
+        .await
+        .unwrap()
+        .same_as(&stale));
+    let (_, moved) = turn().await;
+    assert_eq!(
+        moved.as_deref(),
+        Some("unavailable"),
+        "the stale pin does not hold"
+    );
+    let now = store.get_pin("sim", "h:renamed").await.unwrap().unwrap();
+    assert_eq!(now.moves, 1);
+    let served_now = fleet
+        .pool()
+        .endpoints()
+        .iter()
+        .find(|e| e.name == now.endpoint)
+        .unwrap()
+        .base_url
+        .clone();
+    assert_eq!(now.url, Some(served_now));
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pin_lives_its_ttl_after_the_sessions_last_turn_not_after_its_first() {
     let fleet = Fleet::of(2)
         .extra("[store]\npin_ttl_s = 1.5\n")
