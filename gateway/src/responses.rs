@@ -155,12 +155,14 @@ fn resolve_item_references(
     Ok((out, positions))
 }
 
-/// `param` (`input[k]...`, `k` counting the input items kept) with `k` as the client sent it.
-fn param_in_request(param: &str, positions: &[usize]) -> Option<String> {
+/// For a `param` of `input[k]...` (`k` counting the input items kept): `input[k]` and the same
+/// item as the client sent it, `input[n]`.
+fn param_in_request(param: &str, positions: &[usize]) -> Option<(String, String)> {
     let rest = param.strip_prefix("input[")?;
-    let (k, tail) = rest.split_once(']')?;
-    let sent = positions.get(k.parse::<usize>().ok()?)?;
-    Some(format!("input[{sent}]{tail}"))
+    let (k, _) = rest.split_once(']')?;
+    let kept = k.parse::<usize>().ok()?;
+    let sent = positions.get(kept)?;
+    Some((format!("input[{kept}]"), format!("input[{sent}]")))
 }
 
 /// A resolved turn before it runs: pool, history, translated plan.
@@ -222,15 +224,19 @@ async fn prepare(
     let opts = state.translate_options(pool.flavor);
     let mut plan = build_chat_request(body, &history, &input_items, &opts).map_err(|mut e| {
         // The history came from the conversation, not from a previous response.
-        if conversation.is_some() && e.param.as_deref() == Some("previous_response_id") {
-            e.param = Some("conversation".into());
+        if let Some(rest) = conversation
+            .and(e.param.as_deref())
+            .and_then(|p| p.strip_prefix("previous_response_id"))
+        {
+            e.param = Some(format!("conversation{rest}"));
         }
-        if let Some(sent) = e
+        if let Some((kept, sent)) = e
             .param
             .as_deref()
             .and_then(|p| param_in_request(p, &positions))
         {
-            e.param = Some(sent);
+            e.message = e.message.replace(&kept, &sent);
+            e.param = e.param.map(|p| p.replacen(&kept, &sent, 1));
         }
         e
     })?;

@@ -1055,8 +1055,22 @@ async fn repin(
     outcome: PinOutcome,
     pin_failed: bool,
 ) -> Option<&'static str> {
-    if pin.is_some_and(|p| pins_to(p, ep)) {
-        // Reading it for this turn refreshed its TTL.
+    if let Some(p) = pin.filter(|p| pins_to(p, ep)) {
+        // Reading it for this turn refreshed its TTL. A pin from before pins recorded their
+        // endpoint's URL gets it now (not a move).
+        if p.url.is_none() {
+            let with_url = SessionPin {
+                url: Some(ep.base_url.clone()),
+                ..p.clone()
+            };
+            if let Err(e) = state
+                .store
+                .swap_pin(&pool.name, key, Some(p), &with_url)
+                .await
+            {
+                tracing::warn!("could not store the session pin: {e}");
+            }
+        }
         return None;
     }
     let new = SessionPin {
@@ -1572,7 +1586,12 @@ pub async fn persist(
         failures += 1;
         state.metrics.store_write_errors.inc([]);
         let Some(pause) = retry_pause(turn.background, failures) else {
-            tracing::error!(response = %turn.id, tries = failures, "could not store the response: {e}");
+            let what = if stored {
+                "add the response's items to its conversation"
+            } else {
+                "store the response"
+            };
+            tracing::error!(response = %turn.id, tries = failures, "could not {what}: {e}");
             return Persisted::failed(stored);
         };
         tracing::warn!(response = %turn.id, tries = failures, "could not store the response ({e}); retrying in {pause:?}");
@@ -1583,7 +1602,8 @@ pub async fn persist(
         tokio::select! {
             () = tokio::time::sleep(pause) => {}
             _ = stopping.wait_for(|stop| *stop) => {
-                tracing::error!(response = %turn.id, tries = failures, "could not store the response before shutdown: {e}");
+                let what = if stored { "add the response's items to its conversation" } else { "store the response" };
+                tracing::error!(response = %turn.id, tries = failures, "could not {what} before shutdown: {e}");
                 return Persisted::failed(stored);
             }
         }

@@ -23,7 +23,7 @@
 //!
 //! Session pins are bounded apart from them: every new session key a client sends makes a pin
 //! that lives for the pin TTL, so a client inventing keys could otherwise fill memory within
-//! that hour. Pins may take an eighth of the bound (estimated as their key, endpoint name and
+//! that hour. Pins may take an eighth of the bound (estimated as their key, endpoint name and URL and
 //! [`PIN_ENTRY_BYTES`]); past it the expired ones go, then those set or touched least recently
 //! (they expire soonest) until the pins take three quarters of their share. A session whose
 //! pin went is routed afresh, as after its TTL; [`MemoryStore::pins_dropped`] counts them.
@@ -78,15 +78,16 @@ struct PinEntry {
     expires_at: Instant,
 }
 
-/// Estimated bytes of a pin beyond its key and endpoint name: the map slot, two string
+/// Estimated bytes of a pin beyond its key, endpoint name and URL: the map slot, three string
 /// headers, the expiry and the move count.
-pub const PIN_ENTRY_BYTES: u64 = 96;
+pub const PIN_ENTRY_BYTES: u64 = 120;
 
 /// The share of the memory bound pins may take: `max_bytes / PINS_SHARE`.
 const PINS_SHARE: u64 = 8;
 
 fn pin_bytes(key: &str, pin: &SessionPin) -> u64 {
-    (key.len() + pin.endpoint.len()) as u64 + PIN_ENTRY_BYTES
+    (key.len() + pin.endpoint.len() + pin.url.as_ref().map_or(0, String::len)) as u64
+        + PIN_ENTRY_BYTES
 }
 
 /// The maps and their sweep and memory bookkeeping, guarded together.

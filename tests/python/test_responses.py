@@ -312,6 +312,7 @@ def test_item_references_resolve_against_the_previous_response(client):
         client.responses.create(model=MODEL, previous_response_id=first.id,
                                 input=[{"id": said}, by_file])
     assert e.value.param == "input[1].content[0].image_url"
+    assert "input[1].content[0]" in str(e.value) and "input[0]" not in str(e.value)
 
 
 def test_a_content_part_the_api_does_not_know_is_refused_not_dropped(client):

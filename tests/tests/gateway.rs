@@ -1209,7 +1209,21 @@ async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
         .unwrap()
         .base_url
         .clone();
-    assert_eq!(now.url, Some(served_now));
+    assert_eq!(now.url, Some(served_now.clone()));
+    // A pin from before pins recorded a URL holds by its name, and gets the URL (not a move).
+    let old = agentgate_sessions::SessionPin {
+        url: None,
+        ..now.clone()
+    };
+    assert!(store
+        .swap_pin("sim", "h:renamed", Some(&now), &old)
+        .await
+        .unwrap()
+        .same_as(&old));
+    let (served, moved) = turn().await;
+    assert_eq!((served, moved), (now.endpoint.clone(), None));
+    let upgraded = store.get_pin("sim", "h:renamed").await.unwrap().unwrap();
+    assert_eq!((upgraded.moves, upgraded.url), (1, Some(served_now)));
     fleet.shutdown().await;
 }
 
