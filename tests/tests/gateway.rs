@@ -1147,28 +1147,33 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
     fleet.shutdown().await;
 }
 
+/// One turn (not stored) of session `session`: the endpoint that served it, the route reason,
+/// and why the session's pin moved, if it did.
+async fn session_turn(base: &str, session: &str) -> (String, String, Option<String>) {
+    let resp = client()
+        .post(format!("{base}/v1/responses"))
+        .header("x-session-id", session)
+        .json(&json!({"model": "sim-model", "input": "next step", "store": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    (
+        header(&resp, agentgate::responses::ENDPOINT_HEADER),
+        header(&resp, agentgate::responses::ROUTE_REASON_HEADER),
+        resp.headers()
+            .get(agentgate::responses::PIN_MOVED_HEADER)
+            .map(|v| v.to_str().unwrap().to_string()),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
     let fleet = Fleet::of(2).start().await;
     let base = fleet.base_url();
-    let turn = || async {
-        let resp = client()
-            .post(format!("{base}/v1/responses"))
-            .header("x-session-id", "renamed")
-            .json(&json!({"model": "sim-model", "input": "next step", "store": false}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        (
-            header(&resp, agentgate::responses::ENDPOINT_HEADER),
-            resp.headers()
-                .get(agentgate::responses::PIN_MOVED_HEADER)
-                .map(|v| v.to_str().unwrap().to_string()),
-        )
-    };
+    let turn = || session_turn(&base, "renamed");
     let store = fleet.gateway().state().store.clone();
-    let (served, _) = turn().await;
+    let (served, _, _) = turn().await;
     let pin = store.get_pin("sim", "h:renamed").await.unwrap().unwrap();
     let url = fleet
         .pool()
@@ -1193,7 +1198,7 @@ async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
         .await
         .unwrap()
         .same_as(&stale));
-    let (_, moved) = turn().await;
+    let (_, _, moved) = turn().await;
     assert_eq!(
         moved.as_deref(),
         Some("unavailable"),
@@ -1220,7 +1225,7 @@ async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
         .await
         .unwrap()
         .same_as(&old));
-    let (served, moved) = turn().await;
+    let (served, _, moved) = turn().await;
     assert_eq!((served, moved), (now.endpoint.clone(), None));
     let upgraded = store.get_pin("sim", "h:renamed").await.unwrap().unwrap();
     assert_eq!((upgraded.moves, upgraded.url), (1, Some(served_now)));
@@ -1234,17 +1239,7 @@ async fn a_pin_lives_its_ttl_after_the_sessions_last_turn_not_after_its_first() 
         .start()
         .await;
     let base = fleet.base_url();
-    let turn = || async {
-        let resp = client()
-            .post(format!("{base}/v1/responses"))
-            .header("x-session-id", "busy")
-            .json(&json!({"model": "sim-model", "input": "next step", "store": false}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        header(&resp, agentgate::responses::ROUTE_REASON_HEADER)
-    };
+    let turn = || async { session_turn(&base, "busy").await.1 };
     let store = fleet.gateway().state().store.clone();
     turn().await;
     let first = store.get_pin("sim", "h:busy").await.unwrap().unwrap();
