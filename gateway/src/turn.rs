@@ -825,11 +825,12 @@ async fn open_split(
         &placement.prefix
     };
     let avoided = placement.avoided_in(&decode_view);
+    let pinned = pinned_in(&decode_view, placement.pin.as_ref());
     let request = placement.room.pick_request(PickRequest {
         exclude: &avoided,
         prefix: decode_prefix,
         prompt_tokens,
-        pinned: pinned_in(&decode_view, placement.pin.as_ref()),
+        pinned,
         ..PickRequest::default()
     });
     let leg = pool.place(|| {
@@ -953,10 +954,7 @@ async fn open_split(
                 .routing_decision(&pool.name, &d.name, decode.reason.as_str());
             let mut pin_moved = None;
             if let Some(key) = key.filter(|_| pool.policy.uses_pins()) {
-                let pin_failed = matches!(
-                    pinned_in(&decode_view, placement.pin.as_ref()),
-                    Pinned::At(i) if avoided.contains(&i)
-                );
+                let pin_failed = matches!(pinned, Pinned::At(i) if avoided.contains(&i));
                 pin_moved = repin(
                     state,
                     pool,
@@ -1585,16 +1583,16 @@ pub async fn persist(
         };
         failures += 1;
         state.metrics.store_write_errors.inc([]);
+        let what = if stored {
+            "add the response's items to its conversation"
+        } else {
+            "store the response"
+        };
         let Some(pause) = retry_pause(turn.background, failures) else {
-            let what = if stored {
-                "add the response's items to its conversation"
-            } else {
-                "store the response"
-            };
             tracing::error!(response = %turn.id, tries = failures, "could not {what}: {e}");
             return Persisted::failed(stored);
         };
-        tracing::warn!(response = %turn.id, tries = failures, "could not store the response ({e}); retrying in {pause:?}");
+        tracing::warn!(response = %turn.id, tries = failures, "could not {what} ({e}); retrying in {pause:?}");
         if !turn.background {
             tokio::time::sleep(pause).await;
             continue;
@@ -1602,7 +1600,6 @@ pub async fn persist(
         tokio::select! {
             () = tokio::time::sleep(pause) => {}
             _ = stopping.wait_for(|stop| *stop) => {
-                let what = if stored { "add the response's items to its conversation" } else { "store the response" };
                 tracing::error!(response = %turn.id, tries = failures, "could not {what} before shutdown: {e}");
                 return Persisted::failed(stored);
             }

@@ -724,12 +724,8 @@ async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() 
     // 100 ms per token, answers of 2000 to 6000 tokens: the cancel lands mid-run, on the
     // gateway that does not run it.
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
-        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-        model: "sim-model".into(),
-        decode_ms_per_token: 100.0,
         default_output_tokens: 4000,
-        time_scale: 1.0,
-        ..Default::default()
+        ..slow_sim_config(100.0)
     })
     .await
     .unwrap();
@@ -1835,15 +1831,20 @@ async fn slow_fleet(decode_ms: f64, extra: &str) -> Fleet {
 
 /// One simulated replica decoding `decode_ms` real milliseconds per token.
 async fn slow_sim(decode_ms: f64) -> agentgate_sim::SimHandle {
-    agentgate_sim::spawn(agentgate_sim::SimConfig {
+    agentgate_sim::spawn(slow_sim_config(decode_ms))
+        .await
+        .unwrap()
+}
+
+/// The configuration of [`slow_sim`], for tests that change more of it.
+fn slow_sim_config(decode_ms: f64) -> agentgate_sim::SimConfig {
+    agentgate_sim::SimConfig {
         listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         model: "sim-model".into(),
         decode_ms_per_token: decode_ms,
         time_scale: 1.0,
         ..Default::default()
-    })
-    .await
-    .unwrap()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
