@@ -611,6 +611,9 @@ pub struct Pending {
     ticket: Ticket,
     /// What named the band, for errors about it.
     param: Option<&'static str>,
+    /// A background response in its team's lowest band: the band is looked up again at
+    /// admission, which may come after a reload changed the team's bands.
+    background_default: bool,
 }
 
 impl std::fmt::Debug for Pending {
@@ -636,8 +639,11 @@ impl Pending {
 
     /// Wait for a slot (see [`FlowController::admit`]); a refusal comes back as the error to
     /// answer with. Dropping the future leaves the queue.
-    pub async fn admit(self) -> Result<Permit, HttpError> {
+    pub async fn admit(mut self) -> Result<Permit, HttpError> {
         let team = self.ticket.team.clone();
+        if self.background_default {
+            self.ticket.band = self.controller.background_band(&team);
+        }
         self.controller
             .admit(self.ticket)
             .await
@@ -843,6 +849,7 @@ impl FlowControl {
         };
         Ok(Some(Pending {
             controller: controller.clone(),
+            background_default: request.background && param.is_none(),
             ticket,
             param,
         }))

@@ -582,27 +582,37 @@ async fn background_responses_run_in_the_lowest_band() {
     let queued = call(&base, Some("chat"), body, &[]).await;
     assert_eq!(queued.status, 200, "{}", queued.body);
     let id = queued.body["id"].as_str().unwrap().to_string();
-    let client = reqwest::Client::new();
-    let mut status = String::new();
-    for _ in 0..1500 {
-        let r = json_body(
-            client
-                .get(format!("{base}/v1/responses/{id}"))
-                .bearer_auth(key("chat")),
-        )
-        .await;
-        status = r["status"].as_str().unwrap_or_default().to_string();
-        if status != "queued" && status != "in_progress" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let status = final_status(&base, "chat", &id).await;
     assert!(status == "completed" || status == "incomplete", "{status}");
     let s = snapshot(gw);
     assert_eq!(s.band("batch").unwrap().dispatched, 1);
     assert_eq!(s.band("interactive").unwrap().dispatched, 0);
     eventually("the permit is released", || snapshot(gw).in_flight == 0).await;
     fleet.shutdown().await;
+}
+
+/// The status of background response `id` of `team` once it is neither queued nor in
+/// progress (or after 15 s), with its error code when it has one.
+async fn final_status(base: &str, team: &str, id: &str) -> String {
+    let client = reqwest::Client::new();
+    let mut status = String::new();
+    for _ in 0..1500 {
+        let r = json_body(
+            client
+                .get(format!("{base}/v1/responses/{id}"))
+                .bearer_auth(key(team)),
+        )
+        .await;
+        status = r["status"].as_str().unwrap_or_default().to_string();
+        if status != "queued" && status != "in_progress" {
+            if let Some(code) = r["error"]["code"].as_str() {
+                status = format!("{status} ({code})");
+            }
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    status
 }
 
 /// A fresh folder named after `name` for a config file `gateway.toml` in front of `sim`:
@@ -681,6 +691,63 @@ async fn hot_reload_keeps_queued_requests() {
         has_line(&m, "agentgate_config_reloads_total{result=\"ok\"} 1"),
         "{m}"
     );
+    eventually("every permit is released", || snapshot(&gw).in_flight == 0).await;
+    gw.shutdown().await;
+    sim.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_response_waiting_for_a_run_slot_takes_its_band_after_a_reload() {
+    let sim = start_sim("sim-model").await;
+    let (dir, file, base_toml) = watched_config(
+        &sim,
+        "agentgate-background-reload",
+        &format!(
+            "{STILL}[server]\nreload_interval_ms = 20\n[background]\nmax_concurrent = 1\n{BANDS}"
+        ),
+    );
+    let with_batch = team(
+        "alpha",
+        "default_band = \"interactive\"\nbands = [\"batch\"]",
+    );
+    write_atomically(&file, &format!("{base_toml}{with_batch}"));
+    let config = agentgate::Config::load(&file).expect("valid config");
+    let gw = Gateway::start(config, "127.0.0.1:0".parse().unwrap())
+        .await
+        .expect("gateway starts");
+    let base = gw.base_url();
+    saturate(&gw, true);
+    let mut body = hello();
+    body["background"] = json!(true);
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let queued = call(&base, Some("alpha"), body.clone(), &[]).await;
+        assert_eq!(queued.status, 200, "{}", queued.body);
+        ids.push(queued.body["id"].as_str().unwrap().to_string());
+    }
+    // The first holds the run slot, queued in `batch`; the second waits for the slot.
+    eventually("the first waits in its band", || queued(&gw, "batch") == 1).await;
+
+    // The team loses `batch`: both run in the band that is now its lowest.
+    write_atomically(
+        &file,
+        &format!(
+            "{base_toml}{}",
+            team("alpha", "default_band = \"interactive\"")
+        ),
+    );
+    let reloads = |result: &str| gw.state().metrics.config_reloads.get([result]);
+    eventually("the file is reloaded", || reloads("ok") == 1).await;
+    saturate(&gw, false);
+    for id in &ids {
+        let status = final_status(&base, "alpha", id).await;
+        assert!(
+            status == "completed" || status == "incomplete",
+            "{id}: {status}"
+        );
+    }
+    assert_eq!(snapshot(&gw).band("interactive").unwrap().dispatched, 2);
     eventually("every permit is released", || snapshot(&gw).in_flight == 0).await;
     gw.shutdown().await;
     sim.shutdown().await;
