@@ -89,6 +89,22 @@ async fn serve(
             "no [[teams]] configured: the gateway runs open, every request is team 'default'"
         );
     }
+    let limited: Vec<&str> = cfg
+        .teams
+        .iter()
+        .filter(|t| {
+            t.requests_per_minute.is_some()
+                || t.tokens_per_minute.is_some()
+                || t.max_concurrent.is_some()
+        })
+        .map(|t| t.name.as_str())
+        .collect();
+    if !cfg.flow.enabled && !limited.is_empty() {
+        tracing::warn!(
+            teams = %limited.join(","),
+            "flow.enabled = false: team rate limits and max_concurrent are not enforced"
+        );
+    }
     let store_desc = cfg
         .store
         .url
