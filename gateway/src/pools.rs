@@ -562,6 +562,37 @@ mod tests {
         assert_eq!(hp("http://h:99999"), None);
     }
 
+    #[test]
+    fn a_pools_scoring_table_lies_over_its_policys_defaults_with_the_routing_limits() {
+        let config = Config::parse(
+            "[routing]\nscrape_interval_ms = 100\nmetrics_staleness_ms = 700\n\
+             saturation_queue_depth = 5\n\
+             [[pools]]\nname = \"p\"\nmodel = \"m\"\nflavor = \"vllm\"\npolicy = \"session\"\n\
+             endpoints = [\"http://127.0.0.1:9\"]\n\
+             [pools.scoring]\nweights = { prefix = 7, kv_usage = 0 }\nherd_factor = 2.5\n\
+             pin_hysteresis_tokens = 1000\n",
+        )
+        .unwrap();
+        let routing = pool_routing(&config, &config.pools[0]).unwrap();
+        assert_eq!(routing.policy, Policy::Session);
+        let scoring = &routing.scoring;
+        assert_eq!(scoring.weight("prefix"), 7.0);
+        assert_eq!(scoring.weight("kv_usage"), 0.0);
+        assert_eq!(scoring.weight("session_pin"), 10.0, "a default kept");
+        assert_eq!(scoring.weight("queue"), 1.0);
+        assert_eq!(scoring.herd_factor, 2.5);
+        assert_eq!(scoring.herd_slack, 2.0);
+        assert_eq!(scoring.pin_hysteresis_tokens, 1000.0);
+        // The picker judges saturation, stale metrics included, by the routing section.
+        let expected = Saturation {
+            max_waiting: 5.0,
+            max_kv_usage: config.routing.saturation_kv_usage,
+            staleness: Some(Duration::from_millis(700)),
+        };
+        assert_eq!(scoring.saturation, expected);
+        assert_eq!(routing.saturation, expected);
+    }
+
     #[tokio::test]
     async fn endpoint_tables_and_simulated_roles_make_one_mixed_pool() {
         let config = Config::parse(
