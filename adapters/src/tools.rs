@@ -61,6 +61,9 @@ pub struct ToolNameMap {
     by_tool: HashMap<ToolName, String>,
     /// Engine names of custom (freeform) tools.
     custom: HashSet<String>,
+    /// Per flattened name, the next suffix to try for a tool whose name it clashes with, so
+    /// many clashing names cost linear time, not quadratic.
+    next_suffix: HashMap<String, usize>,
 }
 
 impl ToolNameMap {
@@ -76,10 +79,15 @@ impl ToolNameMap {
         }
         let base = flattened_name(&tool);
         let mut candidate = base.clone();
-        let mut suffix = 2;
-        while self.by_engine_name.contains_key(&candidate) {
-            candidate = format!("{base}_{suffix}");
-            suffix += 1;
+        if self.by_engine_name.contains_key(&candidate) {
+            let suffix = self.next_suffix.entry(base.clone()).or_insert(2);
+            loop {
+                candidate = format!("{base}_{suffix}");
+                *suffix += 1;
+                if !self.by_engine_name.contains_key(&candidate) {
+                    break;
+                }
+            }
         }
         self.by_engine_name.insert(candidate.clone(), tool.clone());
         self.by_tool.insert(tool, candidate.clone());
@@ -374,6 +382,21 @@ pub(crate) fn translate_tool_choice(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clashing_names_take_the_next_free_suffix() {
+        let mut map = ToolNameMap::new();
+        let taken = map.insert(ToolName::plain("ns__x_3"));
+        let names: Vec<String> = ["é", "ü", "ß", "ñ"]
+            .iter()
+            .map(|n| map.insert(ToolName::namespaced("ns", *n)))
+            .collect();
+        assert_eq!(taken, "ns__x_3");
+        assert_eq!(names, ["ns___", "ns____2", "ns____3", "ns____4"]);
+        let clash = map.insert(ToolName::namespaced("ns", "x?3"));
+        assert_eq!(clash, "ns__x_3_2", "a plain name already holds `ns__x_3`");
+        assert_eq!(map.resolve("ns____4"), ToolName::namespaced("ns", "ñ"));
+    }
 
     #[test]
     fn name_map_round_trips_and_avoids_collisions() {

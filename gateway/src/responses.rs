@@ -10,6 +10,7 @@
 //! a client can pick its stream up again on any gateway replica. Every stored object is scoped
 //! to the team whose key created it: other teams get 404.
 
+use std::collections::HashSet;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
@@ -131,20 +132,29 @@ fn resolve_item_references(
     items: Vec<Value>,
     history: &[Value],
 ) -> Result<(Vec<Value>, Vec<usize>), HttpError> {
+    let item_id = |item: &Value| item.get("id").and_then(Value::as_str).map(str::to_owned);
+    let has_references = items
+        .iter()
+        .any(|item| item.get("type").and_then(Value::as_str) == Some("item_reference"));
+    // The ids a reference may name: the history's, then each kept item's as it is kept.
+    let mut known_ids: HashSet<String> = if has_references {
+        history.iter().filter_map(item_id).collect()
+    } else {
+        HashSet::new()
+    };
     let mut out: Vec<Value> = Vec::with_capacity(items.len());
     let mut positions = Vec::with_capacity(items.len());
     for (i, item) in items.into_iter().enumerate() {
         if item.get("type").and_then(Value::as_str) != Some("item_reference") {
+            if has_references {
+                known_ids.extend(item_id(&item));
+            }
             out.push(item);
             positions.push(i);
             continue;
         }
         let id = item.get("id").and_then(Value::as_str).unwrap_or_default();
-        let known = history
-            .iter()
-            .chain(out.iter())
-            .any(|h| h.get("id").and_then(Value::as_str) == Some(id));
-        if !known {
+        if !known_ids.contains(id) {
             return Err(HttpError::invalid(
                 format!("Item with id '{id}' not found."),
                 Some(&format!("input[{i}]")),
