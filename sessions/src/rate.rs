@@ -65,7 +65,7 @@ fn units_left(span_ms: f64, t: f64) -> u64 {
 }
 
 fn ms(v: f64) -> Duration {
-    Duration::from_secs_f64(v.max(0.0) / 1000.0)
+    Duration::try_from_secs_f64(v.max(0.0) / 1000.0).unwrap_or(Duration::MAX)
 }
 
 /// The figures of `limit` at `now_ms` with nothing charged: what a limit that would let a
@@ -171,5 +171,17 @@ mod tests {
         let (d, same) = gcra_step(Some(tat), 0.0, &rpm(1000, 1001));
         assert!(d.too_large && !d.allowed());
         assert_eq!(same, tat, "a refused request charges nothing");
+    }
+
+    #[test]
+    fn a_budget_in_debt_beyond_any_duration_answers_the_longest_one() {
+        let limit = rpm(1, u64::MAX);
+        let tat = charged_tat(Some(charged_tat(None, 0.0, &limit)), 0.0, &limit);
+        let (d, _) = gcra_step(Some(tat), 0.0, &rpm(1, 1));
+        assert_eq!(d.retry_after, Some(Duration::MAX));
+        assert_eq!(
+            uncharged(Some(f64::INFINITY), 0.0, &limit).reset_after,
+            Duration::MAX
+        );
     }
 }

@@ -20,6 +20,14 @@ use super::rejection::{QueueLimit, Rejection};
 /// A deadline for a TTL too long to represent: effectively never.
 const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// Most tokens one request counts for in fair queuing and in-flight counts, as its estimate
+/// ([`Ticket::cost_tokens`]) or its usage ([`Permit::finish`], also what is charged to its
+/// team's budget beyond the estimate): far above any model's context, so only a nonsensical
+/// figure (a `max_output_tokens` of 10^18, an engine reporting broken usage) is cut to it, and
+/// one request cannot throw a band's fair-queuing clock or a team's token budget out of range.
+/// Rate limits judge the estimate uncut: one over the whole budget is `request_too_large`.
+pub const MAX_REQUEST_TOKENS: u64 = 1 << 24;
+
 /// A request asking to be admitted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ticket {
@@ -174,7 +182,7 @@ impl Permit {
     /// Release the slot, recording the tokens the request actually used (input + output), so
     /// fairness and the dispatched-tokens counters reflect real usage instead of the estimate.
     pub fn finish(mut self, actual_tokens: u64) {
-        self.actual_tokens = Some(actual_tokens);
+        self.actual_tokens = Some(actual_tokens.min(MAX_REQUEST_TOKENS));
     }
 
     /// Undo this permit's accounting. Marks it released so `Drop` does nothing more.
@@ -357,7 +365,7 @@ impl FlowController {
     /// returned [`Permit`]) or its band's TTL passes ([`Rejection::Timeout`], at the TTL).
     /// Dropping the future takes the request out of the queue. Runs on a Tokio runtime with
     /// the time driver enabled (the TTL is a Tokio timer).
-    pub async fn admit(&self, ticket: Ticket) -> Result<Permit, Rejection> {
+    pub async fn admit(&self, mut ticket: Ticket) -> Result<Permit, Rejection> {
         let inner = &self.inner;
         let limits = {
             let mut state = inner.lock();
@@ -399,6 +407,9 @@ impl FlowController {
                 }
             }
         };
+        // Rate limits judge the estimate as asked (over the budget is `request_too_large`);
+        // fairness and in-flight counts take at most MAX_REQUEST_TOKENS of it.
+        ticket.cost_tokens = ticket.cost_tokens.min(MAX_REQUEST_TOKENS);
         let (reply, mut answer) = oneshot::channel();
         let mut out = VecDeque::new();
         let queued = inner.lock().enqueue(inner, ticket, rate, reply, &mut out);

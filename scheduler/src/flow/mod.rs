@@ -171,7 +171,7 @@ mod rejection;
 
 pub use capacity::{CapacitySignal, FlowLoad, MaxInFlight};
 pub use config::{BandSpec, ConfigError, FlowConfig, ShedCurve, TeamSpec};
-pub use controller::{FlowController, Permit, Ticket};
+pub use controller::{FlowController, Permit, Ticket, MAX_REQUEST_TOKENS};
 pub use metrics::{
     BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits, WaitHistogram, WAIT_BUCKETS_SECONDS,
 };

@@ -120,7 +120,7 @@ impl Rejection {
     /// The `Retry-After` header value: whole seconds, rounded up, at least 1.
     pub fn retry_after_secs(&self) -> Option<u64> {
         self.retry_after().map(|d| {
-            let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+            let secs = d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0));
             secs.max(1)
         })
     }
@@ -193,6 +193,11 @@ mod tests {
         assert_eq!(timeout.http_status(), 503);
         assert_eq!(timeout.retry_after_secs(), Some(1));
         assert!(timeout.to_string().contains("waited 30.0s"));
+        let forever = Rejection::Shed {
+            band: "batch".into(),
+            retry_after: Duration::MAX,
+        };
+        assert_eq!(forever.retry_after_secs(), Some(u64::MAX));
         let unknown = Rejection::UnknownBand { band: "x".into() };
         assert_eq!(unknown.http_status(), 400);
         assert_eq!(unknown.retry_after(), None);

@@ -128,6 +128,28 @@ async fn higher_bands_go_first() {
     assert_eq!(snapshot.team("bulk").unwrap().wait.count(), 1);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_requests_tokens_count_at_most_max_request_tokens() {
+    let (flow, _) = controller(config(), 4);
+    let permit = flow.admit(Ticket::new("bulk", u64::MAX / 2)).await.unwrap();
+    assert_eq!(permit.cost_tokens(), MAX_REQUEST_TOKENS);
+    assert_eq!(flow.snapshot().in_flight_tokens, MAX_REQUEST_TOKENS);
+    permit.finish(u64::MAX);
+    let snapshot = flow.snapshot();
+    let bulk = snapshot.team("bulk").unwrap();
+    assert_eq!(bulk.dispatched_tokens, MAX_REQUEST_TOKENS);
+    assert_eq!(bulk.finished_tokens, MAX_REQUEST_TOKENS);
+    assert_eq!(snapshot.in_flight_tokens, 0);
+    // A budget judges the estimate as asked: over all of it, never admitted.
+    let mut config = config();
+    let mut rich = TeamSpec::new("rich", "batch");
+    rich.tpm = Some(2 * MAX_REQUEST_TOKENS);
+    config.teams.push(rich);
+    let (flow, _) = controller(config, 4);
+    let refused = flow.admit(Ticket::new("rich", u64::MAX / 2)).await;
+    assert_eq!(refused.map(|_| ()).unwrap_err().code(), "request_too_large");
+}
+
 /// Offer `offers` (team, requests, cost range) all at once, dispatch one at a time, and return
 /// each team's dispatched tokens up to the moment the first team ran out of queued requests.
 async fn tokens_while_backlogged(
