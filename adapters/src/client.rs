@@ -251,17 +251,24 @@ impl EngineClient {
 
     pub(crate) async fn check_status(
         &self,
-        response: reqwest::Response,
+        mut response: reqwest::Response,
     ) -> Result<reqwest::Response, UpstreamError> {
         let status = response.status();
         if status.is_success() {
             return Ok(response);
         }
-        let body = tokio::time::timeout(self.options.request_timeout, response.bytes())
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .unwrap_or_default();
+        // The first MAX_ERROR_BODY bytes are enough to explain the failure; what follows is
+        // not read, so an error page of any size costs no more than that.
+        let mut body = Vec::new();
+        let _ = tokio::time::timeout(self.options.request_timeout, async {
+            while body.len() < MAX_ERROR_BODY {
+                match response.chunk().await {
+                    Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+                    _ => break,
+                }
+            }
+        })
+        .await;
         let mut body =
             String::from_utf8_lossy(&body[..body.len().min(MAX_ERROR_BODY)]).into_owned();
         if body.is_empty() {

@@ -40,6 +40,22 @@ async fn chat(Json(body): Json<Value>) -> Response {
             Json(json!({"object": "error", "message": "The model `missing` does not exist.", "code": 404})),
         )
             .into_response(),
+        Some("endless-error") => {
+            // An error page that never ends: the client reads its start and stops.
+            let stream = futures_util::stream::unfold(0u32, |step| async move {
+                let piece = if step == 0 {
+                    "engine overloaded: ".to_string()
+                } else {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    "x".repeat(1024)
+                };
+                Some((Ok::<_, std::io::Error>(piece.into_bytes()), step + 1))
+            });
+            Response::builder()
+                .status(StatusCode::SERVICE_UNAVAILABLE)
+                .body(Body::from_stream(stream))
+                .unwrap()
+        }
         Some("stall") => {
             let first = format!(
                 "data: {}\n\n",
@@ -145,6 +161,30 @@ async fn non_2xx_keeps_the_engine_error_body() {
         UpstreamError::Status { status, body } => {
             assert_eq!(status, 404);
             assert!(body.contains("does not exist"), "{body}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_endless_error_body_is_read_only_as_far_as_it_is_kept() {
+    let base = start_engine(true).await;
+    let client = EngineClient::new(ClientOptions {
+        request_timeout: Duration::from_secs(5),
+        ..ClientOptions::default()
+    });
+    let err = match client
+        .chat_stream(&base, &json!({"model": "endless-error", "messages": []}))
+        .await
+    {
+        Err(err) => err,
+        Ok(_) => panic!("expected an error status"),
+    };
+    match err {
+        UpstreamError::Status { status, body } => {
+            assert_eq!(status, 503);
+            assert!(body.starts_with("engine overloaded: xxx"), "{body:.80}");
+            assert_eq!(body.len(), 8 * 1024);
         }
         other => panic!("unexpected {other:?}"),
     }

@@ -1367,7 +1367,9 @@ async fn drive_announced(
                         break rs.fail(
                             e.failure_code(),
                             &format!(
-                                "The model backend failed before generating the response: {e}"
+                                "The model backend failed before generating the response: {e}; \
+                                 trying it again elsewhere failed: {}",
+                                err.error.message
                             ),
                         );
                     }
