@@ -969,7 +969,7 @@ async fn prefix_policy_keeps_a_conversation_where_its_cache_is() {
     // Stateless turns (full history each time, no session key): only the prefix index can
     // keep them together.
     let mut history: Vec<Value> = Vec::new();
-    let mut endpoints = Vec::new();
+    let (mut endpoints, mut reasons) = (Vec::new(), Vec::new());
     let mut cached = Vec::new();
     for turn in 0..5 {
         history
@@ -977,6 +977,7 @@ async fn prefix_policy_keeps_a_conversation_where_its_cache_is() {
         let resp = post_response(&base, &json!({"model": "sim-model", "instructions": system, "input": history, "store": false, "max_output_tokens": 32})).await;
         assert_eq!(resp.status(), 200);
         endpoints.push(header(&resp, agentgate::responses::ENDPOINT_HEADER));
+        reasons.push(header(&resp, agentgate::responses::ROUTE_REASON_HEADER));
         let r: Value = resp.json().await.unwrap();
         cached.push(
             r["usage"]["input_tokens_details"]["cached_tokens"]
@@ -995,8 +996,26 @@ async fn prefix_policy_keeps_a_conversation_where_its_cache_is() {
         cached[1..].iter().all(|&c| c > 0),
         "later turns must hit the cache: {cached:?}"
     );
-    // A different conversation that shares nothing goes to the least-loaded (idle) endpoints,
-    // and round robin over the same turns would have scattered them.
+    // The first turn is placed by load on an idle fleet, the others by their prefix.
+    assert_eq!(reasons, ["load", "prefix", "prefix", "prefix", "prefix"]);
+    // A streamed turn carries the same headers.
+    history.push(json!({"role": "user", "content": "one more step"}));
+    let resp = post_response(&base, &json!({"model": "sim-model", "instructions": system, "input": history, "store": false, "max_output_tokens": 32, "stream": true})).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        (
+            header(&resp, agentgate::responses::ENDPOINT_HEADER),
+            header(&resp, agentgate::responses::ROUTE_REASON_HEADER)
+        ),
+        (endpoints[0].clone(), "prefix".to_string())
+    );
+    let events = resp.text().await.unwrap();
+    assert!(
+        ["event: response.completed", "event: response.incomplete"]
+            .iter()
+            .any(|end| events.contains(end)),
+        "{events}"
+    );
     fleet.shutdown().await;
 }
 
@@ -1140,6 +1159,12 @@ async fn session_pins_in_redis_keep_a_session_on_one_replica_across_gateways() {
         .unwrap()
         .unwrap();
     assert_eq!((pin.endpoint.as_str(), pin.moves), (moved[0].0.as_str(), 1));
+    let moves = |gw: &agentgate::Gateway| gw.state().metrics.pin_moves.get(["sim", "failed"]);
+    assert_eq!(
+        (moves(a), moves(b)),
+        (1, 0),
+        "the move is counted where it was made"
+    );
     fleet.shutdown().await;
 }
 
@@ -1225,6 +1250,8 @@ async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
     assert_eq!((served, moved), (now.endpoint.clone(), None));
     let upgraded = store.get_pin("sim", "h:renamed").await.unwrap().unwrap();
     assert_eq!((upgraded.moves, upgraded.url), (1, Some(served_now)));
+    let metrics = &fleet.gateway().state().metrics;
+    assert_eq!(metrics.pin_moves.get(["sim", "unavailable"]), 1);
     fleet.shutdown().await;
 }
 

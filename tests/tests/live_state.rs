@@ -276,6 +276,16 @@ async fn the_kv_capacity_is_read_from_either_engines_metrics() {
             ep.kv_capacity_tokens() == 16_000
         })
         .await;
+        // The prefix index forgets past what the engine holds.
+        let index = pool
+            .picker
+            .prefix_index()
+            .expect("the session policy indexes");
+        assert_eq!(
+            index.capacity_chunks(ep.slot) as u64,
+            16_000 / index.tokens_per_chunk(),
+            "{name}"
+        );
         gw.shutdown().await;
         sim.shutdown().await;
     }
