@@ -264,13 +264,12 @@ async fn a_sheddable_band_is_shed_only_while_saturated() {
     assert_eq!(call(&base, Some("bulk"), hello(), &[]).await.status, 200);
     assert_eq!(snapshot(gw).band("batch").unwrap().shed, 1);
     let m = metrics_text(&base).await;
-    assert!(
-        has_line(
-            &m,
-            "agentgate_flow_band_requests_total{pool=\"sim\",band=\"batch\",outcome=\"shed\"} 1"
-        ),
-        "{m}"
-    );
+    for line in [
+        "agentgate_flow_band_requests_total{pool=\"sim\",band=\"batch\",outcome=\"shed\"} 1",
+        "agentgate_flow_team_requests_total{pool=\"sim\",team=\"bulk\",outcome=\"shed\"} 1",
+    ] {
+        assert!(has_line(&m, line), "{line} missing in\n{m}");
+    }
     eventually("every permit is released", || snapshot(gw).in_flight == 0).await;
     fleet.shutdown().await;
 }
@@ -428,6 +427,14 @@ async fn rate_limits_answer_429_with_openai_headers() {
     assert_eq!(s.team("small").unwrap().rate_limited, 1);
     assert_eq!(s.team("tiny").unwrap().rate_limited, 1);
     assert_eq!(s.team("small").unwrap().dispatched_requests, 2);
+    let m = metrics_text(&base).await;
+    for line in [
+        "agentgate_flow_team_requests_total{pool=\"sim\",team=\"small\",outcome=\"rate_limited\"} 1",
+        "agentgate_flow_team_requests_total{pool=\"sim\",team=\"tiny\",outcome=\"rate_limited\"} 1",
+        "agentgate_flow_band_requests_total{pool=\"sim\",band=\"default\",outcome=\"rate_limited\"} 2",
+    ] {
+        assert!(has_line(&m, line), "{line} missing in\n{m}");
+    }
     fleet.shutdown().await;
 }
 
