@@ -817,9 +817,11 @@ impl ResponseStream {
             .unwrap_or(self.reasoning_deltas)
             .min(output.max(self.reasoning_deltas));
         let total = number(&["total_tokens"]).unwrap_or(input.saturating_add(output));
+        // Engines report no cache writes (their prefix caches keep what they compute, but
+        // say nothing of it), so `cache_write_tokens` is always 0.
         json!({
             "input_tokens": input,
-            "input_tokens_details": {"cached_tokens": cached},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": output,
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": total,
@@ -1119,7 +1121,7 @@ mod tests {
         assert_eq!(
             response["usage"],
             json!({
-                "input_tokens": 10, "input_tokens_details": {"cached_tokens": 8},
+                "input_tokens": 10, "input_tokens_details": {"cached_tokens": 8, "cache_write_tokens": 0},
                 "output_tokens": 2, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 12,
             })
         );

@@ -1031,12 +1031,33 @@ pub struct ListQuery {
     after: Option<String>,
 }
 
-/// An item as the API lists it: a message without a `status` (one a client sent) gets
-/// `completed`, as OpenAI's listed items always carry one.
+/// Item types whose listed form always carries a `status`.
+const LISTED_WITH_STATUS: [&str; 5] = [
+    "message",
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+];
+
+/// An item as the API lists it, with the fields OpenAI's listed items always carry that a
+/// client may have left out of what it sent: `status` (`completed`) on messages, tool calls
+/// and their outputs, and `annotations` (empty) on `output_text` parts.
 pub fn as_listed(mut item: Value) -> Value {
-    if item.get("type").and_then(Value::as_str) == Some("message") && item.get("status").is_none() {
-        if let Some(fields) = item.as_object_mut() {
-            fields.insert("status".into(), Value::from("completed"));
+    let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
+    let needs_status = LISTED_WITH_STATUS.contains(&kind) && item.get("status").is_none();
+    let Some(fields) = item.as_object_mut() else {
+        return item;
+    };
+    if needs_status {
+        fields.insert("status".into(), Value::from("completed"));
+    }
+    if let Some(parts) = fields.get_mut("content").and_then(Value::as_array_mut) {
+        for part in parts {
+            let output_text = part.get("type").and_then(Value::as_str) == Some("output_text");
+            if let Some(part) = part.as_object_mut().filter(|_| output_text) {
+                part.entry("annotations").or_insert_with(|| json!([]));
+            }
         }
     }
     item

@@ -1520,6 +1520,8 @@ fn rewrite_terminal(
 ) {
     response["status"] = Value::from(status);
     response["incomplete_details"] = Value::Null;
+    // Only a completed response has a completion time.
+    response["completed_at"] = Value::Null;
     response["error"] = serde_json::json!({"code": code, "message": message});
     end_failed(terminal, response);
 }

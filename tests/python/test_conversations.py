@@ -105,3 +105,21 @@ def test_a_conversation_belongs_to_its_team(auth_gateway):
     with pytest.raises(openai.NotFoundError):
         beta.conversations.delete(conv.id)
     assert alpha.conversations.retrieve(conv.id).id == conv.id
+
+
+def test_listed_items_carry_the_fields_the_sdk_requires(client):
+    conv = client.conversations.create(items=[
+        {"type": "message", "role": "user", "content": "Look it up."},
+        {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "It is 42."}]},
+    ])
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output",
+                                       "message"]
+    # Sent without them; listed as OpenAI lists every item.
+    assert [i.status for i in items] == ["completed"] * 4
+    assert items[3].content[0].annotations == []
+    again = client.conversations.items.retrieve(items[1].id, conversation_id=conv.id)
+    assert again.status == "completed"

@@ -1347,8 +1347,9 @@ async fn a_response_the_store_cannot_keep_fails_instead_of_completing() {
     let (s, e) = create(&base, body.clone()).await;
     assert_eq!(s, 503, "{e}");
     assert_eq!(e["error"]["code"], "store_unavailable", "{e}");
-    let mut streamed = body.clone();
-    streamed["stream"] = json!(true);
+    // Long enough to complete (and so to have had a completion time).
+    let streamed =
+        json!({"model": "sim-model", "input": "hello", "max_output_tokens": 4096, "stream": true});
     let text = post_response(&base, &streamed).await.text().await.unwrap();
     let last = text
         .lines()
@@ -1357,6 +1358,11 @@ async fn a_response_the_store_cannot_keep_fails_instead_of_completing() {
         .expect("a terminal event");
     assert_eq!(last["type"], "response.failed", "{text}");
     assert_eq!(last["response"]["error"]["code"], "store_unavailable");
+    assert_eq!(
+        last["response"]["completed_at"],
+        Value::Null,
+        "not completed"
+    );
     // Not stored, not asked to be: nothing is lost.
     let mut ephemeral = body.clone();
     ephemeral["store"] = json!(false);
