@@ -375,8 +375,10 @@ async fn send_turn(
     if let Some(id) = &continue_from {
         body["previous_response_id"] = json!(id);
     }
-    if let SessionMode::Stateless { prompt_cache_key } = &plan.mode {
-        let key = prompt_cache_key.clone().unwrap_or_else(|| plan.id.clone());
+    if let SessionMode::Stateless {
+        prompt_cache_key: Some(key),
+    } = &plan.mode
+    {
         body["prompt_cache_key"] = json!(key);
     }
 

@@ -108,7 +108,8 @@ pub struct Workload {
 /// One session: a sequence of turns sharing a history.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SessionPlan {
-    /// Unique id; stateless sessions use it as `prompt_cache_key`.
+    /// Unique id (stateless sessions of the generated workloads also send it as their
+    /// `prompt_cache_key`).
     pub id: String,
     /// Team (API key) sending it: `agents`, `interactive` (mixed) or `default`.
     pub team: String,
@@ -133,7 +134,8 @@ pub enum SessionMode {
     Chained,
     /// `store: false`, the full history resent as `input` every turn.
     Stateless {
-        /// `prompt_cache_key` sent with every turn.
+        /// `prompt_cache_key` sent with every turn; `None` sends none (trace replays carry
+        /// no session key).
         prompt_cache_key: Option<String>,
     },
 }
