@@ -17,7 +17,9 @@
 //!   does not count here.
 //! - `errors_after` / `shed_after`: requests sent at or after `t` that ended in an error / were
 //!   refused by flow control (shed or rate-limited); `routed_to_killed_after`: requests sent after `t` that the gateway still
-//!   reported as served by the killed replica (should be 0).
+//!   reported as served by the killed replica (0 by construction once its port is closed: a
+//!   request sent there is refused at connect and retried elsewhere, at no error, so
+//!   `errors_after` is the figure that shows nothing was lost).
 //! - `errors_other`: every other error (before the kill, or in flight elsewhere at `t`).
 //! - cache hit ratio (cached / prompt tokens of the successful requests sent in a window):
 //!   `hit_ratio_before` over `[t - W, t)`, `hit_ratio_after_60s` over `[t, t + W)`,

@@ -163,6 +163,23 @@ pub struct Sample {
     pub replicas: Vec<ReplicaMetrics>,
 }
 
+/// Each of `replicas` replicas' mean running + waiting requests over `samples`: its load as
+/// its engine saw it, averaged over the run (a failed scrape, as after a kill, counts as 0).
+/// Empty without samples.
+pub fn mean_load(samples: &[Sample], replicas: usize) -> Vec<f64> {
+    if samples.is_empty() {
+        return Vec::new();
+    }
+    let mut sums = vec![0.0; replicas];
+    for sample in samples {
+        for (sum, replica) in sums.iter_mut().zip(&sample.replicas) {
+            *sum += replica.running + replica.waiting;
+        }
+    }
+    let n = samples.len() as f64;
+    sums.into_iter().map(|sum| sum / n).collect()
+}
+
 /// Scrapes the fleet periodically in the background until stopped.
 pub struct Sampler {
     stop: tokio::sync::oneshot::Sender<()>,
@@ -207,6 +224,28 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mean_load_averages_running_and_waiting_per_replica() {
+        let replica = |running: f64, waiting: f64| ReplicaMetrics {
+            running,
+            waiting,
+            ..ReplicaMetrics::default()
+        };
+        let samples = [
+            Sample {
+                t_s: 0.0,
+                replicas: vec![replica(4.0, 2.0), replica(1.0, 0.0)],
+            },
+            // A failed scrape of the second replica reads as zeros.
+            Sample {
+                t_s: 1.0,
+                replicas: vec![replica(2.0, 0.0), replica(0.0, 0.0)],
+            },
+        ];
+        assert_eq!(mean_load(&samples, 2), [4.0, 0.5]);
+        assert!(mean_load(&[], 2).is_empty());
+    }
 
     const EXPOSITION: &str = "\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

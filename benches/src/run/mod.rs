@@ -1005,6 +1005,7 @@ async fn run_row(
         wall_s,
     });
     summary.topology = row.topology.to_string();
+    summary.replica_mean_load = metrics::mean_load(&samples, roles.len());
     if let Some(counters) = pd_counters {
         let input = pd::PdInput {
             roles: &roles,

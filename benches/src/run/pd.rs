@@ -995,6 +995,7 @@ agentgate_pd_leg_duration_seconds_count{pool=\"bench\",leg=\"decode\"} 10
             },
             requests_per_gateway: vec![10],
             requests_per_replica: vec![0, 10],
+            replica_mean_load: Vec::new(),
             kill: None,
             teams: BTreeMap::new(),
             bands: BTreeMap::new(),

@@ -21,6 +21,8 @@
 //! gpu_vs_round_robin          gpu_seconds_per_million_tokens / the round_robin row's
 //! busiest_replica_vs_mean     max / mean of requests_per_replica over the replicas that serve
 //!                             requests (a P/D row's prefill replicas serve none)
+//! busiest_load_vs_mean        the same over replica_mean_load (each replica's engine running +
+//!                             waiting requests, averaged over the run's metric samples)
 //! errors                      requests that failed
 //! continuing_over_new         turns.matched.continuing_over_new (queue waits under saturation)
 //! lowest_fair_share           the smallest team share of dispatched tokens in any band of
@@ -122,6 +124,8 @@ pub struct RowSeeds {
     pub gpu_vs_round_robin: Figure,
     /// Per seed: the busiest replica's requests over the mean per replica.
     pub busiest_replica_vs_mean: Figure,
+    /// Per seed: the busiest replica's mean load over the fleet's mean.
+    pub busiest_load_vs_mean: Figure,
     /// Per seed: requests that failed.
     pub errors: Figure,
     /// Per seed: continuing turns' median queue wait over new sessions' (flow control).
@@ -198,16 +202,15 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     }
 }
 
-/// max / mean of requests per replica over the replicas of `row`'s layout that serve requests
-/// (every replica of `agg`, the decode replicas of `pd:PxD`); None without requests.
-fn busiest_replica(row: &PolicySummary) -> Option<f64> {
+/// max / mean of `per_replica` over the replicas of `row`'s layout that serve requests (every
+/// replica of `agg`, the decode replicas of `pd:PxD`); None when they sum to 0.
+fn busiest_serving(row: &PolicySummary, per_replica: &[f64]) -> Option<f64> {
     let roles = row
         .topology
         .parse::<Topology>()
-        .map(|t| t.roles(row.requests_per_replica.len()))
+        .map(|t| t.roles(per_replica.len()))
         .unwrap_or_default();
-    let serving: Vec<u64> = row
-        .requests_per_replica
+    let serving: Vec<f64> = per_replica
         .iter()
         .enumerate()
         .filter(|(i, _)| roles.get(*i) != Some(&Role::Prefill))
@@ -216,11 +219,22 @@ fn busiest_replica(row: &PolicySummary) -> Option<f64> {
     busiest_vs_mean(&serving)
 }
 
-/// max / mean of requests per replica (None without requests).
-fn busiest_vs_mean(per_replica: &[u64]) -> Option<f64> {
-    let total: u64 = per_replica.iter().sum();
-    let max = per_replica.iter().copied().max()?;
-    (total > 0).then(|| max as f64 * per_replica.len() as f64 / total as f64)
+/// The busiest replica's requests over the mean.
+fn busiest_replica(row: &PolicySummary) -> Option<f64> {
+    let requests: Vec<f64> = row.requests_per_replica.iter().map(|&n| n as f64).collect();
+    busiest_serving(row, &requests)
+}
+
+/// The busiest replica's mean load over the fleet's mean.
+fn busiest_load(row: &PolicySummary) -> Option<f64> {
+    busiest_serving(row, &row.replica_mean_load)
+}
+
+/// max / mean of the values per replica (None when they sum to 0).
+fn busiest_vs_mean(per_replica: &[f64]) -> Option<f64> {
+    let total: f64 = per_replica.iter().sum();
+    let max = per_replica.iter().copied().max_by(f64::total_cmp)?;
+    (total > 0.0).then(|| max * per_replica.len() as f64 / total)
 }
 
 /// The smallest team share in any band of several teams (None without such a band).
@@ -287,6 +301,7 @@ pub fn summarize(command: &str, runs: &[(u64, RunSummary)]) -> SeedsSummary {
                 ttft_p50_vs_round_robin: versus(&|r| Some(r.ttft_p50_ms)),
                 gpu_vs_round_robin: versus(&|r| r.gpu_seconds_per_million_tokens),
                 busiest_replica_vs_mean: per(&busiest_replica),
+                busiest_load_vs_mean: per(&busiest_load),
                 errors: per(&|r| Some(r.errors as f64)),
                 continuing_over_new: per(&|r| {
                     r.turns.matched.as_ref().and_then(|m| m.continuing_over_new)
@@ -368,7 +383,7 @@ pub fn render(summary: &SeedsSummary) -> String {
     };
     type Pick = fn(&RowSeeds) -> &Figure;
     type Format = fn(f64) -> String;
-    let tables: [(&str, Pick, Format); 9] = [
+    let tables: [(&str, Pick, Format); 10] = [
         (
             "Captured reuse (cache hit ratio over the pooled oracle's)",
             |r| &r.captured_reuse,
@@ -388,6 +403,11 @@ pub fn render(summary: &SeedsSummary) -> String {
         (
             "Busiest replica's requests against the mean per replica",
             |r| &r.busiest_replica_vs_mean,
+            |v| format!("{v:.2}x"),
+        ),
+        (
+            "Busiest replica's mean load (engine running + waiting) against the fleet's mean",
+            |r| &r.busiest_load_vs_mean,
             |v| format!("{v:.2}x"),
         ),
         ("Failed requests", |r| &r.errors, count),
@@ -496,8 +516,8 @@ mod tests {
         assert_eq!((f.min, f.max), (Some(1.0), Some(10.0)));
         let none = Figure::new(vec![None, None]);
         assert_eq!((none.mean, none.median, none.min), (None, None, None));
-        assert_eq!(busiest_vs_mean(&[30, 10, 20]), Some(1.5));
-        assert_eq!(busiest_vs_mean(&[0, 0]), None);
+        assert_eq!(busiest_vs_mean(&[30.0, 10.0, 20.0]), Some(1.5));
+        assert_eq!(busiest_vs_mean(&[0.0, 0.0]), None);
         assert_eq!(seed_list(&[1, 2, 3]), "1-3");
         assert_eq!(seed_list(&[1, 3]), "1,3");
         assert_eq!(seed_list(&[u64::MAX, 0]), format!("{},0", u64::MAX));

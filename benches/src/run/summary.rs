@@ -269,6 +269,10 @@ pub struct PolicySummary {
     /// Requests the gateways reported (`x-agentgate-endpoint`) as served by each replica, in
     /// replica order, whatever their outcome; requests without an endpoint are not counted.
     pub requests_per_replica: Vec<u64>,
+    /// Each replica's mean load over the run, in replica order: its engine's running + waiting
+    /// requests averaged over the periodic metric samples (`run::metrics::mean_load`); empty
+    /// without samples.
+    pub replica_mean_load: Vec<f64>,
     /// What killing a replica did (`--kill-replica`); see `run::kill`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kill: Option<KillSummary>,
@@ -581,6 +585,7 @@ impl PolicySummary {
             },
             requests_per_gateway,
             requests_per_replica,
+            replica_mean_load: Vec::new(),
             kill: None,
             teams,
             bands: flow::bands(records, input.team_bands),
