@@ -96,7 +96,8 @@ impl UpstreamError {
     ///
     /// Engine 400/413/422 answers are the client's fault (bad schema, prompt too long) and keep
     /// the engine's message as a 400 `invalid_request_error`; a prompt over the context window
-    /// gets code `context_length_exceeded` (Codex compacts its history on that code). Timeouts
+    /// gets code `context_length_exceeded` and param `input`, as OpenAI answers it (Codex
+    /// compacts its history on that code). Timeouts
     /// are 504, everything else 502 `server_error`.
     pub fn to_api_error(&self) -> ApiError {
         match self {
@@ -105,16 +106,17 @@ impl UpstreamError {
                 body,
             } => {
                 let message = engine_error_text(body);
-                let code = if is_context_overflow(&message) {
-                    "context_length_exceeded"
+                // OpenAI names `input` as the param of a prompt over the context window.
+                let (code, param) = if is_context_overflow(&message) {
+                    ("context_length_exceeded", Some("input".into()))
                 } else {
-                    "invalid_request"
+                    ("invalid_request", None)
                 };
                 ApiError {
                     status: 400,
                     message,
                     r#type: "invalid_request_error".into(),
-                    param: None,
+                    param,
                     code: Some(code.into()),
                 }
             }
@@ -235,8 +237,8 @@ mod tests {
         };
         let api = overflow.to_api_error();
         assert_eq!(
-            (api.status, api.code.as_deref()),
-            (400, Some("context_length_exceeded"))
+            (api.status, api.code.as_deref(), api.param.as_deref()),
+            (400, Some("context_length_exceeded"), Some("input"))
         );
         assert!(api
             .message

@@ -935,6 +935,7 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
         let (s, r) = create(&base, body.clone()).await;
         if s == 400 {
             assert_eq!(r["error"]["code"], "context_length_exceeded", "{r}");
+            assert_eq!(r["error"]["param"], "input", "{r}");
             // The same turn with truncation: auto goes through.
             body["truncation"] = json!("auto");
             let (s, r) = create(&base, body.clone()).await;
