@@ -148,46 +148,39 @@ async fn streams_chunks_into_a_complete_response() {
 
 #[tokio::test]
 async fn non_2xx_keeps_the_engine_error_body() {
+    let (status, body) = error_status("missing", ClientOptions::default()).await;
+    assert_eq!(status, 404);
+    assert!(body.contains("does not exist"), "{body}");
+}
+
+/// The status and body of the engine's answer to a chat request for `model`, which must be an
+/// error status.
+async fn error_status(model: &str, options: ClientOptions) -> (u16, String) {
     let base = start_engine(true).await;
-    let client = EngineClient::new(ClientOptions::default());
+    let client = EngineClient::new(options);
     let err = match client
-        .chat_stream(&base, &json!({"model": "missing", "messages": []}))
+        .chat_stream(&base, &json!({"model": model, "messages": []}))
         .await
     {
         Err(err) => err,
         Ok(_) => panic!("expected an error status"),
     };
     match err {
-        UpstreamError::Status { status, body } => {
-            assert_eq!(status, 404);
-            assert!(body.contains("does not exist"), "{body}");
-        }
+        UpstreamError::Status { status, body } => (status, body),
         other => panic!("unexpected {other:?}"),
     }
 }
 
 #[tokio::test]
 async fn an_endless_error_body_is_read_only_as_far_as_it_is_kept() {
-    let base = start_engine(true).await;
-    let client = EngineClient::new(ClientOptions {
+    let options = ClientOptions {
         request_timeout: Duration::from_secs(5),
         ..ClientOptions::default()
-    });
-    let err = match client
-        .chat_stream(&base, &json!({"model": "endless-error", "messages": []}))
-        .await
-    {
-        Err(err) => err,
-        Ok(_) => panic!("expected an error status"),
     };
-    match err {
-        UpstreamError::Status { status, body } => {
-            assert_eq!(status, 503);
-            assert!(body.starts_with("engine overloaded: xxx"), "{body:.80}");
-            assert_eq!(body.len(), 8 * 1024);
-        }
-        other => panic!("unexpected {other:?}"),
-    }
+    let (status, body) = error_status("endless-error", options).await;
+    assert_eq!(status, 503);
+    assert!(body.starts_with("engine overloaded: xxx"), "{body:.80}");
+    assert_eq!(body.len(), 8 * 1024);
 }
 
 #[tokio::test]

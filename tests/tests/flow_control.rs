@@ -635,6 +635,15 @@ fn watched_config(
     (dir, file, config_toml(&[sim.base_url()], None, extra))
 }
 
+/// Write `text` to `file` and start a gateway on it, watching it for changes.
+async fn start_watching(file: &std::path::Path, text: &str) -> Gateway {
+    write_atomically(file, text);
+    let config = agentgate::Config::load(file).expect("valid config");
+    Gateway::start(config, "127.0.0.1:0".parse().unwrap())
+        .await
+        .expect("gateway starts")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_reload_keeps_queued_requests() {
     let sim = start_sim("sim-model").await;
@@ -644,11 +653,7 @@ async fn hot_reload_keeps_queued_requests() {
         &format!("{STILL}[server]\nreload_interval_ms = 20\n{BANDS}"),
     );
     let alpha = team("alpha", "default_band = \"batch\"");
-    write_atomically(&file, &format!("{base_toml}{alpha}"));
-    let config = agentgate::Config::load(&file).expect("valid config");
-    let gw = Gateway::start(config, "127.0.0.1:0".parse().unwrap())
-        .await
-        .expect("gateway starts");
+    let gw = start_watching(&file, &format!("{base_toml}{alpha}")).await;
     let base = gw.base_url();
     saturate(&gw, true);
     let waiting: Vec<_> = (0..3)
@@ -718,11 +723,7 @@ async fn a_background_response_waiting_for_a_run_slot_takes_its_band_after_a_rel
         "alpha",
         "default_band = \"interactive\"\nbands = [\"batch\"]",
     );
-    write_atomically(&file, &format!("{base_toml}{with_batch}"));
-    let config = agentgate::Config::load(&file).expect("valid config");
-    let gw = Gateway::start(config, "127.0.0.1:0".parse().unwrap())
-        .await
-        .expect("gateway starts");
+    let gw = start_watching(&file, &format!("{base_toml}{with_batch}")).await;
     let base = gw.base_url();
     saturate(&gw, true);
     let mut body = hello();
