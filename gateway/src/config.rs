@@ -1162,6 +1162,8 @@ impl Config {
             }
         }
         let mut names = std::collections::HashSet::new();
+        let mut key_owners: std::collections::HashMap<String, &str> =
+            std::collections::HashMap::new();
         for (i, team) in self.teams.iter().enumerate() {
             if team.name.trim().is_empty() {
                 return Err(err(format!("teams[{i}].name"), "must not be empty"));
@@ -1174,6 +1176,13 @@ impl Config {
                     return Err(err(
                         format!("teams[{i}].api_key_sha256[{j}]"),
                         "must be a 64-character hex SHA-256 digest (`agentgate hash-key KEY` prints one)",
+                    ));
+                }
+                let owner = key_owners.insert(h.to_ascii_lowercase(), &team.name);
+                if let Some(owner) = owner.filter(|owner| *owner != team.name) {
+                    return Err(err(
+                        format!("teams[{i}].api_key_sha256[{j}]"),
+                        format!("is already a key of team `{owner}`: a key names one team"),
                     ));
                 }
             }
@@ -1623,6 +1632,21 @@ endpoints = ["http://127.0.0.1:8000"]
         let text = format!("{MINIMAL}\n[[teams]]\nname = \"a\"\napi_key_sha256 = [\"abc\"]\n");
         let e = Config::parse(&text).unwrap_err();
         assert_eq!(e.key, "teams[0].api_key_sha256[0]");
+        // One key, two teams: which team would it be?
+        let key = "ab".repeat(32);
+        let text = format!(
+            "{MINIMAL}\n[[teams]]\nname = \"a\"\napi_key_sha256 = [\"{key}\"]\n\
+             [[teams]]\nname = \"b\"\napi_key_sha256 = [\"{}\"]\n",
+            key.to_uppercase()
+        );
+        let e = Config::parse(&text).unwrap_err();
+        assert_eq!(e.key, "teams[1].api_key_sha256[0]");
+        assert!(e.reason.contains("team `a`"), "{}", e.reason);
+        // Listed twice under one team, it still names one team.
+        let text = format!(
+            "{MINIMAL}\n[[teams]]\nname = \"a\"\napi_key_sha256 = [\"{key}\", \"{key}\"]\n"
+        );
+        assert!(Config::parse(&text).is_ok());
     }
 
     #[test]

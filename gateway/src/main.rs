@@ -84,9 +84,11 @@ async fn serve(
     }
     cfg.validate().map_err(|e| e.to_string())?;
     let listen = listen.unwrap_or(cfg.server.listen);
-    if cfg.teams.is_empty() {
+    if cfg.runs_open() {
         tracing::warn!(
-            "no [[teams]] configured: the gateway runs open, every request is team 'default'"
+            teams = cfg.teams.len(),
+            "no API keys configured ([[teams]] api_key_sha256): the gateway runs open, every \
+             request is team 'default' and the configured teams' limits do not apply"
         );
     }
     let limited: Vec<&str> = cfg

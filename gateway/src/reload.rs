@@ -23,8 +23,17 @@ use crate::app::AppState;
 use crate::config::{Config, FileStamp};
 
 /// Apply `config`'s `[[bands]]`, `[[teams]]` and `[flow]` to a running gateway: flow
-/// controllers first, then the key ring. On error nothing changes.
+/// controllers first, then the key ring. On error nothing changes. A configuration without
+/// API keys is refused while the gateway has some: it would let every client in as the open
+/// team, which takes a restart on purpose, not an edit that lost the keys.
 pub fn apply(state: &AppState, config: &Config) -> Result<(), String> {
+    if config.runs_open() && !state.keys.is_open() {
+        return Err(
+            "it lists no API keys (api_key_sha256), so it would open the gateway to every \
+             client; restart the gateway to run it open"
+                .into(),
+        );
+    }
     state.flow.reconfigure(config)?;
     state.keys.replace(&config.teams);
     Ok(())

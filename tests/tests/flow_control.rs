@@ -763,6 +763,28 @@ async fn a_background_response_waiting_for_a_run_slot_takes_its_band_after_a_rel
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_would_open_a_keyed_gateway_is_refused() {
+    let sim = start_sim("sim-model").await;
+    let (dir, file, base_toml) = watched_config(
+        &sim,
+        "agentgate-open-reload",
+        "[server]\nreload_interval_ms = 20\n",
+    );
+    let gw = start_watching(&file, &format!("{base_toml}{}", team("alpha", ""))).await;
+    let base = gw.base_url();
+    // The team is still there, its key lost in the edit.
+    write_atomically(&file, &format!("{base_toml}[[teams]]\nname = \"alpha\"\n"));
+    let reloads = |result: &str| gw.state().metrics.config_reloads.get([result]);
+    eventually("the edit is refused", || reloads("error") == 1).await;
+    assert_eq!(reloads("ok"), 0);
+    assert_eq!(call(&base, None, hello(), &[]).await.status, 401);
+    assert_eq!(call(&base, Some("alpha"), hello(), &[]).await.status, 200);
+    gw.shutdown().await;
+    sim.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_config_edit_made_while_the_gateway_starts_is_applied() {
     let sim = start_sim("sim-model").await;
     let (dir, file, base_toml) = watched_config(
