@@ -205,6 +205,10 @@ impl Live {
         let results = futures_util::future::join_all(probes).await;
         let mut live = HashSet::new();
         for ((i, pool, e), result) in targets.iter().zip(results) {
+            // Removed while probed: its metric series are forgotten, and must stay so.
+            if e.is_retired() {
+                continue;
+            }
             live.insert((*i, e.slot));
             if let Err(reason) = &result {
                 self.metrics
@@ -276,7 +280,7 @@ impl Live {
         self.metrics
             .probe_duration
             .observe([&pool.name, "metrics"], start.elapsed().as_secs_f64());
-        if result.is_err() {
+        if result.is_err() && !e.is_retired() {
             self.metrics
                 .probe_failures
                 .inc([&pool.name, &e.name, "metrics"]);

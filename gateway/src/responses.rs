@@ -594,21 +594,21 @@ async fn run(
     };
 
     if req.background {
-        let runs = state.background.lock().map_or(0, |runs| runs.len());
         let limit = state.config.background.max_concurrent + state.config.background.max_queued;
-        if runs >= limit {
+        let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
+        let Some(registered) = turn::RunRegistration::new(state, &id, cancel_tx, limit) else {
             return Err(HttpError::new(
                 429,
                 "rate_limit_error",
                 format!(
-                    "This gateway already holds {runs} background responses (running and \
+                    "This gateway already holds {limit} background responses (running and \
                      waiting to run); retry once some have finished."
                 ),
                 None,
                 Some("too_many_background_responses"),
             )
             .with_retry_after(1));
-        }
+        };
         state
             .store
             .put(&turn::queued_record(&turn))
@@ -621,10 +621,6 @@ async fn run(
         } else {
             (None, None)
         };
-        let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
-        if let Ok(mut runs) = state.background.lock() {
-            runs.insert(id, cancel_tx);
-        }
         let stops = turn::StopSignals::new(cancel_rx, state.stopping.subscribe());
         tokio::spawn(turn::run_background(
             state.clone(),
@@ -632,6 +628,7 @@ async fn run(
             admission,
             tx,
             stops,
+            registered,
         ));
         return Ok(Started::Answered(match rx {
             Some(rx) => sse_response(rx, None, None),

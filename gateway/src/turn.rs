@@ -647,9 +647,12 @@ async fn open_local(
                 if let Some(window) = placement.room.spread_window {
                     ep.note_reserved_turn(sent, window);
                 }
-                state
-                    .metrics
-                    .routing_decision(&pool.name, &ep.name, pick.reason.as_str());
+                if !ep.is_retired() {
+                    // (A removed endpoint's series are forgotten for good.)
+                    state
+                        .metrics
+                        .routing_decision(&pool.name, &ep.name, pick.reason.as_str());
+                }
                 let mut pin_moved = None;
                 if let Some(key) = placement.key.filter(|_| pool.policy.uses_pins()) {
                     let pin_failed =
@@ -949,9 +952,11 @@ async fn open_split(
             if let Some(window) = placement.room.spread_window {
                 d.note_reserved_turn(sent, window);
             }
-            state
-                .metrics
-                .routing_decision(&pool.name, &d.name, decode.reason.as_str());
+            if !d.is_retired() {
+                state
+                    .metrics
+                    .routing_decision(&pool.name, &d.name, decode.reason.as_str());
+            }
             let mut pin_moved = None;
             if let Some(key) = key.filter(|_| pool.policy.uses_pins()) {
                 let pin_failed = matches!(pinned, Pinned::At(i) if avoided.contains(&i));
@@ -1029,9 +1034,11 @@ async fn open_split(
         }
         DisaggError::Decode(e) => {
             tracing::warn!(prefill = %p.name, decode = %d.name, "decode leg failed after the prefill ({e}); retrying once without disaggregation");
-            state
-                .metrics
-                .pd_transfer_failed(&pool.name, &p.name, &d.name);
+            if !p.is_retired() && !d.is_retired() {
+                state
+                    .metrics
+                    .pd_transfer_failed(&pool.name, &p.name, &d.name);
+            }
             state.metrics.pd_fallback(&pool.name, "transfer_failed");
         }
     }
@@ -1736,6 +1743,7 @@ pub async fn run_background(
     admission: Option<Pending>,
     tx: Option<mpsc::Sender<Bytes>>,
     mut stops: StopSignals,
+    _registered: RunRegistration,
 ) {
     let id = turn.id.clone();
     // Announced at once, to a streaming client and in the event log a follower replays.
@@ -1957,6 +1965,45 @@ async fn fail_background(state: &AppState, turn: &Turn, mut announced: Announced
 fn forget_run(state: &AppState, id: &str) {
     if let Ok(mut runs) = state.background.lock() {
         runs.remove(id);
+    }
+}
+
+/// A background response's place in this process's registry of runs (`AppState::background`),
+/// taken before its record is written so that the `[background]` limits hold under concurrent
+/// creates; dropping it (the run ended, its record could not be written, its task unwound)
+/// gives the place back.
+pub struct RunRegistration {
+    state: Arc<AppState>,
+    id: String,
+}
+
+impl RunRegistration {
+    /// Register run `id` with its cancel signal, unless this process already holds `limit`
+    /// runs (`None`: the caller answers 429).
+    pub fn new(
+        state: &Arc<AppState>,
+        id: &str,
+        cancel: tokio::sync::watch::Sender<bool>,
+        limit: usize,
+    ) -> Option<RunRegistration> {
+        let mut runs = state
+            .background
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if runs.len() >= limit {
+            return None;
+        }
+        runs.insert(id.to_string(), cancel);
+        Some(RunRegistration {
+            state: state.clone(),
+            id: id.to_string(),
+        })
+    }
+}
+
+impl Drop for RunRegistration {
+    fn drop(&mut self) {
+        forget_run(&self.state, &self.id);
     }
 }
 

@@ -591,15 +591,16 @@ async fn background_response_runs_detached_and_can_be_cancelled() {
 }
 
 /// A simulator that holds every first token back for a minute, behind a gateway with one
-/// background slot (and `background` settings added to that section).
+/// background slot (and `background` settings added to that section), on `store` if given.
 async fn one_stalled_background_slot(
     background: &str,
+    store: Option<(&str, &str)>,
 ) -> (agentgate_sim::SimHandle, agentgate::Gateway) {
     let sim = start_sim("sim-model").await;
     set_sim_fault(&sim, json!({"stall_ms": 60_000})).await;
     let gw = start_gateway(&config_toml(
         &[sim.base_url()],
-        None,
+        store,
         &format!(
             "[server]\nshutdown_grace_s = 0.2\n[background]\nmax_concurrent = 1\n{background}"
         ),
@@ -610,8 +611,12 @@ async fn one_stalled_background_slot(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn background_responses_past_the_waiting_limit_are_refused() {
-    // Runs hold their first token back: one runs, one waits, a third is one too many.
-    let (sim, gw) = one_stalled_background_slot("max_queued = 1\n").await;
+    // Runs hold their first token back: one runs, one waits, a third is one too many. On
+    // Redis, whose writes take a round trip, so that concurrent creates overlap.
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("background_limit");
+    let (sim, gw) =
+        one_stalled_background_slot("max_queued = 1\n", Some((redis.url(), &prefix))).await;
     let base = gw.base_url();
     let job = json!({"model": "sim-model", "input": "job", "background": true});
     let (s1, first) = create(&base, job.clone()).await;
@@ -625,18 +630,29 @@ async fn background_responses_past_the_waiting_limit_are_refused() {
         body["error"]["code"], "too_many_background_responses",
         "{body}"
     );
-    // A cancelled one makes room again.
+    // A cancelled one makes room again, for one of a burst of creates.
     let waiting = second["id"].as_str().unwrap();
     assert_eq!(cancel(&base, waiting).await["status"], "cancelled");
-    let mut again = 0;
+    let held = || gw.state().background.lock().map_or(0, |runs| runs.len());
     for _ in 0..1500 {
-        again = post_response(&base, &job).await.status().as_u16();
-        if again == 200 {
+        if held() == 1 {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    assert_eq!(again, 200);
+    assert_eq!(held(), 1, "the cancelled run left the registry");
+    let burst: Vec<_> = (0..6)
+        .map(|_| {
+            let (base, job) = (base.clone(), job.clone());
+            tokio::spawn(async move { post_response(&base, &job).await.status().as_u16() })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for task in burst {
+        statuses.push(task.await.unwrap());
+    }
+    statuses.sort_unstable();
+    assert_eq!(statuses, [200, 429, 429, 429, 429, 429]);
     gw.shutdown().await;
     sim.shutdown().await;
 }
@@ -762,7 +778,7 @@ async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_when_cancelled() {
     // The first run holds the only background slot: its first token never comes.
-    let (sim, gw) = one_stalled_background_slot("").await;
+    let (sim, gw) = one_stalled_background_slot("", None).await;
     let base = gw.base_url();
     let (s, busy) = create(
         &base,
