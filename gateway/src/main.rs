@@ -88,7 +88,7 @@ async fn serve(
         tracing::warn!(
             teams = cfg.teams.len(),
             "no API keys configured ([[teams]] api_key_sha256): the gateway runs open, every \
-             request is team 'default' and the configured teams' limits do not apply"
+             request is team 'default' (of the [[teams]] entries only one named 'default' applies)"
         );
     }
     let limited: Vec<&str> = cfg
