@@ -835,16 +835,17 @@ async fn stream_stored(
         if tx.is_closed() || last_news.elapsed() >= FOLLOW_IDLE_LIMIT {
             return;
         }
-        // New events first; only when there are none is the stored status read.
+        // New events first; only when there are none is the stored status read (the status
+        // alone: the record, input included, only to end the stream from it).
         let read = async {
             let frames = state.store.events(&id, next).await?;
-            let record = match frames.is_empty() {
-                true => Some(state.store.get(&team.0, &id).await?),
+            let status = match frames.is_empty() {
+                true => Some(state.store.status(&team.0, &id).await?),
                 false => None,
             };
-            Ok::<_, agentgate_sessions::StoreError>((frames, record))
+            Ok::<_, agentgate_sessions::StoreError>((frames, status))
         };
-        let (frames, record) = match read.await {
+        let (frames, status) = match read.await {
             Ok(read) => {
                 store_failures = 0;
                 read
@@ -874,22 +875,22 @@ async fn stream_stored(
                 return;
             }
         }
-        if let Some(record) = record {
-            let Some(record) = record else {
+        if let Some(status) = status {
+            let Some(status) = status else {
                 return; // deleted meanwhile
             };
-            let status = record
-                .response
-                .get("status")
-                .and_then(Value::as_str)
-                .unwrap_or("");
-            if matches!(status, "queued" | "in_progress") {
+            if matches!(status.as_str(), "queued" | "in_progress") {
                 final_since = None;
             } else if final_since
                 .get_or_insert_with(tokio::time::Instant::now)
                 .elapsed()
                 >= FOLLOW_TERMINAL_GRACE
             {
+                // The terminal event never reached the log: end with the stored record.
+                let Ok(Some(record)) = state.store.get(&team.0, &id).await else {
+                    return;
+                };
+                let status = agentgate_sessions::record::response_status(&record.response);
                 let event = match status {
                     "completed" => "response.completed",
                     "incomplete" => "response.incomplete",

@@ -606,6 +606,14 @@ impl Store for MemoryStore {
         Ok(records.live_mut(team, id, now).map(|e| e.rec.clone()))
     }
 
+    async fn status(&self, team: &str, id: &str) -> Result<Option<String>, StoreError> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        Ok(records
+            .live_mut(team, id, now)
+            .map(|e| response_status(&e.rec.response).to_string()))
+    }
+
     async fn history(&self, team: &str, id: &str) -> Result<Option<History>, StoreError> {
         let now = Instant::now();
         let expires_at = self.expiry_from(now);

@@ -24,6 +24,14 @@ pub trait Store: Send + Sync + 'static {
         id: &str,
     ) -> impl Future<Output = Result<Option<ResponseRecord>, StoreError>> + Send;
 
+    /// The record's `status` (`queued`, `in_progress`, `completed`, ...), if it exists and
+    /// belongs to `team`: what [`Store::get`] would say of it, without reading its items.
+    fn status(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<String>, StoreError>> + Send;
+
     /// All items of the chain ending at `id`, oldest first: for each response from the root to
     /// `id`, its input_items then its output_items; and the id of the oldest response walked
     /// (the chain's root, which names the conversation for session routing). `None` if `id` is
@@ -254,6 +262,13 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.get(team, id).await,
             AnyStore::Redis(s) => s.get(team, id).await,
+        }
+    }
+
+    async fn status(&self, team: &str, id: &str) -> Result<Option<String>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.status(team, id).await,
+            AnyStore::Redis(s) => s.status(team, id).await,
         }
     }
 

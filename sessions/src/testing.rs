@@ -92,6 +92,25 @@ impl TestRedis {
         assert_eq!(&reply, b"+OK\r\n", "CONFIG SET refused");
     }
 
+    /// Delete `key` (a key without spaces) from the database the URL names, as an eviction
+    /// would; whether it existed.
+    pub fn delete(&self, key: &str) -> bool {
+        let rest = self.url.trim_start_matches("redis://");
+        let (addr, db) = rest.split_once('/').unwrap_or((rest, "0"));
+        let addr = addr.rsplit('@').next().unwrap_or(addr);
+        let mut stream = TcpStream::connect(addr).expect("connect to the test redis-server");
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+        let db = if db.is_empty() { "0" } else { db };
+        stream
+            .write_all(format!("SELECT {db}\r\nDEL {key}\r\n").as_bytes())
+            .expect("send DEL");
+        // "+OK\r\n" then ":0\r\n" or ":1\r\n".
+        let mut reply = [0u8; 9];
+        stream.read_exact(&mut reply).expect("DEL answers");
+        assert_eq!(&reply[..5], b"+OK\r\n", "SELECT refused");
+        &reply[5..] == b":1\r\n"
+    }
+
     /// Start the private server again on the same port, empty.
     pub fn restart(&mut self) {
         if self.child.is_some() {
@@ -780,7 +799,7 @@ pub async fn pin_expiry_suite<S: Store>(store: &S, pin_ttl: Duration) {
     }
 }
 
-/// Stored responses: put/get, chains, forks, overwrite, team isolation, update_if_active,
+/// Stored responses: put/get/status, chains, forks, overwrite, team isolation, update_if_active,
 /// delete, long histories. Use a fresh store (or a fresh key prefix) per call.
 pub async fn response_suite<S: Store>(store: &S) {
     let a = "team-a";
@@ -898,6 +917,10 @@ pub async fn response_suite<S: Store>(store: &S) {
     // update_if_active: applies while queued / in_progress, then never again.
     let running = with_status(record(a, "resp_bg", Some("resp_3"), 40), "queued");
     one!("put", store.put(&running));
+    let status = |team| store.status(team, "resp_bg");
+    assert_eq!(one!("status", status(a)).as_deref(), Some("queued"));
+    assert_eq!(one!("status other team", status(b)), None);
+    assert_eq!(one!("status unknown", store.status(a, "resp_nope")), None);
     assert!(
         one!("append while queued", store.append_events("resp_bg", &[])),
         "a queued response runs on"
@@ -920,10 +943,12 @@ pub async fn response_suite<S: Store>(store: &S) {
         "update unknown",
         store.update_if_active(a, "resp_nope", &finished, &finished_items)
     ));
+    assert_eq!(one!("status", status(a)).as_deref(), Some("in_progress"));
     assert!(one!(
         "update in_progress",
         store.update_if_active(a, "resp_bg", &finished, &finished_items)
     ));
+    assert_eq!(one!("status", status(a)).as_deref(), Some("completed"));
     let got = one!("get", store.get(a, "resp_bg")).expect("resp_bg stored");
     assert_eq!(got.response, finished);
     assert_eq!(got.response.to_string(), finished.to_string());

@@ -1778,6 +1778,16 @@ async fn a_background_response_streams_again_from_any_gateway() {
         assert_eq!(resumed.data, original.data);
     }
 
+    // A log evicted before its follower came: the stream ends with the stored response.
+    assert!(
+        redis.delete(&format!("{prefix}events:{id}")),
+        "the log was there"
+    );
+    let evicted = follow(&b, &id, None).await;
+    assert_eq!(evicted.len(), 1, "{evicted:?}");
+    assert_eq!(evicted[0].event, last.event);
+    assert_eq!(evicted[0].data["response"], retrieve(&a, &id).await);
+
     // Cancelled while still queued behind another run: nothing was generated, and the stream
     // ends with the stored response (status cancelled).
     let (_, busy) = create(&a, body.clone()).await;

@@ -474,6 +474,26 @@ impl Store for RedisStore {
         Ok(())
     }
 
+    async fn status(&self, team: &str, id: &str) -> Result<Option<String>, StoreError> {
+        let mut cmd = ::redis::cmd("HMGET");
+        cmd.arg(self.response_key(id)).arg(&["team", "status"]);
+        let fields: Vec<Option<Vec<u8>>> = self.query(&cmd).await?;
+        let [stored_team, status] = fields.as_slice() else {
+            return Err(StoreError::Backend(format!(
+                "HMGET returned {} fields, expected 2",
+                fields.len()
+            )));
+        };
+        if stored_team.as_deref() != Some(team.as_bytes()) {
+            return Ok(None);
+        }
+        let status = status.as_deref().ok_or_else(|| StoreError::Corrupt {
+            id: id.to_string(),
+            reason: "field status is missing".into(),
+        })?;
+        Ok(Some(String::from_utf8_lossy(status).into_owned()))
+    }
+
     async fn get(&self, team: &str, id: &str) -> Result<Option<ResponseRecord>, StoreError> {
         let mut cmd = ::redis::cmd("HMGET");
         cmd.arg(self.response_key(id))
