@@ -1,10 +1,11 @@
 //! API keys -> teams. Keys are configured as SHA-256 digests and never logged.
 //!
-//! With no `[[teams]]` configured the gateway runs open: every request (any bearer token or
-//! none) belongs to team `default`, and start-up says so. With teams configured, a request needs
-//! `Authorization: Bearer KEY` whose digest a team lists; anything else gets 401 in OpenAI's shape.
-//! The key ring is replaced whole when the config file's `[[teams]]` change
-//! ([`KeyRing::replace`]).
+//! When no `[[teams]]` entry lists a key (`api_key_sha256`) the gateway runs open: every request
+//! (any bearer token or none) belongs to team `default`, and start-up says so. Otherwise a
+//! request needs `Authorization: Bearer KEY` whose digest a team lists (a digest names one
+//! team); anything else gets 401 in OpenAI's shape. The key ring is replaced whole when the
+//! config file's `[[teams]]` change ([`KeyRing::replace`]); a reload that would leave a keyed
+//! gateway without keys is refused (`crate::reload`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};

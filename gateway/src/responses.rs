@@ -829,6 +829,7 @@ async fn stream_stored(
     let mut final_since: Option<tokio::time::Instant> = None;
     let mut last_news = tokio::time::Instant::now();
     let mut store_failures = 0;
+    let mut record_failures = 0;
     let mut draining = state.draining.subscribe();
     let stall = state.config.server.client_stall_timeout();
     loop {
@@ -887,8 +888,18 @@ async fn stream_stored(
                 >= FOLLOW_TERMINAL_GRACE
             {
                 // The terminal event never reached the log: end with the stored record.
-                let Ok(Some(record)) = state.store.get(&team.0, &id).await else {
-                    return;
+                let record = match state.store.get(&team.0, &id).await {
+                    Ok(Some(record)) => record,
+                    Ok(None) => return, // deleted meanwhile
+                    Err(e) => {
+                        record_failures += 1;
+                        tracing::warn!(response = %id, tries = record_failures, "cannot read the finished response: {e}");
+                        if record_failures >= FOLLOW_STORE_TRIES {
+                            return;
+                        }
+                        tokio::time::sleep(FOLLOW_POLL).await;
+                        continue;
+                    }
                 };
                 let status = agentgate_sessions::record::response_status(&record.response);
                 let event = match status {
