@@ -149,6 +149,10 @@ impl ServerConfig {
     }
 }
 
+/// Default of `[store] conversation_max_items`: far more than any model's context holds as
+/// history, so only a conversation grown past use is refused.
+pub const DEFAULT_CONVERSATION_MAX_ITEMS: usize = 10_000;
+
 /// `[store]` section.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -164,6 +168,9 @@ pub struct StoreConfig {
     pub memory_max_mb: u64,
     /// How long a session pin lives after the session's last turn, in seconds.
     pub pin_ttl_s: f64,
+    /// Most items a conversation may hold before appends to it and responses in it are
+    /// refused (a response's own items may take it past this by one turn); 0: no bound.
+    pub conversation_max_items: usize,
 }
 
 impl Default for StoreConfig {
@@ -174,6 +181,7 @@ impl Default for StoreConfig {
             key_prefix: "agentgate:".into(),
             memory_max_mb: 1024,
             pin_ttl_s: 3600.0,
+            conversation_max_items: DEFAULT_CONVERSATION_MAX_ITEMS,
         }
     }
 }
@@ -950,6 +958,12 @@ impl Config {
                 "must be a positive number of seconds, at most 1e9",
             ));
         }
+        if (1..20).contains(&self.store.conversation_max_items) {
+            return Err(err(
+                "store.conversation_max_items",
+                "must be 0 (no bound) or at least 20 (a conversation may be created with 20 items)",
+            ));
+        }
         if self.routing.session_header.trim().is_empty()
             || !self
                 .routing
@@ -1621,6 +1635,10 @@ endpoints = ["http://127.0.0.1:8000"]
             ("pin_ttl_s = nan", "store.pin_ttl_s"),
             ("ttl_days = 1e9", "store.ttl_days"),
             ("ttl_days = -1", "store.ttl_days"),
+            (
+                "conversation_max_items = 19",
+                "store.conversation_max_items",
+            ),
         ] {
             let e = Config::parse(&format!("[store]\n{line}\n{MINIMAL}")).unwrap_err();
             assert_eq!(e.key, key, "{line}");

@@ -275,6 +275,15 @@ pub async fn add_items(
     let team = state.keys.authenticate(&headers)?;
     let fields = body_of(&state, &headers, body).await?;
     let items = items_of(&fields, true)?;
+    if state.config.store.conversation_max_items > 0 {
+        let held = state
+            .store
+            .conversation_len(&team.0, &id)
+            .await
+            .map_err(store_error)?
+            .ok_or_else(|| not_found(&id))?;
+        check_room(&state, &id, held, items.len(), "items")?;
+    }
     if !state
         .store
         .append_conversation_items(&team.0, &id, "", &items)
@@ -284,6 +293,30 @@ pub async fn add_items(
         return Err(not_found(&id));
     }
     Ok(Json(item_list(items, false)))
+}
+
+/// Whether conversation `id`, holding `held` items, may take `adding` more under
+/// `[store] conversation_max_items` (a response in it adds none up front: its own items may
+/// take it past the bound by one turn); else 400 `conversation_full` on `param`.
+pub fn check_room(
+    state: &AppState,
+    id: &str,
+    held: usize,
+    adding: usize,
+    param: &str,
+) -> Result<(), HttpError> {
+    let max = state.config.store.conversation_max_items;
+    if max == 0 || held.saturating_add(adding.max(1)) <= max {
+        return Ok(());
+    }
+    Err(HttpError::invalid(
+        format!(
+            "Conversation '{id}' holds {held} items, and this gateway keeps at most {max} in one \
+             conversation: start a new conversation, or delete items from this one."
+        ),
+        Some(param),
+        Some("conversation_full"),
+    ))
 }
 
 fn item_not_found(id: &str, item_id: &str) -> HttpError {

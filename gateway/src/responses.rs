@@ -209,6 +209,7 @@ async fn prepare(
                     }
                     e
                 })?;
+            crate::conversations::check_room(state, id, items.len(), 0, "conversation")?;
             (items, None)
         }
         (Some(prev), None) => {

@@ -801,6 +801,14 @@ impl Store for MemoryStore {
         Ok(records.remove_conversation(id))
     }
 
+    async fn conversation_len(&self, team: &str, id: &str) -> Result<Option<usize>, StoreError> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        Ok(records
+            .conversation_mut(team, id, now)
+            .map(|e| e.items.len()))
+    }
+
     async fn conversation_items(
         &self,
         team: &str,

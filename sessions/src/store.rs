@@ -125,6 +125,13 @@ pub trait Store: Send + Sync + 'static {
         id: &str,
     ) -> impl Future<Output = Result<Option<Vec<Value>>, StoreError>> + Send;
 
+    /// How many items the conversation holds; `None` if it is not the team's. One round trip.
+    fn conversation_len(
+        &self,
+        team: &str,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<usize>, StoreError>> + Send;
+
     /// Append items (each with an `id`) at the end; false if the conversation is not the
     /// team's. `response` names the response whose items these are (empty for none): a second
     /// append for the same response adds nothing, so a retried write whose first try landed
@@ -362,6 +369,13 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.conversation_items(team, id).await,
             AnyStore::Redis(s) => s.conversation_items(team, id).await,
+        }
+    }
+
+    async fn conversation_len(&self, team: &str, id: &str) -> Result<Option<usize>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.conversation_len(team, id).await,
+            AnyStore::Redis(s) => s.conversation_len(team, id).await,
         }
     }
 

@@ -413,6 +413,18 @@ pub async fn conversation_suite<S: Store>(store: &S) {
         store.append_conversation_items("team-b", "conv_1", "", &[item("x", "x")])
     ));
     assert_eq!(
+        one!("len", store.conversation_len("team-a", "conv_1")),
+        Some(3)
+    );
+    assert_eq!(
+        one!("len other team", store.conversation_len("team-b", "conv_1")),
+        None
+    );
+    assert_eq!(
+        one!("len unknown", store.conversation_len("team-a", "conv_nope")),
+        None
+    );
+    assert_eq!(
         one!("items", store.conversation_items("team-a", "conv_1")),
         Some(vec![
             item("m1", "héllo \"x\""),

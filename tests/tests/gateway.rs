@@ -1800,6 +1800,67 @@ async fn a_background_response_streams_again_from_any_gateway() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_conversation_takes_no_more_items_and_no_more_turns() {
+    let fleet = Fleet::of(1)
+        .extra("[store]\nconversation_max_items = 20\n")
+        .start()
+        .await;
+    let base = fleet.base_url();
+    let post = |url: String, body: Value| async move {
+        let resp = client().post(url).json(&body).send().await.unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+    };
+    let message = |n: usize| json!({"role": "user", "content": format!("note {n}")});
+    let (s, conv) = post(
+        format!("{base}/v1/conversations"),
+        json!({"items": (0..19).map(message).collect::<Vec<_>>()}),
+    )
+    .await;
+    assert_eq!(s, 200, "{conv}");
+    let id = conv["id"].as_str().unwrap().to_string();
+    let add = |n: usize| {
+        post(
+            format!("{base}/v1/conversations/{id}/items"),
+            json!({"items": (0..n).map(message).collect::<Vec<_>>()}),
+        )
+    };
+    let turn = || async {
+        let body = json!({"model": "sim-model", "input": "next", "conversation": id,
+                          "max_output_tokens": 16});
+        create(&base, body).await
+    };
+    let (s, full) = add(2).await;
+    assert_eq!(s, 400, "{full}");
+    assert_eq!(full["error"]["code"], "conversation_full");
+    assert_eq!(full["error"]["param"], "items");
+    assert_eq!(add(1).await.0, 200, "the twentieth fits");
+    let (s, refused) = turn().await;
+    assert_eq!(s, 400, "{refused}");
+    assert_eq!(
+        (&refused["error"]["code"], &refused["error"]["param"]),
+        (&json!("conversation_full"), &json!("conversation"))
+    );
+    // Room for one more: a turn goes, its input and answer taking it past the bound.
+    let first = get_json(&format!(
+        "{base}/v1/conversations/{id}/items?order=asc&limit=1"
+    ))
+    .await;
+    let item = first["data"][0]["id"].as_str().unwrap();
+    let deleted = client()
+        .delete(format!("{base}/v1/conversations/{id}/items/{item}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status().as_u16(), 200);
+    let (s, answered) = turn().await;
+    assert_eq!(s, 200, "{answered}");
+    assert_eq!(add(1).await.0, 400);
+    let items = get_json(&format!("{base}/v1/conversations/{id}/items?limit=100")).await;
+    assert_eq!(items["data"].as_array().unwrap().len(), 21);
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_is_served_by_either_gateway_and_grows_with_each_turn() {
     let redis = TestRedis::start();
     let prefix = unique_prefix("conversations");

@@ -7,6 +7,7 @@
 --   metadata    ARGV[4]: metadata JSON   -> created_at, or nil
 --   delete                               -> 1 deleted, 0 when not the team's
 --   items                                -> every item, oldest first, or nil
+--   len                                  -> how many items it holds, or nil
 --   append      ARGV[4]: response id whose items these are ("" for none), ARGV[5..]: items
 --                                        -> 1 (also when that response's items are already
 --                                           there), or 0 when not the team's
@@ -14,7 +15,7 @@
 local op = ARGV[1]
 if redis.call('HGET', KEYS[1], 'team') ~= ARGV[2] then
   if op == 'delete_item' then return -1 end
-  if op == 'get' or op == 'metadata' or op == 'items' then return false end
+  if op == 'get' or op == 'metadata' or op == 'items' or op == 'len' then return false end
   return 0
 end
 if op == 'delete' then
@@ -30,6 +31,8 @@ elseif op == 'metadata' then
   return redis.call('HGET', KEYS[1], 'created_at')
 elseif op == 'items' then
   return redis.call('LRANGE', KEYS[2], 0, -1)
+elseif op == 'len' then
+  return redis.call('LLEN', KEYS[2])
 elseif op == 'append' then
   -- A retried write whose first try landed adds nothing twice.
   if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[1], 'joined:' .. ARGV[4]) == 1 then

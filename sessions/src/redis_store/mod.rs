@@ -731,6 +731,11 @@ impl Store for RedisStore {
         Ok(deleted == 1)
     }
 
+    async fn conversation_len(&self, team: &str, id: &str) -> Result<Option<usize>, StoreError> {
+        let len: Option<i64> = self.conversation_op("len", team, id, &[]).await?;
+        Ok(len.map(|n| usize::try_from(n).unwrap_or(0)))
+    }
+
     async fn conversation_items(
         &self,
         team: &str,
