@@ -24,6 +24,14 @@ use crate::probe::LiveTasks;
 use crate::reload::ConfigWatcher;
 use crate::{conversations, handlers, metrics, responses};
 
+/// A background run of this process, as its registry holds it.
+pub struct BackgroundRun {
+    /// The team that created it.
+    pub team: String,
+    /// Its cancel signal.
+    pub cancel: tokio::sync::watch::Sender<bool>,
+}
+
 /// Everything a handler needs, shared by all requests.
 pub struct AppState {
     /// The loaded configuration.
@@ -41,7 +49,7 @@ pub struct AppState {
     /// How compaction turns ask for their summary (`[compaction]`).
     pub compaction: agentgate_adapters::CompactionOptions,
     /// Background runs in this process: response id -> its cancel signal.
-    pub background: Mutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
+    pub background: Mutex<HashMap<String, BackgroundRun>>,
     /// Bounds how many background runs execute at once.
     pub background_slots: Arc<tokio::sync::Semaphore>,
     /// Raised when the gateway shuts down and `[background] shutdown_grace_s` has run out:

@@ -343,6 +343,10 @@ pub struct BackgroundConfig {
     /// refused with 429 `too_many_background_responses` (each waiting run holds its request
     /// in memory until it starts).
     pub max_queued: usize,
+    /// Background responses one team may hold per gateway process, running and waiting, so
+    /// one team cannot take every place of `max_concurrent + max_queued`; 0: no bound beyond
+    /// those.
+    pub max_per_team: usize,
 }
 
 impl Default for BackgroundConfig {
@@ -350,6 +354,7 @@ impl Default for BackgroundConfig {
         BackgroundConfig {
             max_concurrent: 4,
             max_queued: 1024,
+            max_per_team: 0,
         }
     }
 }

@@ -595,21 +595,18 @@ async fn run(
     };
 
     if req.background {
-        let limit = state.config.background.max_concurrent + state.config.background.max_queued;
         let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
-        let Some(registered) = turn::RunRegistration::new(state, &id, cancel_tx, limit) else {
-            return Err(HttpError::new(
-                429,
-                "rate_limit_error",
-                format!(
-                    "This gateway already holds {limit} background responses (running and \
-                     waiting to run); retry once some have finished."
-                ),
-                None,
-                Some("too_many_background_responses"),
-            )
-            .with_retry_after(1));
-        };
+        let registered =
+            turn::RunRegistration::new(state, &id, &turn.team, cancel_tx).map_err(|held| {
+                HttpError::new(
+                    429,
+                    "rate_limit_error",
+                    format!("{held}; retry once some have finished."),
+                    None,
+                    Some("too_many_background_responses"),
+                )
+                .with_retry_after(1)
+            })?;
         state
             .store
             .put(&turn::queued_record(&turn))
@@ -982,8 +979,8 @@ pub async fn delete(
 /// cancelled status at their next event-log write, or when they finish, and stop there).
 pub(crate) fn signal_cancel(state: &AppState, id: &str) {
     if let Ok(mut runs) = state.background.lock() {
-        if let Some(cancel) = runs.remove(id) {
-            cancel.send_replace(true);
+        if let Some(run) = runs.remove(id) {
+            run.cancel.send_replace(true);
         }
     }
 }

@@ -1978,23 +1978,42 @@ pub struct RunRegistration {
 }
 
 impl RunRegistration {
-    /// Register run `id` with its cancel signal, unless this process already holds `limit`
-    /// runs (`None`: the caller answers 429).
+    /// Register run `id` of `team` with its cancel signal, unless this process already holds
+    /// `[background] max_concurrent + max_queued` runs, or `max_per_team` of the team's (the
+    /// error says which, for the caller's 429).
     pub fn new(
         state: &Arc<AppState>,
         id: &str,
+        team: &str,
         cancel: tokio::sync::watch::Sender<bool>,
-        limit: usize,
-    ) -> Option<RunRegistration> {
+    ) -> Result<RunRegistration, String> {
+        let limits = &state.config.background;
         let mut runs = state
             .background
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let limit = limits.max_concurrent.saturating_add(limits.max_queued);
         if runs.len() >= limit {
-            return None;
+            return Err(format!(
+                "This gateway already holds {limit} background responses (running and waiting \
+                 to run)"
+            ));
         }
-        runs.insert(id.to_string(), cancel);
-        Some(RunRegistration {
+        if limits.max_per_team > 0
+            && runs.values().filter(|run| run.team == team).count() >= limits.max_per_team
+        {
+            return Err(format!(
+                "This gateway already holds {} background responses of your team (running and \
+                 waiting to run)",
+                limits.max_per_team
+            ));
+        }
+        let run = crate::app::BackgroundRun {
+            team: team.to_string(),
+            cancel,
+        };
+        runs.insert(id.to_string(), run);
+        Ok(RunRegistration {
             state: state.clone(),
             id: id.to_string(),
         })

@@ -658,6 +658,51 @@ async fn background_responses_past_the_waiting_limit_are_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_team_cannot_take_every_background_place() {
+    let teams: String = ["a", "b"]
+        .iter()
+        .map(|t| {
+            format!(
+                "[[teams]]\nname = \"{t}\"\napi_key_sha256 = [\"{}\"]\n",
+                agentgate::auth::hash_key(&format!("sk-{t}"))
+            )
+        })
+        .collect();
+    let (sim, gw) = one_stalled_background_slot(&format!("max_per_team = 2\n{teams}"), None).await;
+    let base = gw.base_url();
+    let job = json!({"model": "sim-model", "input": "job", "background": true});
+    let create_as = |team: &'static str| {
+        let (base, job) = (base.clone(), job.clone());
+        async move {
+            let resp = client()
+                .post(format!("{base}/v1/responses"))
+                .bearer_auth(format!("sk-{team}"))
+                .json(&job)
+                .send()
+                .await
+                .unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.json::<Value>().await.unwrap())
+        }
+    };
+    assert_eq!(create_as("a").await.0, 200);
+    assert_eq!(create_as("a").await.0, 200);
+    let (s, refused) = create_as("a").await;
+    assert_eq!(s, 429, "{refused}");
+    assert_eq!(refused["error"]["code"], "too_many_background_responses");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("of your team"),
+        "{refused}"
+    );
+    assert_eq!(create_as("b").await.0, 200, "another team still gets in");
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
     let fleet = Fleet::of(2).policy("least_loaded").start().await;
     let pool = fleet.pool();
