@@ -9,6 +9,12 @@ fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
 
+/// POST `body` to `url`: the status and the JSON answer.
+async fn post_json(url: String, body: Value) -> (u16, Value) {
+    let resp = client().post(url).json(&body).send().await.unwrap();
+    (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+}
+
 async fn create(base: &str, body: Value) -> (u16, Value) {
     let resp = post_response(base, &body).await;
     let status = resp.status().as_u16();
@@ -1851,12 +1857,8 @@ async fn a_full_conversation_takes_no_more_items_and_no_more_turns() {
         .start()
         .await;
     let base = fleet.base_url();
-    let post = |url: String, body: Value| async move {
-        let resp = client().post(url).json(&body).send().await.unwrap();
-        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
-    };
     let message = |n: usize| json!({"role": "user", "content": format!("note {n}")});
-    let (s, conv) = post(
+    let (s, conv) = post_json(
         format!("{base}/v1/conversations"),
         json!({"items": (0..19).map(message).collect::<Vec<_>>()}),
     )
@@ -1864,7 +1866,7 @@ async fn a_full_conversation_takes_no_more_items_and_no_more_turns() {
     assert_eq!(s, 200, "{conv}");
     let id = conv["id"].as_str().unwrap().to_string();
     let add = |n: usize| {
-        post(
+        post_json(
             format!("{base}/v1/conversations/{id}/items"),
             json!({"items": (0..n).map(message).collect::<Vec<_>>()}),
         )
@@ -1918,11 +1920,7 @@ async fn a_conversation_is_served_by_either_gateway_and_grows_with_each_turn() {
         fleet.gateways()[0].base_url(),
         fleet.gateways()[1].base_url(),
     );
-    let post = |url: String, body: Value| async move {
-        let resp = client().post(url).json(&body).send().await.unwrap();
-        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
-    };
-    let (s, conv) = post(
+    let (s, conv) = post_json(
         format!("{a}/v1/conversations"),
         json!({"items": [{"role": "user", "content": "My name is Ada."}]}),
     )
