@@ -1,5 +1,6 @@
 //! The `agentgate` command: `serve` runs the gateway; `openapi` prints its API description;
-//! `hash-key` prints the digest to put in a team's `api_key_sha256`.
+//! `hash-key` prints the digest to put in a team's `api_key_sha256` (of its argument, or of the
+//! first line of standard input).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -35,8 +36,9 @@ enum Command {
     Openapi,
     /// Print the SHA-256 digest of an API key, for `[[teams]] api_key_sha256`.
     HashKey {
-        /// The key.
-        key: String,
+        /// The key; without it (or with `-`) the first line of standard input, which keeps the
+        /// key out of shell history and process lists.
+        key: Option<String>,
     },
 }
 
@@ -134,6 +136,21 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::HashKey { key } => {
+            let key = match key.filter(|k| k != "-") {
+                Some(key) => key,
+                None => {
+                    let mut line = String::new();
+                    if let Err(e) = std::io::stdin().read_line(&mut line) {
+                        eprintln!("agentgate: cannot read the key from standard input: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                    line.trim_end_matches(['\r', '\n']).to_string()
+                }
+            };
+            if key.is_empty() {
+                eprintln!("agentgate: no key given (as an argument or on standard input)");
+                return ExitCode::FAILURE;
+            }
             println!("{}", agentgate::auth::hash_key(&key));
             ExitCode::SUCCESS
         }

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import openai
 import pytest
 
-from conftest import MODEL, TEAM_A_KEY, TEAM_B_KEY
+from conftest import MODEL, TEAM_A_KEY, TEAM_B_KEY, hash_key
 
 POLL_DEADLINE_S = 60.0
 
@@ -269,3 +270,13 @@ def test_turn_finishes_and_is_stored_after_client_disconnects(slow_gateway):
         pytest.fail(f"{response_id} was never stored after the client disconnected")
     assert stored.status == "incomplete"
     assert stored.usage.output_tokens == 16
+
+
+def test_hash_key_takes_the_key_from_standard_input_too(agentgate_bin):
+    """`agentgate hash-key` without an argument hashes the first line of standard input, so a
+    key need not appear in shell history or process lists."""
+    piped = subprocess.run([agentgate_bin, "hash-key"], input=TEAM_A_KEY + "\n",
+                           capture_output=True, text=True, check=True)
+    assert piped.stdout.strip() == hash_key(agentgate_bin, TEAM_A_KEY)
+    empty = subprocess.run([agentgate_bin, "hash-key"], input="", capture_output=True, text=True)
+    assert empty.returncode != 0 and "no key given" in empty.stderr
