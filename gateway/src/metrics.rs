@@ -65,6 +65,8 @@ use axum::response::{IntoResponse, Response};
 
 use agentgate_scheduler::flow::WaitHistogram;
 
+use agentgate_scheduler::Endpoint;
+
 use crate::app::AppState;
 use crate::flow::FlowControl;
 use crate::pools::Pools;
@@ -473,8 +475,11 @@ impl Metrics {
     }
 
     /// The decode leg of a disaggregated request failed after its prefill leg ran.
-    pub fn pd_transfer_failed(&self, pool: &str, prefill: &str, decode: &str) {
-        self.pd_transfer_failures.inc([pool, prefill, decode]);
+    pub fn pd_transfer_failed(&self, pool: &str, prefill: &Endpoint, decode: &Endpoint) {
+        if listed(prefill) && listed(decode) {
+            self.pd_transfer_failures
+                .inc([pool, &prefill.name, &decode.name]);
+        }
     }
 
     /// A disaggregated request was retried with a local prefill for `cause`.
@@ -525,8 +530,24 @@ impl Metrics {
     }
 
     /// A request was routed to `endpoint` for `reason` (`pin`, `prefix`, `load`, ...).
-    pub fn routing_decision(&self, pool: &str, endpoint: &str, reason: &str) {
-        self.routing_decisions.inc([pool, endpoint, reason]);
+    pub fn routing_decision(&self, pool: &str, endpoint: &Endpoint, reason: &str) {
+        if listed(endpoint) {
+            self.routing_decisions.inc([pool, &endpoint.name, reason]);
+        }
+    }
+
+    /// A `kind` probe (`health`, `metrics`) of `endpoint` failed.
+    pub fn probe_failed(&self, pool: &str, endpoint: &Endpoint, kind: &str) {
+        if listed(endpoint) {
+            self.probe_failures.inc([pool, &endpoint.name, kind]);
+        }
+    }
+
+    /// `endpoint` turned `healthy` or `unhealthy`.
+    pub fn health_transition(&self, pool: &str, endpoint: &Endpoint, to: &str) {
+        if listed(endpoint) {
+            self.health_transitions.inc([pool, &endpoint.name, to]);
+        }
     }
 
     /// A session's pin moved for `cause` (`unavailable`, `saturated`, `wait`, ...).
@@ -916,6 +937,13 @@ pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
     ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], body).into_response()
 }
 
+/// Whether `endpoint` is still in its pool's list: the event series of one removed are
+/// forgotten ([`Metrics::forget_endpoint`]), and a probe or request still finishing there must
+/// not bring them back.
+fn listed(endpoint: &Endpoint) -> bool {
+    !endpoint.is_retired()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1002,7 +1030,7 @@ mod tests {
             peer_in_flight: 0,
         });
         let m = Metrics::new();
-        m.routing_decision("main", "main/0", "load");
+        m.routing_decision("main", &eps[0], "load");
         let out = m.render(&pools, now + std::time::Duration::from_millis(1500));
         for line in [
             "agentgate_pool_endpoints{pool=\"main\"} 2",
@@ -1098,12 +1126,13 @@ mod tests {
     #[test]
     fn event_api_counts_into_the_named_series() {
         let m = Metrics::new();
-        m.routing_decision("main", "main/0", "prefix");
-        m.routing_decision("main", "main/0", "prefix");
+        let ep = |name: &str| Endpoint::new(name, "http://127.0.0.1:9");
+        m.routing_decision("main", &ep("main/0"), "prefix");
+        m.routing_decision("main", &ep("main/0"), "prefix");
         m.pin_moved("main", "unavailable");
         m.discovery_reload("main", "error");
         m.pd_decision("main", "disaggregated", "uncached");
-        m.pd_transfer_failed("main", "main/1", "main/2");
+        m.pd_transfer_failed("main", &ep("main/1"), &ep("main/2"));
         m.pd_fallback("main", "transfer_failed");
         m.pd_prefill_pin_moved("main", "wait");
         m.pd_sub_agent("main", "prefix");

@@ -205,15 +205,13 @@ impl Live {
         let results = futures_util::future::join_all(probes).await;
         let mut live = HashSet::new();
         for ((i, pool, e), result) in targets.iter().zip(results) {
-            // Removed while probed: its metric series are forgotten, and must stay so.
+            // Removed while probed: no verdict on an endpoint no longer listed.
             if e.is_retired() {
                 continue;
             }
             live.insert((*i, e.slot));
             if let Err(reason) = &result {
-                self.metrics
-                    .probe_failures
-                    .inc([&pool.name, &e.name, "health"]);
+                self.metrics.probe_failed(&pool.name, e, "health");
                 tracing::debug!(pool = %pool.name, endpoint = %e.name, "health probe failed: {reason}");
             }
             let verdict = streaks.get(*i, e).observe(
@@ -232,14 +230,10 @@ impl Live {
                 if let Some(index) = pool.picker.prefix_index() {
                     index.clear(e.slot);
                 }
-                self.metrics
-                    .health_transitions
-                    .inc([&pool.name, &e.name, "healthy"]);
+                self.metrics.health_transition(&pool.name, e, "healthy");
                 tracing::info!(pool = %pool.name, endpoint = %e.name, "endpoint healthy again; taking new work");
             } else {
-                self.metrics
-                    .health_transitions
-                    .inc([&pool.name, &e.name, "unhealthy"]);
+                self.metrics.health_transition(&pool.name, e, "unhealthy");
                 let reason = result.err().unwrap_or_default();
                 tracing::warn!(pool = %pool.name, endpoint = %e.name, failures = self.unhealthy_after, "endpoint unhealthy; taken out ({reason})");
             }
@@ -280,10 +274,8 @@ impl Live {
         self.metrics
             .probe_duration
             .observe([&pool.name, "metrics"], start.elapsed().as_secs_f64());
-        if result.is_err() && !e.is_retired() {
-            self.metrics
-                .probe_failures
-                .inc([&pool.name, &e.name, "metrics"]);
+        if result.is_err() {
+            self.metrics.probe_failed(&pool.name, e, "metrics");
         }
         result
     }

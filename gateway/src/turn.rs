@@ -647,12 +647,9 @@ async fn open_local(
                 if let Some(window) = placement.room.spread_window {
                     ep.note_reserved_turn(sent, window);
                 }
-                if !ep.is_retired() {
-                    // (A removed endpoint's series are forgotten for good.)
-                    state
-                        .metrics
-                        .routing_decision(&pool.name, &ep.name, pick.reason.as_str());
-                }
+                state
+                    .metrics
+                    .routing_decision(&pool.name, ep, pick.reason.as_str());
                 let mut pin_moved = None;
                 if let Some(key) = placement.key.filter(|_| pool.policy.uses_pins()) {
                     let pin_failed =
@@ -952,11 +949,9 @@ async fn open_split(
             if let Some(window) = placement.room.spread_window {
                 d.note_reserved_turn(sent, window);
             }
-            if !d.is_retired() {
-                state
-                    .metrics
-                    .routing_decision(&pool.name, &d.name, decode.reason.as_str());
-            }
+            state
+                .metrics
+                .routing_decision(&pool.name, &d, decode.reason.as_str());
             let mut pin_moved = None;
             if let Some(key) = key.filter(|_| pool.policy.uses_pins()) {
                 let pin_failed = matches!(pinned, Pinned::At(i) if avoided.contains(&i));
@@ -1034,11 +1029,7 @@ async fn open_split(
         }
         DisaggError::Decode(e) => {
             tracing::warn!(prefill = %p.name, decode = %d.name, "decode leg failed after the prefill ({e}); retrying once without disaggregation");
-            if !p.is_retired() && !d.is_retired() {
-                state
-                    .metrics
-                    .pd_transfer_failed(&pool.name, &p.name, &d.name);
-            }
+            state.metrics.pd_transfer_failed(&pool.name, &p, &d);
             state.metrics.pd_fallback(&pool.name, "transfer_failed");
         }
     }
@@ -1737,6 +1728,7 @@ pub fn queued_record(turn: &Turn) -> ResponseRecord {
 /// admission (`admission`, in the team's lowest band unless the request asked for one), mark it
 /// `in_progress`, run it, record the result. A refused admission fails the response with the
 /// refusal's code; a cancel ends its stream with status `cancelled`, whether it ran or not.
+/// Its place in the registry of runs goes back when it returns, with `_registered`.
 pub async fn run_background(
     state: Arc<AppState>,
     mut turn: Turn,
@@ -1745,7 +1737,6 @@ pub async fn run_background(
     mut stops: StopSignals,
     _registered: RunRegistration,
 ) {
-    let id = turn.id.clone();
     // Announced at once, to a streaming client and in the event log a follower replays.
     let mut rs = new_stream(&turn);
     let mut sink = Sink::new(&state, &turn, tx, Some(stops.clone()));
@@ -1770,7 +1761,6 @@ pub async fn run_background(
             Ok(permit) => turn.permit = Some(permit),
             Err(err) => {
                 fail_background(&state, &turn, announced, &err).await;
-                forget_run(&state, &id);
                 return;
             }
         }
@@ -1807,7 +1797,6 @@ pub async fn run_background(
         }
         Err(err) => fail_background(&state, &turn, announced, &err).await,
     }
-    forget_run(&state, &id);
 }
 
 /// Why a background run stops before its engine stream ends.
@@ -1938,7 +1927,6 @@ async fn stop_queued(state: &AppState, turn: &Turn, mut announced: Announced, st
             announced.end(state, events).await;
         }
     }
-    forget_run(state, &turn.id);
 }
 
 /// Record a background response that could not run as failed with `err`'s code and message,
@@ -1960,12 +1948,6 @@ async fn fail_background(state: &AppState, turn: &Turn, mut announced: Announced
         .metrics
         .response_ended(&turn.pool.name, announced.rs.response());
     announced.end(state, events).await;
-}
-
-fn forget_run(state: &AppState, id: &str) {
-    if let Ok(mut runs) = state.background.lock() {
-        runs.remove(id);
-    }
 }
 
 /// A background response's place in this process's registry of runs (`AppState::background`),
@@ -2022,7 +2004,9 @@ impl RunRegistration {
 
 impl Drop for RunRegistration {
     fn drop(&mut self) {
-        forget_run(&self.state, &self.id);
+        if let Ok(mut runs) = self.state.background.lock() {
+            runs.remove(&self.id);
+        }
     }
 }
 

@@ -55,6 +55,16 @@ async fn pttl(conn: &mut MultiplexedConnection, key: &str) -> i64 {
         .expect("PTTL")
 }
 
+/// Shorten `key`'s TTL to 10 s, as if it had been written long ago.
+async fn expire_in_10s(conn: &mut MultiplexedConnection, key: &str) {
+    let _: () = redis::cmd("PEXPIRE")
+        .arg(key)
+        .arg(10_000)
+        .query_async(conn)
+        .await
+        .expect("PEXPIRE");
+}
+
 /// Store a linear chain of `turns` responses, each with `text_bytes` of text per item.
 async fn put_chain<S: Store>(
     store: &S,
@@ -123,21 +133,11 @@ async fn every_key_gets_the_ttl_and_history_refreshes_it() {
     }
 
     let root_key = store.response_key(&chain[0].id);
-    let _: () = redis::cmd("PEXPIRE")
-        .arg(&root_key)
-        .arg(10_000)
-        .query_async(&mut conn)
-        .await
-        .expect("PEXPIRE");
+    expire_in_10s(&mut conn, &root_key).await;
     store.history("t", &chain[2].id).await.expect("history");
     assert!(pttl(&mut conn, &root_key).await > 10_000);
 
-    let _: () = redis::cmd("PEXPIRE")
-        .arg(store.response_key(&chain[2].id))
-        .arg(10_000)
-        .query_async(&mut conn)
-        .await
-        .expect("PEXPIRE");
+    expire_in_10s(&mut conn, &store.response_key(&chain[2].id)).await;
     let mut running = chain[2].response.clone();
     running["status"] = "in_progress".into();
     store
@@ -155,29 +155,17 @@ async fn every_key_gets_the_ttl_and_history_refreshes_it() {
         store.response_key(&chain[2].id),
         store.events_key(&chain[2].id),
     );
-    let admin = conn.clone();
-    let shorten = |key: String| {
-        let mut conn = admin.clone();
-        async move {
-            let _: () = redis::cmd("PEXPIRE")
-                .arg(&key)
-                .arg(10_000)
-                .query_async(&mut conn)
-                .await
-                .expect("PEXPIRE");
-        }
-    };
     store
         .append_events(&chain[2].id, &["event: a\n\n".to_string()])
         .await
         .expect("append");
-    shorten(resp_key.clone()).await;
+    expire_in_10s(&mut conn, &resp_key).await;
     store
         .append_events(&chain[2].id, &["event: b\n\n".to_string()])
         .await
         .expect("append");
     assert!(pttl(&mut conn, &resp_key).await > 10_000);
-    shorten(log_key.clone()).await;
+    expire_in_10s(&mut conn, &log_key).await;
     let mut done = running;
     done["status"] = "completed".into();
     assert!(store
