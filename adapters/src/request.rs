@@ -134,12 +134,20 @@ pub fn build_chat_request(
 
     let tool_choice =
         translate_tool_choice(req.get("tool_choice"), &tools.names, opts.hosted_tools)?;
-    if !tools.chat_tools.is_empty() {
-        body.insert("tools".into(), Value::Array(tools.chat_tools));
+    let mut chat_tools = tools.chat_tools;
+    if let Some(allowed) = tool_choice.allowed.as_ref().filter(|_| !compaction) {
+        chat_tools.retain(|tool| {
+            tool["function"]["name"]
+                .as_str()
+                .is_some_and(|name| allowed.contains(name))
+        });
+    }
+    if !chat_tools.is_empty() {
+        body.insert("tools".into(), Value::Array(chat_tools));
         if compaction {
             // The tools stay declared so the prompt's prefix matches the turns before.
             body.insert("tool_choice".into(), json!("none"));
-        } else if let Some(choice) = tool_choice {
+        } else if let Some(choice) = tool_choice.choice {
             body.insert("tool_choice".into(), choice);
         }
         if let Some(parallel) = req.get("parallel_tool_calls").filter(|p| p.is_boolean()) {
@@ -735,6 +743,32 @@ mod tests {
                          "tool_choice": "auto"});
         let plan = build_chat_request(&req, &[], &input, &vllm()).unwrap();
         assert_eq!(plan.body["response_format"], json!({"type": "json_object"}));
+        assert!(plan.body.get("tools").is_none());
+        assert!(plan.body.get("tool_choice").is_none());
+    }
+
+    #[test]
+    fn allowed_tools_leave_the_other_tools_out_of_the_engine_request() {
+        let req = json!({
+            "tools": [{"type": "function", "name": "read"}, {"type": "function", "name": "rm"},
+                      {"type": "custom", "name": "apply_patch"}],
+            "tool_choice": {"type": "allowed_tools", "mode": "required",
+                            "tools": [{"type": "function", "name": "read"}]},
+        });
+        let input = normalize_input(&json!("hi")).unwrap();
+        let plan = build_chat_request(&req, &[], &input, &vllm()).unwrap();
+        let declared: Vec<&str> = plan.body["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["function"]["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(declared, ["read"]);
+        assert_eq!(plan.body["tool_choice"], "required");
+        // Allowing none sends none: the model answers in text.
+        let mut req = req;
+        req["tool_choice"] = json!({"type": "allowed_tools", "mode": "auto", "tools": []});
+        let plan = build_chat_request(&req, &[], &input, &vllm()).unwrap();
         assert!(plan.body.get("tools").is_none());
         assert!(plan.body.get("tool_choice").is_none());
     }

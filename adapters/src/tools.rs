@@ -20,6 +20,12 @@
 //! Hosted tools that no engine can run (web_search, file_search, computer use,
 //! code_interpreter, image_generation, mcp, local_shell, tool_search, ...) are dropped with an
 //! info log line, or rejected with a 400 under [`HostedToolPolicy::Reject`].
+//!
+//! `tool_choice` maps to the Chat Completions one. A choice the declared tools cannot honour
+//! is refused with 400 `param: "tool_choice"`, as OpenAI does: `required` with no function or
+//! custom tool, a named tool that is not declared. `allowed_tools` keeps its mode and sends
+//! the engine only the allowed tools (Chat Completions cannot declare a tool and forbid it),
+//! so that turn's rendered prompt differs from its neighbours' from the tool list on.
 
 use crate::error::ApiError;
 use crate::request::HostedToolPolicy;
@@ -125,6 +131,15 @@ impl ToolNameMap {
             .get(&tool)
             .cloned()
             .unwrap_or_else(|| flattened_name(&tool))
+    }
+
+    /// The engine-visible name of a tool declared this turn; `None` when it is not declared.
+    pub fn declared(&self, name: &str, namespace: Option<&str>) -> Option<&str> {
+        let tool = ToolName {
+            name: name.to_string(),
+            namespace: namespace.map(str::to_string),
+        };
+        self.by_tool.get(&tool).map(String::as_str)
     }
 
     /// Number of registered tools.
@@ -322,21 +337,55 @@ fn chat_function_tool(tool: &Value, engine_name: &str, flavor: Flavor) -> Value 
     json!({"type": "function", "function": function})
 }
 
-/// Maps the Responses `tool_choice` to the Chat Completions one; `None` means "leave it out".
+/// The Chat Completions form of a Responses `tool_choice`.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct ChatToolChoice {
+    /// The `tool_choice` to send; `None` leaves it out.
+    pub choice: Option<Value>,
+    /// `allowed_tools`: the engine names of the tools the model may call this turn. The other
+    /// declared tools are left out of the engine request (Chat Completions has no way to
+    /// declare a tool and forbid it), which changes the rendered prompt.
+    pub allowed: Option<HashSet<String>>,
+}
+
+impl ChatToolChoice {
+    fn send(choice: Value) -> Self {
+        ChatToolChoice {
+            choice: Some(choice),
+            allowed: None,
+        }
+    }
+}
+
+/// A tool the choice names but the request does not declare: OpenAI's wording and parameter.
+fn undeclared(name: &str, param: &str) -> ApiError {
+    ApiError::invalid(
+        param,
+        format!("Tool choice '{name}' not found in 'tools' parameter."),
+    )
+}
+
+/// Maps the Responses `tool_choice` to the Chat Completions one. A choice the model cannot
+/// honour with the tools declared this turn (`required` with no function or custom tool, a
+/// named tool that is not declared) is refused, as OpenAI does, rather than dropped.
 pub(crate) fn translate_tool_choice(
     choice: Option<&Value>,
     names: &ToolNameMap,
     policy: HostedToolPolicy,
-) -> Result<Option<Value>, ApiError> {
+) -> Result<ChatToolChoice, ApiError> {
     let Some(choice) = choice else {
-        return Ok(None);
+        return Ok(ChatToolChoice::default());
     };
     match choice {
-        Value::Null => Ok(None),
+        Value::Null => Ok(ChatToolChoice::default()),
         Value::String(mode) => match mode.as_str() {
-            "none" => Ok(Some(json!("none"))),
-            "auto" | "required" if !names.is_empty() => Ok(Some(json!(mode))),
-            "auto" | "required" => Ok(None),
+            "none" => Ok(ChatToolChoice::send(json!("none"))),
+            "auto" | "required" if !names.is_empty() => Ok(ChatToolChoice::send(json!(mode))),
+            "auto" => Ok(ChatToolChoice::default()),
+            "required" => Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice \"required\" needs at least one function or custom tool in 'tools' (hosted tools are not run by this gateway's engines)",
+            )),
             other => Err(ApiError::invalid(
                 "tool_choice",
                 format!("tool_choice \"{other}\" is not supported; use auto, none, required or {{\"type\": \"function\", \"name\": ...}}"),
@@ -350,22 +399,19 @@ pub(crate) fn translate_tool_choice(
                         ApiError::invalid("tool_choice.name", format!("tool_choice.name is required for type \"{kind}\""))
                     })?;
                     let namespace = object.get("namespace").and_then(Value::as_str);
-                    let engine_name = names.engine_name(name, namespace);
-                    Ok(Some(json!({"type": "function", "function": {"name": engine_name}})))
+                    let engine_name = names
+                        .declared(name, namespace)
+                        .ok_or_else(|| undeclared(name, "tool_choice"))?;
+                    Ok(ChatToolChoice::send(
+                        json!({"type": "function", "function": {"name": engine_name}}),
+                    ))
                 }
-                "allowed_tools" => {
-                    let mode = object.get("mode").and_then(Value::as_str).unwrap_or("auto");
-                    if names.is_empty() {
-                        Ok(None)
-                    } else {
-                        Ok(Some(json!(if mode == "required" { "required" } else { "auto" })))
-                    }
-                }
+                "allowed_tools" => allowed_tools(object, names, policy),
                 "" => Err(ApiError::invalid("tool_choice.type", "tool_choice.type is required")),
                 hosted => match policy {
                     HostedToolPolicy::Drop => {
                         tracing::info!(tool_choice = %hosted, "ignoring tool_choice for a hosted tool the engines cannot run");
-                        Ok(None)
+                        Ok(ChatToolChoice::default())
                     }
                     HostedToolPolicy::Reject => Err(ApiError::invalid(
                         "tool_choice",
@@ -377,6 +423,70 @@ pub(crate) fn translate_tool_choice(
         }
         _ => Err(ApiError::invalid("tool_choice", "tool_choice must be a string or an object")),
     }
+}
+
+/// `{"type": "allowed_tools", "mode": "auto"|"required", "tools": [...]}`: the declared tools
+/// the model may call this turn. Function and custom entries must name a declared tool; hosted
+/// entries follow the hosted-tool policy (dropped, or refused).
+fn allowed_tools(
+    object: &Map<String, Value>,
+    names: &ToolNameMap,
+    policy: HostedToolPolicy,
+) -> Result<ChatToolChoice, ApiError> {
+    let mode = match object.get("mode") {
+        None | Some(Value::Null) => "auto",
+        Some(Value::String(mode)) if mode == "auto" || mode == "required" => mode.as_str(),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "tool_choice.mode",
+                "tool_choice.mode must be \"auto\" or \"required\"",
+            ))
+        }
+    };
+    let entries = object
+        .get("tools")
+        .and_then(Value::as_array)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "tool_choice.tools",
+                "tool_choice.tools must be an array of the tools the model may call",
+            )
+        })?;
+    let mut allowed = HashSet::new();
+    for (index, entry) in entries.iter().enumerate() {
+        let param = format!("tool_choice.tools[{index}]");
+        match entry.get("type").and_then(Value::as_str) {
+            Some("function") | Some("custom") => {
+                let name = required_name(entry, &param)?;
+                let namespace = entry.get("namespace").and_then(Value::as_str);
+                let engine_name = names
+                    .declared(name, namespace)
+                    .ok_or_else(|| undeclared(name, &param))?;
+                allowed.insert(engine_name.to_string());
+            }
+            Some(hosted) => handle_hosted(hosted, &param, policy, &mut Vec::new())?,
+            None => {
+                return Err(ApiError::invalid(
+                    format!("{param}.type"),
+                    format!("{param}.type is required"),
+                ))
+            }
+        }
+    }
+    let choice = match (allowed.is_empty(), mode) {
+        (false, mode) => Some(json!(mode)),
+        (true, "required") => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice allows no function or custom tool, so none can be required",
+            ))
+        }
+        (true, _) => None,
+    };
+    Ok(ChatToolChoice {
+        choice,
+        allowed: Some(allowed),
+    })
 }
 
 #[cfg(test)]
@@ -472,7 +582,7 @@ mod tests {
         let choice = json!({"type": "custom", "name": "apply_patch"});
         let chat = translate_tool_choice(Some(&choice), &out.names, HostedToolPolicy::Reject);
         assert_eq!(
-            chat.unwrap(),
+            chat.unwrap().choice,
             Some(json!({"type": "function", "function": {"name": "apply_patch"}}))
         );
     }
@@ -525,21 +635,24 @@ mod tests {
         let mut names = ToolNameMap::new();
         names.insert(ToolName::namespaced("ns", "f"));
         let drop = HostedToolPolicy::Drop;
+        let choice = |c: Value, names: &ToolNameMap, policy| {
+            translate_tool_choice(Some(&c), names, policy).map(|t| t.choice)
+        };
         assert_eq!(
-            translate_tool_choice(Some(&json!("auto")), &names, drop).unwrap(),
+            choice(json!("auto"), &names, drop).unwrap(),
             Some(json!("auto"))
         );
         assert_eq!(
-            translate_tool_choice(Some(&json!("none")), &names, drop).unwrap(),
+            choice(json!("none"), &names, drop).unwrap(),
             Some(json!("none"))
         );
         assert_eq!(
-            translate_tool_choice(Some(&json!("required")), &names, drop).unwrap(),
+            choice(json!("required"), &names, drop).unwrap(),
             Some(json!("required"))
         );
         assert_eq!(
-            translate_tool_choice(
-                Some(&json!({"type": "function", "name": "f", "namespace": "ns"})),
+            choice(
+                json!({"type": "function", "name": "f", "namespace": "ns"}),
                 &names,
                 drop
             )
@@ -547,29 +660,81 @@ mod tests {
             Some(json!({"type": "function", "function": {"name": "ns__f"}}))
         );
         assert_eq!(
-            translate_tool_choice(
-                Some(&json!({"type": "allowed_tools", "mode": "required", "tools": []})),
-                &names,
-                drop
-            )
-            .unwrap(),
-            Some(json!("required"))
-        );
-        assert_eq!(
-            translate_tool_choice(Some(&json!({"type": "web_search_preview"})), &names, drop)
-                .unwrap(),
+            choice(json!({"type": "web_search_preview"}), &names, drop).unwrap(),
             None
         );
-        assert!(translate_tool_choice(
-            Some(&json!({"type": "web_search_preview"})),
+        assert!(choice(
+            json!({"type": "web_search_preview"}),
             &names,
             HostedToolPolicy::Reject
         )
         .is_err());
         assert_eq!(
-            translate_tool_choice(Some(&json!("auto")), &ToolNameMap::new(), drop).unwrap(),
+            choice(json!("auto"), &ToolNameMap::new(), drop).unwrap(),
             None
         );
-        assert!(translate_tool_choice(Some(&json!("sometimes")), &names, drop).is_err());
+        assert!(choice(json!("sometimes"), &names, drop).is_err());
+    }
+
+    #[test]
+    fn a_choice_the_declared_tools_cannot_honour_is_refused() {
+        let mut names = ToolNameMap::new();
+        names.insert(ToolName::plain("shell"));
+        let drop = HostedToolPolicy::Drop;
+        // `required` with no tool the engines can call (none declared, or only hosted ones).
+        let err =
+            translate_tool_choice(Some(&json!("required")), &ToolNameMap::new(), drop).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("tool_choice"));
+        // A named tool that is not declared: OpenAI's message, naming `tool_choice`.
+        for kind in ["function", "custom"] {
+            let err =
+                translate_tool_choice(Some(&json!({"type": kind, "name": "deploy"})), &names, drop)
+                    .unwrap_err();
+            assert_eq!(err.param.as_deref(), Some("tool_choice"));
+            assert_eq!(
+                err.message,
+                "Tool choice 'deploy' not found in 'tools' parameter."
+            );
+        }
+    }
+
+    #[test]
+    fn allowed_tools_limit_the_tools_and_keep_the_mode() {
+        let mut names = ToolNameMap::new();
+        names.insert(ToolName::plain("read"));
+        names.insert(ToolName::namespaced("fs", "write"));
+        names.insert_custom(ToolName::plain("apply_patch"));
+        let drop = HostedToolPolicy::Drop;
+        let allowed = |c: Value| translate_tool_choice(Some(&c), &names, drop);
+        let out = allowed(
+            json!({"type": "allowed_tools", "mode": "required", "tools": [
+                {"type": "function", "name": "write", "namespace": "fs"},
+                {"type": "custom", "name": "apply_patch"},
+                {"type": "web_search"},
+            ]}),
+        )
+        .unwrap();
+        assert_eq!(out.choice, Some(json!("required")));
+        let set = out.allowed.unwrap();
+        assert_eq!(set.len(), 2);
+        assert!(set.contains("fs__write") && set.contains("apply_patch"));
+        // `auto` is the default mode; an empty list lets the model call nothing.
+        let out = allowed(json!({"type": "allowed_tools", "tools": []})).unwrap();
+        assert_eq!(out.choice, None);
+        assert_eq!(out.allowed, Some(HashSet::new()));
+        // Refused: nothing to require, an undeclared tool, a mode OpenAI does not have.
+        let err =
+            allowed(json!({"type": "allowed_tools", "mode": "required", "tools": []})).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("tool_choice"));
+        let err = allowed(json!({"type": "allowed_tools", "tools": [
+            {"type": "function", "name": "read"}, {"type": "function", "name": "rm"},
+        ]}))
+        .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("tool_choice.tools[1]"));
+        let err =
+            allowed(json!({"type": "allowed_tools", "mode": "always", "tools": []})).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("tool_choice.mode"));
+        let err = allowed(json!({"type": "allowed_tools"})).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("tool_choice.tools"));
     }
 }

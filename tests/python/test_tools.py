@@ -181,6 +181,35 @@ def test_named_tool_choice_calls_that_tool(client):
     assert "city" in json.loads(calls[0].arguments)
 
 
+def test_allowed_tools_keep_the_model_to_the_allowed_ones(client):
+    other = dict(WEATHER_TOOL, name="get_time", description="Current time in a city.",
+                 parameters={"type": "object", "properties": {"city": {"type": "string"}},
+                             "required": ["city"], "additionalProperties": False})
+    # The user names the tool that is declared but not allowed this turn.
+    r = client.responses.create(
+        model=MODEL, input="Please use get_weather for Paris.", tools=[WEATHER_TOOL, other],
+        tool_choice={"type": "allowed_tools", "mode": "required",
+                     "tools": [{"type": "function", "name": "get_time"}]},
+    )
+    calls = _function_calls(r)
+    assert calls and all(c.name == "get_time" for c in calls), r.output
+    assert r.tool_choice.type == "allowed_tools"
+
+
+def test_a_tool_choice_naming_an_undeclared_tool_is_refused(client):
+    import openai
+    import pytest
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="hello", tools=[WEATHER_TOOL],
+                                tool_choice={"type": "function", "name": "get_time"})
+    assert err.value.body["param"] == "tool_choice"
+    assert "get_time" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="hello", tool_choice="required")
+    assert err.value.body["param"] == "tool_choice"
+
+
 def test_json_schema_output(client):
     r = client.responses.create(
         model=MODEL,
