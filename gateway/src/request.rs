@@ -138,6 +138,33 @@ fn typed(
     Ok(())
 }
 
+/// `body[key]`, when present and not null, is one of `allowed` (OpenAI's wording and code);
+/// the error's `param` is `{at}.{key}`.
+fn one_of(body: &Value, at: &str, key: &str, allowed: &[&str]) -> Result<(), HttpError> {
+    let Some(v) = body.get(key).filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let param = format!("{at}.{key}");
+    let value = v.as_str().ok_or_else(|| invalid_type(&param, "a string"))?;
+    if allowed.contains(&value) {
+        return Ok(());
+    }
+    let quoted: Vec<String> = allowed.iter().map(|a| format!("'{a}'")).collect();
+    let supported = match quoted.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{}, and {last}", rest.join(", ")),
+        _ => quoted.join(""),
+    };
+    Err(HttpError::invalid(
+        format!("Invalid value: '{value}'. Supported values are: {supported}."),
+        Some(&param),
+        Some("invalid_value"),
+    ))
+}
+
+/// OpenAI's reasoning efforts (vLLM takes the same set; an engine that supports fewer maps
+/// the rest to its nearest, or refuses them).
+const REASONING_EFFORTS: [&str; 7] = ["none", "minimal", "low", "medium", "high", "xhigh", "max"];
+
 /// OpenAI's rule for function and schema names: 1 to 64 of `[a-zA-Z0-9_-]`.
 fn check_name(name: &Value, param: &str) -> Result<(), HttpError> {
     let Some(name) = name.as_str() else {
@@ -195,7 +222,7 @@ fn validate_text(body: &Value) -> Result<(), HttpError> {
     let Some(text) = opt_object(body, "text", "text")? else {
         return Ok(());
     };
-    typed(text, "text", &["verbosity"], Value::is_string, "a string")?;
+    one_of(text, "text", "verbosity", &["low", "medium", "high"])?;
     let Some(format) = opt_object(text, "format", "text.format")? else {
         return Ok(());
     };
@@ -360,12 +387,12 @@ pub fn validate_common(body: &Value) -> Result<(), HttpError> {
         "a string",
     )?;
     if let Some(reasoning) = opt_object(body, "reasoning", "reasoning")? {
-        typed(
+        one_of(reasoning, "reasoning", "effort", &REASONING_EFFORTS)?;
+        one_of(
             reasoning,
             "reasoning",
-            &["effort", "summary"],
-            Value::is_string,
-            "a string",
+            "summary",
+            &["auto", "concise", "detailed"],
         )?;
     }
     validate_text(body)?;
@@ -597,6 +624,21 @@ mod tests {
                 "reasoning.effort",
                 "invalid_type",
             ),
+            (
+                json!({"reasoning": {"effort": "extreme"}}),
+                "reasoning.effort",
+                "invalid_value",
+            ),
+            (
+                json!({"reasoning": {"effort": "low", "summary": "brief"}}),
+                "reasoning.summary",
+                "invalid_value",
+            ),
+            (
+                json!({"text": {"verbosity": "terse"}}),
+                "text.verbosity",
+                "invalid_value",
+            ),
             (json!({"text": "json"}), "text", "invalid_type"),
             (
                 json!({"text": {"format": "json"}}),
@@ -652,6 +694,20 @@ mod tests {
             json!({"model": "m", "input": "x", "tools": [{"type": "web_search"}]})
         )
         .is_ok());
+    }
+
+    #[test]
+    fn enumerated_fields_take_openais_values() {
+        for effort in REASONING_EFFORTS {
+            let body = json!({"model": "m", "input": "x", "reasoning": {"effort": effort}});
+            assert!(CreateRequest::from_body(body).is_ok(), "{effort}");
+        }
+        let body = json!({"model": "m", "input": "x", "text": {"verbosity": "loud"}});
+        let e = CreateRequest::from_body(body).unwrap_err().error;
+        assert_eq!(
+            e.message,
+            "Invalid value: 'loud'. Supported values are: 'low', 'medium', and 'high'."
+        );
     }
 
     #[test]
