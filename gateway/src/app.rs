@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -52,8 +53,12 @@ pub struct AppState {
     pub background: Mutex<HashMap<String, BackgroundRun>>,
     /// Bounds how many background runs execute at once.
     pub background_slots: Arc<tokio::sync::Semaphore>,
-    /// Raised when the gateway shuts down and `[background] shutdown_grace_s` has run out:
-    /// background runs still going record themselves as failed (`server_shutdown`).
+    /// Foreground turns running in this process (see [`AppState::foreground_turn`]):
+    /// shutdown waits for them as for background runs, since a turn whose client has left
+    /// runs on to be stored.
+    pub foreground: Arc<AtomicUsize>,
+    /// Raised when the gateway shuts down and `[server] shutdown_grace_s` has run out:
+    /// turns still going (foreground and background) end as failed (`server_shutdown`, stored).
     pub stopping: tokio::sync::watch::Sender<bool>,
     /// Raised when the gateway starts shutting down: streams that only follow stored events
     /// (`GET /v1/responses/{id}?stream=true`) close at once, and their clients resume elsewhere.
@@ -107,6 +112,7 @@ impl AppState {
             hosted_tools,
             background: Mutex::new(HashMap::new()),
             background_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
+            foreground: Arc::new(AtomicUsize::new(0)),
             stopping: tokio::sync::watch::Sender::new(false),
             draining: tokio::sync::watch::Sender::new(false),
             metrics,
@@ -252,13 +258,36 @@ pub struct Gateway {
     exchange: Option<Exchange>,
 }
 
-/// Wait up to `limit` until no background run of this process is left; true if none is.
-async fn background_runs_end(state: &AppState, limit: Duration) -> bool {
+/// A foreground turn counted in [`AppState::foreground`] until this is dropped.
+pub struct ForegroundTurn(Arc<AtomicUsize>);
+
+impl Drop for ForegroundTurn {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl AppState {
+    /// Count a foreground turn until the returned guard is dropped (hold it in the turn's task).
+    pub fn foreground_turn(&self) -> ForegroundTurn {
+        self.foreground.fetch_add(1, Ordering::AcqRel);
+        ForegroundTurn(self.foreground.clone())
+    }
+
+    /// Turns of this process still running: (foreground, background).
+    fn turns_running(&self) -> (usize, usize) {
+        let background = self.background.lock().map_or(0, |runs| runs.len());
+        (self.foreground.load(Ordering::Acquire), background)
+    }
+}
+
+/// Wait up to `limit` until no turn of this process (foreground or background) is left; true
+/// if none is.
+async fn turns_end(state: &AppState, limit: Duration) -> bool {
     // a grace too long to add to the clock waits as long as it takes
     let deadline = tokio::time::Instant::now().checked_add(limit);
     loop {
-        let left = state.background.lock().map_or(0, |runs| runs.len());
-        if left == 0 {
+        if state.turns_running() == (0, 0) {
             return true;
         }
         if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
@@ -361,9 +390,9 @@ impl Gateway {
         result
     }
 
-    /// Stop accepting connections and give the turns in flight (requests, streams, background
-    /// runs) up to `[server] shutdown_grace_s` to finish; then end the rest as failed
-    /// (`server_shutdown`, stored), and stop the background tasks.
+    /// Stop accepting connections and give the turns in flight (requests, streams, turns whose
+    /// client has left, background runs) up to `[server] shutdown_grace_s` to finish; then end
+    /// the rest as failed (`server_shutdown`, stored), and stop the background tasks.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(());
         self.state.draining.send_replace(true);
@@ -372,11 +401,12 @@ impl Gateway {
         let mut task = self.task;
         let drained = tokio::time::timeout(grace, &mut task).await.is_ok();
         let left = grace.saturating_sub(started.elapsed());
-        if !drained || !background_runs_end(&self.state, left).await {
-            let runs = self.state.background.lock().map_or(0, |runs| runs.len());
+        if !drained || !turns_end(&self.state, left).await {
+            let (foreground, background) = self.state.turns_running();
             tracing::warn!(
                 requests_drained = drained,
-                background_runs = runs,
+                foreground_turns = foreground,
+                background_runs = background,
                 "turns still running after server.shutdown_grace_s; ending them as failed"
             );
             self.state.stopping.send_replace(true);
@@ -387,7 +417,7 @@ impl Gateway {
             {
                 task.abort();
             }
-            background_runs_end(&self.state, Duration::from_secs(10)).await;
+            turns_end(&self.state, Duration::from_secs(10)).await;
         }
         self.live.shutdown().await;
         if let Some(reload) = self.reload {

@@ -636,21 +636,27 @@ async fn run(
 
     let mut turn = turn;
     let mut flow_headers = Vec::new();
+    // A shutdown whose grace ran out answers 503 to a request still waiting for its turn or
+    // for the engine's first answer (a P/D prefill leg can take minutes).
+    let mut stopping = state.stopping.subscribe();
+    let shut_down = || {
+        let stop = turn::Stop::Shutdown;
+        HttpError::server(503, stop.message(), stop.code()).with_retry_after(1)
+    };
     if let Some(pending) = admission {
         // Waits here while the pool is full; a client that leaves drops this future, which
-        // takes the request out of the queue, and so does a shutdown whose grace ran out.
-        let mut stopping = state.stopping.subscribe();
+        // takes the request out of the queue.
         let permit = tokio::select! {
             permit = pending.admit() => permit?,
-            Ok(_) = stopping.wait_for(|s| *s) => {
-                let stop = turn::Stop::Shutdown;
-                return Err(HttpError::server(503, stop.message(), stop.code()).with_retry_after(1));
-            }
+            Ok(_) = stopping.wait_for(|s| *s) => return Err(shut_down()),
         };
         flow_headers = flow::response_headers(&permit);
         turn.permit = Some(permit);
     }
-    let (chunks, in_flight) = turn::open_turn(state, &mut turn).await?;
+    let (chunks, in_flight) = tokio::select! {
+        opened = turn::open_turn(state, &mut turn) => opened?,
+        Ok(_) = stopping.wait_for(|s| *s) => return Err(shut_down()),
+    };
     let endpoint = in_flight.endpoint().clone();
     let reason = (in_flight.reason, in_flight.pin_moved);
     if req.stream {
@@ -658,14 +664,19 @@ async fn run(
         let (present, here) = mpsc::channel(1);
         let stops = turn::StopSignals::shutdown_only(state.stopping.subscribe())
             .until_client_leaves(&turn, &present);
-        tokio::spawn(turn::drive(
+        let counted = state.foreground_turn();
+        let run = turn::drive(
             state.clone(),
             turn,
             chunks,
             in_flight,
             Some(tx),
             Some(stops),
-        ));
+        );
+        tokio::spawn(async move {
+            let _counted = counted;
+            run.await
+        });
         let resp = with_reason(sse_response(rx, Some(&endpoint), Some(here)), reason);
         return Ok(Started::Answered(with_headers(resp, flow_headers)));
     }
@@ -680,14 +691,13 @@ async fn run(
     let stops = turn::StopSignals::shutdown_only(state.stopping.subscribe())
         .until_client_leaves(&turn, &present);
     drop(present);
-    let task = tokio::spawn(turn::drive(
-        state.clone(),
-        turn,
-        chunks,
-        in_flight,
-        None,
-        Some(stops),
-    ));
+    // Runs on if the client leaves (a stored turn is kept): counted for shutdown to wait on.
+    let counted = state.foreground_turn();
+    let run = turn::drive(state.clone(), turn, chunks, in_flight, None, Some(stops));
+    let task = tokio::spawn(async move {
+        let _counted = counted;
+        run.await
+    });
     let served = task.await;
     drop(waiting);
     let served = served.map_err(|e| {

@@ -2057,6 +2057,56 @@ async fn the_drain_signal_holds_for_follows_that_start_watching_late() {
     assert!(*state.draining.subscribe().borrow());
 }
 
+/// A stored turn whose client has left runs on to be stored; a shutdown waits for it within
+/// the grace instead of exiting under it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_turns_whose_client_has_left() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fleet = slow_fleet(40.0, "[server]\nshutdown_grace_s = 60\n").await;
+    let base = fleet.base_url();
+    let body = json!({"model": "sim-model", "input": "a story", "stream": true,
+                      "max_output_tokens": 30});
+    // Read up to the first events for the id, then close the connection.
+    let mut socket = tokio::net::TcpStream::connect(base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let body = body.to_string();
+    let request = format!(
+        "POST /v1/responses HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut text = String::new();
+    let mut buf = [0u8; 4096];
+    while !text.contains("response.in_progress") {
+        let n = socket.read(&mut buf).await.unwrap();
+        assert!(n > 0, "closed early: {text}");
+        text.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    drop(socket);
+    let created = text
+        .lines()
+        .find_map(|l| l.strip_prefix("data: "))
+        .and_then(|d| serde_json::from_str::<Value>(d).ok())
+        .unwrap();
+    let id = created["response"]["id"].as_str().unwrap().to_string();
+    let state = fleet.gateway().state().clone();
+    fleet.shutdown_gateways().await;
+    // It ran to the end (its token limit) within the grace, stored under the id its client saw.
+    let record = state
+        .store
+        .get(agentgate::auth::OPEN_TEAM, &id)
+        .await
+        .unwrap()
+        .expect("stored before the shutdown ended");
+    assert_eq!(
+        record.response["status"], "incomplete",
+        "{}",
+        record.response
+    );
+    assert_eq!(record.response["usage"]["output_tokens"], 30);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_cut_short_by_shutdown_end_as_failed() {
     // Two real seconds per token: no answer finishes within the test.
