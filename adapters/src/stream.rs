@@ -829,6 +829,46 @@ impl ResponseStream {
     }
 }
 
+/// An engine failure reported inside its stream by a chunk that carries no output: an error
+/// chunk, or a choice that ends `abort` or `error` with nothing in its delta (vLLM and SGLang
+/// end a request this way when the engine fails or drains before it produced anything). Such
+/// a chunk before the first output leaves the request free to run again elsewhere. Its message.
+pub fn failure_without_output(chunk: &Value) -> Option<String> {
+    if let Some(message) = engine_error_message(chunk) {
+        return Some(format!(
+            "the engine reported an error in its stream: {message}"
+        ));
+    }
+    let choice = chunk.get("choices")?.as_array()?.first()?;
+    let reason = choice.get("finish_reason")?.as_str()?;
+    if !matches!(reason, "abort" | "error") || carries_output(chunk) {
+        return None;
+    }
+    Some(format!(
+        "the engine ended the request ({reason}) before any output"
+    ))
+}
+
+/// Whether an engine chunk carries output: text, reasoning or a tool call. vLLM's first chunk
+/// (the assistant role, empty content) does not; it comes just before the first token, and
+/// also before the `abort` of a request that never had one.
+pub fn carries_output(chunk: &Value) -> bool {
+    let Some(choices) = chunk.get("choices").and_then(Value::as_array) else {
+        return false;
+    };
+    let carries = |delta: &Value, key: &str| match delta.get(key) {
+        None | Some(Value::Null) => false,
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(_) => true,
+    };
+    choices.iter().filter_map(|c| c.get("delta")).any(|delta| {
+        ["content", "reasoning_content", "reasoning", "tool_calls"]
+            .iter()
+            .any(|key| carries(delta, key))
+    })
+}
+
 /// The message of an engine error delivered inside the stream (`{"error": {...}}` or
 /// `{"object": "error", "message": ...}`), if this chunk is one.
 fn engine_error_message(chunk: &Value) -> Option<String> {
@@ -869,6 +909,30 @@ fn custom_input(arguments: &str) -> String {
 mod tests {
     use super::*;
     use crate::tools::ToolName;
+
+    #[test]
+    fn failures_without_output_are_told_from_output() {
+        let err = json!({"error": {"message": "EngineDeadError", "code": 500}});
+        assert!(failure_without_output(&err)
+            .unwrap()
+            .contains("EngineDeadError"));
+        let flat = json!({"object": "error", "message": "engine busy"});
+        assert!(failure_without_output(&flat).is_some());
+        let abort =
+            json!({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "abort"}]});
+        assert!(failure_without_output(&abort).is_some());
+        // Output, or an ordinary end, is not such a failure.
+        let cut = json!({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": "abort"}]});
+        assert_eq!(failure_without_output(&cut), None);
+        let first =
+            json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]});
+        assert_eq!(failure_without_output(&first), None);
+        let stop = json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]});
+        assert_eq!(failure_without_output(&stop), None);
+        assert!(!carries_output(&first) && !carries_output(&abort) && carries_output(&cut));
+        let call = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]});
+        assert!(carries_output(&call));
+    }
 
     fn skeleton() -> Value {
         json!({

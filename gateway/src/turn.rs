@@ -58,7 +58,8 @@ use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 
 use agentgate_adapters::{
-    ChatPlan, ChunkStream, DisaggError, PrefillTarget, ResponseStream, SseEvent, UpstreamError,
+    carries_output, failure_without_output, ChatPlan, ChunkStream, DisaggError, PrefillTarget,
+    ResponseStream, SseEvent, UpstreamError,
 };
 use agentgate_sessions::{ResponseRecord, Store};
 
@@ -1314,11 +1315,23 @@ async fn drive_announced(
             },
             None => chunks.next().await,
         };
+        // An engine that fails or drains before its first token may say so in its stream
+        // (an error chunk, an `abort` with nothing in it): as when the connection breaks, the
+        // client has seen nothing of the engine's, and another endpoint may run the request.
+        let next = match next {
+            Some(Ok(chunk)) if first_token.is_none() => match failure_without_output(&chunk) {
+                Some(failure) => Some(Err(UpstreamError::Protocol(failure))),
+                None => Some(Ok(chunk)),
+            },
+            next => next,
+        };
         match next {
             Some(Ok(chunk)) => {
                 // The engine is past this request's prefill: it no longer delays new work there.
                 routed.in_flight.prefill_done();
-                if first_token.is_none() {
+                // (vLLM's first chunk, the assistant role, comes just before the first token,
+                // and also ahead of the `abort` of a request that never had one.)
+                if first_token.is_none() && carries_output(&chunk) {
                     let now = Instant::now();
                     first_token = Some(now);
                     if let Some(leg) = &routed.prefill {

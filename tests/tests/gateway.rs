@@ -440,6 +440,15 @@ async fn input_items_paginate_over_the_whole_conversation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_engine_fails_before_its_first_token_runs_elsewhere() {
+    // The replica drops each request before its first token (as a replica that dies while
+    // they queue or prefill), or ends it in its stream first thing (as vLLM ends the requests
+    // it aborts when it drains or its engine fails).
+    for fault in [json!({"cut_after": 0}), json!({"abort_after": 0})] {
+        fails_before_its_first_token(fault).await;
+    }
+}
+
+async fn fails_before_its_first_token(fault: Value) {
     // The default policy: a session's turns stay where it ran, pinned and cached there.
     let fleet = Fleet::of(2).start().await;
     let base = fleet.base_url();
@@ -459,13 +468,14 @@ async fn a_request_whose_engine_fails_before_its_first_token_runs_elsewhere() {
         "sim/0" => (0, "sim/1"),
         _ => (1, "sim/0"),
     };
-    // The session's replica now takes requests, then drops each before its first token (as a
-    // replica that dies while they queue or prefill).
-    set_sim_fault(&fleet.sims()[home_index], json!({"cut_after": 0})).await;
+    // The session's replica now fails each request before its first token.
+    set_sim_fault(&fleet.sims()[home_index], fault.clone()).await;
     for i in 1..5 {
         let stream = i % 2 == 0;
         let resp = post_response(&base, &turn(i, previous.as_deref(), stream)).await;
-        assert_eq!(resp.status(), 200);
+        if resp.status() != 200 {
+            panic!("{fault} turn {i}: {}", resp.text().await.unwrap());
+        }
         let served = served_endpoint(&resp);
         let response = if stream {
             let events = read_sse(resp).await;
@@ -478,11 +488,14 @@ async fn a_request_whose_engine_fails_before_its_first_token_runs_elsewhere() {
         let status = &response["status"];
         assert!(
             status == "completed" || status == "incomplete",
-            "turn {i}: {status}"
+            "{fault} turn {i}: {status}"
         );
         if !stream {
             // (A stream's headers went out before its first token.)
-            assert_eq!(served, elsewhere, "turn {i}: the header names where it ran");
+            assert_eq!(
+                served, elsewhere,
+                "{fault} turn {i}: the header names where it ran"
+            );
         }
     }
     fleet.shutdown().await;
