@@ -395,15 +395,34 @@ impl Routed {
     }
 }
 
-/// The session's pin in the store, when the pool's policy pins sessions. A store error is
-/// logged and treated as no pin: routing goes on by prefix and load.
+/// Longest wait for the store on a pin read or write. Pins steer routing but are not needed
+/// to serve a turn: a store that does not answer in time (stalled, unreachable) costs a turn
+/// its placement, not seconds of its latency.
+const PIN_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// `op`, or an error when the store takes longer than [`PIN_TIMEOUT`].
+async fn pin_op<T, E: std::fmt::Display>(
+    op: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(PIN_TIMEOUT, op).await {
+        Ok(done) => done.map_err(|e| e.to_string()),
+        Err(_) => Err(format!(
+            "no answer from the store within {} ms",
+            PIN_TIMEOUT.as_millis()
+        )),
+    }
+}
+
+/// The session's pin in the store, when the pool's policy pins sessions. A store error (or no
+/// answer within `PIN_TIMEOUT`, 500 ms) is logged and treated as no pin: routing goes on by prefix
+/// and load.
 pub async fn session_pin(
     state: &AppState,
     pool: &Pool,
     session: Option<&str>,
 ) -> Option<SessionPin> {
     let key = session.filter(|_| pool.policy.uses_pins())?;
-    match state.store.get_pin(&pool.name, key).await {
+    match pin_op(state.store.get_pin(&pool.name, key)).await {
         Ok(pin) => pin,
         Err(e) => {
             tracing::warn!("session pin unavailable ({e}); routing by prefix and load");
@@ -1060,10 +1079,7 @@ async fn repin(
                 url: Some(ep.base_url.clone()),
                 ..p.clone()
             };
-            if let Err(e) = state
-                .store
-                .swap_pin(&pool.name, key, Some(p), &with_url)
-                .await
+            if let Err(e) = pin_op(state.store.swap_pin(&pool.name, key, Some(p), &with_url)).await
             {
                 tracing::warn!("could not store the session pin: {e}");
             }
@@ -1075,7 +1091,7 @@ async fn repin(
         moves: pin.map_or(0, |p| p.moves.saturating_add(1)),
         url: Some(ep.base_url.clone()),
     };
-    match state.store.swap_pin(&pool.name, key, pin, &new).await {
+    match pin_op(state.store.swap_pin(&pool.name, key, pin, &new)).await {
         Ok(in_force) if !in_force.same_as(&new) => {
             tracing::info!(key, pinned = %in_force.endpoint, served = %ep.name, "another gateway re-pinned the session first");
             return None;
@@ -2030,6 +2046,21 @@ mod tests {
 
     fn item(kind: &str, n: usize) -> Value {
         json!({"type": kind, "id": format!("{kind}_{n}")})
+    }
+
+    /// A store that never answers a pin read or write (stalled, black-holed) costs a turn at
+    /// most PIN_TIMEOUT, not the store client's own timeouts and reconnects.
+    #[tokio::test(start_paused = true)]
+    async fn a_pin_operation_the_store_does_not_answer_gives_up() {
+        let started = tokio::time::Instant::now();
+        let never = std::future::pending::<Result<(), String>>();
+        let err = pin_op(never).await.unwrap_err();
+        assert_eq!(started.elapsed(), PIN_TIMEOUT);
+        assert_eq!(err, "no answer from the store within 500 ms");
+        assert_eq!(
+            pin_op(async { Err::<(), _>("refused") }).await.unwrap_err(),
+            "refused"
+        );
     }
 
     #[test]
