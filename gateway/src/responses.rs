@@ -59,15 +59,31 @@ pub(crate) fn body_error(rejection: BytesRejection, limit: usize) -> HttpError {
     }
 }
 
-/// 503 for store failures: nothing was lost, the client may retry.
+/// The answer to a store failure: 503 (nothing was lost, the client may retry) when the store
+/// is unavailable; 400 `previous_response_not_found` when part of the chain is gone (a retry
+/// would not bring it back); 500 without `Retry-After` for stored data this gateway cannot read.
 pub fn store_error(e: StoreError) -> HttpError {
     tracing::error!("store error: {e}");
-    HttpError::server(
-        503,
-        "The conversation store is unavailable. Retry shortly.",
-        "store_unavailable",
-    )
-    .with_retry_after(1)
+    match e {
+        StoreError::Lost { missing, .. } => HttpError::invalid(
+            format!(
+                "Previous response with id '{missing}', earlier in this chain, is no longer stored (the store evicted or lost it), so the conversation's history cannot be rebuilt."
+            ),
+            Some("previous_response_id"),
+            Some("previous_response_not_found"),
+        ),
+        StoreError::Corrupt { id, .. } => HttpError::server(
+            500,
+            format!("The stored response '{id}' cannot be read by this gateway."),
+            "store_corrupt",
+        ),
+        _ => HttpError::server(
+            503,
+            "The conversation store is unavailable. Retry shortly.",
+            "store_unavailable",
+        )
+        .with_retry_after(1),
+    }
 }
 
 fn model_not_found(model: &str) -> HttpError {

@@ -24,6 +24,14 @@ pub enum StoreError {
     },
     /// The store URL could not be used.
     InvalidUrl(String),
+    /// A response of the chain ending at `id` is gone without having been deleted (evicted,
+    /// or lost with a restart of the store): its history cannot be rebuilt whole.
+    Lost {
+        /// Id of the response whose history was asked for.
+        id: String,
+        /// Id of the predecessor that is gone.
+        missing: String,
+    },
 }
 
 impl fmt::Display for StoreError {
@@ -40,6 +48,10 @@ impl fmt::Display for StoreError {
             StoreError::CorruptPin { key, reason } => write!(
                 f,
                 "session pin {key} is unreadable: {reason} (delete the key; the session is re-pinned on its next turn)"
+            ),
+            StoreError::Lost { id, missing } => write!(
+                f,
+                "response {missing}, earlier in the chain of {id}, is no longer stored (evicted or lost by the store, not deleted); the history cannot be rebuilt"
             ),
             StoreError::InvalidUrl(msg) => write!(
                 f,

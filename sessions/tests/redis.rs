@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use agentgate_sessions::pins::MAX_KEY_PART_LEN;
 use agentgate_sessions::testing::{
-    closed_port, pin, pin_expiry_suite, record, suite, unique_prefix, TestRedis,
+    closed_port, items_of, pin, pin_expiry_suite, record, suite, unique_prefix, TestRedis,
 };
 use agentgate_sessions::{
     AnyStore, RedisStore, ResponseRecord, SessionPin, Store, StoreError, StoreOptions,
@@ -121,6 +121,36 @@ async fn history_of_a_long_chain_is_exactly_one_round_trip() {
     }
 }
 
+/// A predecessor evicted (or lost in a restart) under a response that continues it is an error,
+/// not a history silently cut short; a deleted one is where the history starts.
+#[tokio::test]
+async fn a_lost_predecessor_is_an_error_a_deleted_one_a_cut() {
+    let redis = TestRedis::start();
+    let store = store(&redis, "lost").await;
+    let chain = put_chain(&store, "t", "resp", 4, 10).await;
+    assert!(redis.delete(&store.response_key(&chain[1].id)), "evicted");
+    match store.history("t", &chain[3].id).await {
+        Err(StoreError::Lost { id, missing }) => {
+            assert_eq!((id.as_str(), missing.as_str()), ("resp_3", "resp_1"));
+        }
+        other => panic!("a lost predecessor must be reported: {other:?}"),
+    }
+    // Deleted through the API instead: the history starts after it.
+    assert!(store.delete("t", &chain[2].id).await.expect("delete"));
+    let history = store.history("t", &chain[3].id).await.expect("history");
+    let history = history.expect("the newest is stored");
+    assert_eq!(history.root_id, "resp_3");
+    assert_eq!(history.items, items_of(&[&chain[3]]));
+    // The marker lives as long as the deleted response would have.
+    let mut conn = raw(&redis).await;
+    let marker = format!(
+        "{}deleted:resp_2",
+        store.response_key("").trim_end_matches("resp:")
+    );
+    let ttl = pttl(&mut conn, &marker).await;
+    assert!(ttl > 0 && ttl <= TEST_TTL.as_millis() as i64, "{ttl}");
+}
+
 #[tokio::test]
 async fn every_key_gets_the_ttl_and_history_refreshes_it() {
     let redis = TestRedis::start();
@@ -132,10 +162,19 @@ async fn every_key_gets_the_ttl_and_history_refreshes_it() {
         assert!(left > 0 && left <= 3_600_000, "PTTL {left}");
     }
 
+    // A history walk refreshes every response it reads, and their event logs with them (a
+    // background response's log is replayed as long as the response can be read).
     let root_key = store.response_key(&chain[0].id);
+    let root_log = store.events_key(&chain[0].id);
+    store
+        .append_events(&chain[0].id, &["event: a\n\n".to_string()])
+        .await
+        .expect("append");
     expire_in_10s(&mut conn, &root_key).await;
+    expire_in_10s(&mut conn, &root_log).await;
     store.history("t", &chain[2].id).await.expect("history");
     assert!(pttl(&mut conn, &root_key).await > 10_000);
+    assert!(pttl(&mut conn, &root_log).await > 10_000);
 
     expire_in_10s(&mut conn, &store.response_key(&chain[2].id)).await;
     let mut running = chain[2].response.clone();

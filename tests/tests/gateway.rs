@@ -21,6 +21,38 @@ async fn create(base: &str, body: Value) -> (u16, Value) {
     (status, resp.json().await.expect("json body"))
 }
 
+/// A turn continuing a chain whose earlier response Redis evicted is refused, naming it, instead
+/// of running on a history cut short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_with_an_evicted_response_is_refused_not_cut_short() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("evicted_link");
+    let fleet = Fleet::of(1).store(redis.url(), &prefix).start().await;
+    let base = fleet.base_url();
+    let mut ids: Vec<String> = Vec::new();
+    for turn in 0..3 {
+        let mut body =
+            json!({"model": "sim-model", "input": format!("turn {turn}"), "max_output_tokens": 16});
+        if let Some(p) = ids.last() {
+            body["previous_response_id"] = json!(p);
+        }
+        let (status, r) = create(&base, body).await;
+        assert_eq!(status, 200, "{r}");
+        ids.push(r["id"].as_str().unwrap().to_string());
+    }
+    assert!(redis.delete(&format!("{prefix}resp:{}", ids[1])));
+    let body = json!({"model": "sim-model", "input": "and then?", "previous_response_id": ids[2]});
+    let (status, e) = create(&base, body).await;
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["code"], "previous_response_not_found");
+    assert_eq!(e["error"]["param"], "previous_response_id");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains(&ids[1]),
+        "{e}"
+    );
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_turn_conversation_on_redis_costs_constant_store_round_trips() {
     let redis = TestRedis::start();

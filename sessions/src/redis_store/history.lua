@@ -5,14 +5,20 @@
 -- ARGV[3]: TTL in milliseconds, refreshed on every response walked
 -- ARGV[4]: longest chain accepted; longer means a cycle
 -- ARGV[5]: id of the newest response (KEYS[1] without the prefix)
+-- ARGV[6]: key prefix of deletion markers (marker key = ARGV[6] .. id; see delete.lua)
+-- ARGV[7]: key prefix of event logs (a background response's log lives as long as it does)
 -- Returns nil if KEYS[1] is missing or another team's; otherwise the id of the oldest response
 -- walked (the chain's root), the status of KEYS[1]'s response, then the JSON blobs [input_1,
--- output_1, ..., input_n, output_n]. The walk stops at the first predecessor that is missing (expired or deleted) or
--- owned by another team.
+-- output_1, ..., input_n, output_n]. The walk stops at the first predecessor that was deleted
+-- or is owned by another team. A predecessor that is missing without a deletion marker was
+-- lost (evicted under maxmemory, expired, or gone with a Redis restart): the answer is then
+-- {'!lost', its id}, since a history without it would be silently cut short.
 local team = ARGV[1]
 local prefix = ARGV[2]
 local ttl = ARGV[3]
 local max_len = tonumber(ARGV[4])
+local deleted_prefix = ARGV[6]
+local events_prefix = ARGV[7]
 
 local key = KEYS[1]
 local root = ARGV[5]
@@ -32,12 +38,16 @@ while true do
   reversed[#reversed + 1] = fields[4]
   reversed[#reversed + 1] = fields[3]
   redis.call('PEXPIRE', key, ttl)
+  redis.call('PEXPIRE', events_prefix .. root, ttl)
   local prev = fields[2]
   if not prev or prev == '' then
     break
   end
   key = prefix .. prev
   fields = redis.call('HMGET', key, 'team', 'prev', 'input', 'output')
+  if not fields[1] and redis.call('EXISTS', deleted_prefix .. prev) == 0 then
+    return {'!lost', prev}
+  end
   if fields[1] ~= team then
     break
   end

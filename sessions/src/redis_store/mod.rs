@@ -7,6 +7,12 @@
 //! sets the TTL. Reads that need several keys or a check-then-write run as Lua scripts, sent with
 //! EVALSHA and falling back to EVAL when the server does not have the script cached.
 //!
+//! Deleting a response leaves a marker `{prefix}deleted:{id}` for as long as the response would
+//! have lived: the history walk of a response continuing it stops there (the deleted turn's
+//! items are not used), while a predecessor missing without a marker was lost (evicted under
+//! `maxmemory`, or gone with a restart of a Redis without persistence) and the walk answers
+//! [`StoreError::Lost`] rather than a history silently cut short.
+//!
 //! A background response's event log is a list `{prefix}events:{id}` of SSE frames, one per
 //! event in sequence order, with the response's TTL: appended by a script that pushes only
 //! while the response exists, read with LRANGE, deleted with the response.
@@ -245,6 +251,11 @@ impl RedisStore {
     /// The Redis key of response `id`.
     pub fn response_key(&self, id: &str) -> String {
         format!("{}{id}", self.resp_prefix)
+    }
+
+    /// The Redis key marking response `id` as deleted (see `delete.lua`).
+    fn deleted_key(&self, id: &str) -> String {
+        format!("{}deleted:{id}", self.key_prefix)
     }
 
     /// The Redis key of response `id`'s event log.
@@ -549,6 +560,8 @@ impl Store for RedisStore {
     async fn history(&self, team: &str, id: &str) -> Result<Option<History>, StoreError> {
         let ttl = self.ttl_ms.to_string();
         let max_len = MAX_CHAIN_LEN.to_string();
+        let deleted_prefix = self.deleted_key("");
+        let events_prefix = self.events_key("");
         let blobs: Option<Vec<Vec<u8>>> = self
             .run_script(
                 &self.history_script,
@@ -559,12 +572,23 @@ impl Store for RedisStore {
                     ttl.as_bytes(),
                     max_len.as_bytes(),
                     id.as_bytes(),
+                    deleted_prefix.as_bytes(),
+                    events_prefix.as_bytes(),
                 ],
             )
             .await?;
         let Some((root, blobs)) = blobs.as_deref().and_then(<[Vec<u8>]>::split_first) else {
             return Ok(None);
         };
+        if root == b"!lost" {
+            let missing = blobs
+                .first()
+                .map(|m| String::from_utf8_lossy(m).into_owned());
+            return Err(StoreError::Lost {
+                id: id.to_string(),
+                missing: missing.unwrap_or_default(),
+            });
+        }
         let Some((status, blobs)) = blobs.split_first() else {
             return Err(StoreError::Corrupt {
                 id: id.to_string(),
@@ -611,11 +635,16 @@ impl Store for RedisStore {
     }
 
     async fn delete(&self, team: &str, id: &str) -> Result<bool, StoreError> {
+        let ttl = self.ttl_ms.to_string();
         let deleted: i64 = self
             .run_script_keys(
                 &self.delete_script,
-                &[&self.response_key(id), &self.events_key(id)],
-                &[team.as_bytes()],
+                &[
+                    &self.response_key(id),
+                    &self.events_key(id),
+                    &self.deleted_key(id),
+                ],
+                &[team.as_bytes(), ttl.as_bytes()],
             )
             .await?;
         Ok(deleted == 1)
