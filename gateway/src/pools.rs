@@ -187,6 +187,22 @@ impl Pool {
             .map_or(0, |index| index.tokens_per_chunk())
     }
 
+    /// Whether `endpoint` can run a request whole (prefill and decode). An SGLang server in
+    /// `--disaggregation-mode decode` cannot: every request it takes waits for its KV from a
+    /// prefill server, so it only ever runs the decode leg of a split request. (A vLLM decode
+    /// instance, whose KV connector is `kv_both`, prefills what it is not sent.)
+    pub fn runs_whole(&self, endpoint: &Endpoint) -> bool {
+        self.flavor != Flavor::Sglang || endpoint.role != Role::Decode
+    }
+
+    /// Whether `endpoint` can take the decode leg of a split request (receive a prompt's KV
+    /// from a prefill endpoint). An SGLang server not started in a disaggregation mode (role
+    /// `both`) ignores the bootstrap fields and prefills the prompt itself, while the prefill
+    /// server holds its KV for a decode server that never comes.
+    pub fn receives_kv(&self, endpoint: &Endpoint) -> bool {
+        self.flavor != Flavor::Sglang || endpoint.role != Role::Both
+    }
+
     /// Where an SGLang prefill endpoint's bootstrap server listens: the endpoint's host, and
     /// its [`BOOTSTRAP_PORT_LABEL`], else the pool's `bootstrap_port`, else its HTTP port.
     /// None for other flavors (their protocol needs none) or an unparsable URL.

@@ -38,7 +38,12 @@
 //! Failures before the client has seen anything are retried without splitting: a failed
 //! prefill leg runs the request on `d` (local prefill); a failed decode leg (almost always a
 //! lost KV transfer) retries once on `d` without disaggregation; either continues to the other
-//! decode endpoints if `d` fails too. The stored conversation gets exactly one response.
+//! decode endpoints if `d` fails too.
+//!
+//! SGLang servers are bound to their disaggregation mode ([`Pool::runs_whole`],
+//! [`Pool::receives_kv`]): one in `decode` mode never prefills, so every request placed there
+//! is split whatever the threshold, and its fallbacks run whole on an endpoint of role `both`
+//! (or fail, with none); one of role `both` cannot receive KV, so it always runs whole. The stored conversation gets exactly one response.
 //! Each split request logs both endpoints (`debug`), and its legs are timed into
 //! `agentgate_pd_leg_duration_seconds`.
 //!
@@ -750,8 +755,9 @@ fn count_local(
 
 /// Where the decode endpoint's pick leaves a request of a pool with prefill endpoints.
 enum DecodeLeg {
-    /// Cached enough there: it runs whole on the decode endpoint, already counted.
-    Local(Placed),
+    /// It runs whole on the decode endpoint, already counted: cached enough there (`cached`),
+    /// or an endpoint that cannot take a split's decode leg (`runs_whole`).
+    Local(Placed, &'static str),
     /// Its prompt is prefilled elsewhere: the decode endpoint counts it, without a prefill.
     Split(Pick, InFlight),
 }
@@ -863,24 +869,26 @@ async fn open_split(
             decode.uncached_tokens_estimate =
                 uncached_tokens(prompt_tokens, matched, placement.prefix.len());
         }
-        Some(
-            match remote_prefill_pays_off(
-                decode.uncached_tokens_estimate,
-                settings.threshold_tokens,
-            ) {
-                false => DecodeLeg::Local(count_local(pool, &decode_view, &placement, decode)),
-                true => {
-                    let mut guard = decode_view[decode.index].begin(prompt_tokens, 0);
-                    guard.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
-                    DecodeLeg::Split(decode, guard)
-                }
-            },
-        )
+        let d = &decode_view[decode.index];
+        let pays_off =
+            remote_prefill_pays_off(decode.uncached_tokens_estimate, settings.threshold_tokens);
+        let split = (pays_off && pool.receives_kv(d)) || !pool.runs_whole(d);
+        Some(match split {
+            false => {
+                let why = if pays_off { "runs_whole" } else { "cached" };
+                DecodeLeg::Local(count_local(pool, &decode_view, &placement, decode), why)
+            }
+            true => {
+                let mut guard = decode_view[decode.index].begin(prompt_tokens, 0);
+                guard.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
+                DecodeLeg::Split(decode, guard)
+            }
+        })
     });
     let (decode, decode_guard) = match leg {
         None => return Err(no_endpoint(pool, "no available decode endpoint")),
-        Some(DecodeLeg::Local(placed)) => {
-            state.metrics.pd_decision(&pool.name, "local", "cached");
+        Some(DecodeLeg::Local(placed, why)) => {
+            state.metrics.pd_decision(&pool.name, "local", why);
             return open_local(state, pool, &decode_view, placement, Some(placed)).await;
         }
         Some(DecodeLeg::Split(decode, guard)) => (decode, guard),
@@ -918,6 +926,10 @@ async fn open_split(
         state
             .metrics
             .pd_decision(&pool.name, "local", "no_prefill_endpoint");
+        if !pool.runs_whole(&d) {
+            drop(decode_guard);
+            return open_whole_elsewhere(state, pool, &decode_view, placement, None).await;
+        }
         let placed = pool.place(|| {
             drop(decode_guard);
             count_local(pool, &decode_view, &placement, decode)
@@ -927,8 +939,10 @@ async fn open_split(
     let p = prefill_view[prefill.index].clone();
     let why = if lineage.is_some() {
         "sub_agent"
-    } else {
+    } else if remote_prefill_pays_off(decode.uncached_tokens_estimate, settings.threshold_tokens) {
         "uncached"
+    } else {
+        "decode_only_endpoint"
     };
     state.metrics.pd_decision(&pool.name, "disaggregated", why);
 
@@ -1042,19 +1056,54 @@ async fn open_split(
         tracing::info!(prefill = %p.name, decode = %d.name, "engine rejected the request: {}", api.message);
         return Err(api.into());
     }
+    let whole = pool.runs_whole(&d);
+    let instead = match whole {
+        true => "prefilling on the decode endpoint",
+        false => "running it whole on an endpoint that can",
+    };
     match &failure {
         DisaggError::Prefill(e) => {
-            tracing::warn!(prefill = %p.name, decode = %d.name, "prefill leg failed ({e}); prefilling on the decode endpoint");
+            tracing::warn!(prefill = %p.name, decode = %d.name, "prefill leg failed ({e}); {instead}");
             state.metrics.pd_fallback(&pool.name, "prefill_failed");
         }
         DisaggError::Decode(e) => {
-            tracing::warn!(prefill = %p.name, decode = %d.name, "decode leg failed after the prefill ({e}); retrying once without disaggregation");
+            tracing::warn!(prefill = %p.name, decode = %d.name, "decode leg failed after the prefill ({e}); retrying once without disaggregation, {instead}");
             state.metrics.pd_transfer_failed(&pool.name, &p, &d);
             state.metrics.pd_fallback(&pool.name, "transfer_failed");
         }
     }
+    if !whole {
+        return open_whole_elsewhere(state, pool, &decode_view, placement, Some(failure)).await;
+    }
     let placed = pool.place(|| count_local(pool, &decode_view, &placement, decode));
     open_local(state, pool, &decode_view, placement, Some(placed)).await
+}
+
+/// Run a request whole on one of `view`'s endpoints that can (see [`Pool::runs_whole`]), for a
+/// request whose decode endpoint cannot prefill and could not be split. With none, the split's
+/// failure, or 503 when there was no prefill endpoint to split with.
+async fn open_whole_elsewhere(
+    state: &AppState,
+    pool: &Pool,
+    view: &[Arc<Endpoint>],
+    placement: Placement<'_>,
+    failure: Option<DisaggError>,
+) -> Result<(ChunkStream, Routed), HttpError> {
+    let whole: Vec<Arc<Endpoint>> = view
+        .iter()
+        .filter(|e| pool.runs_whole(e))
+        .cloned()
+        .collect();
+    if whole.is_empty() {
+        return Err(match failure {
+            Some(failure) => failure.upstream().to_api_error().into(),
+            None => no_endpoint(
+                pool,
+                "no prefill endpoint is available, and the pool's SGLang decode endpoints cannot prefill",
+            ),
+        });
+    }
+    open_local(state, pool, &whole, placement, None).await
 }
 
 /// Point the pin under `key` at `ep` when it points elsewhere (or nowhere yet). (A pin that

@@ -539,6 +539,14 @@ async fn transfer(
             }
         }
         Flavor::Sglang => {
+            if prepared.bootstrap.is_none() && config.role == Role::Decode {
+                // An SGLang server in `--disaggregation-mode decode` never prefills: every
+                // request waits for a KV transfer from `bootstrap_host:bootstrap_port`, which a
+                // request without one names as `None` and cannot reach.
+                return Err(ApiError::internal(
+                    "this SGLang server runs in disaggregation-mode decode: a request needs bootstrap_host, bootstrap_port and bootstrap_room to receive its KV from a prefill server",
+                ));
+            }
             if let Some((host, port, room)) = &prepared.bootstrap {
                 match config.role {
                     Role::Prefill => {

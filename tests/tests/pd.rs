@@ -16,6 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 use agentgate::Gateway;
+use agentgate_sessions::Store;
 use agentgate_sim::{Flavor, Role, SimConfig, SimHandle};
 use agentgate_tests::*;
 
@@ -215,7 +216,10 @@ async fn long_prompt_is_split_and_a_cached_turn_stays_local(flavor: Flavor) {
         1.0,
     );
 
-    // The next turn appends a few words to what the decode replica now holds: local.
+    // The next turn appends a few words to what the decode replica now holds: vLLM's decode
+    // instance prefills them itself. An SGLang decode server cannot prefill at all: the turn is
+    // split again, and the prefill replica, which holds the prefix too, computes only the new
+    // words.
     let (second, served) = create(
         &base,
         json!({"model": "sim-model", "input": "and now briefly", "max_output_tokens": 16,
@@ -225,30 +229,54 @@ async fn long_prompt_is_split_and_a_cached_turn_stays_local(flavor: Flavor) {
     .await;
     assert_eq!(served, "pd/1");
     assert!(cached_tokens(&second) >= prompt - 16, "{second}");
-    assert_eq!(
-        computed(&prefill).await,
-        on_prefill,
-        "no second prefill leg"
-    );
-    let appended = computed(&decode).await - on_decode;
-    assert!(
-        appended < 64.0,
-        "only the new turn was prefilled: {appended}"
-    );
+    let (local, forced) = match flavor {
+        Flavor::Vllm => {
+            assert_eq!(
+                computed(&prefill).await,
+                on_prefill,
+                "no second prefill leg"
+            );
+            let appended = computed(&decode).await - on_decode;
+            assert!(
+                appended < 64.0,
+                "only the new turn was prefilled: {appended}"
+            );
+            (2.0, 0.0)
+        }
+        Flavor::Sglang => {
+            let appended = computed(&prefill).await - on_prefill;
+            assert!(
+                appended > 0.0 && appended < 64.0,
+                "only the new turn was prefilled, on the prefill replica: {appended}"
+            );
+            let on_decode = computed(&decode).await - on_decode;
+            assert!(on_decode < 16.0, "only a last partial block: {on_decode}");
+            (0.0, 2.0)
+        }
+    };
+    let on_prefill = computed(&prefill).await;
 
-    // A short prompt in a new session is below the threshold: local too.
+    // A short prompt in a new session is below the threshold: local too (split on SGLang).
     create(
         &base,
         json!({"model": "sim-model", "input": "hello there", "max_output_tokens": 16}),
         &[("x-session-id", "short-1")],
     )
     .await;
-    assert_eq!(computed(&prefill).await, on_prefill);
+    assert_eq!(
+        computed(&prefill).await > on_prefill,
+        flavor == Flavor::Sglang
+    );
     let m = metrics_text(&base).await;
     assert_series(
         &m,
         "agentgate_pd_decisions_total{pool=\"pd\",decision=\"local\",reason=\"cached\"}",
-        2.0,
+        local,
+    );
+    assert_series(
+        &m,
+        "agentgate_pd_decisions_total{pool=\"pd\",decision=\"disaggregated\",reason=\"decode_only_endpoint\"}",
+        forced,
     );
     assert_eq!(
         conversation_roles(&base, second["id"].as_str().unwrap()).await,
@@ -270,8 +298,9 @@ async fn sglang_long_prompt_is_split_and_a_cached_turn_stays_local() {
 }
 
 /// Two turns of one conversation through a pool whose split requests fail in some way; each
-/// turn still gets exactly one stored response. Returns the gateway's metrics afterwards.
-async fn two_turns_survive(base: &str, decode: &SimHandle) -> String {
+/// turn still gets exactly one stored response, run whole by `runs_whole` (endpoint `name`).
+/// Returns the gateway's metrics afterwards.
+async fn two_turns_survive(base: &str, runs_whole: &SimHandle, name: &str) -> String {
     let session = [("x-session-id", "failing-1")];
     let (first, served) = create(
         base,
@@ -279,10 +308,10 @@ async fn two_turns_survive(base: &str, decode: &SimHandle) -> String {
         &session,
     )
     .await;
-    assert_eq!(served, "pd/1");
+    assert_eq!(served, name);
     assert!(
-        computed(decode).await >= 4000.0,
-        "the decode replica prefilled the prompt itself"
+        computed(runs_whole).await >= 4000.0,
+        "{name} prefilled the prompt itself"
     );
     let (second, _) = create(
         base,
@@ -303,7 +332,7 @@ async fn two_turns_survive(base: &str, decode: &SimHandle) -> String {
 async fn vllm_prefill_replica_gone_falls_back_to_a_local_prefill() {
     let (prefill, decode, gw) = prefill_decode_pair(Flavor::Vllm).await;
     prefill.shutdown().await;
-    let m = two_turns_survive(&gw.base_url(), &decode).await;
+    let m = two_turns_survive(&gw.base_url(), &decode, "pd/1").await;
     assert_series(
         &m,
         "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"prefill_failed\"}",
@@ -321,22 +350,91 @@ async fn vllm_prefill_replica_gone_falls_back_to_a_local_prefill() {
     decode.shutdown().await;
 }
 
+/// POST a non-streaming response that must fail: its status and error object.
+async fn create_failing(gw: &str, body: Value) -> (u16, Value) {
+    let resp = reqwest::Client::new()
+        .post(format!("{gw}/v1/responses"))
+        .json(&body)
+        .send()
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    let value: Value = resp.json().await.expect("json body");
+    (status, value["error"].clone())
+}
+
+/// An SGLang decode server cannot prefill: when the prefill leg fails, the turn runs whole on
+/// an endpoint that can (role `both`), never on the decode server; with none, the client gets
+/// the failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sglang_failing_prefill_replica_falls_back_to_a_local_prefill() {
-    let (prefill, decode, gw) = prefill_decode_pair(Flavor::Sglang).await;
+async fn sglang_failing_prefill_replica_falls_back_to_an_endpoint_that_runs_it_whole() {
+    let prefill = sim(Flavor::Sglang, Role::Prefill, 0.0).await;
+    let decode = sim(Flavor::Sglang, Role::Decode, 0.0).await;
+    let whole = sim(Flavor::Sglang, Role::Both, 0.0).await;
     // The prefill engine refuses every leg; the decode engine, waiting in the bootstrap room,
     // is abandoned rather than left to time out.
     set_sim_fault(&prefill, json!({"status": 503})).await;
-    let m = two_turns_survive(&gw.base_url(), &decode).await;
+    let gw = start_gateway(&pd_config(
+        Flavor::Sglang,
+        &[
+            entry(&prefill, "prefill"),
+            entry(&decode, "decode"),
+            entry(&whole, "both"),
+        ],
+        "",
+    ))
+    .await;
+    // The session was served by the decode server before: its first turn goes there, is split,
+    // and falls back. Its second turn follows the pin to the `both` endpoint, which runs
+    // requests whole whatever their prompt.
+    let pin = agentgate_sessions::SessionPin {
+        endpoint: "pd/1".into(),
+        moves: 0,
+        url: Some(decode.base_url()),
+    };
+    gw.state()
+        .store
+        .swap_pin("pd", "h:failing-1", None, &pin)
+        .await
+        .unwrap();
+    let m = two_turns_survive(&gw.base_url(), &whole, "pd/2").await;
     assert_series(
         &m,
         "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"prefill_failed\"}",
-        2.0,
+        1.0,
+    );
+    assert_series(
+        &m,
+        "agentgate_pd_decisions_total{pool=\"pd\",decision=\"local\",reason=\"runs_whole\"}",
+        1.0,
     );
     assert_eq!(computed(&prefill).await, 0.0);
+    assert_eq!(
+        computed(&decode).await,
+        0.0,
+        "nothing ran on the decode server"
+    );
+    gw.shutdown().await;
+
+    // Prefill and decode servers only: the prefill leg's failure is the answer.
+    let gw = start_gateway(&pd_config(
+        Flavor::Sglang,
+        &[entry(&prefill, "prefill"), entry(&decode, "decode")],
+        "",
+    ))
+    .await;
+    let body = json!({"model": "sim-model", "input": "hello there", "max_output_tokens": 16});
+    let (status, error) = create_failing(&gw.base_url(), body).await;
+    assert_eq!(status, 502, "{error}");
+    assert!(
+        error["message"].as_str().unwrap().contains("503"),
+        "{error}"
+    );
+    assert_eq!(computed(&decode).await, 0.0);
     gw.shutdown().await;
     prefill.shutdown().await;
     decode.shutdown().await;
+    whole.shutdown().await;
 }
 
 /// A port nothing listens on.
@@ -431,14 +529,16 @@ async fn vllm_lost_kv_transfer_is_retried_once_without_disaggregation() {
         "",
     ))
     .await;
-    let m = two_turns_survive(&gw.base_url(), &decode).await;
+    let m = two_turns_survive(&gw.base_url(), &decode, "pd/1").await;
     assert_transfer_retried(&m);
     gw.shutdown().await;
     decode.shutdown().await;
 }
 
+/// A lost SGLang KV transfer is not retried on the decode server alone (it cannot prefill):
+/// with no endpoint that runs requests whole, the client gets the failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sglang_lost_kv_transfer_is_retried_once_without_disaggregation() {
+async fn sglang_lost_kv_transfer_fails_the_turn_when_no_endpoint_can_run_it_whole() {
     let prefill = sim(Flavor::Sglang, Role::Prefill, 0.0).await;
     let decode = sim(Flavor::Sglang, Role::Decode, 0.0).await;
     // The configured bootstrap port is wrong: the prefill leg runs, the decode engine cannot
@@ -454,8 +554,21 @@ async fn sglang_lost_kv_transfer_is_retried_once_without_disaggregation() {
         "",
     ))
     .await;
-    let m = two_turns_survive(&gw.base_url(), &decode).await;
-    assert_transfer_retried(&m);
+    let base = gw.base_url();
+    let body =
+        json!({"model": "sim-model", "input": long_text("f", 4000), "max_output_tokens": 16});
+    let (status, error) = create_failing(&base, body).await;
+    assert_eq!(status, 502, "{error}");
+    assert!(
+        error["message"].as_str().unwrap().contains("KV transfer"),
+        "{error}"
+    );
+    let m = metrics_text(&base).await;
+    assert_series(
+        &m,
+        "agentgate_pd_transfer_failures_total{pool=\"pd\",prefill=\"pd/0\",decode=\"pd/1\"}",
+        1.0,
+    );
     assert!(
         computed(&prefill).await >= 4000.0,
         "the prefill leg itself ran"
