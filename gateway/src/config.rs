@@ -438,8 +438,8 @@ pub struct EndpointTable {
     #[serde(default)]
     pub role: Option<String>,
     /// SGLang prefill endpoints: the port of the engine's bootstrap server
-    /// (`--disaggregation-bootstrap-port`); default `disaggregation.bootstrap_port`, else the
-    /// endpoint's HTTP port.
+    /// (`--disaggregation-bootstrap-port`); default `disaggregation.bootstrap_port`, else
+    /// SGLang's default, 8998.
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
     /// Labels of this endpoint, laid over the pool's.
@@ -534,8 +534,8 @@ pub struct DisaggregationConfig {
     pub parent_prefix_min_tokens: u64,
     /// A parent found by prefix must have sent a request within this many seconds.
     pub parent_active_s: u64,
-    /// SGLang: bootstrap port of prefill endpoints that do not set their own; default each
-    /// endpoint's HTTP port.
+    /// SGLang: bootstrap port of prefill endpoints that do not set their own; default SGLang's
+    /// own, 8998.
     pub bootstrap_port: Option<u16>,
 }
 

@@ -81,7 +81,7 @@ pub struct Disaggregation {
     /// Parents found by shared prefix for calls whose headers name none
     /// (`parent_by_prefix`; None when off or the policy keeps no prefix index).
     pub parents: Option<Arc<PrefixLineage>>,
-    /// SGLang bootstrap port of prefill endpoints without their own (None: the HTTP port).
+    /// SGLang bootstrap port of prefill endpoints without their own (None: SGLang's default).
     pub bootstrap_port: Option<u16>,
     /// The prefill endpoint pick, with the pool's pin-rule constants and saturation limits.
     pub prefill: PrefillPicker,
@@ -204,13 +204,14 @@ impl Pool {
     }
 
     /// Where an SGLang prefill endpoint's bootstrap server listens: the endpoint's host, and
-    /// its [`BOOTSTRAP_PORT_LABEL`], else the pool's `bootstrap_port`, else its HTTP port.
-    /// None for other flavors (their protocol needs none) or an unparsable URL.
+    /// its [`BOOTSTRAP_PORT_LABEL`], else the pool's `bootstrap_port`, else SGLang's default
+    /// ([`SGLANG_BOOTSTRAP_PORT`]; the bootstrap server is a listener of its own, not the HTTP
+    /// port). None for other flavors (their protocol needs none) or an unparsable URL.
     pub fn bootstrap(&self, endpoint: &Endpoint) -> Option<(String, u16)> {
         if self.flavor != Flavor::Sglang {
             return None;
         }
-        let (host, http_port) = host_port(&endpoint.base_url)?;
+        let (host, _) = host_port(&endpoint.base_url)?;
         let labelled = endpoint.labels.get(BOOTSTRAP_PORT_LABEL).and_then(|v| {
             let port = v.trim().parse::<u16>().ok().filter(|p| *p > 0);
             if port.is_none() {
@@ -220,7 +221,7 @@ impl Pool {
         });
         let port = labelled
             .or(self.disaggregation.bootstrap_port)
-            .unwrap_or(http_port);
+            .unwrap_or(SGLANG_BOOTSTRAP_PORT);
         Some((host, port))
     }
 
@@ -293,6 +294,9 @@ pub struct Pools {
     /// In-process simulated replicas, kept alive for the gateway's lifetime.
     sims: Vec<agentgate_sim::SimHandle>,
 }
+
+/// SGLang's default bootstrap port (`--disaggregation-bootstrap-port`).
+pub const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
 
 impl Pools {
     /// Build pools from the config, starting any simulated replicas it asks for and reading
@@ -616,10 +620,13 @@ mod tests {
              [[pools]]\nname = \"pd\"\nmodel = \"m\"\nflavor = \"sglang\"\n\
              labels = { zone = \"a\" }\n\
              endpoints = [\"http://127.0.0.1:9\", \
-               { url = \"http://127.0.0.1:10/\", role = \"prefill\", bootstrap_port = 8998, labels = { accelerator = \"x\" } }, \
+               { url = \"http://127.0.0.1:10/\", role = \"prefill\", bootstrap_port = 8999, labels = { accelerator = \"x\" } }, \
                { url = \"http://127.0.0.1:11\", role = \"prefill\" }]\n\
              [pools.simulate]\nreplicas = 0\nprefill_replicas = 1\ndecode_replicas = 2\ntime_scale = 0\n\
-             [pools.disaggregation]\nbootstrap_port = 7000\nthreshold_tokens = 10\n",
+             [pools.disaggregation]\nbootstrap_port = 7000\nthreshold_tokens = 10\n\
+             [[pools]]\nname = \"plain\"\nmodel = \"m2\"\nflavor = \"sglang\"\n\
+             endpoints = [{ url = \"http://127.0.0.1:12\", role = \"prefill\" }, \
+               { url = \"http://127.0.0.1:13\", role = \"decode\" }]\n",
         )
         .unwrap();
         let engines = agentgate_adapters::EngineClient::new(Default::default());
@@ -643,8 +650,14 @@ mod tests {
         assert_eq!(eps[1].base_url, "http://127.0.0.1:10");
         assert_eq!(eps[1].labels["zone"], "a");
         assert_eq!(eps[1].labels["accelerator"], "x");
-        // Its own port, the pool's default; a simulated replica's HTTP port.
-        assert_eq!(pool.bootstrap(&eps[1]), Some(("127.0.0.1".into(), 8998)));
+        // Its own port, the pool's default; a simulated replica's HTTP port; with neither,
+        // SGLang's own default.
+        assert_eq!(pool.bootstrap(&eps[1]), Some(("127.0.0.1".into(), 8999)));
+        let plain = pools.for_model("m2").unwrap();
+        assert_eq!(
+            plain.bootstrap(&plain.endpoints()[0]),
+            Some(("127.0.0.1".into(), SGLANG_BOOTSTRAP_PORT))
+        );
         assert_eq!(pool.bootstrap(&eps[2]), Some(("127.0.0.1".into(), 7000)));
         let sim_port = host_port(&eps[3].base_url).unwrap().1;
         assert_eq!(

@@ -69,8 +69,14 @@ fn pd_config(flavor: Flavor, entries: &[Entry], extra: &str) -> String {
     )
 }
 
+/// `sim` as an endpoint of `role`; a prefill sim names its bootstrap port, which a simulated
+/// SGLang replica serves on its HTTP port (SGLang's own default, 8998, is a listener of its own).
 fn entry(sim: &SimHandle, role: &'static str) -> Entry {
-    (sim.base_url(), role, String::new())
+    let more = match role {
+        "prefill" => format!("bootstrap_port = {}", sim.addr().port()),
+        _ => String::new(),
+    };
+    (sim.base_url(), role, more)
 }
 
 /// A prefill and a decode replica of `flavor` (no simulated delays) behind a gateway on
