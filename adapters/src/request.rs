@@ -10,7 +10,12 @@
 //! - assistant messages: `output_text` (and `refusal`) text joined into a string.
 //! - `function_call` -> an assistant `tool_calls` entry; consecutive calls (and calls right after
 //!   an assistant text message) merge into one assistant message. `custom_tool_call` likewise,
-//!   with arguments `{"input": <input>}`.
+//!   with arguments `{"input": <input>}`. Arguments that are not a JSON object (a call cut short
+//!   by `max_output_tokens`) go as `{}` (empty) or `{"arguments": <text>}`: engines refuse the
+//!   whole request over one such call.
+//! - a compaction turn keeps the tools declared with `tool_choice: "none"` (vLLM renders them
+//!   still, so the prompt's prefix stays cached); SGLang would render none, so there the choice
+//!   is left out.
 //! - `function_call_output` / `custom_tool_call_output` -> a `tool` message with `tool_call_id`
 //!   (array outputs are flattened to their text; images become `[image]`).
 //! - `reasoning` items: for vLLM / SGLang the reasoning text (from `content`, else from this
@@ -145,8 +150,13 @@ pub fn build_chat_request(
     if !chat_tools.is_empty() {
         body.insert("tools".into(), Value::Array(chat_tools));
         if compaction {
-            // The tools stay declared so the prompt's prefix matches the turns before.
-            body.insert("tool_choice".into(), json!("none"));
+            // The tools stay declared so the prompt's prefix matches the turns before. SGLang
+            // leaves the tools out of the prompt under `tool_choice: "none"`, which would make
+            // the summary recompute the whole history: there the choice stays `auto` (a tool
+            // call instead of a summary ends the compaction as failed).
+            if opts.flavor != Flavor::Sglang {
+                body.insert("tool_choice".into(), json!("none"));
+            }
         } else if let Some(choice) = tool_choice.choice {
             body.insert("tool_choice".into(), choice);
         }
@@ -323,7 +333,7 @@ impl<'a> MessageBuilder<'a> {
                     Some(Value::Null) | None => String::new(),
                     Some(other) => other.to_string(),
                 };
-                self.push_tool_call(call_id, &engine_name, arguments);
+                self.push_tool_call(call_id, &engine_name, object_arguments(arguments));
                 Ok(())
             }
             "custom_tool_call" => {
@@ -599,6 +609,22 @@ fn reasoning_text(item: &Value) -> Option<String> {
         .filter(|text| !text.is_empty())
 }
 
+/// A tool call's arguments as the engines' chat templates take them: SGLang parses each
+/// assistant tool call's arguments as a JSON object and refuses the whole request otherwise (so
+/// would vLLM with most templates), and one call cut short by `max_output_tokens` would then
+/// fail every later turn of its conversation. A JSON object passes verbatim (the prompt stays
+/// what the engine generated); empty arguments become `{}`; anything else is wrapped as
+/// `{"arguments": "<the text>"}`.
+fn object_arguments(arguments: String) -> String {
+    if arguments.trim().is_empty() {
+        return "{}".to_string();
+    }
+    match serde_json::from_str::<Value>(&arguments) {
+        Ok(Value::Object(_)) => arguments,
+        _ => json!({ "arguments": arguments }).to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -745,6 +771,22 @@ mod tests {
         assert_eq!(plan.body["response_format"], json!({"type": "json_object"}));
         assert!(plan.body.get("tools").is_none());
         assert!(plan.body.get("tool_choice").is_none());
+    }
+
+    #[test]
+    fn tool_call_arguments_reach_the_engine_as_a_json_object() {
+        assert_eq!(
+            object_arguments(r#"{"city": "Oslo"}"#.into()),
+            r#"{"city": "Oslo"}"#
+        );
+        assert_eq!(object_arguments(String::new()), "{}");
+        assert_eq!(object_arguments("  ".into()), "{}");
+        assert_eq!(
+            object_arguments(r#"{"city": "Os"#.into()),
+            r#"{"arguments":"{\"city\": \"Os"}"#,
+            "cut short by max_output_tokens"
+        );
+        assert_eq!(object_arguments("[1]".into()), r#"{"arguments":"[1]"}"#);
     }
 
     #[test]

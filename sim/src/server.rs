@@ -336,6 +336,57 @@ async fn serve(
     run(state, prepared).await
 }
 
+/// SGLang parses every assistant tool call's arguments as a JSON object before it renders the
+/// prompt, and refuses the request otherwise (`normalize_assistant_tool_call_arguments`).
+fn sglang_tool_call_arguments(messages: &[Value]) -> Result<(), ApiError> {
+    let calls = messages
+        .iter()
+        .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+        .filter_map(|m| m.get("tool_calls").and_then(Value::as_array))
+        .flatten();
+    for call in calls {
+        let arguments = call.pointer("/function/arguments").unwrap_or(&Value::Null);
+        let parsed = match arguments {
+            Value::String(text) => serde_json::from_str::<Value>(text).ok(),
+            other => Some(other.clone()),
+        };
+        match parsed {
+            Some(Value::Object(_)) => {}
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "Assistant tool call function.arguments must be a JSON object.",
+                ))
+            }
+            None => {
+                return Err(ApiError::bad_request(
+                    "Assistant tool call function.arguments must be valid JSON.",
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The tools SGLang renders into the prompt: none under `tool_choice: "none"`, only the named
+/// one under a named choice, else all of them.
+fn sglang_rendered_tools(tools: Option<&Vec<Value>>, choice: Option<&Value>) -> Option<Vec<Value>> {
+    let tools = tools.filter(|t| !t.is_empty())?;
+    match choice {
+        Some(Value::String(mode)) if mode == "none" => None,
+        Some(Value::Object(named)) => {
+            let name = named.get("function").and_then(|f| f.get("name"));
+            Some(
+                tools
+                    .iter()
+                    .filter(|t| t.pointer("/function/name") == name)
+                    .cloned()
+                    .collect(),
+            )
+        }
+        _ => Some(tools.clone()),
+    }
+}
+
 fn prepare(
     state: &AppState,
     api: Api,
@@ -361,14 +412,18 @@ fn prepare(
                     "every entry of `messages` must be an object with a `role`",
                 ));
             }
-            let tools = body
-                .get("tools")
-                .and_then(Value::as_array)
-                .map(Vec::as_slice);
+            if state.config.flavor == Flavor::Sglang {
+                sglang_tool_call_arguments(messages)?;
+            }
+            let tools = body.get("tools").and_then(Value::as_array);
+            let rendered = match state.config.flavor {
+                Flavor::Sglang => sglang_rendered_tools(tools, body.get("tool_choice")),
+                Flavor::Vllm => tools.cloned(),
+            };
             (
                 tokenize(&render_chat(
                     messages,
-                    tools,
+                    rendered.as_deref(),
                     reasoning_field(state.config.flavor),
                 )),
                 messages.as_slice(),

@@ -1667,6 +1667,55 @@ async fn the_in_memory_store_drops_its_least_recently_used_responses_past_its_bo
     fleet.shutdown().await;
 }
 
+/// SGLang parses every earlier tool call's arguments as a JSON object and renders no tools under
+/// `tool_choice: "none"`: a call cut short still replays (as an object), and a compaction turn
+/// keeps the prompt's prefix (its tools) cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_replays_cut_calls_and_compacts_on_a_cached_prefix() {
+    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+        flavor: agentgate_sim::Flavor::Sglang,
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        model: "sim-model".into(),
+        time_scale: 0.0,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let gw = start_gateway(&format!(
+        "[[pools]]\nname = \"p\"\nmodel = \"sim-model\"\nflavor = \"sglang\"\nendpoints = [\"{}\"]\n",
+        sim.base_url()
+    ))
+    .await;
+    let base = gw.base_url();
+    let tools = json!([{"type": "function", "name": "shell", "description": "Run a command.",
+                        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]);
+    let (s, first) = create(
+        &base,
+        json!({"model": "sim-model", "tools": tools, "max_output_tokens": 16, "input": [
+            {"role": "user", "content": "list the files"},
+            {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{\"cmd\": \"l"},
+            {"type": "function_call_output", "call_id": "c1", "output": "(cut short)"},
+            {"role": "user", "content": "try again"},
+        ]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{first}");
+    let body = json!({"model": "sim-model", "tools": tools, "previous_response_id": first["id"],
+                      "input": [{"role": "user", "content": "summarize"}, {"type": "compaction_trigger"}]});
+    let (s, compacted) = create(&base, body).await;
+    assert_eq!(s, 200, "{compacted}");
+    let prompt = first["usage"]["input_tokens"].as_u64().unwrap();
+    let cached = compacted["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        cached + 16 >= prompt,
+        "cached {cached} of the first turn's {prompt}"
+    );
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compaction_turn_streams_one_item_that_later_turns_read_back() {
     let fleet = Fleet::of(1).start().await;
