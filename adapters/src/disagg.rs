@@ -229,6 +229,10 @@ impl EngineClient {
                     tokio::spawn(
                         async move { client.chat_discard(&prefill_url, &prefill_leg).await },
                     );
+                // Held from here: a caller that gives up while the decode leg is still opening
+                // (the decode engine answers only once the KV has arrived, so that lasts the
+                // whole prefill) drops the prefill leg with it.
+                let prefill_leg = AbortOnDrop(prefill_task.abort_handle());
                 let decode = self.chat_stream(decode_url, &leg);
                 tokio::pin!(decode);
                 let opened = tokio::select! {
@@ -255,7 +259,6 @@ impl EngineClient {
                 // dropped (the engine aborts a request whose client went) rather than left to
                 // run to its end and wait out its transfer timeout. A prefill leg that finished
                 // is not affected.
-                let prefill_leg = AbortOnDrop(prefill_task.abort_handle());
                 // The decode engine answers once the KV cache has arrived in the room.
                 opened.map(|stream| Disaggregated {
                     stream: Box::pin(stream.map(move |chunk| {

@@ -13,13 +13,13 @@
 //! | field | vLLM | SGLang |
 //! |---|---|---|
 //! | `running` | `vllm:num_requests_running` | `sglang:num_running_reqs` |
-//! | `waiting` | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
+//! | `waiting` | `vllm:num_requests_waiting` | `sglang:num_queue_reqs`, plus the P/D queues `sglang:num_prefill_bootstrap_queue_reqs`, `sglang:num_prefill_prealloc_queue_reqs`, `sglang:num_decode_prealloc_queue_reqs`, `sglang:num_decode_transfer_queue_reqs` |
 //! | `kv_usage` | `vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc` | `sglang:token_usage` |
 //! | `prefix_cache_queries` | `vllm:prefix_cache_queries_total`, `vllm:gpu_prefix_cache_queries_total` | `sglang:prompt_tokens_total` |
 //! | `prefix_cache_hits` | `vllm:prefix_cache_hits_total`, `vllm:gpu_prefix_cache_hits_total` | `sglang:cached_tokens_total` |
 //! | `cache_hit_rate` | hits / queries, else `vllm:gpu_prefix_cache_hit_rate` | `sglang:cache_hit_rate` |
 //! | `preemptions` | `vllm:num_preemptions_total` | `sglang:num_retracted_requests_total` |
-//! | `block_size` | label `block_size` of `vllm:cache_config_info` | `sglang:page_size` |
+//! | `block_size` | label `block_size` of `vllm:cache_config_info` | `sglang:page_size`, else label `page_size` of `sglang:cache_config_info` |
 //! | `num_gpu_blocks` | label `num_gpu_blocks` of `vllm:cache_config_info` | — |
 //! | `max_total_tokens` | — | `sglang:max_total_num_tokens` |
 //!
@@ -110,6 +110,16 @@ mod vllm {
 mod sglang {
     pub const RUNNING: &str = "sglang:num_running_reqs";
     pub const WAITING: &str = "sglang:num_queue_reqs";
+    /// Queues of a prefill/decode server, where its requests wait besides the scheduler's:
+    /// a prefill server's requests waiting for their decode server's handshake, a decode
+    /// server's waiting for KV room or for their transfer.
+    pub const PD_QUEUES: &[&str] = &[
+        "sglang:num_prefill_bootstrap_queue_reqs",
+        "sglang:num_prefill_prealloc_queue_reqs",
+        "sglang:num_decode_prealloc_queue_reqs",
+        "sglang:num_decode_transfer_queue_reqs",
+    ];
+    pub const CACHE_CONFIG: &str = "sglang:cache_config_info";
     pub const KV_USAGE: &str = "sglang:token_usage";
     pub const PROMPT_TOKENS: &str = "sglang:prompt_tokens_total";
     pub const CACHED_TOKENS: &str = "sglang:cached_tokens_total";
@@ -127,6 +137,10 @@ mod sglang {
         RETRACTIONS,
         PAGE_SIZE,
         MAX_TOTAL_TOKENS,
+        PD_QUEUES[0],
+        PD_QUEUES[1],
+        PD_QUEUES[2],
+        PD_QUEUES[3],
     ];
 }
 
@@ -145,6 +159,10 @@ pub fn parse_metrics(flavor: Flavor, text: &str) -> EngineMetrics {
         };
         if flavor == Flavor::Vllm && sample.name == vllm::CACHE_CONFIG {
             collected.add_cache_config(&sample.labels);
+            continue;
+        }
+        if flavor == Flavor::Sglang && sample.name == sglang::CACHE_CONFIG {
+            collected.add_page_size(&sample.labels);
             continue;
         }
         if let Some(name) = wanted.iter().find(|name| **name == sample.name) {
@@ -353,6 +371,15 @@ impl Collected {
         self.first(names).map(|series| series.sum)
     }
 
+    /// SGLang's waiting requests: its scheduler's queue and, on a P/D server, its P/D queues
+    /// (None when it reports none of them).
+    fn waiting_sglang(&self) -> Option<f64> {
+        std::iter::once(sglang::WAITING)
+            .chain(sglang::PD_QUEUES.iter().copied())
+            .filter_map(|name| self.sum(&[name]))
+            .reduce(|a, b| a + b)
+    }
+
     fn count(&self, name: &str) -> Option<u64> {
         self.sum(&[name]).and_then(to_count)
     }
@@ -370,6 +397,18 @@ impl Collected {
         }
         if let Some(blocks) = label("num_gpu_blocks") {
             self.num_gpu_blocks = Some(self.num_gpu_blocks.unwrap_or(0).saturating_add(blocks));
+        }
+    }
+
+    /// Reads the page size from one `sglang:cache_config_info` label set (newer SGLang reports
+    /// it there instead of in `sglang:page_size`).
+    fn add_page_size(&mut self, labels: &[(&str, String)]) {
+        let page_size = labels
+            .iter()
+            .find(|(name, _)| *name == "page_size")
+            .and_then(|(_, value)| value.trim().parse::<u64>().ok());
+        if let Some(page_size) = page_size {
+            self.block_size = Some(self.block_size.map_or(page_size, |b| b.max(page_size)));
         }
     }
 
@@ -400,7 +439,7 @@ impl Collected {
     fn into_sglang(self) -> EngineMetrics {
         EngineMetrics {
             running: self.sum(&[sglang::RUNNING]),
-            waiting: self.sum(&[sglang::WAITING]),
+            waiting: self.waiting_sglang(),
             kv_usage: self.first(&[sglang::KV_USAGE]).map(|s| unit(s.max)),
             prefix_cache_queries: self.sum(&[sglang::PROMPT_TOKENS]),
             prefix_cache_hits: self.sum(&[sglang::CACHED_TOKENS]),
@@ -408,7 +447,8 @@ impl Collected {
             preemptions: self.sum(&[sglang::RETRACTIONS]),
             block_size: self
                 .first(&[sglang::PAGE_SIZE])
-                .and_then(|s| to_count(s.max)),
+                .and_then(|s| to_count(s.max))
+                .or(self.block_size),
             num_gpu_blocks: None,
             max_total_tokens: self.count(sglang::MAX_TOTAL_TOKENS),
         }
@@ -582,6 +622,20 @@ sglang:time_to_first_token_seconds_bucket{le="0.001",model_name="meta-llama/Llam
             }
         );
         assert_eq!(metrics.kv_capacity_tokens(), Some(161_721));
+    }
+
+    #[test]
+    fn sglang_pd_queues_wait_and_newer_servers_report_the_page_size_as_a_label() {
+        let decode = "sglang:num_running_reqs{model_name=\"m\"} 3\n\
+                      sglang:num_queue_reqs{model_name=\"m\"} 1\n\
+                      sglang:num_decode_prealloc_queue_reqs{model_name=\"m\"} 5\n\
+                      sglang:num_decode_transfer_queue_reqs{model_name=\"m\"} 2\n\
+                      sglang:cache_config_info{page_size=\"64\",num_pages=\"1000\"} 1\n";
+        let metrics = parse_metrics(Flavor::Sglang, decode);
+        assert_eq!(metrics.waiting, Some(8.0));
+        assert_eq!(metrics.block_size, Some(64));
+        let prefill = "sglang:num_prefill_bootstrap_queue_reqs 4\n";
+        assert_eq!(parse_metrics(Flavor::Sglang, prefill).waiting, Some(4.0));
     }
 
     #[test]

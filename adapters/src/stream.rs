@@ -813,7 +813,9 @@ impl ResponseStream {
         let input = number(&["prompt_tokens"]).unwrap_or(0);
         let output = number(&["completion_tokens"]).unwrap_or(0);
         let cached = number(&["prompt_tokens_details", "cached_tokens"]).unwrap_or(0);
+        // SGLang reports its count at the top level of `usage`.
         let reasoning = number(&["completion_tokens_details", "reasoning_tokens"])
+            .or_else(|| number(&["reasoning_tokens"]))
             .unwrap_or(self.reasoning_deltas)
             .min(output.max(self.reasoning_deltas));
         let total = number(&["total_tokens"]).unwrap_or(input.saturating_add(output));
@@ -1192,6 +1194,22 @@ mod tests {
         assert_eq!(response, &events.last().unwrap().data["response"]);
         assert_eq!(stream.output_items(), output.as_slice());
         assert!(stream.finish().is_empty(), "finish is idempotent");
+    }
+
+    #[test]
+    fn sglangs_top_level_reasoning_count_is_read() {
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        run(
+            &mut stream,
+            &[
+                chunk(json!({"reasoning_content": "Hm."}), None),
+                chunk(json!({"content": "Yes"}), Some("stop")),
+                json!({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9,
+                       "total_tokens": 14, "reasoning_tokens": 7}}),
+            ],
+        );
+        let usage = &stream.response()["usage"];
+        assert_eq!(usage["output_tokens_details"]["reasoning_tokens"], 7);
     }
 
     #[test]
