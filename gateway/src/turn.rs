@@ -150,23 +150,69 @@ fn named_session(turn: &Turn) -> bool {
 /// Most rounds of `truncation: "auto"` before the context-length error is returned.
 const MAX_TRUNCATION_ROUNDS: usize = 8;
 
-/// Drop the oldest quarter (at least one item) of the history after its first item, and any
-/// tool outputs left without their call, so the conversation keeps its opening and its end.
-pub fn drop_middle(history: &mut Vec<Value>) {
-    if history.len() <= 1 {
-        history.clear();
-        return;
+/// `truncation: "auto"`: drop the oldest quarter (at least one) of the items between the
+/// conversation's first item (its opening, usually the task) and its last (what this turn
+/// answers), over the history and then this turn's input, as OpenAI drops "input items in the
+/// middle of the conversation". A tool call goes with its output and an output with its call
+/// (no orphan tool message), except that nothing is dropped with the last item; reasoning left
+/// leading right after the opening goes too. When nothing in the middle may go, the opening
+/// does. False when nothing is left to drop.
+pub fn truncate_middle(history: &mut Vec<Value>, input: &mut Vec<Value>) -> bool {
+    let total = history.len() + input.len();
+    if total <= 1 {
+        return false;
     }
-    let k = ((history.len() - 1) / 4).max(1);
-    history.drain(1..1 + k);
-    while history
-        .get(1)
-        .and_then(|item| item.get("type"))
-        .and_then(Value::as_str)
-        .is_some_and(|t| t == "function_call_output" || t == "reasoning")
+    let items: Vec<&Value> = history.iter().chain(input.iter()).collect();
+    let call_of = |item: &Value| {
+        item.get("call_id")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    let kept_call = call_of(items[total - 1]);
+    let take = ((total - 2) / 4).max(1);
+    let mut drop = vec![false; total];
+    let mut calls = std::collections::HashSet::new();
+    for (at, item) in items.iter().enumerate().take(total - 1).skip(1).take(take) {
+        let call = call_of(item);
+        if call.is_some() && call == kept_call {
+            continue;
+        }
+        drop[at] = true;
+        calls.extend(call);
+    }
+    for (at, item) in items.iter().enumerate().take(total - 1).skip(1) {
+        if call_of(item).is_some_and(|c| calls.contains(&c)) {
+            drop[at] = true;
+        }
+    }
+    // Reasoning that led to a dropped item is left leading after the opening: it goes too.
+    let mut at = 1;
+    while at < total - 1
+        && (drop[at] || items[at].get("type").and_then(Value::as_str) == Some("reasoning"))
     {
-        history.remove(1);
+        drop[at] = true;
+        at += 1;
     }
+    if !drop.iter().any(|d| *d) {
+        // Nothing in the middle may go: as a last resort the opening does.
+        let opening = call_of(items[0]);
+        if opening.is_some() && opening == kept_call {
+            return false;
+        }
+        drop[0] = true;
+    }
+    let split = history.len();
+    let mut index = 0;
+    history.retain(|_| {
+        index += 1;
+        !drop[index - 1]
+    });
+    let mut index = split;
+    input.retain(|_| {
+        index += 1;
+        !drop[index - 1]
+    });
+    true
 }
 
 /// The oldest quarter (at least one) of what a compaction may leave out, from `history` then
@@ -218,7 +264,9 @@ pub fn shrink_for_compaction(history: &mut Vec<Value>, input: &mut Vec<Value>) -
 }
 
 /// Open the engine stream for a turn. With `truncation: "auto"`, a context-length rejection
-/// drops items from the middle of the history and tries again; the stored conversation is
+/// drops items from the middle of the conversation ([`truncate_middle`]: the stored history and
+/// this turn's input, which is the whole conversation for a client that sends it every turn)
+/// and tries again; the stored conversation is
 /// unchanged, only what the engine sees is shorter. A compaction turn rejected so (whatever
 /// `truncation` says) summarizes less: [`shrink_for_compaction`], up to the same number of
 /// rounds.
@@ -228,7 +276,8 @@ pub async fn open_turn(
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let auto = turn.request.get("truncation").and_then(Value::as_str) == Some("auto");
     let mut rounds = 0;
-    // A compaction's input as the engine sees it once shrunk (the stored input is unchanged).
+    // This turn's input as the engine sees it once a compaction shrank it or truncation cut
+    // it (the stored input is unchanged).
     let mut compacted_input: Option<Vec<Value>> = None;
     let room = turn
         .permit
@@ -312,21 +361,26 @@ pub async fn open_turn(
             Err(e)
                 if auto
                     && rounds < MAX_TRUNCATION_ROUNDS
-                    && !turn.history.is_empty()
                     && e.error.code.as_deref() == Some("context_length_exceeded") =>
             {
+                let mut input = compacted_input
+                    .take()
+                    .unwrap_or_else(|| turn.input_items.clone());
+                if !truncate_middle(&mut turn.history, &mut input) {
+                    return Err(e);
+                }
                 rounds += 1;
-                drop_middle(&mut turn.history);
-                tracing::info!(response = %turn.id, remaining = turn.history.len(), "context too long; truncating history");
+                tracing::info!(response = %turn.id, remaining = turn.history.len() + input.len(), "context too long; truncating the conversation's middle");
                 let opts = state.translate_options(turn.pool.flavor);
                 let mut plan = agentgate_adapters::build_chat_request(
                     &turn.request,
                     &turn.history,
-                    &turn.input_items,
+                    &input,
                     &opts,
                 )?;
                 plan.body["model"] = Value::from(turn.pool.model.clone());
                 turn.plan = plan;
+                compacted_input = Some(input);
             }
             other => return other,
         }
@@ -2130,9 +2184,10 @@ mod tests {
     }
 
     #[test]
-    fn drop_middle_keeps_the_opening_and_the_end() {
+    fn truncation_keeps_the_opening_and_the_end() {
         let mut h: Vec<Value> = (0..9).map(|n| item("message", n)).collect();
-        drop_middle(&mut h);
+        let mut input = vec![item("message", 9)];
+        assert!(truncate_middle(&mut h, &mut input));
         let ids: Vec<&str> = h.iter().map(|i| i["id"].as_str().unwrap()).collect();
         assert_eq!(
             ids,
@@ -2146,6 +2201,54 @@ mod tests {
                 "message_8"
             ]
         );
+        assert_eq!(input.len(), 1);
+        // Two items: nothing between them, the opening goes; then nothing is left to drop.
+        let (mut h, mut input) = (vec![item("message", 0)], vec![item("message", 1)]);
+        assert!(truncate_middle(&mut h, &mut input));
+        assert!(h.is_empty() && input.len() == 1);
+        assert!(!truncate_middle(&mut h, &mut input));
+    }
+
+    #[test]
+    fn truncation_cuts_a_history_sent_as_input_and_keeps_calls_with_their_outputs() {
+        let call = |n: usize| json!({"type": "function_call", "id": format!("fc{n}"), "call_id": format!("c{n}")});
+        let output = |n: usize| json!({"type": "function_call_output", "call_id": format!("c{n}")});
+        let user = json!({"type": "message", "role": "user", "id": "task"});
+        // Codex without stored responses: the whole conversation is this turn's input. Calls
+        // made in parallel come before their outputs.
+        let mut input = vec![
+            user.clone(),
+            json!({"type": "reasoning", "id": "rs1"}),
+            call(1),
+            call(2),
+            output(1),
+            output(2),
+            call(3),
+            output(3),
+            call(4),
+            output(4),
+        ];
+        let mut history = Vec::new();
+        assert!(truncate_middle(&mut history, &mut input));
+        let kept: Vec<String> = input
+            .iter()
+            .map(|i| {
+                i.get("id")
+                    .or(i.get("call_id"))
+                    .unwrap()
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        // The oldest quarter of the middle (the reasoning and call 1) went, and call 1's output
+        // with it; call 2 and its output stay together.
+        assert_eq!(kept, ["task", "fc2", "c2", "fc3", "c3", "fc4", "c4"]);
+        // The last item's call is never dropped with it: the opening goes instead.
+        let mut input = vec![user, call(5), output(5)];
+        assert!(truncate_middle(&mut history, &mut input));
+        assert_eq!(input, [call(5), output(5)]);
+        assert!(!truncate_middle(&mut history, &mut input));
     }
 
     #[test]
@@ -2178,21 +2281,5 @@ mod tests {
             !shrink_for_compaction(&mut history, &mut input),
             "only messages left"
         );
-    }
-
-    #[test]
-    fn drop_middle_never_leaves_an_orphan_tool_output() {
-        let mut h = vec![
-            item("message", 0),
-            item("function_call", 1),
-            item("function_call_output", 2),
-            item("message", 3),
-        ];
-        drop_middle(&mut h);
-        assert_eq!(h.len(), 2);
-        assert_eq!(h[1]["type"], "message");
-        let mut one = vec![item("message", 0)];
-        drop_middle(&mut one);
-        assert!(one.is_empty());
     }
 }

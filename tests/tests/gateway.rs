@@ -1071,6 +1071,26 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
         prev = Some(r["id"].as_str().unwrap().into());
     }
     assert!(overflowed, "the conversation never outgrew the context");
+
+    // Sent whole as this turn's input (nothing stored, as Codex sends it): the middle goes all
+    // the same, each tool call with its output.
+    let mut input = vec![json!({"role": "user", "content": "the task"})];
+    for n in 0..12 {
+        let call = format!("c{n}");
+        input.push(
+            json!({"type": "function_call", "call_id": call, "name": "shell", "arguments": "{}"}),
+        );
+        input.push(json!({"type": "function_call_output", "call_id": call, "output": words}));
+    }
+    input.push(json!({"role": "user", "content": "and now?"}));
+    let mut body = json!({"model": "sim-model", "input": input, "store": false, "max_output_tokens": 16,
+                          "tools": [{"type": "function", "name": "shell"}]});
+    let (s, r) = create(&base, body.clone()).await;
+    assert_eq!(s, 400, "{r}");
+    body["truncation"] = json!("auto");
+    let (s, r) = create(&base, body).await;
+    assert_eq!(s, 200, "{r}");
+    assert!(r["usage"]["input_tokens"].as_u64().unwrap() < 400);
     fleet.shutdown().await;
 }
 
