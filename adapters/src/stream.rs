@@ -23,7 +23,8 @@
 //! Reasoning comes from `delta.reasoning_content` (vLLM < 0.11, SGLang) or `delta.reasoning`
 //! (vLLM >= 0.11). A reasoning or text item stays open until a delta of another kind arrives;
 //! tool calls (one item per chat `tool_calls[].index`) stay open until text/reasoning arrives or
-//! the stream ends, so interleaved argument deltas of parallel calls are all delivered.
+//! the stream ends, so interleaved argument deltas of parallel calls are all delivered. Under
+//! `parallel_tool_calls: false` only the first call is kept (engines do not all enforce it).
 //! Whitespace-only text while no message is open (the newlines a tool parser passes on around
 //! calls) is held back: it opens a message only if other text follows, or if it is the whole
 //! answer, so it never becomes a message of its own between two calls.
@@ -105,6 +106,9 @@ pub struct ResponseStream {
     ended: bool,
     /// `Some(summary so far)` for a compaction turn ([`ResponseStream::with_compaction`]).
     compaction: Option<String>,
+    /// `parallel_tool_calls: false`: only the engine's first tool call becomes an item
+    /// ([`ResponseStream::with_single_tool_call`]).
+    single_tool_call: bool,
     /// Whitespace-only text that arrived while no message was open, held back: it opens a
     /// message only if text follows it, so a tool parser's newlines around calls do not become
     /// messages of their own between the calls.
@@ -133,6 +137,7 @@ impl ResponseStream {
             calls: Vec::new(),
             call_by_index: HashMap::new(),
             held_whitespace: String::new(),
+            single_tool_call: false,
             finish_reason: None,
             engine_usage: None,
             reasoning_deltas: 0,
@@ -150,6 +155,14 @@ impl ResponseStream {
     /// fails the turn (`compaction_failed`).
     pub fn with_compaction(mut self, enabled: bool) -> Self {
         self.compaction = enabled.then(String::new);
+        self
+    }
+
+    /// `parallel_tool_calls: false`: a tool call after the engine's first is dropped (with a
+    /// debug log line), as the client asked for at most one; engines do not all hold the model
+    /// to it.
+    pub fn with_single_tool_call(mut self, enabled: bool) -> Self {
+        self.single_tool_call = enabled;
         self
     }
 
@@ -539,12 +552,22 @@ impl ResponseStream {
     }
 
     fn tool_call_delta(&mut self, call: &Value, position: u64, events: &mut Vec<SseEvent>) {
-        self.held_whitespace.clear();
-        self.close_current("completed", events);
         let index = call
             .get("index")
             .and_then(Value::as_u64)
             .unwrap_or(position);
+        if self.single_tool_call
+            && !self.call_by_index.is_empty()
+            && !self.call_by_index.contains_key(&index)
+        {
+            tracing::debug!(
+                tool_call_index = index,
+                "parallel_tool_calls is false: dropping a tool call after the first"
+            );
+            return;
+        }
+        self.held_whitespace.clear();
+        self.close_current("completed", events);
         let function = call.get("function");
         let name = function
             .and_then(|f| f.get("name"))
@@ -1306,6 +1329,37 @@ mod tests {
         let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
         let events = run(&mut stream, &[chunk(json!({"content": " "}), Some("stop"))]);
         assert_eq!(replay(&events)[0]["content"][0]["text"], " ");
+    }
+
+    #[test]
+    fn without_parallel_tool_calls_only_the_first_call_is_kept() {
+        let mut names = ToolNameMap::new();
+        names.insert(ToolName::plain("a"));
+        names.insert(ToolName::plain("b"));
+        let mut stream = ResponseStream::new(skeleton(), names).with_single_tool_call(true);
+        let call = |index: u64, name: Option<&str>, args: &str| {
+            let mut delta = json!({"index": index, "function": {"arguments": args}});
+            if let Some(name) = name {
+                delta["id"] = json!(format!("call-{index}"));
+                delta["function"]["name"] = json!(name);
+            }
+            chunk(json!({"tool_calls": [delta]}), None)
+        };
+        let events = run(
+            &mut stream,
+            &[
+                call(0, Some("a"), "{\"x\":"),
+                call(1, Some("b"), "{}"),
+                call(0, None, " 1}"),
+                chunk(json!({}), Some("tool_calls")),
+                usage_chunk(10, 5, 0),
+            ],
+        );
+        let output = replay(&events);
+        assert_eq!(output.len(), 1, "{output:?}");
+        assert_eq!(output[0]["name"], "a");
+        assert_eq!(output[0]["arguments"], "{\"x\": 1}");
+        assert_eq!(stream.response()["output"], json!(output));
     }
 
     #[test]

@@ -1217,6 +1217,7 @@ fn new_stream(turn: &Turn) -> ResponseStream {
     ResponseStream::new(turn.skeleton.clone(), turn.plan.tool_names.clone())
         .with_encrypted_reasoning(turn.encrypted_reasoning)
         .with_compaction(turn.plan.compaction)
+        .with_single_tool_call(turn.request.get("parallel_tool_calls") == Some(&Value::Bool(false)))
 }
 
 /// Longest a background response's events wait before they are appended to its event log.
