@@ -1329,10 +1329,12 @@ impl Sink {
             let Some(tx) = self.tx.as_ref() else {
                 return;
             };
+            let mut by_stop = false;
             let stopped = async {
                 match self.stops.as_mut() {
                     Some(stops) => {
                         stops.stopped().await;
+                        by_stop = true;
                     }
                     None => std::future::pending().await,
                 }
@@ -1340,6 +1342,12 @@ impl Sink {
             let frame = Bytes::from(ev.to_sse_frame());
             if !send_to_client(tx, frame, self.stall, stopped).await {
                 self.tx = None;
+                // A client dropped for not reading still holds its connection (and the
+                // response body that would tell the turn it left): a turn that stops when its
+                // client goes stops now, as if it had.
+                if let Some(stops) = self.stops.as_ref().filter(|_| !by_stop) {
+                    stops.client_abandoned();
+                }
                 return;
             }
         }
@@ -1988,6 +1996,9 @@ pub struct StopSignals {
     shutdown: watch::Receiver<bool>,
     /// Closed when the client goes away, for a turn that stops then ([`Stop::ClientGone`]).
     client: Option<mpsc::Sender<()>>,
+    /// Raised (for the same turns) when the turn stops sending to a client that left its
+    /// events unread: that client counts as gone ([`StopSignals::client_abandoned`]).
+    abandoned: Option<watch::Sender<bool>>,
 }
 
 impl StopSignals {
@@ -1997,6 +2008,7 @@ impl StopSignals {
             cancel: Some(cancel),
             shutdown,
             client: None,
+            abandoned: None,
         }
     }
 
@@ -2006,6 +2018,7 @@ impl StopSignals {
             cancel: None,
             shutdown,
             client: None,
+            abandoned: None,
         }
     }
 
@@ -2016,8 +2029,17 @@ impl StopSignals {
     pub fn until_client_leaves(mut self, turn: &Turn, client: &mpsc::Sender<()>) -> Self {
         if !turn.store && turn.conversation.is_none() && !turn.background {
             self.client = Some(client.clone());
+            self.abandoned = Some(watch::Sender::new(false));
         }
         self
+    }
+
+    /// The turn no longer sends to its client (it left its events unread for the stall
+    /// timeout): for a turn that stops when its client goes, the client counts as gone.
+    fn client_abandoned(&self) {
+        if let Some(abandoned) = &self.abandoned {
+            abandoned.send_replace(true);
+        }
     }
 
     /// Resolves when a signal is raised (a dropped cancel sender counts as a cancel).
@@ -2031,9 +2053,16 @@ impl StopSignals {
             }
         };
         let client = async {
-            match self.client.as_ref() {
-                Some(client) => client.closed().await,
-                None => std::future::pending::<()>().await,
+            match (self.client.as_ref(), self.abandoned.as_ref()) {
+                (Some(client), Some(abandoned)) => {
+                    let mut abandoned = abandoned.subscribe();
+                    tokio::select! {
+                        () = client.closed() => {}
+                        _ = abandoned.wait_for(|a| *a) => {}
+                    }
+                }
+                (Some(client), None) => client.closed().await,
+                _ => std::future::pending::<()>().await,
             }
         };
         tokio::select! {

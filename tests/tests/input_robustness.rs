@@ -532,11 +532,19 @@ async fn read_until(stream: &mut tokio::net::TcpStream, until: impl Fn(&str) -> 
 /// than a connection's buffers hold), behind a gateway with small socket buffers that drops
 /// clients leaving their events unread for `stall_s`.
 async fn long_answers(stall_s: f64) -> (agentgate_sim::SimHandle, agentgate::Gateway) {
+    long_answers_paced(stall_s, 0.01).await
+}
+
+/// [`long_answers`] decoding `decode_ms` real milliseconds per token.
+async fn long_answers_paced(
+    stall_s: f64,
+    decode_ms: f64,
+) -> (agentgate_sim::SimHandle, agentgate::Gateway) {
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
         listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         model: "sim-model".into(),
         default_output_tokens: 20_000,
-        decode_ms_per_token: 0.01,
+        decode_ms_per_token: decode_ms,
         time_scale: 1.0,
         ..Default::default()
     })
@@ -597,6 +605,42 @@ async fn a_client_that_stops_reading_its_stream_does_not_hold_the_turn() {
         0.0,
         "no slot is held: {m}"
     );
+    drop(stalled);
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+/// A turn nobody could read later (not stored) stops when the gateway gives up on its client
+/// for not reading, although the client keeps its connection open: generating the rest for
+/// nobody would hold the engine slot and the team's admission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unstored_turn_whose_client_stops_reading_stops() {
+    // About 4 s of decoding; the client is given up on after 0.3 s.
+    let (sim, gw) = long_answers_paced(0.3, 0.2).await;
+    let base = gw.base_url();
+    let body = json!({"model": "sim-model", "input": "write at length", "stream": true,
+                      "store": false})
+    .to_string();
+    let head = format!(
+        "POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}",
+        body.len()
+    );
+    let mut stalled = raw_request(&base, &head, body.as_bytes()).await;
+    read_until(&mut stalled, |s| s.contains("response.output_text.delta")).await;
+    let gone = "code=\"client_disconnected\"} 1";
+    let mut m = String::new();
+    for _ in 0..1500 {
+        m = metrics_text(&base).await;
+        if m.contains(gone) && metric_sum(&m, "agentgate_endpoint_in_flight_requests") == 0.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let ended: Vec<&str> = m
+        .lines()
+        .filter(|l| l.starts_with("agentgate_responses_total"))
+        .collect();
+    assert!(m.contains(gone), "{ended:?}");
     drop(stalled);
     gw.shutdown().await;
     sim.shutdown().await;
