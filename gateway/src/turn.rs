@@ -1588,7 +1588,14 @@ async fn drive_announced(
         Persisted::Failed => fail_unstored(&mut response, &mut terminal),
         // A client waiting on a conversation turn is told it did not land (its items are not
         // in the conversation); a background run's record is complete and retrievable.
-        Persisted::Unjoined if !turn.background => fail_unstored(&mut response, &mut terminal),
+        Persisted::Unjoined if !turn.background => {
+            fail_unstored(&mut response, &mut terminal);
+            // Its record would answer as completed to a retrieve and be continued from,
+            // against what the client is told: it goes (best effort: the store is failing).
+            if let Err(e) = state.store.delete(&turn.team, &turn.id).await {
+                tracing::warn!(response = %turn.id, "could not delete the response left out of its conversation: {e}");
+            }
+        }
         // Cancelled as it ended (or by a gateway replica with no signal to this run): the
         // stream and the log end as the record says.
         // As stored, where the store still has it (a deleted response is gone).
