@@ -5,7 +5,8 @@
 //! result (unless `store: false`). Streaming clients read the task's events through a channel;
 //! non-streaming clients await its final Response object. The terminal event is sent only after
 //! the response is persisted, so a client that saw `response.completed` can chain on it at once.
-//! When the store cannot keep it (three tries over about a second), the turn ends as `failed`
+//! When the store cannot keep it (three tries a second apart in all, each waiting up to the store
+//! client's reply timeout), the turn ends as `failed`
 //! with code `store_unavailable` instead (503 when not streamed): an id that can be neither
 //! retrieved nor continued is never handed out as a finished response. A background run keeps
 //! trying for about ten minutes, since its record would otherwise stay `in_progress` (a client
