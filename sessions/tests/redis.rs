@@ -149,6 +149,10 @@ async fn a_lost_predecessor_is_an_error_a_deleted_one_a_cut() {
     );
     let ttl = pttl(&mut conn, &marker).await;
     assert!(ttl > 0 && ttl <= TEST_TTL.as_millis() as i64, "{ttl}");
+    // ...and as long as the chain that continues it: a walk refreshes it.
+    expire_in_10s(&mut conn, &marker).await;
+    store.history("t", &chain[3].id).await.expect("history");
+    assert!(pttl(&mut conn, &marker).await > 10_000);
 }
 
 #[tokio::test]

@@ -45,8 +45,13 @@ while true do
   end
   key = prefix .. prev
   fields = redis.call('HMGET', key, 'team', 'prev', 'input', 'output')
-  if not fields[1] and redis.call('EXISTS', deleted_prefix .. prev) == 0 then
-    return {'!lost', prev}
+  if not fields[1] then
+    -- A deleted predecessor is where the history starts for as long as the chain lives: its
+    -- marker is refreshed with the chain.
+    if redis.call('PEXPIRE', deleted_prefix .. prev, ttl) == 0 then
+      return {'!lost', prev}
+    end
+    break
   end
   if fields[1] ~= team then
     break
