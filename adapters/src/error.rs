@@ -189,7 +189,7 @@ pub fn context_window_in(message: &str) -> Option<u64> {
 
 /// True when an engine message says the prompt does not fit the context window
 /// (vLLM: "maximum context length is N tokens", SGLang: "longer than the model's context length").
-fn is_context_overflow(message: &str) -> bool {
+pub(crate) fn is_context_overflow(message: &str) -> bool {
     let lower = message.to_ascii_lowercase();
     lower.contains("context length")
         || lower.contains("context window")

@@ -35,6 +35,7 @@
 //! number of reasoning deltas is used as the count.
 
 use crate::compaction::encode_compaction_blob;
+use crate::error::is_context_overflow;
 use crate::ids::new_item_id;
 use crate::reasoning_blob::encode_reasoning_blob;
 use crate::tools::ToolNameMap;
@@ -860,6 +861,16 @@ impl ResponseStream {
 /// a chunk before the first output leaves the request free to run again elsewhere. Its message.
 pub fn failure_without_output(chunk: &Value) -> Option<String> {
     if let Some(message) = engine_error_message(chunk) {
+        // A fault of the request the engine reports in its stream (SGLang sends some of its
+        // validation errors so, coded 4xx) would fail alike anywhere: not a failed engine.
+        let code = chunk
+            .get("error")
+            .and_then(|e| e.get("code"))
+            .or_else(|| chunk.get("code"))
+            .and_then(Value::as_u64);
+        if code.is_some_and(|c| (400..500).contains(&c)) || is_context_overflow(&message) {
+            return None;
+        }
         return Some(format!(
             "the engine reported an error in its stream: {message}"
         ));
@@ -943,6 +954,11 @@ mod tests {
             .contains("EngineDeadError"));
         let flat = json!({"object": "error", "message": "engine busy"});
         assert!(failure_without_output(&flat).is_some());
+        // The request's own fault would fail anywhere: not retried.
+        let invalid = json!({"object": "error", "message": "bad schema", "code": 400});
+        assert_eq!(failure_without_output(&invalid), None);
+        let long = json!({"error": {"message": "The input (9000 tokens) is longer than the model's context length (8192 tokens).", "code": 500}});
+        assert_eq!(failure_without_output(&long), None);
         let abort =
             json!({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "abort"}]});
         assert!(failure_without_output(&abort).is_some());
