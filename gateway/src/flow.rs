@@ -550,6 +550,19 @@ impl RateLimiter for StoreRateLimiter {
     }
 }
 
+/// The `service_tier` a Response reports, as OpenAI reports the processing mode used rather
+/// than the one asked for: an OpenAI tier name the request asked for that `tiers` (`[flow]
+/// service_tier`) maps to a band, which stands for it; otherwise `default` (`auto`, a tier
+/// name no band stands for, and names only the config knows, which the SDK's type has not).
+pub fn served_tier(tiers: &BTreeMap<String, String>, body: &Value) -> Value {
+    match body.get("service_tier").and_then(Value::as_str) {
+        Some(tier @ ("flex" | "scale" | "priority")) if tiers.contains_key(tier) => {
+            Value::from(tier)
+        }
+        _ => Value::from("default"),
+    }
+}
+
 /// The `[flow]` settings read per request (reloadable).
 #[derive(Debug, Clone)]
 struct Settings {
@@ -697,6 +710,11 @@ impl FlowControl {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// The `service_tier` a Response reports ([`served_tier`] under the current settings).
+    pub fn served_tier(&self, body: &Value) -> Value {
+        served_tier(&self.settings().service_tier, body)
     }
 
     /// The gateway-side cap per endpoint (`[flow] max_in_flight_per_endpoint`; 0 = none).
@@ -1006,6 +1024,21 @@ mod tests {
              endpoints = [\"http://127.0.0.1:9\", \"http://127.0.0.1:10\"]\n{extra}"
         ))
         .unwrap()
+    }
+
+    #[test]
+    fn the_tier_served_is_reported() {
+        let tiers = BTreeMap::from([("flex".to_string(), "batch".to_string())]);
+        let tier = |asked: Value| served_tier(&tiers, &json!({"service_tier": asked}));
+        assert_eq!(tier(json!("flex")), "flex", "its band stands for it");
+        assert_eq!(tier(json!("priority")), "default", "no band stands for it");
+        assert_eq!(tier(json!("auto")), "default");
+        assert_eq!(
+            tier(json!("batch")),
+            "default",
+            "a name only the config knows"
+        );
+        assert_eq!(tier(Value::Null), "default");
     }
 
     async fn pools(config: &Config) -> Pools {

@@ -72,7 +72,8 @@ pub fn skeleton(id: &str, created_at: i64, req: &Value, model: &str, status: &st
         "prompt_cache_key": get(req, "prompt_cache_key"),
         "reasoning": reasoning,
         "safety_identifier": get(req, "safety_identifier"),
-        "service_tier": served_tier(req),
+        // The tier served, set by flow control ([`crate::flow::FlowControl::served_tier`]).
+        "service_tier": "default",
         "store": req.get("store").and_then(Value::as_bool).unwrap_or(true),
         "temperature": req.get("temperature").cloned().filter(|t| !t.is_null()).unwrap_or(json!(1.0)),
         "text": text,
@@ -84,16 +85,6 @@ pub fn skeleton(id: &str, created_at: i64, req: &Value, model: &str, status: &st
         "usage": null,
         "user": get(req, "user"),
     })
-}
-
-/// The `service_tier` a Response reports: as OpenAI, the processing mode used rather than the
-/// one asked for: `auto` (and a tier name only this gateway's config knows, mapped to a band)
-/// is served as `default`; OpenAI's own tier names are reported as asked (they chose the band).
-fn served_tier(req: &Value) -> Value {
-    match req.get("service_tier").and_then(Value::as_str) {
-        Some(tier @ ("default" | "flex" | "scale" | "priority")) => json!(tier),
-        _ => json!("default"),
-    }
 }
 
 #[cfg(test)]
@@ -126,22 +117,5 @@ mod tests {
         ] {
             assert!(r.get(key).is_some(), "{key} missing");
         }
-    }
-
-    #[test]
-    fn the_tier_served_is_reported() {
-        let tier = |asked: Value| {
-            let req = json!({"model": "m", "service_tier": asked});
-            skeleton("resp_1", 5, &req, "m", "in_progress")["service_tier"].clone()
-        };
-        assert_eq!(tier(json!("auto")), "default");
-        assert_eq!(
-            tier(json!("batch")),
-            "default",
-            "a tier only the config knows"
-        );
-        assert_eq!(tier(Value::Null), "default");
-        assert_eq!(tier(json!("flex")), "flex");
-        assert_eq!(tier(json!("priority")), "priority");
     }
 }

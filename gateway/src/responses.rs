@@ -556,7 +556,11 @@ async fn run(
         input_items: prepared.input_items,
         pool: prepared.pool.clone(),
         plan: prepared.plan,
-        skeleton: skeleton(&id, now_secs(), &req.body, &req.model, status),
+        skeleton: {
+            let mut skeleton = skeleton(&id, now_secs(), &req.body, &req.model, status);
+            skeleton["service_tier"] = state.flow.served_tier(&req.body);
+            skeleton
+        },
         store: req.store,
         background: req.background,
         encrypted_reasoning: includes_encrypted_reasoning(&req.body),

@@ -173,13 +173,15 @@ pub fn truncate_middle(history: &mut Vec<Value>, input: &mut Vec<Value>) -> bool
     let take = ((total - 2) / 4).max(1);
     let mut drop = vec![false; total];
     let mut calls = std::collections::HashSet::new();
-    for (at, item) in items.iter().enumerate().take(total - 1).skip(1).take(take) {
-        let call = call_of(item);
-        if call.is_some() && call == kept_call {
-            continue;
-        }
+    let droppable = items
+        .iter()
+        .enumerate()
+        .take(total - 1)
+        .skip(1)
+        .filter(|(_, item)| kept_call.is_none() || call_of(item) != kept_call);
+    for (at, item) in droppable.take(take) {
         drop[at] = true;
-        calls.extend(call);
+        calls.extend(call_of(item));
     }
     for (at, item) in items.iter().enumerate().take(total - 1).skip(1) {
         if call_of(item).is_some_and(|c| calls.contains(&c)) {
@@ -695,6 +697,9 @@ async fn open_local(
     let pinned = pinned_in(view, placement.pin.as_ref());
     let mut first = first.filter(|(p, ..)| p.index < view.len());
     let mut tried: Vec<usize> = placement.avoided_in(view);
+    // Not an endpoint that cannot run a request whole (an SGLang decode-mode server), whatever
+    // else fails.
+    tried.extend((0..view.len()).filter(|&i| !pool.runs_whole(&view[i])));
     let mut last = String::from("no available endpoint");
     let begin = |pick: Pick| count_local(pool, view, &placement, pick);
     loop {
@@ -2282,7 +2287,11 @@ mod tests {
         // The oldest quarter of the middle (the reasoning and call 1) went, and call 1's output
         // with it; call 2 and its output stay together.
         assert_eq!(kept, ["task", "fc2", "c2", "fc3", "c3", "fc4", "c4"]);
-        // The last item's call is never dropped with it: the opening goes instead.
+        // The last item's call is never dropped with it: the next droppable item goes (with
+        // its pair), and when none is left, the opening.
+        let mut input = vec![user.clone(), call(5), call(6), output(6), output(5)];
+        assert!(truncate_middle(&mut history, &mut input));
+        assert_eq!(input, [user.clone(), call(5), output(5)]);
         let mut input = vec![user, call(5), output(5)];
         assert!(truncate_middle(&mut history, &mut input));
         assert_eq!(input, [call(5), output(5)]);
