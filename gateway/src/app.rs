@@ -234,7 +234,23 @@ async fn unknown_route(method: Method, uri: Uri) -> HttpError {
     )
 }
 
-async fn method_not_allowed(method: Method, uri: Uri) -> HttpError {
+async fn method_not_allowed(method: Method, uri: Uri, headers: axum::http::HeaderMap) -> HttpError {
+    // OpenAI also serves the Responses API over a WebSocket on this path, which Codex's
+    // built-in provider tries first; on 426 it falls back to HTTP (any other status counts as
+    // a failed attempt, retried before it falls back or gives up).
+    let websocket = headers
+        .get(axum::http::header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
+    if websocket && method == Method::GET && uri.path() == "/v1/responses" {
+        return HttpError::new(
+            426,
+            "invalid_request_error",
+            "This gateway serves the Responses API over HTTP (POST /v1/responses, streamed as server-sent events), not over a WebSocket.",
+            None,
+            Some("websocket_not_supported"),
+        );
+    }
     HttpError::new(
         405,
         "invalid_request_error",

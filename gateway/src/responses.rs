@@ -59,6 +59,9 @@ pub(crate) fn body_error(rejection: BytesRejection, limit: usize) -> HttpError {
     }
 }
 
+/// The error code of a prompt over the engine's context window.
+const CONTEXT_LENGTH_EXCEEDED: &str = "context_length_exceeded";
+
 /// The answer to a store failure: 503 (nothing was lost, the client may retry) when the store
 /// is unavailable; 400 `previous_response_not_found` when part of the chain is gone (a retry
 /// would not bring it back); 500 without `Retry-After` for stored data this gateway cannot read.
@@ -673,9 +676,27 @@ async fn run(
         flow_headers = flow::response_headers(&permit);
         turn.permit = Some(permit);
     }
-    let (chunks, in_flight) = tokio::select! {
-        opened = turn::open_turn(state, &mut turn) => opened?,
+    let opened = tokio::select! {
+        opened = turn::open_turn(state, &mut turn) => opened,
         Ok(_) = stopping.wait_for(|s| *s) => return Err(shut_down()),
+    };
+    let (chunks, in_flight) = match opened {
+        Ok(opened) => opened,
+        // Streamed, a prompt over the context window fails as OpenAI streams it: the response
+        // is created, then fails with `context_length_exceeded`. Codex compacts its history on
+        // that event; an HTTP 400 it takes for a request it cannot send at all.
+        Err(e) if req.stream && e.error.code.as_deref() == Some(CONTEXT_LENGTH_EXCEEDED) => {
+            let events = turn::failed_at_start(&turn, CONTEXT_LENGTH_EXCEEDED, &e.error.message);
+            let (tx, rx) = mpsc::channel(events.len().max(1));
+            for event in &events {
+                let _ = tx.try_send(Bytes::from(event.to_sse_frame()));
+            }
+            return Ok(Started::Answered(with_headers(
+                sse_response(rx, None, None),
+                flow_headers,
+            )));
+        }
+        Err(e) => return Err(e),
     };
     let endpoint = in_flight.endpoint().clone();
     let reason = (in_flight.reason, in_flight.pin_moved);

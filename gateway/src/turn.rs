@@ -1219,6 +1219,16 @@ async fn repin(
     Some(cause)
 }
 
+/// The events of a streamed turn that failed before any endpoint ran it: `response.created`,
+/// `response.in_progress`, then `response.failed` with `code` and `message`. Nothing is stored
+/// (a retrieve of its id answers 404).
+pub fn failed_at_start(turn: &Turn, code: &str, message: &str) -> Vec<SseEvent> {
+    let mut rs = new_stream(turn);
+    let mut events = rs.start();
+    events.extend(rs.fail(code, message));
+    events
+}
+
 fn new_stream(turn: &Turn) -> ResponseStream {
     ResponseStream::new(turn.skeleton.clone(), turn.plan.tool_names.clone())
         .with_encrypted_reasoning(turn.encrypted_reasoning)

@@ -27,6 +27,10 @@ WEATHER_TOOL = {
     "strict": True,
 }
 
+TIME_TOOL = dict(WEATHER_TOOL, name="get_time", description="Current time in a city.",
+                 parameters={"type": "object", "properties": {"city": {"type": "string"}},
+                             "required": ["city"], "additionalProperties": False})
+
 CITY_SCHEMA = {
     "type": "object",
     "properties": {
@@ -169,11 +173,8 @@ def test_streamed_function_call_arguments_concatenate(client):
 
 
 def test_named_tool_choice_calls_that_tool(client):
-    other = dict(WEATHER_TOOL, name="get_time", description="Current time in a city.",
-                 parameters={"type": "object", "properties": {"city": {"type": "string"}},
-                             "required": ["city"], "additionalProperties": False})
     r = client.responses.create(
-        model=MODEL, input="hello", tools=[WEATHER_TOOL, other],
+        model=MODEL, input="hello", tools=[WEATHER_TOOL, TIME_TOOL],
         tool_choice={"type": "function", "name": "get_time"},
     )
     calls = _function_calls(r)
@@ -182,12 +183,9 @@ def test_named_tool_choice_calls_that_tool(client):
 
 
 def test_allowed_tools_keep_the_model_to_the_allowed_ones(client):
-    other = dict(WEATHER_TOOL, name="get_time", description="Current time in a city.",
-                 parameters={"type": "object", "properties": {"city": {"type": "string"}},
-                             "required": ["city"], "additionalProperties": False})
     # The user names the tool that is declared but not allowed this turn.
     r = client.responses.create(
-        model=MODEL, input="Please use get_weather for Paris.", tools=[WEATHER_TOOL, other],
+        model=MODEL, input="Please use get_weather for Paris.", tools=[WEATHER_TOOL, TIME_TOOL],
         tool_choice={"type": "allowed_tools", "mode": "required",
                      "tools": [{"type": "function", "name": "get_time"}]},
     )

@@ -1048,6 +1048,28 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
         if s == 400 {
             assert_eq!(r["error"]["code"], "context_length_exceeded", "{r}");
             assert_eq!(r["error"]["param"], "input", "{r}");
+            // Streamed, the same refusal is a created response that fails, as OpenAI streams
+            // it (Codex compacts on that event; a 400 it takes for a request it cannot send).
+            let mut streamed = body.clone();
+            streamed["stream"] = json!(true);
+            let resp = post_response(&base, &streamed).await;
+            assert_eq!(resp.status(), 200);
+            let events = read_sse(resp).await;
+            assert_sequence_numbers(&events);
+            let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+            assert_eq!(
+                kinds,
+                [
+                    "response.created",
+                    "response.in_progress",
+                    "response.failed"
+                ]
+            );
+            let failed = &events[2].data["response"];
+            assert_eq!(
+                failed["error"]["code"], "context_length_exceeded",
+                "{failed}"
+            );
             // The same turn with truncation: auto goes through.
             body["truncation"] = json!("auto");
             let (s, r) = create(&base, body.clone()).await;

@@ -378,6 +378,26 @@ async fn urls_that_do_not_decode_get_openai_errors() {
         );
         assert_eq!(error["param"].as_str(), param, "{method} {path}: {body}");
     }
+    // A WebSocket upgrade on the create path (Codex's built-in provider tries one first) is
+    // 426, on which Codex falls back to HTTP; a plain GET there stays 405.
+    let plain = client
+        .get(format!("{base}/v1/responses"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(plain.status().as_u16(), 405);
+    let upgrade = client
+        .get(format!("{base}/v1/responses"))
+        .header("connection", "Upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-version", "13")
+        .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(upgrade.status().as_u16(), 426);
+    let body: Value = upgrade.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "websocket_not_supported", "{body}");
     // `stream=false` is the plain retrieval.
     let resp = client
         .get(format!("{base}/v1/responses/{id}?stream=false"))
