@@ -187,7 +187,11 @@ class Codex:
     """The Codex CLI with its own CODEX_HOME (config, sessions) and working directory."""
 
     def __init__(self, binary: str, version: str, gateway: Gateway, root: Path,
-                 provider_name: str = "agentgate", extra_config: str = "") -> None:
+                 provider_name: str = "agentgate", extra_config: str = "",
+                 builtin: bool = False) -> None:
+        """`builtin`: Codex's own OpenAI provider with only its base URL changed (it tries a
+        WebSocket first), instead of a `[model_providers.agentgate]` entry."""
+        self.builtin = builtin
         self.binary = binary
         self.version = version
         self.gateway = gateway
@@ -196,9 +200,11 @@ class Codex:
         self.workdir = root / "work"
         for d in (self.home, self.user_home, self.workdir):
             d.mkdir(parents=True, exist_ok=True)
+        provider = (f'model_provider = "openai"\nopenai_base_url = "{gateway.base_url}/v1"'
+                    if builtin else 'model_provider = "agentgate"')
         (self.home / "config.toml").write_text(f"""
 model = "{MODEL_ALIAS}"
-model_provider = "agentgate"
+{provider}
 approval_policy = "never"
 sandbox_mode = "read-only"
 check_for_update_on_startup = false
@@ -226,6 +232,8 @@ stream_max_retries = 0
                if not k.startswith(("OPENAI_", "CODEX_", "RUST_LOG"))}
         env.update(CODEX_HOME=str(self.home), HOME=str(self.user_home),
                    AGENTGATE_API_KEY="unused-when-open", NO_COLOR="1")
+        if self.builtin:
+            env["OPENAI_API_KEY"] = "unused-when-open"
         return env
 
     def exec(self, *args: str, json_events: bool = True) -> CodexRun:
@@ -391,6 +399,18 @@ def test_codex_exec_resume_second_turn(codex):
     assert prompts == ["Name three prime numbers.", "And what is their sum?"], ctx
     answers = [t for r, t in convo if r == "assistant"]
     assert answers == [first_text, second_text], ctx
+
+
+def test_codex_builtin_provider_falls_back_to_http_at_once(codex_bin, gateway, tmp_path):
+    """Codex's built-in provider with only its base URL changed (README.md allows it) opens a
+    WebSocket to `/v1/responses` first. The gateway answers the upgrade 426, on which Codex goes
+    over HTTP at once; a 405 had it retry five times, reporting each as an error event."""
+    binary, version = codex_bin
+    codex = Codex(binary, version, gateway, tmp_path, builtin=True)
+    before = len(gateway.turns())
+    run = codex.exec("Name three prime numbers.")
+    assert_clean_json_run(codex, run)
+    assert_new_turns(codex, before, 1, run)
 
 
 def test_codex_remote_compaction_round_trip(codex_bin, gateway, tmp_path):
