@@ -102,6 +102,14 @@ fn items_of(
                 Some("missing_required_parameter"),
             ))
         }
+        // Adding nothing is a client's mistake (and a list of nothing has no first or last id).
+        Some(Value::Array(items)) if items.is_empty() && required => {
+            return Err(HttpError::invalid(
+                "Invalid 'items': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+                Some("items"),
+                Some("empty_array"),
+            ))
+        }
         Some(Value::Array(items)) => items,
         Some(_) => return Err(invalid_type("items", "an array")),
     };

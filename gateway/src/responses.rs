@@ -1112,9 +1112,15 @@ pub fn as_listed(mut item: Value) -> Value {
     }
     if let Some(parts) = fields.get_mut("content").and_then(Value::as_array_mut) {
         for part in parts {
-            let output_text = part.get("type").and_then(Value::as_str) == Some("output_text");
-            if let Some(part) = part.as_object_mut().filter(|_| output_text) {
-                part.entry("annotations").or_insert_with(|| json!([]));
+            let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+            // Fields the SDK's types require, with OpenAI's defaults.
+            let (key, default) = match kind {
+                "output_text" => ("annotations", json!([])),
+                "input_image" => ("detail", json!("auto")),
+                _ => continue,
+            };
+            if let Some(part) = part.as_object_mut() {
+                part.entry(key).or_insert(default);
             }
         }
     }

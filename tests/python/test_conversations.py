@@ -84,6 +84,9 @@ def test_conversation_errors_name_their_parameter(client):
         client.conversations.items.create(conv.id, items=[{"type": "item_reference", "id": "m"}])
     assert e.value.param == "items[0].type"
     with pytest.raises(openai.BadRequestError) as e:
+        client.conversations.items.create(conv.id, items=[])
+    assert (e.value.param, e.value.code) == ("items", "empty_array")
+    with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="x", conversation=conv.id,
                                 previous_response_id="resp_x")
     assert e.value.param == "previous_response_id"
@@ -109,7 +112,9 @@ def test_a_conversation_belongs_to_its_team(auth_gateway):
 
 def test_listed_items_carry_the_fields_the_sdk_requires(client):
     conv = client.conversations.create(items=[
-        {"type": "message", "role": "user", "content": "Look it up."},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "Look it up."},
+            {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]},
         {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "call_1", "output": "42"},
         {"type": "message", "role": "assistant",
@@ -121,5 +126,6 @@ def test_listed_items_carry_the_fields_the_sdk_requires(client):
     # Sent without them; listed as OpenAI lists every item.
     assert [i.status for i in items] == ["completed"] * 4
     assert items[3].content[0].annotations == []
+    assert items[0].content[1].detail == "auto"
     again = client.conversations.items.retrieve(items[1].id, conversation_id=conv.id)
     assert again.status == "completed"
