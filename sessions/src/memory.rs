@@ -803,10 +803,16 @@ impl Store for MemoryStore {
 
     async fn conversation_len(&self, team: &str, id: &str) -> Result<Option<usize>, StoreError> {
         let now = Instant::now();
+        let expires_at = self.expiry_from(now);
         let mut records = self.lock();
-        Ok(records
+        let len = records
             .conversation_mut(team, id, now)
-            .map(|e| e.items.len()))
+            .map(|e| e.items.len());
+        // A use, as every conversation operation is (Redis refreshes the TTL on each).
+        if len.is_some() {
+            records.touch_conversation(id, expires_at);
+        }
+        Ok(len)
     }
 
     async fn conversation_items(
