@@ -995,6 +995,9 @@ impl Config {
                 }
             }
         }
+        if self.upstream.connect_timeout_ms == 0 {
+            return Err(err("upstream.connect_timeout_ms", "must be at least 1"));
+        }
         if r.probe_timeout_ms == 0 {
             return Err(err("routing.probe_timeout_ms", "must be at least 1"));
         }
@@ -1021,6 +1024,12 @@ impl Config {
         }
         if self.background.max_concurrent == 0 {
             return Err(err("background.max_concurrent", "must be at least 1"));
+        }
+        if self.background.max_concurrent > tokio::sync::Semaphore::MAX_PERMITS {
+            return Err(err(
+                "background.max_concurrent",
+                format!("must be at most {}", tokio::sync::Semaphore::MAX_PERMITS),
+            ));
         }
         let grace = self.server.shutdown_grace_s;
         if !(grace.is_finite() && (0.0..=MAX_SECONDS).contains(&grace)) {
@@ -1054,10 +1063,15 @@ impl Config {
             ));
         }
         let mut models = std::collections::HashSet::new();
+        let mut pool_names = std::collections::HashSet::new();
         for (i, pool) in self.pools.iter().enumerate() {
             let at = |k: &str| format!("pools[{i}].{k}");
             if pool.name.trim().is_empty() {
                 return Err(err(at("name"), "must not be empty"));
+            }
+            // Flow control, session pins and endpoint names (`{pool}/{j}`) are keyed by it.
+            if !pool_names.insert(pool.name.clone()) {
+                return Err(err(at("name"), "pool names must be unique"));
             }
             if pool.model.trim().is_empty() {
                 return Err(err(at("model"), "must not be empty"));
@@ -1129,13 +1143,41 @@ impl Config {
                     ));
                 }
                 let ok = (ep.starts_with("http://") || ep.starts_with("https://"))
-                    && ep.len() > "http://".len() + 1;
+                    && !ep.contains(|c: char| c.is_whitespace() || c == '?' || c == '#')
+                    && crate::pools::host_port(ep).is_some_and(|(host, _)| !host.is_empty());
                 if !ok {
                     return Err(err(
                         format!("pools[{i}].endpoints[{j}]"),
                         format!("`{ep}` is not an http:// base URL such as http://10.0.0.5:8000"),
                     ));
                 }
+                // One engine listed twice would count twice (load, capacity, cache affinity).
+                let normal = ep.trim_end_matches('/');
+                let first = pool.endpoints[..j]
+                    .iter()
+                    .position(|e| e.url().trim_end_matches('/') == normal);
+                if let Some(first) = first {
+                    return Err(err(
+                        format!("pools[{i}].endpoints[{j}]"),
+                        format!("`{ep}` is listed already, as endpoints[{first}]"),
+                    ));
+                }
+            }
+            // An SGLang server in `--disaggregation-mode decode` cannot prefill: a pool of
+            // them alone could serve nothing.
+            if pool.flavor == Flavor::Sglang
+                && pool.endpoints_file.is_none()
+                && simulated == 0
+                && !pool.endpoints.is_empty()
+                && pool
+                    .endpoints
+                    .iter()
+                    .all(|e| e.role(pool.role()) == Role::Decode)
+            {
+                return Err(err(
+                    at("endpoints"),
+                    "every endpoint is an SGLang decode server, which cannot prefill: add prefill endpoints (role = \"prefill\") or ones of role \"both\"",
+                ));
             }
             let pd = &pool.disaggregation;
             let parent_header = pd.parent_header.trim();
@@ -1543,11 +1585,21 @@ impl Config {
 
 /// Best-effort dotted key path for a byte offset in TOML text, for error messages.
 fn locate_key(text: &str, offset: usize) -> String {
+    let offset = offset.min(text.len());
     let before = text.get(..offset).unwrap_or(text);
+    // Up to the end of the line holding the offset (an unknown key's span starts at the key).
+    let end = text
+        .get(offset..)
+        .and_then(|rest| rest.find('\n'))
+        .map_or(text.len(), |n| offset + n);
+    let upto = text.get(..end).unwrap_or(before);
     let mut table = String::new();
     let mut key = String::new();
-    for line in before.lines() {
+    for line in upto.lines() {
         let t = line.trim();
+        if t.starts_with('#') {
+            continue;
+        }
         if t.starts_with('[') {
             table = t.trim_matches(|c| c == '[' || c == ']').trim().to_string();
             key.clear();
@@ -1555,7 +1607,7 @@ fn locate_key(text: &str, offset: usize) -> String {
             key = k.trim().to_string();
         }
     }
-    let line = before.lines().count().max(1);
+    let line = before.matches('\n').count() + 1;
     match (table.is_empty(), key.is_empty()) {
         (true, true) => format!("line {line}"),
         (true, false) => format!("{key} (line {line})"),
@@ -1588,6 +1640,13 @@ endpoints = ["http://127.0.0.1:8000"]
     fn unknown_key_names_the_key() {
         let e = Config::parse(&format!("{MINIMAL}\nlisten_port = 3\n")).unwrap_err();
         assert!(e.to_string().contains("listen_port"), "{e}");
+        // The key and line of the unknown key itself, not of the line before it (a comment
+        // there is not a key).
+        let text = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n# listen = \"x\"\nmax_body_byte = 1\n{MINIMAL}"
+        );
+        let e = Config::parse(&text).unwrap_err();
+        assert_eq!(e.key, "server.max_body_byte (line 4)", "{e}");
     }
 
     #[test]
@@ -1595,6 +1654,46 @@ endpoints = ["http://127.0.0.1:8000"]
         let text = MINIMAL.replace("http://127.0.0.1:8000", "127.0.0.1:8000");
         let e = Config::parse(&text).unwrap_err();
         assert_eq!(e.key, "pools[0].endpoints[0]");
+        for bad in [
+            "http://h:99999",
+            "http://:8000",
+            "http://a b:80",
+            "http://h:80?x=1",
+        ] {
+            let e = Config::parse(&MINIMAL.replace("http://127.0.0.1:8000", bad)).unwrap_err();
+            assert_eq!(e.key, "pools[0].endpoints[0]", "{bad}");
+        }
+        // One engine listed twice would count twice.
+        let twice = MINIMAL.replace(
+            "[\"http://127.0.0.1:8000\"]",
+            "[\"http://127.0.0.1:8000\", \"http://127.0.0.1:8000/\"]",
+        );
+        let e = Config::parse(&twice).unwrap_err();
+        assert_eq!(e.key, "pools[0].endpoints[1]", "{e}");
+    }
+
+    #[test]
+    fn settings_that_cannot_work_are_refused() {
+        let e =
+            Config::parse(&format!("[upstream]\nconnect_timeout_ms = 0\n{MINIMAL}")).unwrap_err();
+        assert_eq!(e.key, "upstream.connect_timeout_ms");
+        let e = Config::parse(&format!(
+            "[background]\nmax_concurrent = 9223372036854775807\n{MINIMAL}"
+        ))
+        .unwrap_err();
+        assert_eq!(e.key, "background.max_concurrent");
+        // Two pools of one name: flow control, pins and endpoint names are keyed by it.
+        let text = format!("{MINIMAL}\n{MINIMAL}").replace(
+            "model = \"m\"\nendpoints = [\"http://127.0.0.1:8000\"]\n\n",
+            "model = \"m2\"\nendpoints = [\"http://127.0.0.1:8000\"]\n\n",
+        );
+        let e = Config::parse(&text).unwrap_err();
+        assert_eq!(e.key, "pools[1].name", "{e}");
+        // SGLang decode servers alone cannot prefill anything.
+        let decode_only = format!("{MINIMAL}flavor = \"sglang\"\nrole = \"decode\"\n");
+        let e = Config::parse(&decode_only).unwrap_err();
+        assert_eq!(e.key, "pools[0].endpoints", "{e}");
+        assert!(Config::parse(&decode_only.replace("sglang", "vllm")).is_ok());
     }
 
     #[test]
@@ -1607,7 +1706,7 @@ endpoints = ["http://127.0.0.1:8000"]
     #[test]
     fn duplicate_model_is_refused() {
         let text = format!("{MINIMAL}\n{MINIMAL}")
-            .replace("name = \"main\"\nmodel", "name = \"x\"\nmodel");
+            .replacen("name = \"main\"\nmodel", "name = \"x\"\nmodel", 1);
         let e = Config::parse(&text).unwrap_err();
         assert!(e.reason.contains("two pools"), "{e}");
     }

@@ -144,9 +144,11 @@ fn main() -> ExitCode {
                         eprintln!("agentgate: cannot read the key from standard input: {e}");
                         return ExitCode::FAILURE;
                     }
-                    line.trim_end_matches(['\r', '\n']).to_string()
+                    line
                 }
             };
+            // As a request's bearer token is read: surrounding whitespace is not part of it.
+            let key = key.trim().to_string();
             if key.is_empty() {
                 eprintln!("agentgate: no key given (as an argument or on standard input)");
                 return ExitCode::FAILURE;

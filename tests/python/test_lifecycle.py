@@ -278,5 +278,9 @@ def test_hash_key_takes_the_key_from_standard_input_too(agentgate_bin):
     piped = subprocess.run([agentgate_bin, "hash-key"], input=TEAM_A_KEY + "\n",
                            capture_output=True, text=True, check=True)
     assert piped.stdout.strip() == hash_key(agentgate_bin, TEAM_A_KEY)
+    # Surrounding whitespace is not part of a key (a bearer token is read trimmed too).
+    padded = subprocess.run([agentgate_bin, "hash-key", f"  {TEAM_A_KEY}\t"],
+                            capture_output=True, text=True, check=True)
+    assert padded.stdout.strip() == piped.stdout.strip()
     empty = subprocess.run([agentgate_bin, "hash-key"], input="", capture_output=True, text=True)
     assert empty.returncode != 0 and "no key given" in empty.stderr
