@@ -1142,20 +1142,16 @@ impl Config {
                         "https:// engines need a build with TLS: `cargo build --release --features upstream-tls`",
                     ));
                 }
-                let ok = (ep.starts_with("http://") || ep.starts_with("https://"))
-                    && !ep.contains(|c: char| c.is_whitespace() || c == '?' || c == '#')
-                    && crate::pools::host_port(ep).is_some_and(|(host, _)| !host.is_empty());
-                if !ok {
+                let Some(engine) = engine_of(ep) else {
                     return Err(err(
                         format!("pools[{i}].endpoints[{j}]"),
                         format!("`{ep}` is not an http:// base URL such as http://10.0.0.5:8000"),
                     ));
-                }
+                };
                 // One engine listed twice would count twice (load, capacity, cache affinity).
-                let normal = ep.trim_end_matches('/');
                 let first = pool.endpoints[..j]
                     .iter()
-                    .position(|e| e.url().trim_end_matches('/') == normal);
+                    .position(|e| engine_of(e.url()).as_ref() == Some(&engine));
                 if let Some(first) = first {
                     return Err(err(
                         format!("pools[{i}].endpoints[{j}]"),
@@ -1584,6 +1580,29 @@ impl Config {
 }
 
 /// Best-effort dotted key path for a byte offset in TOML text, for error messages.
+/// The engine an endpoint URL names: scheme, host (lower case), port (the scheme's default when
+/// none is given) and path without its trailing `/` or `/v1` (the engine's API root); `None`
+/// for a URL that is not an http(s) base URL with a host (a query, a fragment or a malformed
+/// authority included).
+fn engine_of(url: &str) -> Option<(String, String, u16, String)> {
+    let parsed = reqwest::Url::parse(url).ok()?;
+    let scheme = parsed.scheme();
+    if !matches!(scheme, "http" | "https")
+        || parsed.query().is_some()
+        || parsed.fragment().is_some()
+    {
+        return None;
+    }
+    let host = parsed
+        .host_str()
+        .filter(|h| !h.is_empty())?
+        .to_ascii_lowercase();
+    let port = parsed.port_or_known_default()?;
+    let path = parsed.path().trim_end_matches('/');
+    let path = path.strip_suffix("/v1").unwrap_or(path).to_string();
+    Some((scheme.to_string(), host, port, path))
+}
+
 fn locate_key(text: &str, offset: usize) -> String {
     let offset = offset.min(text.len());
     let before = text.get(..offset).unwrap_or(text);
@@ -1659,6 +1678,9 @@ endpoints = ["http://127.0.0.1:8000"]
             "http://:8000",
             "http://a b:80",
             "http://h:80?x=1",
+            "http://h:80:90",
+            "http://::1:8000",
+            "http://[::1]junk",
         ] {
             let e = Config::parse(&MINIMAL.replace("http://127.0.0.1:8000", bad)).unwrap_err();
             assert_eq!(e.key, "pools[0].endpoints[0]", "{bad}");
@@ -1670,6 +1692,23 @@ endpoints = ["http://127.0.0.1:8000"]
         );
         let e = Config::parse(&twice).unwrap_err();
         assert_eq!(e.key, "pools[0].endpoints[1]", "{e}");
+        for (a, b) in [
+            ("http://10.0.0.5:8000", "http://10.0.0.5:8000/v1"),
+            ("http://h", "http://h:80"),
+            ("http://H:8000", "http://h:8000"),
+        ] {
+            let same = MINIMAL.replace(
+                "[\"http://127.0.0.1:8000\"]",
+                &format!("[\"{a}\", \"{b}\"]"),
+            );
+            assert!(Config::parse(&same).is_err(), "{a} and {b} name one engine");
+        }
+        for good in ["http://[::1]:8000", "http://h:8000/v1", "http://engine"] {
+            assert!(
+                Config::parse(&MINIMAL.replace("http://127.0.0.1:8000", good)).is_ok(),
+                "{good}"
+            );
+        }
     }
 
     #[test]
@@ -1705,8 +1744,11 @@ endpoints = ["http://127.0.0.1:8000"]
 
     #[test]
     fn duplicate_model_is_refused() {
-        let text = format!("{MINIMAL}\n{MINIMAL}")
-            .replacen("name = \"main\"\nmodel", "name = \"x\"\nmodel", 1);
+        let text = format!("{MINIMAL}\n{MINIMAL}").replacen(
+            "name = \"main\"\nmodel",
+            "name = \"x\"\nmodel",
+            1,
+        );
         let e = Config::parse(&text).unwrap_err();
         assert!(e.reason.contains("two pools"), "{e}");
     }

@@ -712,9 +712,14 @@ impl FlowControl {
             .clone()
     }
 
-    /// The `service_tier` a Response reports ([`served_tier`] under the current settings).
-    pub fn served_tier(&self, body: &Value) -> Value {
-        served_tier(&self.settings().service_tier, body)
+    /// The `service_tier` a Response reports ([`served_tier`] under the current settings):
+    /// `default` when flow control is off or the band header chose the band (the tier did not).
+    pub fn served_tier(&self, headers: &HeaderMap, body: &Value) -> Value {
+        let settings = self.settings();
+        if !settings.enabled || headers.contains_key(BAND_HEADER) {
+            return Value::from("default");
+        }
+        served_tier(&settings.service_tier, body)
     }
 
     /// The gateway-side cap per endpoint (`[flow] max_in_flight_per_endpoint`; 0 = none).

@@ -360,7 +360,7 @@ fn components() -> Value {
                 "metadata": {"type": "object", "additionalProperties": {"type": "string"}}
             }), &["metadata"]),
             "ConversationItems": obj(json!({
-                "items": {"type": "array", "maxItems": 20, "items": {"type": "object"}}
+                "items": {"type": "array", "minItems": 1, "maxItems": 20, "items": {"type": "object"}}
             }), &["items"]),
             "DeletedConversation": obj(json!({"id": {"type": "string"}, "object": {"type": "string", "enum": ["conversation.deleted"]}, "deleted": {"type": "boolean"}}), &["id", "object", "deleted"]),
             "Item": {"type": "object", "description": "A conversation item (message, function_call, function_call_output, reasoning, ...), with its id."},

@@ -561,7 +561,7 @@ async fn run(
         plan: prepared.plan,
         skeleton: {
             let mut skeleton = skeleton(&id, now_secs(), &req.body, &req.model, status);
-            skeleton["service_tier"] = state.flow.served_tier(&req.body);
+            skeleton["service_tier"] = state.flow.served_tier(headers, &req.body);
             skeleton
         },
         store: req.store,
@@ -686,7 +686,8 @@ async fn run(
         // is created, then fails with `context_length_exceeded`. Codex compacts its history on
         // that event; an HTTP 400 it takes for a request it cannot send at all.
         Err(e) if req.stream && e.error.code.as_deref() == Some(CONTEXT_LENGTH_EXCEEDED) => {
-            let events = turn::failed_at_start(&turn, CONTEXT_LENGTH_EXCEEDED, &e.error.message);
+            let events =
+                turn::failed_at_start(state, &turn, CONTEXT_LENGTH_EXCEEDED, &e.error.message);
             let (tx, rx) = mpsc::channel(events.len().max(1));
             for event in &events {
                 let _ = tx.try_send(Bytes::from(event.to_sse_frame()));
@@ -1100,7 +1101,8 @@ const LISTED_WITH_STATUS: [&str; 5] = [
 
 /// An item as the API lists it, with the fields OpenAI's listed items always carry that a
 /// client may have left out of what it sent: `status` (`completed`) on messages, tool calls
-/// and their outputs, and `annotations` (empty) on `output_text` parts.
+/// and their outputs, `annotations` (empty) on `output_text` parts and `detail` (`auto`) on
+/// `input_image` parts.
 pub fn as_listed(mut item: Value) -> Value {
     let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
     let needs_status = LISTED_WITH_STATUS.contains(&kind) && item.get("status").is_none();

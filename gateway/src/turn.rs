@@ -1220,12 +1220,18 @@ async fn repin(
 }
 
 /// The events of a streamed turn that failed before any endpoint ran it: `response.created`,
-/// `response.in_progress`, then `response.failed` with `code` and `message`. Nothing is stored
-/// (a retrieve of its id answers 404).
-pub fn failed_at_start(turn: &Turn, code: &str, message: &str) -> Vec<SseEvent> {
+/// `response.in_progress`, then `response.failed` with `code` and `message`; counted as the
+/// response ended. Nothing is stored (a retrieve of its id answers 404).
+pub fn failed_at_start(state: &AppState, turn: &Turn, code: &str, message: &str) -> Vec<SseEvent> {
     let mut rs = new_stream(turn);
     let mut events = rs.start();
     events.extend(rs.fail(code, message));
+    state.metrics.response_ended(&turn.pool.name, rs.response());
+    if turn.plan.compaction {
+        state
+            .metrics
+            .compaction_ended(&turn.pool.name, rs.response());
+    }
     events
 }
 

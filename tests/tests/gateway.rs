@@ -1070,6 +1070,11 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
                 failed["error"]["code"], "context_length_exceeded",
                 "{failed}"
             );
+            let m = metrics_text(&base).await;
+            assert!(
+                m.contains("status=\"failed\",code=\"context_length_exceeded\"} 1"),
+                "counted as a response that failed"
+            );
             // The same turn with truncation: auto goes through.
             body["truncation"] = json!("auto");
             let (s, r) = create(&base, body.clone()).await;
