@@ -306,7 +306,9 @@ pub fn estimate_prompt_tokens(chat_body: &Value) -> u64 {
     (bytes as u64).div_ceil(4) + framing
 }
 
-pub(crate) fn root_url(base_url: &str) -> &str {
+/// An engine's API root: its base URL without a trailing `/` or `/v1` (where `/metrics`,
+/// `/health` and `/v1/...` are found).
+pub fn root_url(base_url: &str) -> &str {
     let base = base_url.trim_end_matches('/');
     base.strip_suffix("/v1").unwrap_or(base)
 }

@@ -1581,11 +1581,11 @@ impl Config {
 
 /// Best-effort dotted key path for a byte offset in TOML text, for error messages.
 /// The engine an endpoint URL names: scheme, host (lower case), port (the scheme's default when
-/// none is given) and path without its trailing `/` or `/v1` (the engine's API root); `None`
+/// none is given) and the path of its API root ([`agentgate_adapters::root_url`]); `None`
 /// for a URL that is not an http(s) base URL with a host (a query, a fragment or a malformed
 /// authority included).
 fn engine_of(url: &str) -> Option<(String, String, u16, String)> {
-    let parsed = reqwest::Url::parse(url).ok()?;
+    let parsed = reqwest::Url::parse(agentgate_adapters::root_url(url)).ok()?;
     let scheme = parsed.scheme();
     if !matches!(scheme, "http" | "https")
         || parsed.query().is_some()
@@ -1598,8 +1598,7 @@ fn engine_of(url: &str) -> Option<(String, String, u16, String)> {
         .filter(|h| !h.is_empty())?
         .to_ascii_lowercase();
     let port = parsed.port_or_known_default()?;
-    let path = parsed.path().trim_end_matches('/');
-    let path = path.strip_suffix("/v1").unwrap_or(path).to_string();
+    let path = parsed.path().trim_end_matches('/').to_string();
     Some((scheme.to_string(), host, port, path))
 }
 

@@ -39,14 +39,14 @@
 //! Failures before the client has seen anything are retried without splitting: a failed
 //! prefill leg runs the request on `d` (local prefill); a failed decode leg (almost always a
 //! lost KV transfer) retries once on `d` without disaggregation; either continues to the other
-//! decode endpoints if `d` fails too.
+//! decode endpoints if `d` fails too. The stored conversation gets exactly one response.
+//! Each split request logs both endpoints (`debug`), and its legs are timed into
+//! `agentgate_pd_leg_duration_seconds`.
 //!
 //! SGLang servers are bound to their disaggregation mode ([`Pool::runs_whole`],
 //! [`Pool::receives_kv`]): one in `decode` mode never prefills, so every request placed there
 //! is split whatever the threshold, and its fallbacks run whole on an endpoint of role `both`
-//! (or fail, with none); one of role `both` cannot receive KV, so it always runs whole. The stored conversation gets exactly one response.
-//! Each split request logs both endpoints (`debug`), and its legs are timed into
-//! `agentgate_pd_leg_duration_seconds`.
+//! (or fail, with none); one of role `both` cannot receive KV, so it always runs whole.
 //!
 //! Every prefill the gateway can time feeds the endpoint's measured throughput: the prefill
 //! leg of a split request (vLLM reports the tokens it computed), and the first token of a
@@ -939,7 +939,7 @@ async fn open_split(
                 DecodeLeg::Local(count_local(pool, &decode_view, &placement, decode), why)
             }
             true => {
-                let mut guard = decode_view[decode.index].begin(prompt_tokens, 0);
+                let mut guard = d.begin(prompt_tokens, 0);
                 guard.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
                 DecodeLeg::Split(decode, guard)
             }

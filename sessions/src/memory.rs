@@ -565,6 +565,24 @@ impl MemoryStore {
         self.len() == 0
     }
 
+    /// `read` of the team's conversation `id`, which counts as a use: its TTL is refreshed, as
+    /// Redis refreshes it on every conversation operation. `None` when there is none.
+    fn read_conversation<T>(
+        &self,
+        team: &str,
+        id: &str,
+        read: impl FnOnce(&ConversationEntry) -> T,
+    ) -> Option<T> {
+        let now = Instant::now();
+        let expires_at = self.expiry_from(now);
+        let mut records = self.lock();
+        let found = records.conversation_mut(team, id, now).map(|e| read(e));
+        if found.is_some() {
+            records.touch_conversation(id, expires_at);
+        }
+        found
+    }
+
     fn lock(&self) -> MutexGuard<'_, Records> {
         // A panic while holding the lock cannot leave a half-written entry (every mutation is a
         // single map operation), so the data is still consistent.
@@ -760,16 +778,7 @@ impl Store for MemoryStore {
         team: &str,
         id: &str,
     ) -> Result<Option<ConversationRecord>, StoreError> {
-        let now = Instant::now();
-        let expires_at = self.expiry_from(now);
-        let mut records = self.lock();
-        let found = records
-            .conversation_mut(team, id, now)
-            .map(|e| e.record.clone());
-        if found.is_some() {
-            records.touch_conversation(id, expires_at);
-        }
-        Ok(found)
+        Ok(self.read_conversation(team, id, |e| e.record.clone()))
     }
 
     async fn set_conversation_metadata(
@@ -802,17 +811,7 @@ impl Store for MemoryStore {
     }
 
     async fn conversation_len(&self, team: &str, id: &str) -> Result<Option<usize>, StoreError> {
-        let now = Instant::now();
-        let expires_at = self.expiry_from(now);
-        let mut records = self.lock();
-        let len = records
-            .conversation_mut(team, id, now)
-            .map(|e| e.items.len());
-        // A use, as every conversation operation is (Redis refreshes the TTL on each).
-        if len.is_some() {
-            records.touch_conversation(id, expires_at);
-        }
-        Ok(len)
+        Ok(self.read_conversation(team, id, |e| e.items.len()))
     }
 
     async fn conversation_items(
@@ -820,16 +819,7 @@ impl Store for MemoryStore {
         team: &str,
         id: &str,
     ) -> Result<Option<Vec<Value>>, StoreError> {
-        let now = Instant::now();
-        let expires_at = self.expiry_from(now);
-        let mut records = self.lock();
-        let items = records
-            .conversation_mut(team, id, now)
-            .map(|e| e.items.clone());
-        if items.is_some() {
-            records.touch_conversation(id, expires_at);
-        }
-        Ok(items)
+        Ok(self.read_conversation(team, id, |e| e.items.clone()))
     }
 
     async fn append_conversation_items(

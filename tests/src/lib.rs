@@ -419,6 +419,11 @@ pub fn parse_sse(text: &str) -> Vec<Event> {
     out
 }
 
+/// The event types of `events`, in order.
+pub fn event_kinds(events: &[Event]) -> Vec<&str> {
+    events.iter().map(|e| e.event.as_str()).collect()
+}
+
 /// Every event's `sequence_number` is its index: the stream starts at 0 and has no gaps.
 pub fn assert_sequence_numbers(events: &[Event]) {
     for (i, e) in events.iter().enumerate() {

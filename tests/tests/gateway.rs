@@ -284,7 +284,7 @@ async fn stream_events_are_ordered_and_gapless() {
         .unwrap()
         .starts_with("text/event-stream"));
     let events = read_sse(resp).await;
-    let names: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    let names = event_kinds(&events);
     assert_eq!(
         &names[..4],
         &[
@@ -948,7 +948,7 @@ async fn read_until_generating(resp: &mut reqwest::Response) -> (String, String)
 
 /// The events of a background response cancelled before it ran: announced, then cancelled.
 fn assert_cancelled_while_queued(events: &[Event]) {
-    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    let kinds = event_kinds(events);
     assert_eq!(
         kinds,
         ["response.created", "response.queued", "response.failed"]
@@ -1056,7 +1056,7 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
             assert_eq!(resp.status(), 200);
             let events = read_sse(resp).await;
             assert_sequence_numbers(&events);
-            let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+            let kinds = event_kinds(&events);
             assert_eq!(
                 kinds,
                 [
@@ -1783,7 +1783,7 @@ async fn a_compaction_turn_streams_one_item_that_later_turns_read_back() {
                                 {"type": "compaction_trigger"}]});
     let events = read_sse(post_response(&base, &body).await).await;
     assert_sequence_numbers(&events);
-    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    let kinds = event_kinds(&events);
     assert_eq!(
         kinds,
         [
