@@ -27,11 +27,14 @@
 //! step, delivering all its tokens in one event (no budget); timings for the metrics are computed
 //! the same way.
 //!
-//! A sequence's tokens are its prompt followed by its planned output. Like vLLM's prefix caching,
-//! every block that fills up, with prompt or generated tokens, is hashed and cached
-//! ([`KvCache::promote`]) and stays cached after the request finishes; prompt blocks are cached
-//! when the prompt is done, not chunk by chunk; at `time_scale == 0` the output blocks are
-//! cached when the sequence finishes, in one pass.
+//! A sequence's tokens are its prompt followed by its planned output. At admission it shares the
+//! cached blocks of its longest cached prefix (and any transferred from a prefill replica); its
+//! other blocks are private. Like vLLM's prefix caching (and SGLang's radix cache under chunked
+//! prefill), each block is hashed and cached ([`KvCache::promote`]) once its KV is computed: a
+//! prompt's blocks chunk by chunk, generated tokens' blocks as they fill. A request admitted while
+//! another is still prefilling the same prefix hits only the blocks computed so far, and the
+//! computed blocks of a sequence that is cancelled or preempted stay cached. At `time_scale == 0`
+//! a sequence's blocks are cached when it finishes, in one pass.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -154,6 +157,9 @@ struct Seq {
     hashes: Vec<u64>,
     /// How many of `hashes` are prompt blocks.
     prompt_blocks: usize,
+    /// How many leading `hashes` this sequence holds in the cache: its cache hit at admission,
+    /// then each block as its KV is computed. The rest of its blocks are private.
+    stored: usize,
     generated: usize,
     private_blocks: usize,
     holds_blocks: bool,
@@ -257,6 +263,7 @@ impl Core {
                     request,
                     prompt_blocks: hashes.len(),
                     hashes,
+                    stored: 0,
                     generated: 0,
                     private_blocks: 0,
                     holds_blocks: false,
@@ -327,7 +334,8 @@ impl Core {
 
     fn release_blocks(&mut self, seq: &Seq) {
         if seq.holds_blocks {
-            self.cache.release(&seq.hashes, seq.private_blocks);
+            let stored = seq.hashes.get(..seq.stored).unwrap_or_default();
+            self.cache.release(stored, seq.private_blocks);
         }
     }
 
@@ -347,20 +355,22 @@ impl Core {
     }
 
     /// Take the head of the waiting queue into the running batch if its blocks fit: the prefix
-    /// hit becomes computed, the rest is left to prefill. `needed_tokens` is how many tokens
-    /// its blocks must hold.
+    /// hit (and any blocks transferred from a prefill replica) is shared from the cache and
+    /// counts as computed; the rest are private blocks, left to prefill and cached as their KV
+    /// is computed. `needed_tokens` is how many tokens its blocks must hold.
     fn admit_next(&mut self, needed_tokens: impl Fn(&Seq) -> usize) -> bool {
         let block_size = self.cache.block_size();
         let Some(seq) = self.waiting.front() else {
             return false;
         };
-        let private = self
-            .blocks_for(needed_tokens(seq))
-            .saturating_sub(seq.hashes.len());
-        let Some(acquired) = self
-            .cache
-            .acquire(&seq.hashes, &seq.request.tokens, private)
-        else {
+        let imported = seq.request.imported_blocks.min(seq.prompt_blocks);
+        let shared = self.cache.cached_prefix_blocks(&seq.hashes).max(imported);
+        let private = self.blocks_for(needed_tokens(seq)).saturating_sub(shared);
+        let Some(acquired) = self.cache.acquire(
+            seq.hashes.get(..shared).unwrap_or_default(),
+            &seq.request.tokens,
+            private,
+        ) else {
             return false;
         };
         let Some(mut seq) = self.waiting.pop_front() else {
@@ -368,10 +378,8 @@ impl Core {
         };
         let prompt_len = seq.request.prompt_len;
         let context = prompt_len + seq.generated;
-        let hit_blocks = acquired
-            .hit_blocks
-            .max(seq.request.imported_blocks.min(seq.prompt_blocks));
-        let hit_tokens = (hit_blocks * block_size).min(context);
+        seq.stored = shared;
+        let hit_tokens = (shared * block_size).min(context);
         self.stats.prefix_queries += prompt_len as u64;
         self.stats.prefix_hits += (acquired.hit_blocks * block_size).min(prompt_len) as u64;
         if !seq.counted_prompt {
@@ -419,7 +427,8 @@ impl Core {
                 .observe(ttft.max(0.0) + per_token_s * (count - 1) as f64, 1);
             self.stats.generation_tokens += count as u64;
             seq.generated += count;
-            cache_filled_blocks(&mut self.cache, &mut seq, &mut self.hash_buffer);
+            let filled = seq.request.prompt_len + seq.generated;
+            cache_filled_blocks(&mut self.cache, &mut seq, filled, &mut self.hash_buffer);
             outcome
                 .deliveries
                 .push((seq.request.events.clone(), SeqEvent::Tokens { count }));
@@ -459,6 +468,7 @@ impl Core {
         self.release_blocks(&seq);
         seq.holds_blocks = false;
         seq.private_blocks = 0;
+        seq.stored = 0;
         seq.computed = 0;
         seq.prefilling = false;
         self.stats.preemptions += 1;
@@ -488,7 +498,7 @@ impl Core {
                 continue;
             }
             let context = seq.request.prompt_len + seq.generated + 1;
-            let have = seq.hashes.len() + seq.private_blocks;
+            let have = seq.stored + seq.private_blocks;
             let need = self.blocks_for(context).saturating_sub(have);
             if need == 0 || self.cache.grow_private(need) {
                 if need > 0 {
@@ -582,6 +592,8 @@ impl Core {
             let context = seq.request.prompt_len + seq.generated;
             if seq.prefilling {
                 seq.computed = (seq.computed + tokens).min(context);
+                let computed = seq.computed;
+                cache_filled_blocks(&mut self.cache, seq, computed, &mut self.hash_buffer);
                 if seq.computed < context {
                     continue;
                 }
@@ -591,7 +603,8 @@ impl Core {
             }
             // the step samples one token
             seq.generated += 1;
-            cache_filled_blocks(&mut self.cache, seq, &mut self.hash_buffer);
+            let filled = seq.request.prompt_len + seq.generated;
+            cache_filled_blocks(&mut self.cache, seq, filled, &mut self.hash_buffer);
             match seq.first_token_at {
                 None => {
                     seq.first_token_at = Some(end);
@@ -622,7 +635,8 @@ impl Core {
         match &seq.request.handoff {
             Some(handoff) if seq.holds_blocks => {
                 // the prompt's blocks stay pinned for the decode replica; the rest is freed
-                let (prompt, output) = seq.hashes.split_at(seq.prompt_blocks.min(seq.hashes.len()));
+                let stored = seq.hashes.get(..seq.stored).unwrap_or_default();
+                let (prompt, output) = stored.split_at(seq.prompt_blocks.min(stored.len()));
                 self.cache.release(output, seq.private_blocks);
                 handoff_block_ids = self.cache.slots_of(prompt);
                 let key = match handoff {
@@ -648,26 +662,30 @@ impl Core {
     }
 }
 
-/// Hash and cache the blocks that the first `prompt_len + generated` tokens of `seq` fill and
-/// that it still holds as private blocks (tokens without a known id are never cached).
-fn cache_filled_blocks(cache: &mut KvCache, seq: &mut Seq, buffer: &mut Vec<u8>) {
+/// Cache the blocks that the first `filled` tokens of `seq` fill (prompt tokens whose KV a
+/// chunk computed, or the context after a sampled token) and that it still holds as private
+/// blocks, hashing output blocks as they fill (tokens without a known id are never cached).
+fn cache_filled_blocks(cache: &mut KvCache, seq: &mut Seq, filled: usize, buffer: &mut Vec<u8>) {
     let block_size = cache.block_size();
-    let context = (seq.request.prompt_len + seq.generated).min(seq.request.tokens.len());
-    let start = seq.hashes.len();
-    let filled = (context / block_size)
-        .saturating_sub(start)
-        .min(seq.private_blocks);
-    if filled == 0 {
+    let filled = filled.min(seq.request.tokens.len());
+    let end = (filled / block_size).min(seq.stored + seq.private_blocks);
+    if end <= seq.stored {
         return;
     }
-    let covered = seq
-        .request
-        .tokens
-        .get(..(start + filled) * block_size)
-        .unwrap_or_default();
-    extend_chain(&mut seq.hashes, covered, block_size, buffer);
-    cache.promote(&seq.hashes, start, &seq.request.tokens);
-    seq.private_blocks -= seq.hashes.len() - start;
+    if seq.hashes.len() < end {
+        let covered = seq
+            .request
+            .tokens
+            .get(..end * block_size)
+            .unwrap_or_default();
+        extend_chain(&mut seq.hashes, covered, block_size, buffer);
+    }
+    let Some(hashes) = seq.hashes.get(..end) else {
+        return;
+    };
+    cache.promote(hashes, seq.stored, &seq.request.tokens);
+    seq.private_blocks -= end - seq.stored;
+    seq.stored = end;
 }
 
 /// Run the engine loop until every command sender is dropped.
@@ -851,6 +869,47 @@ mod tests {
         }
         assert_eq!(steps, 3);
         assert_eq!(core.stats.prefill_tokens_computed, 24);
+    }
+
+    #[test]
+    fn prompt_blocks_are_cached_as_chunks_compute_them() {
+        let done = |rx: &mut mpsc::UnboundedReceiver<SeqEvent>| {
+            std::iter::from_fn(|| rx.try_recv().ok()).find_map(|event| match event {
+                SeqEvent::Done { cached_tokens, .. } => Some(cached_tokens),
+                _ => None,
+            })
+        };
+        let mut p = params(4, 1.0);
+        p.max_num_batched_tokens = 8;
+        p.long_prefill_token_threshold = 4;
+        let mut core = Core::new(KvCache::new(4, 100, None), p);
+        // 48 tokens: 12 blocks, one computed per step
+        let (first, mut first_rx) = request(1, 48, 2);
+        core.apply(Command::Submit(first));
+        deliver(core.step(1.0));
+        assert_eq!(core.cache.cached_hashes().len(), 1);
+        // the same prompt arriving now finds the one computed block, not the eleven to come
+        let (second, mut second_rx) = request(1, 48, 2);
+        core.apply(Command::Submit(second));
+        for (tx, event) in drain(&mut core) {
+            let _ = tx.send(event);
+        }
+        assert_eq!(done(&mut first_rx), Some(0));
+        assert_eq!(done(&mut second_rx), Some(4));
+        assert_eq!(core.cache.cached_hashes().len(), 12);
+        // a sequence cancelled mid-prefill leaves the blocks it computed, and only those
+        let (third, third_rx) = request(2, 48, 2);
+        core.apply(Command::Submit(third));
+        deliver(core.step(1.0));
+        drop(third_rx);
+        deliver(core.step(1.0));
+        assert_eq!(core.cache.cached_hashes().len(), 13);
+        let (again, mut again_rx) = request(2, 48, 2);
+        core.apply(Command::Submit(again));
+        for (tx, event) in drain(&mut core) {
+            let _ = tx.send(event);
+        }
+        assert_eq!(done(&mut again_rx), Some(4));
     }
 
     #[test]
