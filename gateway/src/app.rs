@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
@@ -24,6 +24,69 @@ use crate::pools::Pools;
 use crate::probe::LiveTasks;
 use crate::reload::ConfigWatcher;
 use crate::{conversations, handlers, metrics, responses};
+
+/// Accept connections and serve HTTP/1.1 on each until `shutdown` fires; then stop accepting,
+/// let every connection finish the request it is serving (closing idle ones) and return.
+///
+/// Each connection gets `TCP_NODELAY` (SSE streams are many small writes that must leave at
+/// once), TCP keep-alive (`server.tcp_keepalive_s`) and a deadline for each request's headers
+/// (`server.header_read_timeout_s`), so a client that vanishes or never sends a request does
+/// not hold a connection, its task and its buffers for good.
+async fn serve_connections(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    server: crate::config::ServerConfig,
+    mut shutdown: tokio::sync::oneshot::Receiver<()>,
+) -> std::io::Result<()> {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(server.header_read_timeout());
+    let keepalive = server.tcp_keepalive().map(|idle| {
+        socket2::TcpKeepalive::new()
+            .with_time(idle.max(Duration::from_secs(1)))
+            .with_interval(Duration::from_secs(10))
+            .with_retries(3)
+    });
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                // a client that gave up before it was accepted: nothing to wait for
+                Err(e) if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionRefused
+                ) => continue,
+                Err(e) => {
+                    // out of file descriptors and the like: wait a second for some to be freed
+                    tracing::warn!(error = %e, "cannot accept a connection");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        if let Some(keepalive) = &keepalive {
+            if let Err(e) = socket2::SockRef::from(&tcp).set_tcp_keepalive(keepalive) {
+                tracing::debug!(error = %e, "cannot set TCP keep-alive on a client connection");
+            }
+        }
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection =
+            graceful.watch(http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service));
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "client connection ended");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
 
 /// A background run of this process, as its registry holds it.
 pub struct BackgroundRun {
@@ -292,7 +355,11 @@ impl AppState {
 
     /// Turns of this process still running: (foreground, background).
     fn turns_running(&self) -> (usize, usize) {
-        let background = self.background.lock().map_or(0, |runs| runs.len());
+        let background = self
+            .background
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len();
         (self.foreground.load(Ordering::Acquire), background)
     }
 }
@@ -356,17 +423,12 @@ impl Gateway {
         let exchange = Exchange::start(&state, format!("{:016x}", fastrand::u64(..)));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = router(state.clone());
-        // SSE streams are many small writes: disable Nagle so events leave at once.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.await;
-                })
-                .await
-        });
+        let task = tokio::spawn(serve_connections(
+            listener,
+            app,
+            state.config.server.clone(),
+            rx,
+        ));
         Ok(Gateway {
             addr,
             state,

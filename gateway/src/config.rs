@@ -122,6 +122,18 @@ pub struct ServerConfig {
     /// stored, so the client can fetch it or follow it again; a client that stalls does not
     /// hold an engine slot or a queue place.
     pub client_stall_timeout_s: f64,
+    /// How long a client connection may take to send a request's headers, in seconds, counted
+    /// from when the gateway starts waiting for them: a connection that sends nothing (an idle
+    /// keep-alive connection, or a client that vanished without closing it) or trickles its
+    /// headers is closed after this long. Requests already received are not affected. Above
+    /// the clients' own idle limit for pooled connections (reqwest's is 90 s), so a client
+    /// does not reuse a connection as the gateway closes it.
+    pub header_read_timeout_s: f64,
+    /// TCP keep-alive of client connections: seconds of silence before the first probe (then
+    /// every 10 s, 3 probes), so connections whose client vanished without closing them (a NAT
+    /// or load balancer dropping the flow, a machine gone to sleep) are found dead and closed
+    /// while the gateway waits on a request body or streams to them. 0 disables it.
+    pub tcp_keepalive_s: f64,
 }
 
 impl Default for ServerConfig {
@@ -133,6 +145,8 @@ impl Default for ServerConfig {
             socket_buffer_bytes: 0,
             shutdown_grace_s: 25.0,
             client_stall_timeout_s: 60.0,
+            header_read_timeout_s: 120.0,
+            tcp_keepalive_s: 60.0,
         }
     }
 }
@@ -146,6 +160,16 @@ impl ServerConfig {
     /// [`ServerConfig::client_stall_timeout_s`] as a duration.
     pub fn client_stall_timeout(&self) -> Duration {
         seconds(self.client_stall_timeout_s)
+    }
+
+    /// [`ServerConfig::header_read_timeout_s`] as a duration.
+    pub fn header_read_timeout(&self) -> Duration {
+        seconds(self.header_read_timeout_s)
+    }
+
+    /// [`ServerConfig::tcp_keepalive_s`] as a duration, `None` when disabled.
+    pub fn tcp_keepalive(&self) -> Option<Duration> {
+        (self.tcp_keepalive_s > 0.0).then(|| seconds(self.tcp_keepalive_s))
     }
 }
 
@@ -1038,6 +1062,14 @@ impl Config {
                 "must be a number of seconds from 0 to 1e9",
             ));
         }
+        // Linux takes at most 32767 s before the first probe.
+        let keepalive = self.server.tcp_keepalive_s;
+        if !(keepalive.is_finite() && (0.0..=32_767.0).contains(&keepalive)) {
+            return Err(err(
+                "server.tcp_keepalive_s",
+                "must be a number of seconds from 0 to 32767",
+            ));
+        }
         for (key, value) in [
             (
                 "upstream.first_byte_timeout_s",
@@ -1047,6 +1079,10 @@ impl Config {
             (
                 "server.client_stall_timeout_s",
                 self.server.client_stall_timeout_s,
+            ),
+            (
+                "server.header_read_timeout_s",
+                self.server.header_read_timeout_s,
             ),
         ] {
             if !(value.is_finite() && value > 0.0 && value <= MAX_SECONDS) {
@@ -1903,6 +1939,17 @@ endpoints = ["http://127.0.0.1:8000"]
                 "server",
                 "client_stall_timeout_s = 0",
                 "server.client_stall_timeout_s",
+            ),
+            (
+                "server",
+                "header_read_timeout_s = 0",
+                "server.header_read_timeout_s",
+            ),
+            ("server", "tcp_keepalive_s = -1", "server.tcp_keepalive_s"),
+            (
+                "server",
+                "tcp_keepalive_s = 40000",
+                "server.tcp_keepalive_s",
             ),
         ] {
             let e = Config::parse(&format!("[{section}]\n{line}\n{MINIMAL}")).unwrap_err();

@@ -8,7 +8,7 @@
 //! query strings that do not decode get the same error shape. Neither a client nor an engine
 //! can hold a turn: a client that stops reading its stream is dropped, an engine that only
 //! sends keep-alive comments times out, and a request without a valid key is refused before
-//! its body is read.
+//! its body is read. A connection that never completes a request's headers is closed.
 
 use serde_json::{json, Value};
 
@@ -533,6 +533,49 @@ async fn raw_request(base: &str, head: &str, body: &[u8]) -> tokio::net::TcpStre
         .unwrap();
     stream.write_all(body).await.unwrap();
     stream
+}
+
+#[tokio::test]
+async fn a_connection_that_never_finishes_its_request_headers_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sim = start_sim("sim-model").await;
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        None,
+        "[server]\nheader_read_timeout_s = 0.2\n",
+    ))
+    .await;
+    let base = gw.base_url();
+    let addr: std::net::SocketAddr = base.trim_start_matches("http://").parse().unwrap();
+    // One connection sends half a request head and stops; another sends nothing at all (an
+    // idle keep-alive connection, or a client gone without closing it).
+    let mut partial = tokio::net::TcpStream::connect(addr).await.unwrap();
+    partial
+        .write_all(b"POST /v1/responses HTTP/1.1\r\nhost: x\r\n")
+        .await
+        .unwrap();
+    let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    for stream in [&mut partial, &mut silent] {
+        let mut seen = Vec::new();
+        let closed = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            stream.read_to_end(&mut seen),
+        )
+        .await;
+        // Closed (after a 408 or nothing at all), not left open.
+        assert!(
+            matches!(closed, Ok(Ok(_)) | Ok(Err(_))),
+            "the connection stays open"
+        );
+        let text = String::from_utf8_lossy(&seen);
+        assert!(
+            text.is_empty() || text.starts_with("HTTP/1.1 408"),
+            "{text}"
+        );
+    }
+    // Complete requests are served as before.
+    let resp = post_response(&base, &json!({"model": "sim-model", "input": "hi"})).await;
+    assert_eq!(resp.status(), 200);
 }
 
 /// Read from `stream` until `until` holds for what was read; fails on end of stream.
