@@ -1620,7 +1620,7 @@ impl Config {
 /// none is given) and the path of its API root ([`agentgate_adapters::root_url`]); `None`
 /// for a URL that is not an http(s) base URL with a host (a query, a fragment or a malformed
 /// authority included).
-fn engine_of(url: &str) -> Option<(String, String, u16, String)> {
+pub(crate) fn engine_of(url: &str) -> Option<(String, String, u16, String)> {
     let parsed = reqwest::Url::parse(agentgate_adapters::root_url(url)).ok()?;
     let scheme = parsed.scheme();
     if !matches!(scheme, "http" | "https")

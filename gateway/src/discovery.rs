@@ -22,8 +22,9 @@
 //!       zone: us-east-1a
 //! ```
 //!
-//! Unknown keys, duplicate names, names taken by the pool's fixed endpoints, an empty file and
-//! a bad role are errors: the whole file is refused and the pool keeps its current list, so a
+//! Unknown keys, duplicate names, names taken by the pool's fixed endpoints, an engine listed
+//! twice (two entries, or an entry and a fixed endpoint, at one address and port), an empty
+//! file and a bad role are errors: the whole file is refused and the pool keeps its current list, so a
 //! half-written or mistyped file never empties a pool. To empty one, write `endpoints: []`.
 //! The file is polled every `routing.discovery_interval_ms` for a change of modification time,
 //! length, inode or status-change time ([`FileStamp`]; no file-system notification needed);
@@ -44,7 +45,7 @@
 //!   measured prefill throughput; the old one is retired;
 //! - **renamed** (a new name at the address of an endpoint that goes, or went and still has
 //!   requests in flight): the same engine under another name, handled as a relabel; sessions
-//!   pinned to the old name find it again by prefix;
+//!   pinned to it stay (pins follow the engine's URL) and take the new name;
 //! - **added** (or moved to another address): a new endpoint in a fresh slot, the lowest slot
 //!   not held by a live endpoint nor by a removed one that still has requests in flight. A slot
 //!   freed earlier is reused so per-slot tables stay small; the prefix index forgets what it
@@ -55,7 +56,7 @@
 //! The pool's endpoint list is a snapshot swapped whole, so a request routes over one
 //! consistent list while the next one sees the new list.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -66,7 +67,7 @@ use serde_json::Value;
 
 use agentgate_scheduler::{Endpoint, Role};
 
-use crate::config::FileStamp;
+use crate::config::{engine_of, FileStamp};
 
 /// The label that sets an endpoint's role, as llm-d's deployments label their pods.
 pub const ROLE_LABEL: &str = "llm-d.ai/role";
@@ -489,7 +490,9 @@ impl Diff {
 /// Match `desired` against the pool's current discovered endpoints by name (see the module
 /// doc). `fixed` are the config's endpoints (their names and slots are taken), `draining` are
 /// retired endpoints whose slots stay reserved while they have requests in flight. Fails,
-/// changing nothing, when a name clashes with a fixed endpoint or a role label is invalid.
+/// changing nothing, when a name clashes with a fixed endpoint, an engine is listed twice (in
+/// the list, or once there and once in the config: two endpoints would split its load figures
+/// and its prefix index) or a role label is invalid.
 pub fn diff(
     pool: &str,
     fixed: &[Arc<Endpoint>],
@@ -506,6 +509,10 @@ pub fn diff(
     }
 
     let fixed_names: HashSet<&str> = fixed.iter().map(|e| e.name.as_str()).collect();
+    let mut engines: HashMap<_, String> = fixed
+        .iter()
+        .filter_map(|e| Some((engine_of(&e.base_url)?, e.name.clone())))
+        .collect();
     let mut wanted = Vec::with_capacity(desired.len());
     let mut names = HashSet::new();
     for d in desired {
@@ -517,6 +524,14 @@ pub fn diff(
         }
         if !names.insert(d.name.as_str()) {
             return Err(format!("endpoint name `{}` appears twice", d.name));
+        }
+        if let Some(engine) = engine_of(&d.base_url()) {
+            if let Some(other) = engines.insert(engine, d.name.clone()) {
+                return Err(format!(
+                    "endpoints `{other}` and `{}` are the same engine ({}:{}); list each engine once",
+                    d.name, d.address, d.port
+                ));
+            }
         }
         let role = d.role(defaults.role)?;
         let mut labels = defaults.labels.clone();
@@ -859,7 +874,7 @@ mod tests {
         drop(running);
         assert_eq!(c.in_flight_requests(), 0);
 
-        // Two new names at one address: the second is another endpoint.
+        // Two new names at one address: one engine listed twice, refused.
         let fifth = diff(
             "p",
             &[],
@@ -867,11 +882,8 @@ mod tests {
             &[entry("x", 2), entry("d", 1), entry("e", 1)],
             &defaults,
             &[],
-        )
-        .unwrap();
-        assert_eq!(fifth.relabelled.len(), 1);
-        assert_eq!(fifth.added.len(), 1);
-        assert_ne!(fifth.added[0].slot, fifth.relabelled[0].1.slot);
+        );
+        assert!(fifth.unwrap_err().contains("same engine"));
     }
 
     #[test]
@@ -900,6 +912,21 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("already used"), "{e}");
+        // One engine under two names, in the list or in the list and the config.
+        let twice = [entry("a", 7), entry("b", 7)];
+        let e = diff("p", &fixed, &[], &twice, &Defaults::default(), &[]).unwrap_err();
+        assert!(e.contains("same engine"), "{e}");
+        let (mut lower, mut upper) = (entry("a", 7), entry("c", 7));
+        lower.address = "engine-a".into();
+        upper.address = "ENGINE-A".into();
+        let e = diff("p", &fixed, &[], &[lower, upper], &Defaults::default(), &[]).unwrap_err();
+        assert!(e.contains("same engine"), "{e}");
+        let mut configured = entry("d", 0);
+        let url = reqwest::Url::parse(&fixed[0].base_url).unwrap();
+        configured.address = url.host_str().unwrap().to_string();
+        configured.port = url.port_or_known_default().unwrap();
+        let e = diff("p", &fixed, &[], &[configured], &Defaults::default(), &[]).unwrap_err();
+        assert!(e.contains("same engine"), "{e}");
         let mut bad = entry("x", 1);
         bad.labels.insert(ROLE_LABEL.into(), "encode".into());
         assert!(diff("p", &fixed, &[], &[bad], &Defaults::default(), &[]).is_err());

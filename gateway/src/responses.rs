@@ -606,11 +606,15 @@ async fn run(
     let admission = match admission {
         Some(pending) if continuing => {
             let pin = turn::session_pin(state, &turn.pool, turn.session.as_deref()).await;
-            // A pin naming an endpoint that now has another URL holds nothing: no affinity.
-            let endpoint = pin
-                .as_ref()
-                .filter(|p| turn.pool.endpoints().iter().any(|e| turn::pins_to(p, e)))
-                .map(|p| p.endpoint.clone());
+            // The endpoint the pin stands for, by its name now (a renamed engine keeps its
+            // sessions); a pin whose engine is gone holds nothing: no affinity.
+            let endpoint = pin.as_ref().and_then(|p| {
+                turn.pool
+                    .endpoints()
+                    .iter()
+                    .find(|e| turn::pins_to(p, e))
+                    .map(|e| e.name.clone())
+            });
             turn.admission_pin = Some(pin);
             Some(pending.with_affinity(endpoint))
         }

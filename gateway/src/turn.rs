@@ -667,10 +667,14 @@ fn pinned_in(view: &[Arc<Endpoint>], pin: Option<&SessionPin>) -> Pinned {
     }
 }
 
-/// Whether `pin` names `e`: its name, and its URL when the pin recorded one (a name that now
-/// stands for another engine does not hold the session's cache).
+/// Whether `pin` stands for `e`: by the engine's URL when the pin recorded one (the engine
+/// holds the session's cache whatever it is called: a name that now stands for another engine
+/// does not, and an endpoint renamed in the endpoints file still does), else by name.
 pub(crate) fn pins_to(pin: &SessionPin, e: &Endpoint) -> bool {
-    pin.endpoint == e.name && pin.url.as_deref().is_none_or(|url| url == e.base_url)
+    match pin.url.as_deref() {
+        Some(url) => url == e.base_url,
+        None => pin.endpoint == e.name,
+    }
 }
 
 fn no_endpoint(pool: &Pool, last: &str) -> HttpError {
@@ -1170,7 +1174,8 @@ async fn open_whole_elsewhere(
 /// holds had its TTL refreshed when it was read for the turn, so it lasts `pin_ttl` after the
 /// session's last turn.) Returns the cause of the move when an existing pin moved, for the caller to
 /// count: `failed` when its endpoint failed this request (`pin_failed`), else why the pick broke
-/// it. A move another gateway made first (the swap did not apply) is not counted here.
+/// it. A move another turn made first (the swap did not apply, even when it chose the same
+/// endpoint) or that could not be stored is not counted here.
 async fn repin(
     state: &AppState,
     pool: &Pool,
@@ -1182,11 +1187,13 @@ async fn repin(
 ) -> Option<&'static str> {
     if let Some(p) = pin.filter(|p| pins_to(p, ep)) {
         // Reading it for this turn refreshed its TTL. A pin from before pins recorded their
-        // endpoint's URL gets it now (not a move).
-        if p.url.is_none() {
+        // endpoint's URL gets it now, and one whose endpoint was renamed the new name (not
+        // moves).
+        if p.url.is_none() || p.endpoint != ep.name {
             let with_url = SessionPin {
+                endpoint: ep.name.clone(),
                 url: Some(ep.base_url.clone()),
-                ..p.clone()
+                moves: p.moves,
             };
             if let Err(e) = pin_op(state.store.swap_pin(&pool.name, key, Some(p), &with_url)).await
             {
@@ -1201,12 +1208,18 @@ async fn repin(
         url: Some(ep.base_url.clone()),
     };
     match pin_op(state.store.swap_pin(&pool.name, key, pin, &new)).await {
-        Ok(in_force) if !in_force.same_as(&new) => {
-            tracing::info!(key, pinned = %in_force.endpoint, served = %ep.name, "another gateway re-pinned the session first");
+        Ok(swap) if !swap.applied => {
+            // Another turn of the session (on this gateway or another) moved it first, maybe
+            // to the same endpoint: that move is its to count.
+            tracing::info!(key, pinned = %swap.pin.endpoint, served = %ep.name, "another turn re-pinned the session first");
             return None;
         }
         Ok(_) => {}
-        Err(e) => tracing::warn!("could not store the session pin: {e}"),
+        Err(e) => {
+            // The pin still names the old endpoint: the next turn decides again.
+            tracing::warn!("could not store the session pin: {e}");
+            return None;
+        }
     }
     let old = pin?;
     let cause = match outcome {

@@ -35,7 +35,7 @@ pub mod testing;
 pub use error::StoreError;
 pub use exchange::PeerState;
 pub use memory::MemoryStore;
-pub use pins::SessionPin;
+pub use pins::{PinSwap, SessionPin};
 pub use rate::{RateDecision, RateLimit};
 pub use record::{ConversationRecord, History, ResponseRecord, StoreOptions};
 pub use redis_store::RedisStore;

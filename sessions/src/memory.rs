@@ -40,7 +40,7 @@ use crate::pins::pin_key;
 use crate::rate::{gcra_step, RateDecision, RateLimit};
 use crate::record::{is_active_status, response_status};
 use crate::{
-    ConversationRecord, History, PeerState, ResponseRecord, SessionPin, Store, StoreError,
+    ConversationRecord, History, PeerState, PinSwap, ResponseRecord, SessionPin, Store, StoreError,
     StoreOptions, MAX_CHAIN_LEN,
 };
 
@@ -884,7 +884,7 @@ impl Store for MemoryStore {
         session: &str,
         expected: Option<&SessionPin>,
         new: &SessionPin,
-    ) -> Result<SessionPin, StoreError> {
+    ) -> Result<PinSwap, StoreError> {
         let key = pin_key("", pool, session);
         let now = Instant::now();
         let expires_at = expiry_after(now, self.pin_ttl);
@@ -893,7 +893,10 @@ impl Store for MemoryStore {
         if let Some(entry) = records.live_pin_mut(&key, now) {
             entry.expires_at = expires_at;
             if !expected.is_some_and(|e| e.same_as(&entry.pin)) {
-                return Ok(entry.pin.clone());
+                return Ok(PinSwap {
+                    pin: entry.pin.clone(),
+                    applied: false,
+                });
             }
         }
         records.insert_pin(
@@ -904,7 +907,10 @@ impl Store for MemoryStore {
             },
             now,
         );
-        Ok(new.clone())
+        Ok(PinSwap {
+            pin: new.clone(),
+            applied: true,
+        })
     }
 
     async fn touch_pin(&self, pool: &str, session: &str) -> Result<(), StoreError> {
@@ -1320,7 +1326,7 @@ mod tests {
             .swap_pin("p", "s", Some(&pin("other", 0)), &pin("e1", 1))
             .await
             .unwrap();
-        assert_eq!(lost, pin("e0", 0));
+        assert_eq!((lost.pin, lost.applied), (pin("e0", 0), false));
         assert!(expiry(&store) > soon);
 
         store.touch_pin("p", "never-pinned").await.unwrap();

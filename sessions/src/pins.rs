@@ -42,6 +42,16 @@ impl SessionPin {
     }
 }
 
+/// What a compare-and-set of a pin ([`crate::Store::swap_pin`]) left in force.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinSwap {
+    /// The pin in force afterwards: the new one if this swap applied, else the one another
+    /// swap set first (which may equal the new one, when both moved the session alike).
+    pub pin: SessionPin,
+    /// Whether this swap wrote the pin (a move to count), rather than finding another in force.
+    pub applied: bool,
+}
+
 /// Longest encoded pool or session part kept verbatim in a key; longer ones are hashed.
 pub const MAX_KEY_PART_LEN: usize = 96;
 

@@ -8,8 +8,8 @@ use serde_json::Value;
 
 use crate::rate::{RateDecision, RateLimit};
 use crate::{
-    ConversationRecord, History, MemoryStore, PeerState, RedisStore, ResponseRecord, SessionPin,
-    StoreError, StoreOptions,
+    ConversationRecord, History, MemoryStore, PeerState, PinSwap, RedisStore, ResponseRecord,
+    SessionPin, StoreError, StoreOptions,
 };
 
 /// Stored responses, the conversation histories they form, and session -> endpoint pins.
@@ -163,8 +163,8 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<SessionPin>, StoreError>> + Send;
 
     /// Set the pin only if the current pin equals `expected` (None = no pin yet); returns the
-    /// pin now in force (the new one if it applied, else the one another gateway set first).
-    /// Refreshes the TTL. One round trip.
+    /// pin now in force (the new one if it applied, else the one another gateway set first)
+    /// and whether this call set it. Refreshes the TTL. One round trip.
     ///
     /// A pin that expired since the caller read it constrains nothing: when no pin is in force
     /// `new` applies whatever `expected` says. Two swaps racing from the same `expected` still
@@ -175,7 +175,7 @@ pub trait Store: Send + Sync + 'static {
         session: &str,
         expected: Option<&SessionPin>,
         new: &SessionPin,
-    ) -> impl Future<Output = Result<SessionPin, StoreError>> + Send;
+    ) -> impl Future<Output = Result<PinSwap, StoreError>> + Send;
 
     /// Refresh a pin's TTL (one round trip; called at most once per turn). No effect if the
     /// session has no pin.
@@ -417,7 +417,7 @@ impl Store for AnyStore {
         session: &str,
         expected: Option<&SessionPin>,
         new: &SessionPin,
-    ) -> Result<SessionPin, StoreError> {
+    ) -> Result<PinSwap, StoreError> {
         match self {
             AnyStore::Memory(s) => s.swap_pin(pool, session, expected, new).await,
             AnyStore::Redis(s) => s.swap_pin(pool, session, expected, new).await,

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde_json::{json, Value};
 
 use crate::pins::MAX_KEY_PART_LEN;
-use crate::{ResponseRecord, SessionPin, Store};
+use crate::{PinSwap, ResponseRecord, SessionPin, Store};
 
 /// Environment variable naming an existing Redis to test against instead of starting one.
 pub const TEST_REDIS_URL_ENV: &str = "AGENTGATE_TEST_REDIS_URL";
@@ -302,6 +302,22 @@ pub fn pin(endpoint: &str, moves: u32) -> SessionPin {
         endpoint: endpoint.to_string(),
         moves,
         url: None,
+    }
+}
+
+/// What a swap that wrote `pin` returns.
+fn applied(pin: &SessionPin) -> PinSwap {
+    PinSwap {
+        pin: pin.clone(),
+        applied: true,
+    }
+}
+
+/// What a swap that found `pin` in force (and left it) returns.
+fn kept(pin: &SessionPin) -> PinSwap {
+    PinSwap {
+        pin: pin.clone(),
+        applied: false,
     }
 }
 
@@ -636,7 +652,7 @@ pub async fn pin_suite<S: Store>(store: &S) {
     let first = pin("e0", 0);
     assert_eq!(
         one!("swap_pin new", store.swap_pin(pool, "s1", None, &first)),
-        first
+        applied(&first)
     );
     assert_eq!(
         one!("get_pin", store.get_pin(pool, "s1")),
@@ -650,14 +666,14 @@ pub async fn pin_suite<S: Store>(store: &S) {
             "swap_pin stale",
             store.swap_pin(pool, "s1", Some(&stale), &pin("e5", 1))
         ),
-        first
+        kept(&first)
     );
     assert_eq!(
         one!(
             "swap_pin from None over a pin",
             store.swap_pin(pool, "s1", None, &pin("e5", 1))
         ),
-        first
+        kept(&first)
     );
     let same_endpoint_other_moves = pin("e0", 7);
     assert_eq!(
@@ -665,7 +681,7 @@ pub async fn pin_suite<S: Store>(store: &S) {
             "swap_pin with wrong moves",
             store.swap_pin(pool, "s1", Some(&same_endpoint_other_moves), &pin("e5", 8))
         ),
-        first
+        kept(&first)
     );
     assert_eq!(
         one!("get_pin", store.get_pin(pool, "s1")),
@@ -679,7 +695,7 @@ pub async fn pin_suite<S: Store>(store: &S) {
             "swap_pin move",
             store.swap_pin(pool, "s1", Some(&first), &moved)
         ),
-        moved
+        applied(&moved)
     );
     assert_eq!(
         one!("get_pin", store.get_pin(pool, "s1")),
@@ -710,11 +726,28 @@ pub async fn pin_suite<S: Store>(store: &S) {
     );
     let left = left.unwrap_or_else(|e| panic!("racing swap_pin failed: {e}"));
     let right = right.unwrap_or_else(|e| panic!("racing swap_pin failed: {e}"));
-    assert_eq!(left, right, "both racers must see the same winner");
-    assert!(left == to_e2 || left == to_e3, "winner {left:?}");
+    assert_eq!(left.pin, right.pin, "both racers must see the same winner");
+    assert!(left.pin == to_e2 || left.pin == to_e3, "winner {left:?}");
+    assert!(
+        left.applied != right.applied,
+        "exactly one applies: {left:?} {right:?}"
+    );
     assert_eq!(
         one!("get_pin after race", store.get_pin(pool, "s1")),
-        Some(left.clone())
+        Some(left.pin.clone())
+    );
+    // Two turns of one session making the same move at once: one move, not two.
+    let to_e4 = pin("e4", 3);
+    let (left, right) = tokio::join!(
+        store.swap_pin(pool, "s1", Some(&left.pin), &to_e4),
+        store.swap_pin(pool, "s1", Some(&left.pin), &to_e4),
+    );
+    let left = left.unwrap_or_else(|e| panic!("racing swap_pin failed: {e}"));
+    let right = right.unwrap_or_else(|e| panic!("racing swap_pin failed: {e}"));
+    assert_eq!((&left.pin, &right.pin), (&to_e4, &to_e4));
+    assert!(
+        left.applied != right.applied,
+        "exactly one applies: {left:?} {right:?}"
     );
     // The same for the very first pin of a session.
     let (left, right) = tokio::join!(
@@ -723,10 +756,14 @@ pub async fn pin_suite<S: Store>(store: &S) {
     );
     let left = left.unwrap_or_else(|e| panic!("racing swap_pin failed: {e}"));
     let right = right.unwrap_or_else(|e| panic!("racing swap_pin failed: {e}"));
-    assert_eq!(left, right, "both racers must see the same winner");
+    assert_eq!(left.pin, right.pin, "both racers must see the same winner");
+    assert!(
+        left.applied != right.applied,
+        "exactly one applies: {left:?} {right:?}"
+    );
     assert_eq!(
         one!("get_pin after race", store.get_pin(pool, "fresh")),
-        Some(left)
+        Some(left.pin)
     );
 
     // Session keys that could break a naive key scheme stay distinct and round-trip.
@@ -755,7 +792,8 @@ pub async fn pin_suite<S: Store>(store: &S) {
             store.swap_pin(pool, session, None, &pin(&endpoint, 0))
         );
         assert_eq!(
-            set.endpoint, endpoint,
+            set,
+            applied(&pin(&endpoint, 0)),
             "pool {pool:?} session {session:?} collided"
         );
     }
@@ -779,7 +817,7 @@ pub async fn pin_expiry_suite<S: Store>(store: &S, pin_ttl: Duration) {
         .swap_pin("p", "s", None, &first)
         .await
         .unwrap_or_else(|e| panic!("swap_pin failed: {e}"));
-    assert_eq!(set, first);
+    assert_eq!(set, applied(&first));
     tokio::time::sleep(pin_ttl * 4).await;
     assert_eq!(
         store
@@ -796,7 +834,7 @@ pub async fn pin_expiry_suite<S: Store>(store: &S, pin_ttl: Duration) {
             .swap_pin("p", "s", Some(&first), &moved)
             .await
             .unwrap_or_else(|e| panic!("swap_pin failed: {e}")),
-        moved,
+        applied(&moved),
         "with no pin in force the swap applies"
     );
     let read = store

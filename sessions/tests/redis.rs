@@ -487,7 +487,7 @@ async fn pins_get_the_pin_ttl_and_swaps_reads_and_touches_refresh_it() {
         .swap_pin("pool", "s", Some(&pin("other", 0)), &pin("e1", 1))
         .await
         .expect("swap");
-    assert_eq!(lost, pin("e0", 0));
+    assert_eq!((lost.pin, lost.applied), (pin("e0", 0), false));
     assert!(
         pttl(&mut conn, &key).await > 10_000,
         "a lost swap still refreshes the TTL"
@@ -591,8 +591,15 @@ async fn unreadable_pins_are_reported_and_replaced_by_the_next_swap() {
             .swap_pin("pool", "s", None, &pin("e0", 0))
             .await
             .expect("swap over an unreadable pin");
-        assert_eq!(set, pin("e0", 0), "{unreadable}");
-        assert_eq!(store.get_pin("pool", "s").await.expect("get"), Some(set));
+        assert_eq!(
+            (&set.pin, set.applied),
+            (&pin("e0", 0), true),
+            "{unreadable}"
+        );
+        assert_eq!(
+            store.get_pin("pool", "s").await.expect("get"),
+            Some(set.pin)
+        );
     }
 }
 
@@ -623,13 +630,15 @@ async fn gateways_on_separate_connections_racing_to_move_a_session_agree_on_one_
             gateways[2].swap_pin("pool", &session, Some(&start), &candidates[2]),
         );
         let (a, b, c) = (a.expect("swap"), b.expect("swap"), c.expect("swap"));
-        assert_eq!(a, b);
-        assert_eq!(b, c);
-        assert!(candidates.contains(&a), "winner {a:?}");
+        assert_eq!(a.pin, b.pin);
+        assert_eq!(b.pin, c.pin);
+        assert!(candidates.contains(&a.pin), "winner {a:?}");
+        let applied = [&a, &b, &c].iter().filter(|swap| swap.applied).count();
+        assert_eq!(applied, 1, "exactly one swap applies");
         for gateway in &gateways {
             assert_eq!(
                 gateway.get_pin("pool", &session).await.expect("get"),
-                Some(a.clone())
+                Some(a.pin.clone())
             );
         }
     }
@@ -649,7 +658,7 @@ async fn pin_swaps_still_run_after_the_server_forgets_the_script() {
         .swap_pin("pool", "s", None, &pin("e0", 0))
         .await
         .expect("swap");
-    assert_eq!(set, pin("e0", 0));
+    assert_eq!((set.pin, set.applied), (pin("e0", 0), true));
 }
 
 #[tokio::test]

@@ -1374,11 +1374,13 @@ async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
         url: Some("http://127.0.0.1:9".into()),
         ..pin.clone()
     };
-    assert!(store
-        .swap_pin("sim", "h:renamed", Some(&pin), &stale)
-        .await
-        .unwrap()
-        .same_as(&stale));
+    assert!(
+        store
+            .swap_pin("sim", "h:renamed", Some(&pin), &stale)
+            .await
+            .unwrap()
+            .applied
+    );
     let (_, _, moved) = turn().await;
     assert_eq!(
         moved.as_deref(),
@@ -1401,15 +1403,40 @@ async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
         url: None,
         ..now.clone()
     };
-    assert!(store
-        .swap_pin("sim", "h:renamed", Some(&now), &old)
-        .await
-        .unwrap()
-        .same_as(&old));
+    assert!(
+        store
+            .swap_pin("sim", "h:renamed", Some(&now), &old)
+            .await
+            .unwrap()
+            .applied
+    );
     let (served, _, moved) = turn().await;
     assert_eq!((served, moved), (now.endpoint.clone(), None));
     let upgraded = store.get_pin("sim", "h:renamed").await.unwrap().unwrap();
-    assert_eq!((upgraded.moves, upgraded.url), (1, Some(served_now)));
+    assert_eq!(
+        (upgraded.moves, upgraded.url.clone()),
+        (1, Some(served_now.clone()))
+    );
+    // The engine renamed (an endpoints file listing it under a new name) still holds the
+    // session: the pin follows its URL and takes the new name (not a move).
+    let renamed = agentgate_sessions::SessionPin {
+        endpoint: "its-old-name".into(),
+        ..upgraded.clone()
+    };
+    assert!(
+        store
+            .swap_pin("sim", "h:renamed", Some(&upgraded), &renamed)
+            .await
+            .unwrap()
+            .applied
+    );
+    let (served, _, moved) = turn().await;
+    assert_eq!((served, moved), (now.endpoint.clone(), None));
+    let followed = store.get_pin("sim", "h:renamed").await.unwrap().unwrap();
+    assert_eq!(
+        (followed.endpoint, followed.moves, followed.url),
+        (now.endpoint.clone(), 1, Some(served_now))
+    );
     let metrics = &fleet.gateway().state().metrics;
     assert_eq!(metrics.pin_moves.get(["sim", "unavailable"]), 1);
     fleet.shutdown().await;

@@ -57,7 +57,7 @@ use crate::pins::{decode_pin, encode_pin, pin_key};
 use crate::rate::{RateDecision, RateLimit};
 use crate::record::response_status;
 use crate::{
-    ConversationRecord, History, PeerState, ResponseRecord, SessionPin, Store, StoreError,
+    ConversationRecord, History, PeerState, PinSwap, ResponseRecord, SessionPin, Store, StoreError,
     StoreOptions, MAX_CHAIN_LEN,
 };
 
@@ -825,19 +825,22 @@ impl Store for RedisStore {
         session: &str,
         expected: Option<&SessionPin>,
         new: &SessionPin,
-    ) -> Result<SessionPin, StoreError> {
+    ) -> Result<PinSwap, StoreError> {
         let key = self.pin_key(pool, session);
         let expected = expected.map(encode_pin).transpose()?.unwrap_or_default();
         let new_json = encode_pin(new)?;
         let ttl = self.pin_ttl_ms.to_string();
-        let in_force: Vec<u8> = self
+        let (applied, in_force): (i64, Vec<u8>) = self
             .run_script(
                 &self.swap_pin_script,
                 &key,
                 &[expected.as_bytes(), new_json.as_bytes(), ttl.as_bytes()],
             )
             .await?;
-        decode_pin(&key, &in_force)
+        Ok(PinSwap {
+            pin: decode_pin(&key, &in_force)?,
+            applied: applied == 1,
+        })
     }
 
     async fn touch_pin(&self, pool: &str, session: &str) -> Result<(), StoreError> {

@@ -2,7 +2,7 @@
 -- KEYS[1]: the pin key
 -- ARGV[1]: expected pin as JSON {"endpoint":..,"moves":..}, or '' for "no pin yet"
 -- ARGV[2]: new pin as JSON        ARGV[3]: TTL in milliseconds
--- Returns the JSON of the pin in force afterwards: ARGV[2] if it applied, else the current one.
+-- Returns {applied, pin}: 1 and ARGV[2] if it applied, else 0 and the JSON of the pin in force.
 -- Pins compare by their fields, not their bytes. With no pin in force (never set, expired, or
 -- unreadable) the new pin applies whatever was expected.
 local current = redis.call('GET', KEYS[1])
@@ -19,9 +19,9 @@ if current then
     end
     if not same then
       redis.call('PEXPIRE', KEYS[1], ARGV[3])
-      return current
+      return {0, current}
     end
   end
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-return ARGV[2]
+return {1, ARGV[2]}
