@@ -178,11 +178,15 @@
 //! team name a Redis Cluster hash tag, so both keys share a slot) through `Store::rate_limit`:
 //! one round trip, all-or-nothing, on the server's clock. With Redis every gateway sharing it
 //! enforces one budget per team; with the memory store each process has its own. A team's
-//! budget covers every pool. When the store fails or takes longer than a second, the check
-//! **fails open**: the request is admitted without `x-ratelimit-*` headers, a warning is logged
-//! (at most every 30 s) and `agentgate_flow_rate_limit_store_errors_total` counts it. Limits
-//! protect budgets and fairness, not correctness; the queue and capacity gate still protect
-//! the engines, and an outage of the store should not become an outage of inference.
+//! budget covers every pool. When the store fails or takes longer than a second, the limits
+//! **fall back to this process**: that request and every check for the next 5 s use buckets
+//! kept in the gateway (full when first used), so the store is not waited on again until one
+//! request probes it after the 5 s; a warning is logged (at most every 30 s) and
+//! `agentgate_flow_rate_limit_store_errors_total` counts each failed call. During an outage each
+//! gateway enforces the whole budget on its own (N gateways admit up to N times it), and what
+//! was charged in the store before is not known to them. Limits protect budgets and fairness,
+//! not correctness; the queue and capacity gate still protect the engines, and an outage of the
+//! store should neither become an outage of inference nor add a second to every request.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -198,7 +202,9 @@ use agentgate_scheduler::flow::{
     CapacitySignal, FlowLoad, HeldTurn, Quota, RateCharge, RateCheck, RateCost, RateKind,
     RateLimited, RateLimiter, RateLimits, RateStatus,
 };
-use agentgate_scheduler::{Endpoint, FlowController, Permit, Rejection, Role, Ticket};
+use agentgate_scheduler::{
+    Endpoint, FlowController, LocalRateLimiter, Permit, Rejection, Role, Ticket,
+};
 use agentgate_sessions::{AnyStore, RateDecision, RateLimit, Store};
 
 pub use agentgate_scheduler::flow::{BandSnapshot, TeamSnapshot, TurnWaits};
@@ -216,8 +222,11 @@ pub const BAND_HEADER: &str = "x-agentgate-band";
 /// Response header: how long the request waited in the flow-control queue, in milliseconds.
 pub const QUEUE_WAIT_HEADER: &str = "x-agentgate-queue-wait-ms";
 
-/// Longest wait for the store's rate-limit answer before failing open.
+/// Longest wait for the store's rate-limit answer before falling back to local limits.
 const RATE_LIMIT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long rate limits stay local after the store failed, before one request tries it again.
+const STORE_RETRY_EVERY: Duration = Duration::from_secs(5);
 
 /// Least time between two warnings about a failing rate-limit store.
 const STORE_WARNING_EVERY: Duration = Duration::from_secs(30);
@@ -403,11 +412,16 @@ pub fn band_line(cap: u64, held_share: f64) -> u64 {
 }
 
 /// Team rate limits kept in the store (see the module doc): shared by every gateway on the
-/// same Redis, per process with the memory store. Fails open.
+/// same Redis, per process with the memory store. Falls back to limits kept in this process
+/// while the store fails.
 pub struct StoreRateLimiter {
     store: Arc<AnyStore>,
     metrics: Arc<Metrics>,
     warned_at: Mutex<Option<Instant>>,
+    /// After the store failed: when it last failed, and until when checks skip it.
+    store_down: Mutex<Option<(Instant, Instant)>>,
+    /// The buckets used meanwhile.
+    local: LocalRateLimiter,
 }
 
 impl StoreRateLimiter {
@@ -417,6 +431,8 @@ impl StoreRateLimiter {
             store,
             metrics,
             warned_at: Mutex::new(None),
+            store_down: Mutex::new(None),
+            local: LocalRateLimiter::new(),
         }
     }
 
@@ -428,21 +444,56 @@ impl StoreRateLimiter {
         )
     }
 
-    fn fail_open(&self, team: &str, reason: &str) -> Result<RateStatus, RateLimited> {
+    /// Whether to ask the store: not while it is known down, except for one request (this
+    /// one) once [`STORE_RETRY_EVERY`] has passed, which pushes the next try further out.
+    fn use_store(&self) -> bool {
+        let mut down = self
+            .store_down
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        match *down {
+            Some((_, until)) if now < until => false,
+            Some((failed_at, _)) => {
+                *down = Some((failed_at, now + STORE_RETRY_EVERY));
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// The store answered a call made at `asked_at`: it is back, unless it failed since
+    /// (a slow answer to a call from before an outage says nothing of now).
+    fn store_answered(&self, asked_at: Instant) {
+        let mut down = self
+            .store_down
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if down.is_some_and(|(failed_at, _)| failed_at <= asked_at) {
+            *down = None;
+        }
+    }
+
+    /// The store failed (`reason`): count it, warn now and then, and keep limits local for
+    /// [`STORE_RETRY_EVERY`].
+    fn store_failed(&self, team: &str, reason: &str) {
         self.metrics.rate_limit_store_errors.inc([]);
+        let now = Instant::now();
+        *self
+            .store_down
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some((now, now + STORE_RETRY_EVERY));
         let mut warned_at = self
             .warned_at
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let now = Instant::now();
         if warned_at.is_none_or(|at| now.saturating_duration_since(at) >= STORE_WARNING_EVERY) {
             *warned_at = Some(now);
             tracing::warn!(
                 team,
-                "rate limits unavailable ({reason}); admitting without them"
+                "rate limits unavailable in the store ({reason}); this gateway keeps them on its own until the store answers"
             );
         }
-        Ok(RateStatus::default())
     }
 }
 
@@ -511,25 +562,37 @@ impl RateLimiter for StoreRateLimiter {
             if checks.is_empty() {
                 return Ok(RateStatus::default());
             }
-            match tokio::time::timeout(RATE_LIMIT_TIMEOUT, self.store.rate_limit(&checks)).await {
-                Ok(Ok(decisions)) if decisions.len() == checks.len() => {
-                    rate_result(&kinds, &decisions, cost)
-                }
-                Ok(Ok(decisions)) => self.fail_open(
-                    team,
-                    &format!("{} decisions for {} limits", decisions.len(), checks.len()),
-                ),
-                Ok(Err(e)) => self.fail_open(team, &e.to_string()),
-                Err(_) => self.fail_open(
-                    team,
-                    &format!("no answer within {}", format_reset(RATE_LIMIT_TIMEOUT)),
-                ),
+            if !self.use_store() {
+                return self.local.check(team, limits, cost).await;
             }
+            let asked_at = Instant::now();
+            let reason = match tokio::time::timeout(
+                RATE_LIMIT_TIMEOUT,
+                self.store.rate_limit(&checks),
+            )
+            .await
+            {
+                Ok(Ok(decisions)) if decisions.len() == checks.len() => {
+                    self.store_answered(asked_at);
+                    return rate_result(&kinds, &decisions, cost);
+                }
+                Ok(Ok(decisions)) => {
+                    format!("{} decisions for {} limits", decisions.len(), checks.len())
+                }
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer within {}", format_reset(RATE_LIMIT_TIMEOUT)),
+            };
+            self.store_failed(team, &reason);
+            self.local.check(team, limits, cost).await
         })
     }
 
     fn charge_tokens<'a>(&'a self, team: &'a str, tpm: u64, tokens: u64) -> RateCharge<'a> {
         Box::pin(async move {
+            if !self.use_store() {
+                return self.local.charge_tokens(team, tpm, tokens).await;
+            }
+            let asked_at = Instant::now();
             let charge = [RateLimit {
                 key: Self::keys(team).1,
                 limit: tpm,
@@ -540,12 +603,15 @@ impl RateLimiter for StoreRateLimiter {
                 match tokio::time::timeout(RATE_LIMIT_TIMEOUT, self.store.rate_charge(&charge))
                     .await
                 {
-                    Ok(Ok(())) => return,
+                    Ok(Ok(())) => {
+                        self.store_answered(asked_at);
+                        return;
+                    }
                     Ok(Err(e)) => e.to_string(),
                     Err(_) => format!("no answer within {}", format_reset(RATE_LIMIT_TIMEOUT)),
                 };
-            // Fails open like the check: the tokens go uncounted.
-            let _ = self.fail_open(team, &reason);
+            self.store_failed(team, &reason);
+            self.local.charge_tokens(team, tpm, tokens).await
         })
     }
 }

@@ -423,7 +423,7 @@ impl Metrics {
             ),
             rate_limit_store_errors: CounterVec::new(
                 "agentgate_flow_rate_limit_store_errors_total",
-                "Rate-limit checks the store could not answer (admitted without limits).",
+                "Rate-limit calls the store could not answer (limits then kept by this gateway alone for 5 s).",
                 [],
             ),
             pd_decisions: CounterVec::new(

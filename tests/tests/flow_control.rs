@@ -810,7 +810,7 @@ async fn a_config_edit_made_while_the_gateway_starts_is_applied() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rate_limits_fail_open_when_the_store_is_down() {
+async fn rate_limits_fall_back_to_each_gateway_when_the_store_is_down() {
     let mut redis = TestRedis::start_private();
     let prefix = unique_prefix("flow_fail_open");
     let extra = format!("{STILL}{}", team("limited", "requests_per_minute = 1"));
@@ -824,14 +824,17 @@ async fn rate_limits_fail_open_when_the_store_is_down() {
     let first = call(&base, Some("limited"), hello(), &[]).await;
     assert_eq!(first.header("x-ratelimit-remaining-requests"), Some("0"));
     assert_eq!(call(&base, Some("limited"), hello(), &[]).await.status, 429);
-    // The store is gone: requests are admitted without limits rather than refused.
+    // The store is gone: the gateway keeps the limits itself, from a full budget, rather than
+    // refusing requests or admitting them without limits.
     redis.stop();
     let mut body = hello();
     body["store"] = json!(false);
-    let admitted = call(&base, Some("limited"), body, &[]).await;
+    let admitted = call(&base, Some("limited"), body.clone(), &[]).await;
     assert_eq!(admitted.status, 200, "{}", admitted.body);
-    assert_eq!(admitted.header("x-ratelimit-limit-requests"), None);
+    assert_eq!(admitted.header("x-ratelimit-remaining-requests"), Some("0"));
     assert!(gw.state().metrics.rate_limit_store_errors.get([]) >= 1);
+    let refused = call(&base, Some("limited"), body, &[]).await;
+    assert_eq!(refused.status, 429, "{}", refused.body);
     fleet.shutdown().await;
 }
 

@@ -361,10 +361,11 @@ impl FlowController {
     }
 
     /// Admit `ticket`: check its band, shed it if its band is sheddable and the pool is
-    /// saturated, charge its team's rate limits, then queue it until it is dispatched (the
-    /// returned [`Permit`]) or its band's TTL passes ([`Rejection::Timeout`], at the TTL).
-    /// Dropping the future takes the request out of the queue. Runs on a Tokio runtime with
-    /// the time driver enabled (the TTL is a Tokio timer).
+    /// saturated, refuse it if its band's queue is full, charge its team's rate limits, then
+    /// queue it until it is dispatched (the returned [`Permit`]) or its band's TTL passes
+    /// ([`Rejection::Timeout`], at the TTL). A request refused before it is queued costs its
+    /// team nothing. Dropping the future takes the request out of the queue. Runs on a Tokio
+    /// runtime with the time driver enabled (the TTL is a Tokio timer).
     pub async fn admit(&self, mut ticket: Ticket) -> Result<Permit, Rejection> {
         let inner = &self.inner;
         let limits = {
@@ -382,6 +383,15 @@ impl FlowController {
                 .unwrap_or_default();
             if sheddable && state.should_shed(&*inner.capacity) {
                 return Err(state.count_shed(&ticket.team, &band_name));
+            }
+            // The pool takes no work and the band's waiting requests already fill its caps:
+            // this one would be refused once queued, so refuse it before it is charged. (With
+            // room in the pool it may go at once, past requests held for their own endpoint
+            // or by their team's cap: the check after queueing decides.)
+            if !inner.capacity.can_dispatch(&state.load()) {
+                if let Some(limit) = state.full_queue(&band_name, ticket.bytes) {
+                    return Err(state.count_queue_full(&ticket.team, &band_name, limit));
+                }
             }
             (limits, band_name)
         };
@@ -835,6 +845,36 @@ impl State {
         }
         Rejection::Shed {
             band: band.to_string(),
+            retry_after: self.config.retry_after,
+        }
+    }
+
+    /// The cap of `band`'s queue that its waiting requests already fill, so that a request of
+    /// `bytes` more would pass it; `None` while the queue is empty (a band with
+    /// `max_queued = 0` dispatches or refuses each request as it comes).
+    fn full_queue(&self, band: &str, bytes: u64) -> Option<QueueLimit> {
+        let queue = &self.bands[*self.band_index.get(band)?];
+        if queue.queued == 0 {
+            None
+        } else if queue.queued >= queue.spec.max_queued {
+            Some(QueueLimit::Requests)
+        } else if queue.queued_bytes.saturating_add(bytes) > queue.spec.max_queued_bytes {
+            Some(QueueLimit::Bytes)
+        } else {
+            None
+        }
+    }
+
+    fn count_queue_full(&mut self, team: &str, band: &str, limit: QueueLimit) -> Rejection {
+        if let Some(&b) = self.band_index.get(band) {
+            self.bands[b].counters.queue_full += 1;
+        }
+        if let Some(t) = self.teams.get_mut(team) {
+            t.queue_full += 1;
+        }
+        Rejection::QueueFull {
+            band: band.to_string(),
+            limit,
             retry_after: self.config.retry_after,
         }
     }

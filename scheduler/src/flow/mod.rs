@@ -18,7 +18,9 @@
 //!    `p(saturation)` from the [`ShedCurve`] (default: always). While the pool can take work,
 //!    nothing is shed, also when the band waits only because of a higher band's reserve (the
 //!    pool has room; the request queues). Shedding comes before rate limiting so a retry storm during saturation
-//!    neither spends the team's budget nor loads a shared store.
+//!    neither spends the team's budget nor loads a shared store. For the same reason, while the
+//!    pool takes no work, a request whose band's waiting requests already fill its caps is
+//!    refused here ([`Rejection::QueueFull`]), before it is charged.
 //! 3. **Rate limits.** The team's requests- and tokens-per-minute buckets are charged through
 //!    the [`RateLimiter`] ([`Rejection::RateLimited`]); see [`rate_limit`] for the GCRA.
 //! 4. **Queue.** The request joins its band's queue and dispatch runs at once, so an idle pool

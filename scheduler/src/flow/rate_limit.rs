@@ -369,13 +369,18 @@ impl RateLimiter for LocalRateLimiter {
     }
 }
 
-/// `x-ratelimit-reset-*` formatting, as OpenAI does: `20ms`, `1s`, `2.383s`, `6m0s`.
+/// `x-ratelimit-reset-*` formatting, as OpenAI does (Go's duration format, to the
+/// millisecond): `0s`, `20ms`, `1s`, `2.383s`, `6m0s`, `1h15m0s`.
 pub fn format_reset(d: Duration) -> String {
     let ms = d.as_millis();
+    if ms == 0 {
+        return "0s".to_string();
+    }
     if ms < 1000 {
         return format!("{ms}ms");
     }
-    let minutes = ms / 60_000;
+    let hours = ms / 3_600_000;
+    let minutes = ms % 3_600_000 / 60_000;
     let rest = ms % 60_000;
     let secs = match rest % 1000 {
         0 => format!("{}", rest / 1000),
@@ -384,7 +389,9 @@ pub fn format_reset(d: Duration) -> String {
             s.trim_end_matches('0').to_string()
         }
     };
-    if minutes > 0 {
+    if hours > 0 {
+        format!("{hours}h{minutes}m{secs}s")
+    } else if minutes > 0 {
         format!("{minutes}m{secs}s")
     } else {
         format!("{secs}s")
@@ -523,5 +530,8 @@ mod tests {
         assert_eq!(format_reset(Duration::from_secs(360)), "6m0s");
         assert_eq!(format_reset(Duration::from_millis(2383)), "2.383s");
         assert_eq!(format_reset(Duration::from_millis(90_500)), "1m30.5s");
+        assert_eq!(format_reset(Duration::from_secs(4500)), "1h15m0s");
+        assert_eq!(format_reset(Duration::from_secs(3600)), "1h0m0s");
+        assert_eq!(format_reset(Duration::ZERO), "0s");
     }
 }

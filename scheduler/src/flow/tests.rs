@@ -627,6 +627,43 @@ async fn queue_caps_refuse_what_does_not_fit() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_refused_for_a_full_queue_costs_its_team_nothing() {
+    let mut config = config();
+    config.bands[1].max_queued = 1;
+    config.teams[1].rpm = Some(2);
+    let (flow, capacity) = controller(config, 0);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let _queued = spawn_admit(&flow, Ticket::new("bulk", 10), "queued", &tx);
+    wait_queued(&flow, 1).await;
+    // Clients retrying against a full queue: each refusal is for the queue, none spends the
+    // team's budget of two requests a minute.
+    for _ in 0..3 {
+        let refused = flow.admit(Ticket::new("bulk", 10)).await.unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                Rejection::QueueFull {
+                    limit: QueueLimit::Requests,
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+    }
+    assert_eq!(flow.snapshot().team("bulk").unwrap().queue_full, 3);
+    capacity.set_limit(2);
+    flow.notify();
+    let (label, _permit) = rx.recv().await.unwrap();
+    assert_eq!(label, "queued");
+    let second = flow.admit(Ticket::new("bulk", 10)).await.unwrap();
+    assert_eq!(
+        second.rate_status().unwrap().requests.unwrap().remaining,
+        0,
+        "the second request of the minute"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_team_may_downgrade_its_band_but_not_upgrade_it() {
     let (flow, _capacity) = controller(config(), 10);
     let permit = flow
