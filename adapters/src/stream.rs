@@ -218,7 +218,8 @@ impl ResponseStream {
         }
         self.start_into(&mut events);
         if let Some(message) = engine_error_message(chunk) {
-            events.extend(self.fail("server_error", &message));
+            let code = request_fault_code(chunk, &message).unwrap_or("server_error");
+            events.extend(self.fail(code, &message));
             return events;
         }
         if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
@@ -837,11 +838,12 @@ impl ResponseStream {
         let input = number(&["prompt_tokens"]).unwrap_or(0);
         let output = number(&["completion_tokens"]).unwrap_or(0);
         let cached = number(&["prompt_tokens_details", "cached_tokens"]).unwrap_or(0);
-        // SGLang reports its count at the top level of `usage`.
+        // SGLang reports its count at the top level of `usage`. Part of the output: without
+        // the engine's count of that, no part of it either.
         let reasoning = number(&["completion_tokens_details", "reasoning_tokens"])
             .or_else(|| number(&["reasoning_tokens"]))
             .unwrap_or(self.reasoning_deltas)
-            .min(output.max(self.reasoning_deltas));
+            .min(output);
         let total = number(&["total_tokens"]).unwrap_or(input.saturating_add(output));
         // Engines report no cache writes (their prefix caches keep what they compute, but
         // say nothing of it), so `cache_write_tokens` is always 0.
@@ -863,12 +865,7 @@ pub fn failure_without_output(chunk: &Value) -> Option<String> {
     if let Some(message) = engine_error_message(chunk) {
         // A fault of the request the engine reports in its stream (SGLang sends some of its
         // validation errors so, coded 4xx) would fail alike anywhere: not a failed engine.
-        let code = chunk
-            .get("error")
-            .and_then(|e| e.get("code"))
-            .or_else(|| chunk.get("code"))
-            .and_then(Value::as_u64);
-        if code.is_some_and(|c| (400..500).contains(&c)) || is_context_overflow(&message) {
+        if request_fault_code(chunk, &message).is_some() {
             return None;
         }
         return Some(format!(
@@ -903,6 +900,24 @@ pub fn carries_output(chunk: &Value) -> bool {
             .iter()
             .any(|key| carries(delta, key))
     })
+}
+
+/// The `error.code` of an error chunk (whose message is `message`) that reports a fault of the
+/// request rather than of the engine: `context_length_exceeded` for a prompt over the context
+/// window (as OpenAI codes it, and as Codex needs to compact), `invalid_request` for another
+/// error coded 4xx, the codes an engine's HTTP 400 gets; `None` for an engine failure.
+fn request_fault_code(chunk: &Value, message: &str) -> Option<&'static str> {
+    if is_context_overflow(message) {
+        return Some("context_length_exceeded");
+    }
+    let status = chunk
+        .get("error")
+        .and_then(|e| e.get("code"))
+        .or_else(|| chunk.get("code"))
+        .and_then(Value::as_u64);
+    status
+        .is_some_and(|c| (400..500).contains(&c))
+        .then_some("invalid_request")
 }
 
 /// The message of an engine error delivered inside the stream (`{"error": {...}}` or
@@ -1628,6 +1643,31 @@ mod tests {
             ));
         replay(&events);
         assert_eq!(stream.response()["status"], "failed");
+        assert_eq!(stream.response()["error"]["code"], "server_error");
+    }
+
+    #[test]
+    fn an_error_chunk_about_the_request_fails_with_its_code() {
+        // A prompt over the context window reported in the stream gets OpenAI's code (Codex
+        // compacts on it; `server_error` would have it resend the same prompt), another fault
+        // of the request (coded 4xx) the code of an engine's HTTP 400.
+        for (chunk, code) in [
+            (
+                json!({"error": {"message": "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens.", "code": 400}}),
+                "context_length_exceeded",
+            ),
+            (
+                json!({"object": "error", "message": "invalid tool schema", "code": 400}),
+                "invalid_request",
+            ),
+        ] {
+            let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+            let mut events = stream.start();
+            events.extend(stream.on_chunk(&chunk));
+            replay(&events);
+            assert_eq!(events.last().unwrap().event, "response.failed");
+            assert_eq!(stream.response()["error"]["code"], code, "{chunk}");
+        }
     }
 
     #[test]

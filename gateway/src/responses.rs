@@ -504,7 +504,8 @@ fn previous_answered(id: &str, status: &str) -> Result<(), HttpError> {
 }
 
 /// A failed non-streamed response as the HTTP error it is: 503 when the store could not keep
-/// it or the gateway is shutting down, 502 for an engine failure.
+/// it or the gateway is shutting down, 400 when the engine found fault with the request in its
+/// stream (a prompt over the context window, an invalid request), 502 for an engine failure.
 fn finished_or_error(response: Value) -> Result<Value, HttpError> {
     if response.get("status").and_then(Value::as_str) != Some("failed") {
         return Ok(response);
@@ -521,6 +522,10 @@ fn finished_or_error(response: Value) -> Result<Value, HttpError> {
         }
         // The model wrote no summary: trying again the same way would do the same.
         Some(code @ "compaction_failed") => HttpError::server(500, message, code),
+        Some(CONTEXT_LENGTH_EXCEEDED) => {
+            HttpError::invalid(message, Some("input"), Some(CONTEXT_LENGTH_EXCEEDED))
+        }
+        Some(code @ "invalid_request") => HttpError::invalid(message, None, Some(code)),
         _ => HttpError::server(502, message, "upstream_error").with_retry_after(1),
     })
 }
