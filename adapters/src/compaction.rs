@@ -26,7 +26,7 @@ use serde_json::Value;
 
 use crate::reasoning_blob::{decode_tagged, encode_tagged};
 
-const FORMAT_KEY: &str = "agentgate_compaction";
+pub(crate) const FORMAT_KEY: &str = "agentgate_compaction";
 
 /// What the engine reads before a compacted summary.
 pub const SUMMARY_PREFIX: &str =

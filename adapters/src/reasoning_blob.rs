@@ -7,7 +7,7 @@
 //! it is an opaque round-trip token. [`decode_reasoning_blob`] recovers the text when the item
 //! comes back in a later turn's input; blobs from other providers decode to `None`.
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 const FORMAT_KEY: &str = "agentgate_reasoning";
@@ -28,14 +28,27 @@ pub(crate) fn encode_tagged(key: &str, text: &str) -> String {
     base64_encode(json!({ key: 1, "text": text }).to_string().as_bytes())
 }
 
-/// The text of a token made by [`encode_tagged`] with the same `key`; `None` for anything else.
+/// The fields a token may carry: one tag per kind, and the text. Read into this, not a
+/// `Value`, so that a blob of some other shape (a client's, say a huge array) is skipped
+/// without building it in memory.
+#[derive(serde::Deserialize)]
+struct Tagged {
+    agentgate_reasoning: Option<u64>,
+    agentgate_compaction: Option<u64>,
+    text: String,
+}
+
+/// The text of a token made by [`encode_tagged`] with the same `key` (one of the tags of
+/// [`Tagged`]); `None` for anything else.
 pub(crate) fn decode_tagged(key: &str, blob: &str) -> Option<String> {
     let bytes = base64_decode(blob.trim())?;
-    let value: Value = serde_json::from_slice(&bytes).ok()?;
-    if value.get(key).and_then(Value::as_u64) != Some(1) {
-        return None;
-    }
-    value.get("text")?.as_str().map(str::to_owned)
+    let tagged: Tagged = serde_json::from_slice(&bytes).ok()?;
+    let tag = match key {
+        FORMAT_KEY => tagged.agentgate_reasoning,
+        crate::compaction::FORMAT_KEY => tagged.agentgate_compaction,
+        _ => None,
+    };
+    (tag == Some(1)).then_some(tagged.text)
 }
 
 fn base64_encode(input: &[u8]) -> String {

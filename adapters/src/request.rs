@@ -609,6 +609,37 @@ fn reasoning_text(item: &Value) -> Option<String> {
         .filter(|text| !text.is_empty())
 }
 
+/// Deepest nesting passed on as a tool call's arguments: serde_json's own limit when it
+/// builds a value, which the engines' parsers take too.
+const MAX_ARGUMENT_DEPTH: usize = 128;
+
+/// How deep arrays and objects nest in the JSON text `text` (brackets inside strings do not
+/// count); meaningful for valid JSON only.
+fn nesting_depth(text: &str) -> usize {
+    let (mut depth, mut deepest, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+    for byte in text.bytes() {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
+}
+
 /// A tool call's arguments as the engines' chat templates take them: SGLang parses each
 /// assistant tool call's arguments as a JSON object and refuses the whole request otherwise (so
 /// would vLLM with most templates), and one call cut short by `max_output_tokens` would then
@@ -619,9 +650,16 @@ fn object_arguments(arguments: String) -> String {
     if arguments.trim().is_empty() {
         return "{}".to_string();
     }
-    match serde_json::from_str::<Value>(&arguments) {
-        Ok(Value::Object(_)) => arguments,
-        _ => json!({ "arguments": arguments }).to_string(),
+    // Checked without building the value: arguments come from clients, and a huge array
+    // would take some 40 times its size in memory as a `Value`. (Skipping a value has no depth
+    // limit: nesting past what the engines' JSON parsers take is bounded here.)
+    let object = arguments.trim_start().starts_with('{')
+        && nesting_depth(&arguments) <= MAX_ARGUMENT_DEPTH
+        && serde_json::from_str::<serde::de::IgnoredAny>(&arguments).is_ok();
+    if object {
+        arguments
+    } else {
+        json!({ "arguments": arguments }).to_string()
     }
 }
 
@@ -787,6 +825,19 @@ mod tests {
             "cut short by max_output_tokens"
         );
         assert_eq!(object_arguments("[1]".into()), r#"{"arguments":"[1]"}"#);
+        // Nesting as deep as a JSON parser builds passes; deeper is wrapped, brackets inside
+        // strings aside.
+        let nested = |depth: usize| {
+            format!(
+                "{{\"a\":{}1{}}}",
+                "[".repeat(depth - 1),
+                "]".repeat(depth - 1)
+            )
+        };
+        assert_eq!(object_arguments(nested(128)), nested(128));
+        assert!(object_arguments(nested(129)).starts_with(r#"{"arguments":"#));
+        let quoted = format!("{{\"a\":\"{}\"}}", "[".repeat(500));
+        assert_eq!(object_arguments(quoted.clone()), quoted);
     }
 
     #[test]

@@ -112,7 +112,9 @@ fn handle_line(data: &mut DataLines, line: &str, payloads: &mut Vec<String>) {
         None => (line, ""),
     };
     if field == "data" {
-        data.bytes += value.len() + 1;
+        // A line costs its `String` too: a stream of empty `data` lines must not hold many
+        // times the cap in line headers.
+        data.bytes += value.len() + 1 + std::mem::size_of::<String>();
         data.lines.push(value.to_string());
     }
 }
@@ -139,6 +141,15 @@ mod tests {
         );
         assert_eq!(decoder.finish().as_deref(), Some("[DONE]"));
         assert_eq!(decoder.finish(), None);
+    }
+
+    #[test]
+    fn many_empty_data_lines_count_against_the_cap() {
+        // 5 bytes a line on the wire, some 30 in memory: refused long before memory is 30
+        // times the cap.
+        let lines = b"data\n".repeat(MAX_EVENT_BYTES / 16);
+        let mut decoder = SseDecoder::default();
+        assert!(decoder.push(&lines).is_err());
     }
 
     #[test]

@@ -1039,10 +1039,13 @@ pub async fn delete(
 /// Tell a background run in this process to stop (runs in other gateway processes notice the
 /// cancelled status at their next event-log write, or when they finish, and stop there).
 pub(crate) fn signal_cancel(state: &AppState, id: &str) {
-    if let Ok(mut runs) = state.background.lock() {
-        if let Some(run) = runs.remove(id) {
-            run.cancel.send_replace(true);
-        }
+    let run = state
+        .background
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .remove(id);
+    if let Some(run) = run {
+        run.cancel.send_replace(true);
     }
 }
 

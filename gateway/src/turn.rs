@@ -2208,9 +2208,11 @@ impl RunRegistration {
 
 impl Drop for RunRegistration {
     fn drop(&mut self) {
-        if let Ok(mut runs) = self.state.background.lock() {
-            runs.remove(&self.id);
-        }
+        self.state
+            .background
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.id);
     }
 }
 

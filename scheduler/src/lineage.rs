@@ -32,7 +32,7 @@
 //! [`crate::prefix_lineage`] finds the parent from it, and the prefill pick finds where that
 //! prefix is cached by prefix match (it has no anti-herding gate, see [`crate::disagg`]).
 
-use crate::session_key::{SessionKey, SessionSource};
+use crate::session_key::{key_part, SessionKey, SessionSource};
 
 /// The parent header [`LineageConfig::default`] reads.
 pub const DEFAULT_PARENT_HEADER: &str = "x-agentgate-parent-session";
@@ -124,7 +124,8 @@ pub fn lineage(
         });
     }
     if let (Some(agent), Some(session)) = (header(headers, CLAUDE_CODE_AGENT_HEADER), session) {
-        let agent_key = |id: &str| format!("{session}/agent:{id}");
+        // (A long or odd id is hashed, as in session keys.)
+        let agent_key = |id: &str| format!("{session}/{}", key_part("agent", id));
         let parent = match header(headers, CLAUDE_CODE_PARENT_AGENT_HEADER) {
             Some(id) if id != agent => agent_key(id),
             _ => session.to_string(),
@@ -229,6 +230,14 @@ mod tests {
         let l = of(&nested, Some("h:s1")).unwrap();
         assert_eq!(l.parent, "h:s1/agent:a1");
         assert_eq!(l.own.as_deref(), Some("h:s1/agent:a2"));
+        // A huge agent id is hashed: the key's size does not follow the header's.
+        let huge = "a".repeat(100_000);
+        let long = [
+            ("x-claude-code-session-id", "s1"),
+            ("x-claude-code-agent-id", huge.as_str()),
+        ];
+        let own = of(&long, Some("h:s1")).unwrap().own.unwrap();
+        assert!(own.starts_with("h:s1/agent#") && own.len() < 64, "{own}");
         // Without a session key there is nothing to hang the agent off.
         assert_eq!(of(&first[1..], None), None);
     }

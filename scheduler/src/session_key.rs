@@ -127,12 +127,7 @@ impl SessionKey {
         if raw.is_empty() {
             return None;
         }
-        let prefix = source.prefix();
-        let value = if raw.len() > MAX_RAW_VALUE_BYTES || raw.chars().any(char::is_control) {
-            format!("{prefix}#{:032x}", xxh3_128(raw.as_bytes()))
-        } else {
-            format!("{prefix}:{raw}")
-        };
+        let value = key_part(source.prefix(), raw);
         Some(SessionKey { value, source })
     }
 }
@@ -202,6 +197,17 @@ pub fn session_key(
 /// by `previous_response_id` under it, and its later turns find the pin.
 pub fn chain_root_key(response_id: &str) -> Option<SessionKey> {
     SessionKey::from_source(SessionSource::ChainRoot, response_id)
+}
+
+/// `{prefix}:{raw}`, or `{prefix}#` and the 128-bit xxh3 hash of `raw` in hex when `raw` is
+/// longer than [`MAX_RAW_VALUE_BYTES`] or holds control characters: a key's size stays bounded
+/// whatever a client sends.
+pub(crate) fn key_part(prefix: &str, raw: &str) -> String {
+    if raw.len() > MAX_RAW_VALUE_BYTES || raw.chars().any(char::is_control) {
+        format!("{prefix}#{:032x}", xxh3_128(raw.as_bytes()))
+    } else {
+        format!("{prefix}:{raw}")
+    }
 }
 
 /// The key from the first non-empty value of header `name` (case-insensitive).
