@@ -97,6 +97,9 @@ pub struct ResponseStream {
     output: Vec<Value>,
     current: Option<OpenItem>,
     calls: Vec<OpenCall>,
+    /// Every call before this index is closed ([`ResponseStream::close_calls`] starts here, so
+    /// closing is linear in the calls opened, however often text and calls alternate).
+    calls_closed: usize,
     call_by_index: HashMap<u64, usize>,
     finish_reason: Option<String>,
     engine_usage: Option<Value>,
@@ -136,6 +139,7 @@ impl ResponseStream {
             output: Vec::new(),
             current: None,
             calls: Vec::new(),
+            calls_closed: 0,
             call_by_index: HashMap::new(),
             held_whitespace: String::new(),
             single_tool_call: false,
@@ -753,7 +757,8 @@ impl ResponseStream {
     }
 
     fn close_calls(&mut self, status: &str, events: &mut Vec<SseEvent>) {
-        for slot in 0..self.calls.len() {
+        let from = std::mem::replace(&mut self.calls_closed, self.calls.len());
+        for slot in from..self.calls.len() {
             let Some(call) = self.calls.get_mut(slot) else {
                 continue;
             };
