@@ -71,6 +71,9 @@ pub async fn scrape(
         });
     }
     if let Some(tokens) = metrics.kv_capacity_tokens() {
+        // An engine reporting an absurd capacity (a bug, a bad exporter) must not make its
+        // prefix-index slot grow with every prompt it is sent.
+        let tokens = tokens.min(MAX_KV_CAPACITY_TOKENS);
         endpoint.set_kv_capacity_tokens(tokens);
         if let Some(index) = pool
             .picker
@@ -84,6 +87,10 @@ pub async fn scrape(
     }
     Ok(())
 }
+
+/// Largest KV capacity taken from an engine's metrics, in tokens: 2^28, some 100 times what the
+/// largest nodes hold.
+const MAX_KV_CAPACITY_TOKENS: u64 = 1 << 28;
 
 /// Probe an endpoint's health once within `timeout`.
 pub async fn health(
