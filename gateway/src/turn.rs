@@ -700,9 +700,11 @@ async fn open_local(
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let pinned = pinned_in(view, placement.pin.as_ref());
     let mut first = first.filter(|(p, ..)| p.index < view.len());
-    let mut tried: Vec<usize> = placement.avoided_in(view);
+    // Endpoints that failed this request: avoided by the caller, then each one tried here.
+    let mut failed: Vec<usize> = placement.avoided_in(view);
+    let mut tried = failed.clone();
     // Not an endpoint that cannot run a request whole (an SGLang decode-mode server), whatever
-    // else fails.
+    // else fails; left out, not failed.
     tried.extend((0..view.len()).filter(|&i| !pool.runs_whole(&view[i])));
     let mut last = String::from("no available endpoint");
     let begin = |pick: Pick| count_local(pool, view, &placement, pick);
@@ -741,8 +743,7 @@ async fn open_local(
                     .routing_decision(&pool.name, ep, pick.reason.as_str());
                 let mut pin_moved = None;
                 if let Some(key) = placement.key.filter(|_| pool.policy.uses_pins()) {
-                    let pin_failed =
-                        matches!(pinned, Pinned::At(i) if tried[..tried.len() - 1].contains(&i));
+                    let pin_failed = matches!(pinned, Pinned::At(i) if failed.contains(&i));
                     pin_moved = repin(
                         state,
                         pool,
@@ -792,6 +793,7 @@ async fn open_local(
             Err(e) => {
                 tracing::warn!(endpoint = %ep.name, "engine request failed: {e}");
                 last = e.to_string();
+                failed.push(pick.index);
             }
         }
     }
