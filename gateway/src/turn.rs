@@ -545,7 +545,6 @@ pub async fn open_upstream(
     open_split(
         state,
         pool,
-        &endpoints,
         body,
         prompt_tokens,
         prefix,
@@ -842,7 +841,6 @@ fn uncached_tokens(prompt_tokens: u64, matched: usize, chunks: usize) -> u64 {
 async fn open_split(
     state: &AppState,
     pool: &Pool,
-    endpoints: &[Arc<Endpoint>],
     body: &Value,
     prompt_tokens: u64,
     prefix: Vec<u64>,
@@ -852,6 +850,15 @@ async fn open_split(
     room: Room,
     avoid: &[usize],
 ) -> Result<(ChunkStream, Routed), HttpError> {
+    // A sub-agent's own pins live under its own key; without one it is placed afresh.
+    let own_key = lineage.as_ref().map(|l| l.own.clone());
+    let key = match &own_key {
+        Some(own) => own.as_deref(),
+        None => session,
+    };
+    let pin = session_pin(state, pool, key).await;
+    // The list as it is after the store read (see `open_upstream`).
+    let endpoints = pool.endpoints();
     let prefill_view: Vec<Arc<Endpoint>> = endpoints
         .iter()
         .filter(|e| e.role == Role::Prefill)
@@ -866,13 +873,6 @@ async fn open_split(
         // Prefill endpoints only: they run requests whole.
         decode_view = endpoints.to_vec();
     }
-    // A sub-agent's own pins live under its own key; without one it is placed afresh.
-    let own_key = lineage.as_ref().map(|l| l.own.clone());
-    let key = match &own_key {
-        Some(own) => own.as_deref(),
-        None => session,
-    };
-    let pin = session_pin(state, pool, key).await;
     // A call whose headers name no parent may still be a sub-agent: its parent is found by
     // the prefix it shares with an active session. Every call is recorded for the next. The
     // parent found is kept for the turn's later attempts (after `truncation: auto` shortened
