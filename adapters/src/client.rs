@@ -330,9 +330,9 @@ struct ChunkReader {
     body: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
     decoder: SseDecoder,
     pending: VecDeque<Result<Value, UpstreamError>>,
-    /// When the last complete event arrived: the idle timeout runs from it, so bytes that make
-    /// no event (comment lines, keep-alive pings, a partial line) do not keep a stuck stream
-    /// open.
+    /// When the last event with news arrived ([`carries_news`]): the idle timeout runs from
+    /// it, so bytes that make no event (comment lines, keep-alive pings, a partial line) and
+    /// events without news (chunks without choices) do not keep a stuck stream open.
     last_event: Option<Instant>,
     deadline: Instant,
     idle_timeout: Duration,
@@ -347,14 +347,18 @@ impl ChunkReader {
             if self.done {
                 return;
             }
-            self.last_event = Some(Instant::now());
             let payload = payload.trim();
             if payload == "[DONE]" {
                 self.done = true;
                 return;
             }
             match serde_json::from_str::<Value>(payload) {
-                Ok(value) => self.pending.push_back(Ok(value)),
+                Ok(value) => {
+                    if carries_news(&value) {
+                        self.last_event = Some(Instant::now());
+                    }
+                    self.pending.push_back(Ok(value));
+                }
                 Err(err) => {
                     self.pending.push_back(Err(UpstreamError::Protocol(format!(
                         "{} streamed invalid JSON ({err}): {}",
@@ -366,6 +370,18 @@ impl ChunkReader {
             }
         }
     }
+}
+
+/// Whether a chunk says something: a choice (a delta, a finish), usage or an error. Chunks
+/// without any (`"choices": []` alone) could come forever from an engine that makes no progress.
+fn carries_news(chunk: &Value) -> bool {
+    chunk
+        .get("choices")
+        .and_then(Value::as_array)
+        .is_some_and(|choices| !choices.is_empty())
+        || chunk.get("usage").is_some_and(|u| !u.is_null())
+        || chunk.get("error").is_some_and(|e| !e.is_null())
+        || chunk.get("object").and_then(Value::as_str) == Some("error")
 }
 
 async fn next_chunk(

@@ -342,7 +342,8 @@ pub struct UpstreamConfig {
     pub connect_timeout_ms: u64,
     /// Longest wait for the first byte of an engine's answer (queueing plus prefill), in seconds.
     pub first_byte_timeout_s: f64,
-    /// Longest silence between two streamed events, in seconds.
+    /// Longest silence between two streamed events, in seconds (keep-alive comments and chunks
+    /// without choices, usage or an error do not break it).
     pub idle_timeout_s: f64,
 }
 

@@ -750,8 +750,19 @@ async fn requests_without_a_valid_key_are_refused_before_their_body_is_read() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keep_alive_comments_do_not_hold_a_silent_engine_stream() {
+    engine_pinging_forever(b": ping\n\n").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_chunks_do_not_hold_a_silent_engine_stream() {
+    engine_pinging_forever(b"data: {\"object\":\"chat.completion.chunk\",\"choices\":[]}\n\n")
+        .await;
+}
+
+/// An engine that starts a stream, sends one chunk, then only `ping` every 50 ms: the turn
+/// fails at the gateway's idle timeout instead of waiting for it forever.
+async fn engine_pinging_forever(ping: &'static [u8]) {
     use tokio::io::AsyncWriteExt;
-    // An engine that starts a stream, sends one chunk, then only `: ping` comments.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
@@ -771,7 +782,7 @@ async fn keep_alive_comments_do_not_hold_a_silent_engine_stream() {
                 }
                 loop {
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    if socket.write_all(b": ping\n\n").await.is_err() {
+                    if socket.write_all(ping).await.is_err() {
                         return;
                     }
                 }
