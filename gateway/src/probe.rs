@@ -2,8 +2,9 @@
 //! background tasks of a running gateway ([`LiveTasks`]).
 //!
 //! - **Health.** Every `routing.health_interval_ms`, one loop probes every endpoint of every pool
-//!   at once (`GET /health`; `GET /v1/models` for the generic `openai` flavor, which has no
-//!   health route), each probe bounded by `routing.probe_timeout_ms`. A [`Streak`] per endpoint
+//!   at once (`GET /health`, then `GET /v1/models`, which must list the pool's model: a
+//!   replica serving another one would answer every request 404; the generic `openai` flavor
+//!   has no health route, only the second), each probe bounded by `routing.probe_timeout_ms`. A [`Streak`] per endpoint
 //!   takes it out after `unhealthy_after` consecutive failures and returns it after
 //!   `healthy_after` consecutive passes, so one lost probe does not flap an endpoint. Taken out
 //!   is logged at warn, returned at info. Probes run beside requests and never hold them up:
@@ -92,21 +93,40 @@ pub async fn scrape(
 /// largest nodes hold.
 const MAX_KV_CAPACITY_TOKENS: u64 = 1 << 28;
 
-/// Probe an endpoint's health once within `timeout`.
+/// Probe an endpoint's health once within `timeout`: its `/health` (vLLM, SGLang), then
+/// whether `/v1/models` lists `model`, the pool's. A replica serving another model (a wrong
+/// address, a redeploy) is healthy by its own account, yet would answer every request 404.
 pub async fn health(
     engines: &EngineClient,
     flavor: Flavor,
     endpoint: &Endpoint,
+    model: &str,
     timeout: Duration,
 ) -> Result<(), String> {
     let probe = async {
-        match flavor {
-            Flavor::Openai => engines.models(&endpoint.base_url).await.map(drop),
-            _ => engines.health(&endpoint.base_url).await,
+        if flavor != Flavor::Openai {
+            engines
+                .health(&endpoint.base_url)
+                .await
+                .map_err(|e| e.to_string())?;
         }
+        let served = engines
+            .models(&endpoint.base_url)
+            .await
+            .map_err(|e| e.to_string())?;
+        if served.iter().any(|m| m == model) {
+            return Ok(());
+        }
+        let mut listed = served.join(", ");
+        if listed.len() > 200 {
+            listed = format!("{}...", listed.chars().take(200).collect::<String>());
+        }
+        Err(format!(
+            "it serves [{listed}], not the pool's model `{model}`"
+        ))
     };
     match tokio::time::timeout(timeout, probe).await {
-        Ok(result) => result.map_err(|e| e.to_string()),
+        Ok(result) => result,
         Err(_) => Err(format!("no answer within {timeout:?}")),
     }
 }
@@ -203,7 +223,7 @@ impl Live {
         let targets = self.targets(|_| true);
         let probes = targets.iter().map(|(_, pool, e)| async {
             let start = Instant::now();
-            let result = health(&self.engines, pool.flavor, e, self.timeout).await;
+            let result = health(&self.engines, pool.flavor, e, &pool.model, self.timeout).await;
             self.metrics
                 .probe_duration
                 .observe([&pool.name, "health"], start.elapsed().as_secs_f64());

@@ -1,5 +1,5 @@
 //! End-to-end: live endpoint state over real simulated replicas. A replica whose `/health`
-//! fails is taken out and returns when it recovers; an endpoints file adds and removes
+//! fails, or that serves another model, is taken out and returns when it recovers; an endpoints file adds and removes
 //! replicas at run time without cutting a request in flight; `/metrics` shows both.
 
 use std::sync::Arc;
@@ -100,6 +100,24 @@ async fn failing_replica_is_taken_out_and_returns_when_it_recovers() {
     assert_eq!(ready.status().as_u16(), 503);
     assert_eq!(turn(&base).await.0, 503);
 
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_serving_another_model_is_taken_out() {
+    // Healthy by its own account, but every request for the pool's model would get 404.
+    let sims = vec![start_sim("sim-model").await, start_sim("other-model").await];
+    let fleet = Fleet::over(sims)
+        .extra(&format!("policy = \"round_robin\"\n{FAST_PROBES}"))
+        .start()
+        .await;
+    let pool = fleet.pool();
+    let wrong = endpoint(&pool, "sim/1").unwrap();
+    eventually("sim/1 is taken out", || !wrong.is_available()).await;
+    assert!(endpoint(&pool, "sim/0").unwrap().is_available());
+    for _ in 0..4 {
+        assert_eq!(turn(&fleet.base_url()).await, (200, "sim/0".to_string()));
+    }
     fleet.shutdown().await;
 }
 
