@@ -826,14 +826,18 @@ mod tests {
         assert_eq!(core.cache.used_blocks(), 0);
     }
 
+    fn deliver_all(deliveries: Vec<(mpsc::UnboundedSender<SeqEvent>, SeqEvent)>) {
+        for (tx, event) in deliveries {
+            let _ = tx.send(event);
+        }
+    }
+
     fn first_token_step(rx: &mut mpsc::UnboundedReceiver<SeqEvent>) -> bool {
         matches!(rx.try_recv(), Ok(SeqEvent::Tokens { .. }))
     }
 
     fn deliver(outcome: StepOutcome) {
-        for (tx, event) in outcome.deliveries {
-            let _ = tx.send(event);
-        }
+        deliver_all(outcome.deliveries);
     }
 
     #[test]
@@ -891,9 +895,7 @@ mod tests {
         // the same prompt arriving now finds the one computed block, not the eleven to come
         let (second, mut second_rx) = request(1, 48, 2);
         core.apply(Command::Submit(second));
-        for (tx, event) in drain(&mut core) {
-            let _ = tx.send(event);
-        }
+        deliver_all(drain(&mut core));
         assert_eq!(done(&mut first_rx), Some(0));
         assert_eq!(done(&mut second_rx), Some(4));
         assert_eq!(core.cache.cached_hashes().len(), 12);
@@ -906,9 +908,7 @@ mod tests {
         assert_eq!(core.cache.cached_hashes().len(), 13);
         let (again, mut again_rx) = request(2, 48, 2);
         core.apply(Command::Submit(again));
-        for (tx, event) in drain(&mut core) {
-            let _ = tx.send(event);
-        }
+        deliver_all(drain(&mut core));
         assert_eq!(done(&mut again_rx), Some(4));
     }
 

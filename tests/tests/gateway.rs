@@ -1348,6 +1348,19 @@ async fn session_turn(base: &str, session: &str) -> (String, String, Option<Stri
     )
 }
 
+/// Replace the pin of session `renamed` in pool `sim`, `from` by `to`, as another writer would.
+async fn overwrite_pin(
+    store: &agentgate_sessions::AnyStore,
+    from: &agentgate_sessions::SessionPin,
+    to: &agentgate_sessions::SessionPin,
+) {
+    let swap = store
+        .swap_pin("sim", "h:renamed", Some(from), to)
+        .await
+        .unwrap();
+    assert!(swap.applied, "{swap:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
     let fleet = Fleet::of(2).start().await;
@@ -1374,13 +1387,7 @@ async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
         url: Some("http://127.0.0.1:9".into()),
         ..pin.clone()
     };
-    assert!(
-        store
-            .swap_pin("sim", "h:renamed", Some(&pin), &stale)
-            .await
-            .unwrap()
-            .applied
-    );
+    overwrite_pin(&store, &pin, &stale).await;
     let (_, _, moved) = turn().await;
     assert_eq!(
         moved.as_deref(),
@@ -1403,13 +1410,7 @@ async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
         url: None,
         ..now.clone()
     };
-    assert!(
-        store
-            .swap_pin("sim", "h:renamed", Some(&now), &old)
-            .await
-            .unwrap()
-            .applied
-    );
+    overwrite_pin(&store, &now, &old).await;
     let (served, _, moved) = turn().await;
     assert_eq!((served, moved), (now.endpoint.clone(), None));
     let upgraded = store.get_pin("sim", "h:renamed").await.unwrap().unwrap();
@@ -1423,13 +1424,7 @@ async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
         endpoint: "its-old-name".into(),
         ..upgraded.clone()
     };
-    assert!(
-        store
-            .swap_pin("sim", "h:renamed", Some(&upgraded), &renamed)
-            .await
-            .unwrap()
-            .applied
-    );
+    overwrite_pin(&store, &upgraded, &renamed).await;
     let (served, _, moved) = turn().await;
     assert_eq!((served, moved), (now.endpoint.clone(), None));
     let followed = store.get_pin("sim", "h:renamed").await.unwrap().unwrap();

@@ -723,6 +723,17 @@ struct State {
     turns: TurnWaits,
 }
 
+/// The cap `queue` passes with `requests` more requests of `bytes` more bytes waiting in it.
+fn over_caps(queue: &BandQueue, requests: usize, bytes: u64) -> Option<QueueLimit> {
+    if queue.queued.saturating_add(requests) > queue.spec.max_queued {
+        Some(QueueLimit::Requests)
+    } else if queue.queued_bytes.saturating_add(bytes) > queue.spec.max_queued_bytes {
+        Some(QueueLimit::Bytes)
+    } else {
+        None
+    }
+}
+
 impl State {
     fn team_spec(&self, team: &str) -> Option<&TeamSpec> {
         self.team_index.get(team).map(|&i| &self.config.teams[i])
@@ -855,14 +866,9 @@ impl State {
     fn full_queue(&self, band: &str, bytes: u64) -> Option<QueueLimit> {
         let queue = &self.bands[*self.band_index.get(band)?];
         if queue.queued == 0 {
-            None
-        } else if queue.queued >= queue.spec.max_queued {
-            Some(QueueLimit::Requests)
-        } else if queue.queued_bytes.saturating_add(bytes) > queue.spec.max_queued_bytes {
-            Some(QueueLimit::Bytes)
-        } else {
-            None
+            return None;
         }
+        over_caps(queue, 1, bytes)
     }
 
     fn count_queue_full(&mut self, team: &str, band: &str, limit: QueueLimit) -> Rejection {
@@ -940,15 +946,7 @@ impl State {
         // Same instant as the arrival: a request dispatched at once waited exactly zero.
         self.pump_at(inner, out, now);
         if self.entries.contains_key(&id) {
-            let band = &self.bands[b];
-            let over = if band.queued > band.spec.max_queued {
-                Some(QueueLimit::Requests)
-            } else if band.queued_bytes > band.spec.max_queued_bytes {
-                Some(QueueLimit::Bytes)
-            } else {
-                None
-            };
-            if let Some(limit) = over {
+            if let Some(limit) = over_caps(&self.bands[b], 0, 0) {
                 if let Some(rejection) = self.remove_queued(id, Outcome::QueueFull(limit)) {
                     return Err(rejection);
                 }
