@@ -20,7 +20,7 @@
 //! | `cache_hit_rate` | hits / queries, else `vllm:gpu_prefix_cache_hit_rate` | `sglang:cache_hit_rate` |
 //! | `preemptions` | `vllm:num_preemptions_total` | `sglang:num_retracted_requests_total` |
 //! | `block_size` | label `block_size` of `vllm:cache_config_info` | `sglang:page_size`, else label `page_size` of `sglang:cache_config_info` |
-//! | `num_gpu_blocks` | label `num_gpu_blocks` of `vllm:cache_config_info` | — |
+//! | `num_gpu_blocks` | label `num_gpu_blocks` of `vllm:cache_config_info` (its largest line: with data parallelism every engine's line carries the server's total) | — |
 //! | `max_total_tokens` | — | `sglang:max_total_num_tokens` |
 //!
 //! Both engines report KV usage as a fraction in 0..=1 despite vLLM's `_perc` suffix. vLLM
@@ -395,8 +395,10 @@ impl Collected {
         if let Some(block_size) = label("block_size") {
             self.block_size = Some(self.block_size.map_or(block_size, |b| b.max(block_size)));
         }
+        // vLLM's front end sums the blocks of its data-parallel engines into one figure and
+        // writes that total on every engine's line: the largest line is the server's capacity.
         if let Some(blocks) = label("num_gpu_blocks") {
-            self.num_gpu_blocks = Some(self.num_gpu_blocks.unwrap_or(0).saturating_add(blocks));
+            self.num_gpu_blocks = Some(self.num_gpu_blocks.map_or(blocks, |b| b.max(blocks)));
         }
     }
 
@@ -504,8 +506,8 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="Qwen/Qw
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="Qwen/Qwen3-8B"} 3.5
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="4096",prefix_caching_hash_algo="sha256"} 1.0
-vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="1",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="4096",prefix_caching_hash_algo="sha256"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="8192",prefix_caching_hash_algo="sha256"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="1",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="8192",prefix_caching_hash_algo="sha256"} 1.0
 "#;
 
     /// Written after vLLM 0.8-0.10, which also export the deprecated names (and older versions,
