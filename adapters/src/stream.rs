@@ -31,8 +31,9 @@
 //! `finish_reason: "abort"` or `"error"` (vLLM: the engine aborted or failed the request) ends as
 //! `failed`, code `server_error`. `finish_reason: "length"` ends as `incomplete` with `incomplete_details.reason =
 //! "max_output_tokens"` (`content_filter` -> `"content_filter"`); items still open then get status
-//! `incomplete`. When the engine reports no `completion_tokens_details.reasoning_tokens`, the
-//! number of reasoning deltas is used as the count.
+//! `incomplete`. When the engine reports no `completion_tokens_details.reasoning_tokens` (nor
+//! SGLang's top-level `reasoning_tokens`), or 0 while reasoning streamed, the number of
+//! reasoning deltas is used as the count.
 
 use crate::compaction::encode_compaction_blob;
 use crate::error::is_context_overflow;
@@ -843,10 +844,12 @@ impl ResponseStream {
         let input = number(&["prompt_tokens"]).unwrap_or(0);
         let output = number(&["completion_tokens"]).unwrap_or(0);
         let cached = number(&["prompt_tokens_details", "cached_tokens"]).unwrap_or(0);
-        // SGLang reports its count at the top level of `usage`. Part of the output: without
-        // the engine's count of that, no part of it either.
+        // SGLang reports its count at the top level of `usage`, and 0 when it did not count
+        // (no reasoning parser asked for it) even though reasoning streamed: a 0 against
+        // streamed reasoning is no count. Part of the output: never more than that.
         let reasoning = number(&["completion_tokens_details", "reasoning_tokens"])
             .or_else(|| number(&["reasoning_tokens"]))
+            .filter(|&n| n > 0 || self.reasoning_deltas == 0)
             .unwrap_or(self.reasoning_deltas)
             .min(output);
         let total = number(&["total_tokens"]).unwrap_or(input.saturating_add(output));
@@ -1269,6 +1272,21 @@ mod tests {
         );
         let usage = &stream.response()["usage"];
         assert_eq!(usage["output_tokens_details"]["reasoning_tokens"], 7);
+
+        // SGLang writes 0 when it did not count: the streamed reasoning is counted instead.
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        run(
+            &mut stream,
+            &[
+                chunk(json!({"reasoning_content": "Hm."}), None),
+                chunk(json!({"reasoning_content": " Ok."}), None),
+                chunk(json!({"content": "Yes"}), Some("stop")),
+                json!({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3,
+                       "total_tokens": 8, "reasoning_tokens": 0}}),
+            ],
+        );
+        let usage = &stream.response()["usage"];
+        assert_eq!(usage["output_tokens_details"]["reasoning_tokens"], 2);
     }
 
     #[test]
