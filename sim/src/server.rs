@@ -483,7 +483,11 @@ fn prepare(
         }
     }
     let max_tokens = Some(max_tokens.unwrap_or(max_model_len - prompt_len));
-    let reasoning = body.get("reasoning_effort").is_some_and(|v| !v.is_null())
+    // `reasoning_effort: "none"` turns thinking off (SGLang maps it to `enable_thinking:
+    // false`); any other effort turns it on.
+    let reasoning = body
+        .get("reasoning_effort")
+        .is_some_and(|v| !v.is_null() && v.as_str() != Some("none"))
         || body.get("chat_template_kwargs").is_some_and(|k| {
             k.get("enable_thinking") == Some(&Value::Bool(true))
                 || k.get("thinking") == Some(&Value::Bool(true))

@@ -209,6 +209,22 @@ async fn conversation_reuses_answers(time_scale: f64, streamed: bool) {
     )
     .await;
     assert!(thought["choices"][0]["message"]["reasoning"].is_string());
+
+    // effort "none" turns thinking off
+    let body = json!({"model": "sim-model", "reasoning_effort": "none", "stream": false,
+        "messages": [{"role": "user", "content": "answer at once"}]});
+    let plain: Value = client
+        .post(format!("{}/v1/chat/completions", sim.base_url()))
+        .json(&body)
+        .send()
+        .await
+        .expect("request")
+        .json()
+        .await
+        .expect("json");
+    let message = &plain["choices"][0]["message"];
+    assert!(message["reasoning"].is_null(), "{plain}");
+    assert!(message["content"].is_string(), "{plain}");
     sim.shutdown().await;
 }
 
