@@ -618,14 +618,29 @@ impl RateLimiter for StoreRateLimiter {
 
 /// The `service_tier` a Response reports, as OpenAI reports the processing mode used rather
 /// than the one asked for: an OpenAI tier name the request asked for that `tiers` (`[flow]
-/// service_tier`) maps to a band, which stands for it; otherwise `default` (`auto`, a tier
-/// name no band stands for, and names only the config knows, which the SDK's type has not).
+/// service_tier`) maps to a band, which stands for it (`fast` is served as `priority`, as
+/// OpenAI reports it); otherwise `default` (`auto`, a tier name no band stands for, and names
+/// only the config knows, which the SDK's type has not).
 pub fn served_tier(tiers: &BTreeMap<String, String>, body: &Value) -> Value {
-    match body.get("service_tier").and_then(Value::as_str) {
-        Some(tier @ ("flex" | "scale" | "priority")) if tiers.contains_key(tier) => {
-            Value::from(tier)
+    let asked = body.get("service_tier").and_then(Value::as_str);
+    match asked.and_then(|tier| mapped_tier(tiers, tier)) {
+        Some((tier, _)) if OPENAI_SERVICE_TIERS.contains(&tier) && tier != "default" => {
+            Value::from(if tier == "fast" { "priority" } else { tier })
         }
         _ => Value::from("default"),
+    }
+}
+
+/// The `[flow] service_tier` entry `tier` uses: its own, else for `fast` (OpenAI's other name
+/// for `priority`) the `priority` entry.
+fn mapped_tier<'a>(
+    tiers: &'a BTreeMap<String, String>,
+    tier: &'a str,
+) -> Option<(&'a str, &'a String)> {
+    match tiers.get(tier) {
+        Some(band) => Some((tier, band)),
+        None if tier == "fast" => tiers.get("priority").map(|band| ("priority", band)),
+        None => None,
     }
 }
 
@@ -946,7 +961,15 @@ impl FlowControl {
 }
 
 /// OpenAI's `service_tier` values; `[flow] service_tier` may map these and others to bands.
-const OPENAI_SERVICE_TIERS: [&str; 5] = ["auto", "default", "flex", "scale", "priority"];
+const OPENAI_SERVICE_TIERS: [&str; 7] = [
+    "auto",
+    "default",
+    "flex",
+    "scale",
+    "priority",
+    "fast",
+    "ultrafast",
+];
 
 /// `service_tier`, when given, is one of OpenAI's values or a key of `[flow] service_tier`.
 fn check_service_tier(settings: &Settings, body: &Value) -> Result<(), HttpError> {
@@ -1000,8 +1023,8 @@ fn requested_band(
     }
     let tier = body.get("service_tier").and_then(Value::as_str);
     Ok(tier
-        .and_then(|t| settings.service_tier.get(t))
-        .map(|band| (band.clone(), "service_tier")))
+        .and_then(|t| mapped_tier(&settings.service_tier, t))
+        .map(|(_, band)| (band.clone(), "service_tier")))
 }
 
 /// Whether a request's input carries earlier turns: assistant messages or tool calls, outputs
@@ -1110,6 +1133,20 @@ mod tests {
             "a name only the config knows"
         );
         assert_eq!(tier(Value::Null), "default");
+        // `fast` is OpenAI's other name for `priority`, and is reported as `priority`.
+        let tiers = BTreeMap::from([
+            ("priority".to_string(), "interactive".to_string()),
+            ("ultrafast".to_string(), "interactive".to_string()),
+        ]);
+        let tier = |asked: &str| served_tier(&tiers, &json!({"service_tier": asked}));
+        assert_eq!(tier("fast"), "priority");
+        assert_eq!(tier("priority"), "priority");
+        assert_eq!(tier("ultrafast"), "ultrafast");
+        let fast = BTreeMap::from([("fast".to_string(), "interactive".to_string())]);
+        assert_eq!(
+            served_tier(&fast, &json!({"service_tier": "fast"})),
+            "priority"
+        );
     }
 
     async fn pools(config: &Config) -> Pools {

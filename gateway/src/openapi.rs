@@ -301,7 +301,7 @@ fn components() -> Value {
                     "truncation": {"type": "string", "enum": ["auto", "disabled"]},
                     "max_tool_calls": {"type": "integer", "minimum": 0},
                     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-                    "service_tier": {"type": "string", "description": "auto, default, flex, scale, priority, or a key of [flow] service_tier"},
+                    "service_tier": {"type": "string", "description": "auto, default, flex, scale, priority, fast, ultrafast, or a key of [flow] service_tier"},
                     "prompt": {"description": "not supported: a request that sets it is refused with 400"}
                 }
             },

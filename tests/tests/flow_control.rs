@@ -369,6 +369,16 @@ async fn a_client_may_ask_for_a_lower_band_never_a_higher_one() {
     let upgrade = call(&base, Some("bulk"), priority, &[]).await;
     assert_eq!(upgrade.status, 403);
     assert_eq!(upgrade.body["error"]["param"], "service_tier");
+    // `fast` is OpenAI's other name for `priority`: it takes that mapping.
+    let mut fast = hello();
+    fast["service_tier"] = json!("fast");
+    let upgrade = call(&base, Some("bulk"), fast.clone(), &[]).await;
+    assert_eq!(upgrade.status, 403, "{}", upgrade.body);
+    assert_eq!(upgrade.body["error"]["param"], "service_tier");
+    let by_fast = call(&base, Some("chat"), fast, &[]).await;
+    assert_eq!(by_fast.status, 200, "{}", by_fast.body);
+    assert_eq!(by_fast.header("x-agentgate-band"), Some("interactive"));
+    assert_eq!(by_fast.body["service_tier"], "priority");
     let unknown = call(
         &base,
         Some("chat"),
@@ -379,7 +389,7 @@ async fn a_client_may_ask_for_a_lower_band_never_a_higher_one() {
     assert_eq!((unknown.status, unknown.code()), (400, "unknown_band"));
 
     let s = snapshot(gw);
-    assert_eq!(s.band("interactive").unwrap().dispatched, 2);
+    assert_eq!(s.band("interactive").unwrap().dispatched, 3);
     assert_eq!(s.band("batch").unwrap().dispatched, 2);
     eventually("every permit is released", || snapshot(gw).in_flight == 0).await;
     fleet.shutdown().await;
