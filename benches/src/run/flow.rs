@@ -359,10 +359,10 @@ pub struct BandSummary {
     pub rate_limited: u64,
     /// Requests that failed.
     pub errors: u64,
-    /// Time to first token of its successful requests, median.
-    pub ttft_p50_ms: f64,
+    /// Time to first token of its successful requests, median (null when none succeeded).
+    pub ttft_p50_ms: Option<f64>,
     /// Time to first token, 99th percentile.
-    pub ttft_p99_ms: f64,
+    pub ttft_p99_ms: Option<f64>,
     /// Queue wait of its admitted requests, median (null when none said).
     pub queue_wait_p50_ms: Option<f64>,
     /// Queue wait, 99th percentile.
@@ -385,8 +385,8 @@ pub struct TurnKindSummary {
     pub queue_wait_p50_ms: Option<f64>,
     /// Queue wait, 99th percentile.
     pub queue_wait_p99_ms: Option<f64>,
-    /// Time to first token, median.
-    pub ttft_p50_ms: f64,
+    /// Time to first token of its successful requests, median (null when none succeeded).
+    pub ttft_p50_ms: Option<f64>,
     /// Admitted requests sent while the pool was saturated.
     pub saturated_admitted: u64,
     /// Queue wait of those, median (null when there were none or no saturation samples).
@@ -478,7 +478,8 @@ fn waits_and_ttfts<'a>(records: impl Iterator<Item = &'a RequestRecord>) -> (Vec
     (sorted(waits), sorted(ttfts))
 }
 
-/// Per-band figures; empty when no record has a band (flow control off).
+/// Per-band figures, by [`band_of_record`] (with flow control off, by the team's configured
+/// band; queue waits are then null).
 pub fn bands(
     records: &[RequestRecord],
     team_bands: &BTreeMap<String, String>,
@@ -500,8 +501,8 @@ pub fn bands(
                 shed: count(|o| matches!(o, Outcome::Shed(_))) as u64,
                 rate_limited: count(|o| matches!(o, Outcome::RateLimited(_))) as u64,
                 errors: count(|o| matches!(o, Outcome::Error(_))) as u64,
-                ttft_p50_ms: percentile(&ttfts, 50.0),
-                ttft_p99_ms: percentile(&ttfts, 99.0),
+                ttft_p50_ms: optional_percentile(&ttfts, 50.0),
+                ttft_p99_ms: optional_percentile(&ttfts, 99.0),
                 queue_wait_p50_ms: optional_percentile(&waits, 50.0),
                 queue_wait_p99_ms: optional_percentile(&waits, 99.0),
                 queue_wait_max_ms: waits.last().copied(),
@@ -532,7 +533,7 @@ where
             admitted: waits.len() as u64,
             queue_wait_p50_ms: optional_percentile(&waits, 50.0),
             queue_wait_p99_ms: optional_percentile(&waits, 99.0),
-            ttft_p50_ms: percentile(&ttfts, 50.0),
+            ttft_p50_ms: optional_percentile(&ttfts, 50.0),
             saturated_admitted: saturated.len() as u64,
             saturated_queue_wait_p50_ms: optional_percentile(&saturated, 50.0),
         }
@@ -895,7 +896,7 @@ mod tests {
             (b.requests, b.successes, b.shed, b.rate_limited, b.errors),
             (4, 2, 1, 1, 0)
         );
-        assert_eq!((b.ttft_p50_ms, b.ttft_p99_ms), (50.0, 90.0));
+        assert_eq!((b.ttft_p50_ms, b.ttft_p99_ms), (Some(50.0), Some(90.0)));
         assert_eq!(
             (b.queue_wait_p50_ms, b.queue_wait_p99_ms),
             (Some(10.0), Some(30.0))

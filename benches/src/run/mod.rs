@@ -757,12 +757,10 @@ pub fn gateway_config(
     })
 }
 
-/// The band each team's requests run in, as configured (empty with flow control off): the
-/// bench's bands with several teams, the gateway's implicit band with one.
-pub fn team_bands(teams: &[String], mode: FlowMode) -> std::collections::BTreeMap<String, String> {
-    if mode == FlowMode::Off {
-        return Default::default();
-    }
+/// The band each team's requests run in, as configured: the bench's bands with several teams,
+/// the gateway's implicit band with one. With flow control off no band applies, but the rows
+/// still report their requests by the band they would run in, so the two compare band by band.
+pub fn team_bands(teams: &[String]) -> std::collections::BTreeMap<String, String> {
     teams
         .iter()
         .map(|team| {
@@ -983,7 +981,7 @@ async fn run_row(
     let oracle = tokio::task::spawn_blocking(move || reuse.finish())
         .await
         .map_err(|e| format!("the reuse oracle failed: {e}"))??;
-    let team_bands = team_bands(teams, row.flow);
+    let team_bands = team_bands(teams);
     let mut summary = PolicySummary::build(summary::BuildInput {
         row: &row.label,
         policy,
@@ -1198,12 +1196,8 @@ mod tests {
         // One team: the gateway runs open with its implicit band.
         let single = gateway_config("session", &urls, &["default".to_string()], &memory, &on());
         assert!(single.unwrap().bands.is_empty());
-        assert_eq!(
-            team_bands(&["default".to_string()], FlowMode::On)["default"],
-            "default"
-        );
-        assert_eq!(team_bands(&teams, FlowMode::On)["agents"], "batch");
-        assert!(team_bands(&teams, FlowMode::Off).is_empty());
+        assert_eq!(team_bands(&["default".to_string()])["default"], "default");
+        assert_eq!(team_bands(&teams)["agents"], "batch");
     }
 
     #[test]

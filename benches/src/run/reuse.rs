@@ -72,7 +72,8 @@ pub struct ReuseOutcome {
     pub infinite: ReuseResult,
     /// Per served request, in send order: the fleet-capacity oracle's view.
     pub per_request: Vec<OracleHit>,
-    /// Distinct full prompt blocks over all served requests (the unlimited oracle's contents).
+    /// Distinct full blocks of every served request's prompt and answer (the unlimited oracle's
+    /// contents).
     pub distinct_prompt_blocks: u64,
 }
 

@@ -237,9 +237,10 @@ pub struct PolicySummary {
     /// Prompt tokens the oracle replayed (equals prompt_tokens when the token model matches).
     pub oracle_prompt_tokens: u64,
     /// KV blocks per replica with which no replica could have evicted anything in this replay:
-    /// distinct full prompt blocks of the successful requests, plus per successful request
-    /// `ceil(output_tokens / block_size) + 2` (blocks holding its output, and its partial block
-    /// while running). Conservative; requests that failed are not counted.
+    /// distinct full blocks of the successful requests' prompts and answers (as the engines
+    /// cache them), plus per successful request `ceil(output_tokens / block_size) + 2` (blocks
+    /// holding its output, and its partial block while running). Conservative: answers are
+    /// counted twice; requests that failed are not counted.
     pub no_eviction_kv_blocks: u64,
     /// Time to first token, median.
     pub ttft_p50_ms: f64,
@@ -278,7 +279,8 @@ pub struct PolicySummary {
     pub kill: Option<KillSummary>,
     /// Per team (the gateway's unit of priority bands), by name.
     pub teams: BTreeMap<String, TeamSummary>,
-    /// Per flow-control band, by name (empty with flow control off).
+    /// Per flow-control band, by name (with flow control off, by the band each team would run
+    /// in).
     pub bands: BTreeMap<String, BandSummary>,
     /// Continuing turns versus new sessions.
     pub turns: TurnsSummary,
