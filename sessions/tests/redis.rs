@@ -773,11 +773,27 @@ async fn a_connection_whose_replies_stop_is_replaced() {
     store.put(&record("t", "r1", None, 10)).await.expect("put");
 
     proxy.silence_open_connections();
+    let store = Arc::new(store);
+    // A second call, sent a moment later on the same silenced connection, times out after the
+    // first one's timeout has replaced it: its failure is the old connection's, not the new one's.
+    let later = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            store.get("t", "r1").await
+        })
+    };
     let err = store
         .get("t", "r1")
         .await
         .expect_err("no reply comes on the silenced connection");
     assert!(err.to_string().contains("timed out"), "{err}");
+    let late = later.await.expect("task");
+    assert!(
+        late.as_ref()
+            .is_err_and(|e| e.to_string().contains("timed out")),
+        "{late:?}"
+    );
 
     // The timeout opened a new connection in the background; the next calls use it.
     let mut found = None;

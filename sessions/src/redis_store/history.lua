@@ -12,7 +12,8 @@
 -- output_1, ..., input_n, output_n]. The walk stops at the first predecessor that was deleted
 -- or is owned by another team. A predecessor that is missing without a deletion marker was
 -- lost (evicted under maxmemory, expired, or gone with a Redis restart): the answer is then
--- {'!lost', its id}, since a history without it would be silently cut short.
+-- {'!lost', its id}, since a history without it would be silently cut short. A chain longer than
+-- ARGV[4] answers {'!cycle', ARGV[4]}.
 local team = ARGV[1]
 local prefix = ARGV[2]
 local ttl = ARGV[3]
@@ -33,7 +34,7 @@ local walked = 0
 while true do
   walked = walked + 1
   if walked > max_len then
-    return redis.error_reply('previous_response_id chain longer than ' .. max_len .. ' (a cycle?)')
+    return {'!cycle', tostring(max_len)}
   end
   reversed[#reversed + 1] = fields[4]
   reversed[#reversed + 1] = fields[3]

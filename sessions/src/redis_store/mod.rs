@@ -89,6 +89,10 @@ struct Link {
     failures: AtomicU64,
     /// When the last replacement was started, in ms since `opened` (`u64::MAX`: never).
     replace_started_ms: AtomicU64,
+    /// Bumped each time a replacement is in place: a call's failure counts against the
+    /// connection it used, not a newer one (calls still pending on a connection that stopped
+    /// answering time out one by one after it was replaced).
+    generation: AtomicU64,
     opened: std::time::Instant,
 }
 
@@ -111,21 +115,29 @@ impl Link {
             replaced: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             replace_started_ms: AtomicU64::new(u64::MAX),
+            generation: AtomicU64::new(0),
             opened: std::time::Instant::now(),
         })
     }
 
-    async fn conn(&self) -> ConnectionManager {
-        self.current.read().await.clone()
+    /// The connection to use and its generation.
+    async fn conn(&self) -> (ConnectionManager, u64) {
+        let current = self.current.read().await;
+        (current.clone(), self.generation.load(Ordering::Acquire))
     }
 
-    /// After a call: a reply that timed out replaces the connection, and so do
-    /// [`REPLACE_AFTER_FAILURES`] failed calls in a row (at most every [`REPLACE_FAILING_EVERY`]).
-    fn observe<T>(self: &Arc<Self>, result: &RedisResult<T>) {
+    /// After a call on the connection of `generation`: a reply that timed out replaces the
+    /// connection, and so do [`REPLACE_AFTER_FAILURES`] failed calls in a row (at most every
+    /// [`REPLACE_FAILING_EVERY`]). Failures on a connection already replaced say nothing of
+    /// the current one.
+    fn observe<T>(self: &Arc<Self>, generation: u64, result: &RedisResult<T>) {
         let Err(err) = result else {
             self.failures.store(0, Ordering::Relaxed);
             return;
         };
+        if generation != self.generation.load(Ordering::Acquire) {
+            return;
+        }
         if err.is_timeout() {
             self.replace("redis replies timed out");
             return;
@@ -160,6 +172,7 @@ impl Link {
             {
                 Ok(conn) => {
                     *current = conn;
+                    link.generation.fetch_add(1, Ordering::AcqRel);
                     link.replaced.fetch_add(1, Ordering::Relaxed);
                     link.failures.store(0, Ordering::Relaxed);
                     tracing::warn!("{why}; now on a new connection");
@@ -349,24 +362,22 @@ impl RedisStore {
         self.link.replaced.load(Ordering::Relaxed)
     }
 
-    /// After a call: see `Link::observe`.
-    fn watch<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
-        self.link.observe(&result);
-        result
-    }
-
     /// Send one command.
     async fn send_cmd<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
         self.count_round_trip();
-        let result = cmd.query_async(&mut self.link.conn().await).await;
-        self.watch(result)
+        let (mut conn, generation) = self.link.conn().await;
+        let result = cmd.query_async(&mut conn).await;
+        self.link.observe(generation, &result);
+        result
     }
 
     /// Send one pipeline.
     async fn send_pipe(&self, pipe: &Pipeline) -> RedisResult<()> {
         self.count_round_trip();
-        let result = pipe.query_async(&mut self.link.conn().await).await;
-        self.watch(result)
+        let (mut conn, generation) = self.link.conn().await;
+        let result = pipe.query_async(&mut conn).await;
+        self.link.observe(generation, &result);
+        result
     }
 
     async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
@@ -580,6 +591,14 @@ impl Store for RedisStore {
         let Some((root, blobs)) = blobs.as_deref().and_then(<[Vec<u8>]>::split_first) else {
             return Ok(None);
         };
+        if root == b"!cycle" {
+            return Err(StoreError::Corrupt {
+                id: id.to_string(),
+                reason: format!(
+                    "previous_response_id chain longer than {MAX_CHAIN_LEN} (a cycle?)"
+                ),
+            });
+        }
         if root == b"!lost" {
             let missing = blobs
                 .first()
