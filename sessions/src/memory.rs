@@ -15,7 +15,9 @@
 //! whole chain while abandoned ones make room. A record goes together with every record that
 //! continues it (`previous_response_id`, followed down through a child index), so a later turn
 //! never silently loses the beginning of its history: a dropped record answers like an expired
-//! one (404 on retrieve, `previous_response_not_found` when continued). [`MemoryStore::evicted`]
+//! one (404 on retrieve, `previous_response_not_found` when continued). A turn written after its
+//! predecessor was dropped (while the turn ran) answers [`StoreError::Lost`] when continued, as
+//! the Redis store does for a predecessor gone without a deletion. [`MemoryStore::evicted`]
 //! counts them. Never dropped: the last record written, even when it alone is over the bound,
 //! background responses still queued or running, and the records these continue.
 //! Conversations (Conversations API) count toward the same bound and take their turn in the
@@ -57,6 +59,9 @@ struct Entry {
     used: u64,
     /// Its event log ([`Store::append_events`]); its bytes count in `bytes`.
     events: Vec<String>,
+    /// Its predecessor had been dropped for memory when it was written (while its turn ran):
+    /// its history cannot be rebuilt whole.
+    parent_lost: bool,
 }
 
 /// A conversation, its items, and when it stops being visible.
@@ -114,7 +119,15 @@ struct Records {
     children: HashMap<String, HashSet<String>>,
     /// Conversations by id (they count toward the memory bound and take their turn in `lru`).
     conversations: HashMap<String, ConversationEntry>,
+    /// Ids of the last [`EVICTED_REMEMBERED`] records dropped for memory, oldest first, and
+    /// the same as a set: a turn that ran while its predecessor was dropped is written with
+    /// `parent_lost`.
+    evicted_ids: VecDeque<String>,
+    evicted_set: HashSet<String>,
 }
+
+/// Dropped record ids remembered, for turns whose predecessor was dropped while they ran.
+const EVICTED_REMEMBERED: usize = 4096;
 
 impl Records {
     /// The live entry for `id` owned by `team`, if any.
@@ -273,6 +286,9 @@ impl Records {
         let bytes = record_bytes(&rec);
         self.tick += 1;
         let id = rec.id.clone();
+        let parent_lost = rec.previous_response_id.as_ref().is_some_and(|parent| {
+            !self.by_id.contains_key(parent) && self.evicted_set.contains(parent)
+        });
         if let Some(parent) = &rec.previous_response_id {
             self.children
                 .entry(parent.clone())
@@ -291,6 +307,7 @@ impl Records {
             bytes,
             used: self.tick,
             events,
+            parent_lost,
         };
         if let Some(old) = self.by_id.insert(id.clone(), entry) {
             self.bytes -= old.bytes;
@@ -365,6 +382,7 @@ impl Records {
             for member in family {
                 if self.remove(&member).is_some() {
                     self.evicted += 1;
+                    self.remember_evicted(&member);
                 }
                 self.children.remove(&member);
             }
@@ -373,6 +391,18 @@ impl Records {
             self.lru.push_front(entry);
         }
         self.compact_lru(false);
+    }
+
+    /// Remember that `id` was dropped for memory (the last [`EVICTED_REMEMBERED`] ids).
+    fn remember_evicted(&mut self, id: &str) {
+        if self.evicted_set.insert(id.to_string()) {
+            self.evicted_ids.push_back(id.to_string());
+        }
+        while self.evicted_ids.len() > EVICTED_REMEMBERED {
+            if let Some(old) = self.evicted_ids.pop_front() {
+                self.evicted_set.remove(&old);
+            }
+        }
     }
 
     /// Whether eviction must keep `id`: the last record written, or a background response
@@ -510,6 +540,8 @@ impl MemoryStore {
                 evicted: 0,
                 children: HashMap::new(),
                 conversations: HashMap::new(),
+                evicted_ids: VecDeque::new(),
+                evicted_set: HashSet::new(),
             }),
             rates: Mutex::new(HashMap::new()),
             boards: Mutex::new(HashMap::new()),
@@ -643,13 +675,23 @@ impl Store for MemoryStore {
         let mut root_id = id.to_string();
         let mut chain = Vec::new();
         let mut status = String::new();
+        let mut parent_lost = false;
         while let Some(current) = next.take() {
             let Some(entry) = records.live_mut(team, &current, now) else {
                 if walked == 0 {
                     return Ok(None);
                 }
+                // As the Redis store answers for a predecessor gone without a deletion: a
+                // record written after its predecessor was dropped for memory.
+                if parent_lost && !records.by_id.contains_key(&current) {
+                    return Err(StoreError::Lost {
+                        id: id.to_string(),
+                        missing: current,
+                    });
+                }
                 break;
             };
+            parent_lost = entry.parent_lost;
             walked += 1;
             root_id.clone_from(&current);
             if walked > MAX_CHAIN_LEN {
@@ -1047,6 +1089,36 @@ mod tests {
         assert_eq!(store.memory_bytes(), before - c1);
         let sum: u64 = store.lock().by_id.values().map(|e| e.bytes).sum();
         assert_eq!(store.memory_bytes(), sum);
+    }
+
+    #[tokio::test]
+    async fn a_turn_written_after_its_predecessor_was_dropped_has_a_lost_history() {
+        let store = bounded(2);
+        store.put(&record("t", "a1", None, 1_000)).await.unwrap();
+        store.history("t", "a1").await.unwrap();
+        // While a2's turn runs, other traffic drops a1 for memory.
+        for id in ["x1", "x2"] {
+            store.put(&record("t", id, None, 1_000)).await.unwrap();
+        }
+        assert_eq!(store.get("t", "a1").await.unwrap(), None);
+        store
+            .put(&record("t", "a2", Some("a1"), 1_000))
+            .await
+            .unwrap();
+        let err = store.history("t", "a2").await.unwrap_err();
+        assert!(
+            matches!(&err, StoreError::Lost { id, missing } if id == "a2" && missing == "a1"),
+            "{err}"
+        );
+        // A deleted predecessor is where the history starts, as before.
+        store.put(&record("t", "d1", None, 1_000)).await.unwrap();
+        assert!(store.delete("t", "d1").await.unwrap());
+        store
+            .put(&record("t", "d2", Some("d1"), 1_000))
+            .await
+            .unwrap();
+        let history = store.history("t", "d2").await.unwrap().unwrap();
+        assert_eq!(history.root_id, "d2");
     }
 
     #[tokio::test]
