@@ -1128,11 +1128,15 @@ impl Config {
             }
             let policy = agentgate_scheduler::Policy::parse(&pool.policy)
                 .map_err(|reason| err(at("policy"), reason))?;
+            // Checked under every policy: the baselines do not score, but a P/D pool's prefill
+            // picker uses the pin rule's numbers whatever the policy, and a typo should not
+            // wait for a policy change to surface.
+            let scoring = pool.scoring.resolve(policy);
+            scoring
+                .validate()
+                .map_err(|reason| err(at("scoring"), reason))?;
             policy
-                .picker(
-                    agentgate_scheduler::PrefixIndexConfig::default(),
-                    &pool.scoring.resolve(policy),
-                )
+                .picker(agentgate_scheduler::PrefixIndexConfig::default(), &scoring)
                 .map_err(|reason| err(at("scoring"), reason))?;
             Role::parse(&pool.role).map_err(|reason| err(at("role"), reason))?;
             if pool.labels.keys().any(|k| k.trim().is_empty()) {
@@ -2201,6 +2205,17 @@ endpoints = ["http://127.0.0.1:8000"]
                 "pools[0].endpoints[0].labels",
             ),
             ("{ url = \"h:1\" }", "", "pools[0].endpoints[0]"),
+            // Scoring is checked whatever the policy.
+            (
+                "\"http://h:1\"",
+                "policy = \"round_robin\"\n[pools.scoring]\nweights = { prefx = 3.0 }\n",
+                "pools[0].scoring",
+            ),
+            (
+                "\"http://h:1\"",
+                "policy = \"least_loaded\"\n[pools.scoring]\npin_hysteresis_tokens = nan\n",
+                "pools[0].scoring",
+            ),
             (
                 "\"http://h:1\"",
                 "[pools.disaggregation]\nparent_header = \"x parent\"\n",

@@ -410,6 +410,14 @@ pub fn parse_endpoints(text: &str) -> Result<Vec<DiscoveredEndpoint>, String> {
             port: entry.port,
             labels,
         };
+        // `10.0.0.5:8000` (the port written into the address) or an IPv6 zone would make a URL
+        // nothing can reach.
+        if engine_of(&endpoint.base_url()).is_none() {
+            return Err(format!(
+                "{at}.address: `{}` is not a host name or IP address (the port goes in `port`)",
+                endpoint.address
+            ));
+        }
         endpoint.role(Role::Both)?;
         out.push(endpoint);
     }
@@ -693,6 +701,14 @@ mod tests {
             ("endpoints:\n  - {name: a, address: x, port: 70000}\n", "endpoints"),
             ("endpoints:\n  - {name: a, address: x, port: 0}\n", "port"),
             ("endpoints:\n  - {name: a, address: 'http://x', port: 1}\n", "address"),
+            (
+                "endpoints:\n  - {name: a, address: '10.0.0.5:8000', port: 8000}\n",
+                "the port goes in `port`",
+            ),
+            (
+                "endpoints:\n  - {name: a, address: 'fe80::1%eth0', port: 1}\n",
+                "the port goes in `port`",
+            ),
             (
                 "endpoints:\n  - {name: a, address: x, port: 1, labels: {llm-d.ai/role: mixed}}\n",
                 "unknown role",
