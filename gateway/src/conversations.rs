@@ -29,6 +29,7 @@
 //! replica holding the conversation's cache (unless a session header or `prompt_cache_key`
 //! names the session first).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -46,7 +47,9 @@ use crate::auth::Team;
 use crate::error::HttpError;
 use crate::request::{invalid_type, parse_json, validate_metadata};
 use crate::response_object::{new_id, now_secs};
-use crate::responses::{as_listed, body_error, item_list, item_page, store_error, ListQuery};
+use crate::responses::{
+    as_listed, body_error, duplicate_item, item_list, item_page, store_error, ListQuery,
+};
 
 /// Most items one create or add request may carry (OpenAI's limit).
 pub const MAX_ITEMS_PER_REQUEST: usize = 20;
@@ -149,7 +152,24 @@ fn items_of(
             Some("invalid_value"),
         ));
     }
+    check_new_ids(&[], &items)?;
     Ok(items)
+}
+
+/// An item whose id `held` (a conversation's items) already has, or that `items` gives twice,
+/// is refused as OpenAI refuses it: two items with one id would make `after=<id>` pagination
+/// repeat or loop.
+fn check_new_ids(held: &[Value], items: &[Value]) -> Result<(), HttpError> {
+    fn id_of(item: &Value) -> Option<&str> {
+        item.get("id").and_then(Value::as_str)
+    }
+    let mut ids: HashSet<&str> = held.iter().filter_map(id_of).collect();
+    for id in items.iter().filter_map(id_of) {
+        if !ids.insert(id) {
+            return Err(duplicate_item(id, "items"));
+        }
+    }
+    Ok(())
 }
 
 async fn load(state: &AppState, team: &Team, id: &str) -> Result<ConversationRecord, HttpError> {
@@ -283,15 +303,9 @@ pub async fn add_items(
     let team = state.keys.authenticate(&headers)?;
     let fields = body_of(&state, &headers, body).await?;
     let items = items_of(&fields, true)?;
-    if state.config.store.conversation_max_items > 0 {
-        let held = state
-            .store
-            .conversation_len(&team.0, &id)
-            .await
-            .map_err(store_error)?
-            .ok_or_else(|| not_found(&id))?;
-        check_room(&state, &id, held, items.len(), "items")?;
-    }
+    let held = self::items(&state, &team, &id).await?;
+    check_new_ids(&held, &items)?;
+    check_room(&state, &id, held.len(), items.len(), "items")?;
     if !state
         .store
         .append_conversation_items(&team.0, &id, "", &items)

@@ -145,28 +145,25 @@ fn previous_not_found(id: &str) -> HttpError {
 
 /// Resolve `item_reference` input items. A reference to an item already in the conversation
 /// (the loaded history or earlier in this input) adds nothing new to the context, so it is
-/// dropped rather than duplicated; a reference to an unknown item is a 400. Returns the items
-/// kept and, for each, its position in the request's `input` (for error `param`s).
+/// dropped rather than duplicated; a reference to an unknown item is a 400. An item whose id
+/// is already in the history or earlier in this input is a 400, as OpenAI answers it (two
+/// items with one id would make `after=<id>` pagination repeat or loop). Returns the items kept
+/// and, for each, its position in the request's `input` (for error `param`s).
 fn resolve_item_references(
     items: Vec<Value>,
     history: &[Value],
 ) -> Result<(Vec<Value>, Vec<usize>), HttpError> {
     let item_id = |item: &Value| item.get("id").and_then(Value::as_str).map(str::to_owned);
-    let has_references = items
-        .iter()
-        .any(|item| item.get("type").and_then(Value::as_str) == Some("item_reference"));
-    // The ids a reference may name: the history's, then each kept item's as it is kept.
-    let mut known_ids: HashSet<String> = if has_references {
-        history.iter().filter_map(item_id).collect()
-    } else {
-        HashSet::new()
-    };
+    // The ids in the conversation so far: the history's, then each kept item's as it is kept.
+    let mut known_ids: HashSet<String> = history.iter().filter_map(item_id).collect();
     let mut out: Vec<Value> = Vec::with_capacity(items.len());
     let mut positions = Vec::with_capacity(items.len());
     for (i, item) in items.into_iter().enumerate() {
         if item.get("type").and_then(Value::as_str) != Some("item_reference") {
-            if has_references {
-                known_ids.extend(item_id(&item));
+            if let Some(id) = item_id(&item) {
+                if !known_ids.insert(id.clone()) {
+                    return Err(duplicate_item(&id, "input"));
+                }
             }
             out.push(item);
             positions.push(i);
@@ -182,6 +179,15 @@ fn resolve_item_references(
         }
     }
     Ok((out, positions))
+}
+
+/// 400 for an item whose id the conversation already holds, on `param`.
+pub fn duplicate_item(id: &str, param: &str) -> HttpError {
+    HttpError::invalid(
+        format!("Duplicate item found with id {id}. Remove duplicate items from your {param} and try again."),
+        Some(param),
+        Some("duplicate_item"),
+    )
 }
 
 /// For a `param` of `input[k]...` (`k` counting the input items kept): `input[k]` and the same

@@ -86,6 +86,14 @@ def test_conversation_errors_name_their_parameter(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.conversations.items.create(conv.id, items=[])
     assert (e.value.param, e.value.code) == ("items", "empty_array")
+    # An id the conversation holds already, or one given twice: paging by `after` would loop.
+    note = {"type": "message", "id": "msg_once", "role": "user", "content": "hi"}
+    client.conversations.items.create(conv.id, items=[note])
+    for items in ([note], [dict(note, id="msg_new"), dict(note, id="msg_new")]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.conversations.items.create(conv.id, items=items)
+        assert (e.value.param, e.value.code) == ("items", "duplicate_item")
+    assert [i.id for i in client.conversations.items.list(conv.id).data] == ["msg_once"]
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="x", conversation=conv.id,
                                 previous_response_id="resp_x")

@@ -315,6 +315,22 @@ def test_item_references_resolve_against_the_previous_response(client):
     assert "input[1].content[0]" in str(e.value) and "input[0]" not in str(e.value)
 
 
+def test_an_item_id_the_conversation_already_holds_is_refused(client):
+    first = client.responses.create(model=MODEL, input="Say something.")
+    said = first.output[-1].model_dump(exclude_none=True)
+    # Sent again after previous_response_id, which already holds it.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, previous_response_id=first.id,
+                                input=[said, {"role": "user", "content": "and then?"}])
+    assert (e.value.param, e.value.code) == ("input", "duplicate_item")
+    assert said["id"] in str(e.value)
+    # Twice in one input.
+    note = {"type": "message", "id": "msg_twice", "role": "user", "content": "hi"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input=[note, note])
+    assert (e.value.param, e.value.code) == ("input", "duplicate_item")
+
+
 def test_a_content_part_the_api_does_not_know_is_refused_not_dropped(client):
     for part in ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
                  {"type": "input_txt", "text": "typo"}):
