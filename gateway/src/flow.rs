@@ -28,7 +28,9 @@
 //!    request out of the queue.
 //!
 //! Background responses are admitted inside their run, after a `[background]` slot, so a
-//! detached run never holds pool capacity while it waits for its own slot.
+//! detached run never holds pool capacity while it waits for its own slot; their rate limits
+//! are charged at creation ([`Pending::charge`]), so a team over them gets its 429 there, as
+//! OpenAI answers it, not a run that fails later.
 //!
 //! Refusals ([`rejection_error`]): shed, queue full and rate-limited are 429, a queue timeout
 //! 503, each with `Retry-After` and a `code` naming the limit (`overloaded_shed`,
@@ -708,6 +710,8 @@ pub struct Pending {
     /// A background response in its team's lowest band: the band is looked up again at
     /// admission, which may come after a reload changed the team's bands.
     background_default: bool,
+    /// Charged to the team's rate limits already ([`Pending::charge`]), with their answer.
+    charged: Option<Option<RateStatus>>,
 }
 
 impl std::fmt::Debug for Pending {
@@ -731,20 +735,45 @@ impl Pending {
         self
     }
 
+    /// Charge the team's rate limits now, for a request that waits for its slot later (a
+    /// background response: refused at creation with 429 when over its limits, as OpenAI
+    /// refuses it, rather than failed once its run starts). Returns the rate-limit headers
+    /// to answer with.
+    pub async fn charge(&mut self) -> Result<Vec<(&'static str, String)>, HttpError> {
+        if self.background_default {
+            self.ticket.band = self.controller.background_band(&self.ticket.team);
+        }
+        let status = self
+            .controller
+            .charge(&self.ticket)
+            .await
+            .map_err(|rejection| self.refused(&rejection))?;
+        let headers = status.as_ref().map(RateStatus::headers).unwrap_or_default();
+        self.charged = Some(status);
+        Ok(headers)
+    }
+
     /// Wait for a slot (see [`FlowController::admit`]); a refusal comes back as the error to
     /// answer with. Dropping the future leaves the queue.
     pub async fn admit(mut self) -> Result<Permit, HttpError> {
-        let team = self.ticket.team.clone();
         if self.background_default {
-            self.ticket.band = self.controller.background_band(&team);
+            self.ticket.band = self.controller.background_band(&self.ticket.team);
         }
-        self.controller
-            .admit(self.ticket)
-            .await
-            .map_err(|rejection| {
-                tracing::debug!(team = %team, code = rejection.code(), "not admitted: {rejection}");
-                rejection_error(&rejection, self.param)
-            })
+        let admitted = match self.charged.take() {
+            Some(rate) => {
+                self.controller
+                    .admit_charged(self.ticket.clone(), rate)
+                    .await
+            }
+            None => self.controller.admit(self.ticket.clone()).await,
+        };
+        admitted.map_err(|rejection| self.refused(&rejection))
+    }
+
+    /// The error answering `rejection`.
+    fn refused(&self, rejection: &Rejection) -> HttpError {
+        tracing::debug!(team = %self.ticket.team, code = rejection.code(), "not admitted: {rejection}");
+        rejection_error(rejection, self.param)
     }
 }
 
@@ -956,6 +985,7 @@ impl FlowControl {
             background_default: request.background && param.is_none(),
             ticket,
             param,
+            charged: None,
         }))
     }
 }

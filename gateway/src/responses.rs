@@ -645,6 +645,13 @@ async fn run(
                 )
                 .with_retry_after(1)
             })?;
+        // Rate limits are charged now, so a team over them gets its 429 here; the slot in
+        // the pool is waited for inside the run.
+        let mut admission = admission;
+        let rate_headers = match admission.as_mut() {
+            Some(pending) => pending.charge().await?,
+            None => Vec::new(),
+        };
         state
             .store
             .put(&turn::queued_record(&turn))
@@ -666,10 +673,11 @@ async fn run(
             stops,
             registered,
         ));
-        return Ok(Started::Answered(match rx {
+        let answer = match rx {
             Some(rx) => sse_response(rx, None, None),
             None => Json(queued).into_response(),
-        }));
+        };
+        return Ok(Started::Answered(with_headers(answer, rate_headers)));
     }
 
     let mut turn = turn;

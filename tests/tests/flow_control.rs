@@ -404,7 +404,7 @@ async fn rate_limits_answer_429_with_openai_headers() {
             "requests_per_minute = 2\ntokens_per_minute = 100000"
         ),
         team("tiny", "tokens_per_minute = 20"),
-    );
+    ) + &team("roomy", "requests_per_minute = 10");
     let fleet = Fleet::of(1).extra(&extra).start().await;
     let gw = fleet.gateway();
     let base = fleet.base_url();
@@ -433,15 +433,26 @@ async fn rate_limits_answer_429_with_openai_headers() {
     assert_eq!(too_large.code(), "request_too_large");
     assert_eq!(too_large.header("retry-after"), None);
     assert_eq!(too_large.header("x-ratelimit-limit-tokens"), Some("20"));
+    // A background response is charged when it is created: over the limits, refused there.
+    let mut background = hello();
+    background["background"] = json!(true);
+    let refused = call(&base, Some("small"), background.clone(), &[]).await;
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.code(), "rate_limit_exceeded_requests");
+    assert_eq!(refused.header("x-ratelimit-remaining-requests"), Some("0"));
+    let queued = call(&base, Some("roomy"), background, &[]).await;
+    assert_eq!(queued.status, 200, "{}", queued.body);
+    assert_eq!(queued.body["status"], "queued");
+    assert_eq!(queued.header("x-ratelimit-remaining-requests"), Some("9"));
     let s = snapshot(gw);
-    assert_eq!(s.team("small").unwrap().rate_limited, 1);
+    assert_eq!(s.team("small").unwrap().rate_limited, 2);
     assert_eq!(s.team("tiny").unwrap().rate_limited, 1);
     assert_eq!(s.team("small").unwrap().dispatched_requests, 2);
     let m = metrics_text(&base).await;
     for line in [
-        "agentgate_flow_team_requests_total{pool=\"sim\",team=\"small\",outcome=\"rate_limited\"} 1",
+        "agentgate_flow_team_requests_total{pool=\"sim\",team=\"small\",outcome=\"rate_limited\"} 2",
         "agentgate_flow_team_requests_total{pool=\"sim\",team=\"tiny\",outcome=\"rate_limited\"} 1",
-        "agentgate_flow_band_requests_total{pool=\"sim\",band=\"default\",outcome=\"rate_limited\"} 2",
+        "agentgate_flow_band_requests_total{pool=\"sim\",band=\"default\",outcome=\"rate_limited\"} 3",
     ] {
         assert!(has_line(&m, line), "{line} missing in\n{m}");
     }

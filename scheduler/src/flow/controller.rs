@@ -366,57 +366,100 @@ impl FlowController {
     /// ([`Rejection::Timeout`], at the TTL). A request refused before it is queued costs its
     /// team nothing. Dropping the future takes the request out of the queue. Runs on a Tokio
     /// runtime with the time driver enabled (the TTL is a Tokio timer).
-    pub async fn admit(&self, mut ticket: Ticket) -> Result<Permit, Rejection> {
-        let inner = &self.inner;
-        let limits = {
-            let mut state = inner.lock();
+    pub async fn admit(&self, ticket: Ticket) -> Result<Permit, Rejection> {
+        let (limits, band) = self.check_room(&ticket)?;
+        let rate = self.charge_limits(&ticket, limits, &band).await?;
+        self.queue(ticket, rate).await
+    }
+
+    /// Charge `ticket` to its team's rate limits now, for a request admitted later with
+    /// [`Self::admit_charged`] (a background response: refused at creation when over its
+    /// limits, queued when its run starts). Checks the band; neither sheds nor queues.
+    pub async fn charge(&self, ticket: &Ticket) -> Result<Option<RateStatus>, Rejection> {
+        let (limits, band) = {
+            let state = self.inner.lock();
             let band = state
                 .config
                 .band_for(&ticket.team, ticket.band.as_deref())?;
-            let (band_name, sheddable) = (band.name.clone(), band.sheddable);
-            let limits = state
-                .team_spec(&ticket.team)
-                .map(|t| RateLimits {
-                    rpm: t.rpm,
-                    tpm: t.tpm,
-                })
-                .unwrap_or_default();
-            if sheddable && state.should_shed(&*inner.capacity) {
-                return Err(state.count_shed(&ticket.team, &band_name));
-            }
-            // The pool takes no work and the band's waiting requests already fill its caps:
-            // this one would be refused once queued, so refuse it before it is charged. (With
-            // room in the pool it may go at once, past requests held for their own endpoint
-            // or by their team's cap: the check after queueing decides.)
-            if !inner.capacity.can_dispatch(&state.load()) {
-                if let Some(limit) = state.full_queue(&band_name, ticket.bytes) {
-                    return Err(state.count_queue_full(&ticket.team, &band_name, limit));
-                }
-            }
-            (limits, band_name)
+            (state.team_limits(&ticket.team), band.name.clone())
         };
-        let (limits, band_name) = limits;
-        let rate = if limits.is_unlimited() {
-            None
-        } else {
-            let cost = RateCost {
-                requests: 1,
-                tokens: ticket.cost_tokens,
-            };
-            match inner.limiter.check(&ticket.team, limits, cost).await {
-                Ok(status) => Some(status),
-                Err(limited) => {
-                    let mut state = inner.lock();
-                    if let Some(team) = state.teams.get_mut(&ticket.team) {
-                        team.rate_limited += 1;
-                    }
-                    if let Some(&b) = state.band_index.get(&band_name) {
-                        state.bands[b].counters.rate_limited += 1;
-                    }
-                    return Err(Rejection::RateLimited(limited));
-                }
+        self.charge_limits(ticket, limits, &band).await
+    }
+
+    /// [`Self::admit`] for a ticket [`Self::charge`] charged already (`rate` is its answer):
+    /// shed, queue-full check, queue.
+    pub async fn admit_charged(
+        &self,
+        ticket: Ticket,
+        rate: Option<RateStatus>,
+    ) -> Result<Permit, Rejection> {
+        self.check_room(&ticket)?;
+        self.queue(ticket, rate).await
+    }
+
+    /// Before charging: the band, shedding, and a full queue while the pool takes no work.
+    /// Returns the team's limits and the band's name.
+    fn check_room(&self, ticket: &Ticket) -> Result<(RateLimits, String), Rejection> {
+        let inner = &self.inner;
+        let mut state = inner.lock();
+        let band = state
+            .config
+            .band_for(&ticket.team, ticket.band.as_deref())?;
+        let (band_name, sheddable) = (band.name.clone(), band.sheddable);
+        let limits = state.team_limits(&ticket.team);
+        if sheddable && state.should_shed(&*inner.capacity) {
+            return Err(state.count_shed(&ticket.team, &band_name));
+        }
+        // The pool takes no work and the band's waiting requests already fill its caps:
+        // this one would be refused once queued, so refuse it before it is charged. (With
+        // room in the pool it may go at once, past requests held for their own endpoint
+        // or by their team's cap: the check after queueing decides.)
+        if !inner.capacity.can_dispatch(&state.load()) {
+            if let Some(limit) = state.full_queue(&band_name, ticket.bytes) {
+                return Err(state.count_queue_full(&ticket.team, &band_name, limit));
             }
+        }
+        Ok((limits, band_name))
+    }
+
+    /// Charge the team's rate limits (none: nothing to charge); a refusal is counted.
+    async fn charge_limits(
+        &self,
+        ticket: &Ticket,
+        limits: RateLimits,
+        band_name: &str,
+    ) -> Result<Option<RateStatus>, Rejection> {
+        if limits.is_unlimited() {
+            return Ok(None);
+        }
+        let inner = &self.inner;
+        let cost = RateCost {
+            requests: 1,
+            tokens: ticket.cost_tokens,
         };
+        match inner.limiter.check(&ticket.team, limits, cost).await {
+            Ok(status) => Ok(Some(status)),
+            Err(limited) => {
+                let mut state = inner.lock();
+                if let Some(team) = state.teams.get_mut(&ticket.team) {
+                    team.rate_limited += 1;
+                }
+                if let Some(&b) = state.band_index.get(band_name) {
+                    state.bands[b].counters.rate_limited += 1;
+                }
+                Err(Rejection::RateLimited(limited))
+            }
+        }
+    }
+
+    /// Queue `ticket` (charged, with `rate` its limits' answer) until it is dispatched or its
+    /// band's TTL passes.
+    async fn queue(
+        &self,
+        mut ticket: Ticket,
+        rate: Option<RateStatus>,
+    ) -> Result<Permit, Rejection> {
+        let inner = &self.inner;
         // Rate limits judge the estimate as asked (over the budget is `request_too_large`);
         // fairness and in-flight counts take at most MAX_REQUEST_TOKENS of it.
         ticket.cost_tokens = ticket.cost_tokens.min(MAX_REQUEST_TOKENS);
@@ -737,6 +780,16 @@ fn over_caps(queue: &BandQueue, requests: usize, bytes: u64) -> Option<QueueLimi
 impl State {
     fn team_spec(&self, team: &str) -> Option<&TeamSpec> {
         self.team_index.get(team).map(|&i| &self.config.teams[i])
+    }
+
+    /// The team's rate limits (none for a team the configuration does not name).
+    fn team_limits(&self, team: &str) -> RateLimits {
+        self.team_spec(team)
+            .map(|t| RateLimits {
+                rpm: t.rpm,
+                tpm: t.tpm,
+            })
+            .unwrap_or_default()
     }
 
     fn load(&self) -> FlowLoad {

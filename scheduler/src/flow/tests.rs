@@ -771,6 +771,28 @@ async fn rate_limits_refuse_and_reset() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_charged_ahead_is_admitted_without_a_second_charge() {
+    let mut config = config();
+    config.teams[1].rpm = Some(2);
+    let (flow, _capacity) = controller(config, 10);
+    let ticket = Ticket::new("bulk", 1000);
+    let charged = flow.charge(&ticket).await.unwrap();
+    assert_eq!(charged.as_ref().unwrap().requests.unwrap().remaining, 1);
+    let permit = flow.admit_charged(ticket, charged).await.unwrap();
+    assert_eq!(permit.rate_status().unwrap().requests.unwrap().remaining, 1);
+    // One request of the two is left, whichever way it comes.
+    assert!(flow.admit(Ticket::new("bulk", 1000)).await.is_ok());
+    let refused = flow.charge(&Ticket::new("bulk", 1000)).await.unwrap_err();
+    assert_eq!(refused.code(), "rate_limit_exceeded_requests");
+    assert_eq!(flow.snapshot().team("bulk").unwrap().rate_limited, 1);
+    // Teams without limits are not charged.
+    assert_eq!(
+        flow.charge(&Ticket::new("agents", 1000)).await.unwrap(),
+        None
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn reconfiguration_keeps_queued_requests() {
     let mut config = config();
     config.bands.push(BandSpec::new("old", 5));
