@@ -846,6 +846,29 @@ async fn tiny_mixed_run_reports_bands_teams_turns_and_isolation() {
         check[0].flow_off_ttft_p99_ms,
     );
     assert!(a.is_some() && on.is_some() && off.is_some(), "{check:?}");
+    // The requests the p99s leave out are counted beside them.
+    let interactive = |row: &str| {
+        let t = &summary
+            .policies
+            .iter()
+            .find(|p| p.row == row)
+            .unwrap()
+            .teams["interactive"];
+        Some(t.errors + t.shed + t.rate_limited)
+    };
+    assert_eq!(
+        (
+            check[0].alone_unanswered,
+            check[0].flow_on_unanswered,
+            check[0].flow_off_unanswered
+        ),
+        (
+            interactive(&summary.policies[2].row),
+            interactive(&summary.policies[0].row),
+            interactive(&summary.policies[1].row)
+        ),
+        "{check:?}"
+    );
     assert_eq!(
         check[0].off_over_on,
         off.zip(on).map(|(off, on)| off / on),

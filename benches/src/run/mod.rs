@@ -528,6 +528,10 @@ pub fn isolation_checks(rows: &[Row], summaries: &[PolicySummary]) -> Vec<Isolat
             .filter(|t| t.requests > t.errors + t.shed + t.rate_limited)
             .map(|t| t.ttft_p99_ms)
     };
+    let unanswered = |row: Option<&PolicySummary>| {
+        row.and_then(|r| r.teams.get(flow::INTERACTIVE_TEAM))
+            .map(|t| t.errors + t.shed + t.rate_limited)
+    };
     let over = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => Some(a / b),
         _ => None,
@@ -536,9 +540,11 @@ pub fn isolation_checks(rows: &[Row], summaries: &[PolicySummary]) -> Vec<Isolat
         .into_iter()
         .map(|row| {
             let on = find(&row.setup, Some(FlowMode::On), false);
-            let alone = p99(find(&row.setup, None, true));
+            let alone_row = find(&row.setup, None, true);
+            let off = find(&row.setup, Some(FlowMode::Off), false);
+            let alone = p99(alone_row);
             let flow_on = p99(on);
-            let flow_off = p99(find(&row.setup, Some(FlowMode::Off), false));
+            let flow_off = p99(off);
             IsolationCheck {
                 policy: row.policy.clone(),
                 setup: row.setup.clone(),
@@ -546,6 +552,9 @@ pub fn isolation_checks(rows: &[Row], summaries: &[PolicySummary]) -> Vec<Isolat
                 alone_ttft_p99_ms: alone,
                 flow_on_ttft_p99_ms: flow_on,
                 flow_off_ttft_p99_ms: flow_off,
+                alone_unanswered: unanswered(alone_row),
+                flow_on_unanswered: unanswered(on),
+                flow_off_unanswered: unanswered(off),
                 on_over_alone: over(flow_on, alone),
                 off_over_on: over(flow_off, flow_on),
                 agents_offered_load: on

@@ -578,6 +578,19 @@ pub fn flow_reading(summary: &RunSummary) -> String {
                     }
                 );
             }
+            let unanswered = [
+                ("alone", c.alone_unanswered),
+                ("with flow control", c.flow_on_unanswered),
+                ("without flow control", c.flow_off_unanswered),
+            ];
+            for (setting, count) in unanswered {
+                if let Some(n @ 1..) = count {
+                    let _ = write!(
+                        text,
+                        "; {n} interactive requests {setting} got no answer and are not in its p99"
+                    );
+                }
+            }
             text.push_str(". ");
         }
     }

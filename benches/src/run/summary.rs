@@ -109,6 +109,13 @@ pub struct IsolationCheck {
     pub flow_on_ttft_p99_ms: Option<f64>,
     /// The same with flow control off.
     pub flow_off_ttft_p99_ms: Option<f64>,
+    /// Interactive requests that got no answer (refused or failed), which the p99s above
+    /// leave out: alone, flow on, flow off.
+    pub alone_unanswered: Option<u64>,
+    /// See `alone_unanswered`.
+    pub flow_on_unanswered: Option<u64>,
+    /// See `alone_unanswered`.
+    pub flow_off_unanswered: Option<u64>,
     /// flow_on / alone (the goal: at most 2).
     pub on_over_alone: Option<f64>,
     /// flow_off / flow_on (the goal: at least 5).
