@@ -5,7 +5,8 @@
 //! template and tokenizer, so its length equals the `usage.prompt_tokens` a replica reports.
 //! [`ReuseOracle`] replays prompts through ONE LRU prefix cache with the simulator's semantics:
 //! full blocks of `block_size` tokens with chained hashes; a request's blocks are looked up in
-//! order until the first miss (those are its hit tokens); then all its full blocks are inserted or
+//! order until the first miss (those are its hit tokens, at most the blocks before its last
+//! token, which the engines always compute); then all its full blocks are inserted or
 //! touched, the tail block least recently used so a prefix is evicted from its end; when over
 //! capacity the least recently used blocks go first. With no capacity it never evicts.
 //! [`ReuseOracle::observe_with_output`] also caches the blocks of the generated answer, as the
@@ -70,7 +71,12 @@ impl ReuseOracle {
     /// blocks, so a next turn that repeats the answer hits through it). Returns the hit tokens.
     pub fn observe_with_output(&mut self, prompt: &[u32], output: &[u32]) -> usize {
         let hashes = chain_hashes(prompt, self.block_size);
-        let hit_blocks = self.lookup_and_store(prompt, &hashes, output);
+        // As the engines: the last prompt token is always computed, so at most the blocks
+        // before it hit.
+        let hit_limit = prompt.len().saturating_sub(1) / self.block_size.max(1);
+        let hit_blocks = self
+            .lookup_and_store(prompt, &hashes, output)
+            .min(hit_limit);
         let hit_tokens = (hit_blocks * self.block_size).min(prompt.len());
         self.prompt_tokens += prompt.len() as u64;
         self.hit_tokens += hit_tokens as u64;
@@ -237,6 +243,13 @@ mod tests {
         changed[0] = 7;
         assert_eq!(reuse_ratio(&[a, changed], 4, None).hit_tokens, 0);
         assert_eq!(reuse_ratio(&[], 4, None).ratio, 0.0);
+        // The last token is always computed: a block-aligned prompt seen before hits all but
+        // its last block.
+        let aligned = prompt(5, 2, 0);
+        assert_eq!(
+            reuse_ratio(&[aligned.clone(), aligned], 4, None).hit_tokens,
+            4
+        );
     }
 
     #[test]
@@ -249,15 +262,15 @@ mod tests {
             0,
             "3 blocks never fit in 2: nothing was stored"
         );
-        let b = prompt(2, 2, 0);
+        let b = prompt(2, 2, 1);
         oracle.observe(&b);
         assert_eq!(oracle.observe(&b), 8);
-        assert_eq!(oracle.result().prompt_tokens, 12 + 12 + 8 + 8);
+        assert_eq!(oracle.result().prompt_tokens, 12 + 12 + 9 + 9);
     }
 
     #[test]
     fn eviction_is_least_recently_used_first() {
-        let (a, b, c) = (prompt(1, 2, 0), prompt(2, 2, 0), prompt(3, 2, 0));
+        let (a, b, c) = (prompt(1, 2, 1), prompt(2, 2, 1), prompt(3, 2, 1));
         let mut oracle = ReuseOracle::new(4, Some(4));
         oracle.observe(&a);
         oracle.observe(&b);

@@ -20,8 +20,10 @@
 //! grows, up to 2x at a full batch); the loop sleeps until the step's simulated end, in wall time
 //! (`clock * time_scale` after the start, so a late timer shortens the next sleep), before delivering
 //! the step's tokens. A sequence whose prompt is done in a step samples its first token at the
-//! step's end; a fully cached prompt still takes one token of the budget (vLLM recomputes its
-//! last token) but adds no prefill time.
+//! step's end. A prompt shares at most the cached blocks before its last token (vLLM's
+//! `max_cache_hit_length = num_tokens - 1`), so that token's block is always prefilled; a
+//! prompt whose every block came from a prefill replica still takes one token of the budget
+//! but adds no prefill time.
 //!
 //! With `time_scale == 0` nothing sleeps and each admitted sequence runs to completion inside its
 //! step, delivering all its tokens in one event (no budget); timings for the metrics are computed
@@ -364,7 +366,15 @@ impl Core {
             return false;
         };
         let imported = seq.request.imported_blocks.min(seq.prompt_blocks);
-        let shared = self.cache.cached_prefix_blocks(&seq.hashes).max(imported);
+        // The last token is always computed, however much is cached (vLLM's
+        // `max_cache_hit_length = num_tokens - 1`; SGLang matches at most all but one token):
+        // a fully cached prompt shares the blocks before its last token only.
+        let hit_limit = (seq.request.prompt_len + seq.generated).saturating_sub(1) / block_size;
+        let shared = self
+            .cache
+            .cached_prefix_blocks(&seq.hashes)
+            .min(hit_limit)
+            .max(imported);
         let private = self.blocks_for(needed_tokens(seq)).saturating_sub(shared);
         let Some(acquired) = self.cache.acquire(
             seq.hashes.get(..shared).unwrap_or_default(),
@@ -535,8 +545,9 @@ impl Core {
         };
         let chunk = |seq: &Seq, budget: usize| {
             let context = seq.request.prompt_len + seq.generated;
-            // a fully cached prompt still takes one token of the budget, as vLLM recomputes its
-            // last token (the step's prefill time counts only uncomputed tokens)
+            // a prompt whose every block was transferred still takes one token of the budget,
+            // as vLLM recomputes its last token (the step's prefill time counts only
+            // uncomputed tokens)
             let remaining = context.saturating_sub(seq.computed).max(1);
             remaining.min(cap).min(budget)
         };
@@ -995,8 +1006,10 @@ mod tests {
                 done = Some(cached_tokens);
             }
         }
-        assert_eq!(done, Some(16));
-        assert_eq!(core.stats.prefix_hits, 16);
+        // The same 16 tokens again: all but the block of the last token, which vLLM always
+        // recomputes.
+        assert_eq!(done, Some(12));
+        assert_eq!(core.stats.prefix_hits, 12);
         assert_eq!(core.stats.prefix_queries, 32);
     }
 
