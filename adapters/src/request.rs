@@ -25,6 +25,8 @@
 //!   see it; for the OpenAI flavor reasoning items are dropped from the prompt.
 //! - hosted-tool items (`web_search_call`, ...) are skipped; `item_reference` is rejected (the
 //!   caller resolves references before translating).
+//! - `include: ["message.output_text.logprobs"]` asks the engine for `logprobs` with
+//!   `top_logprobs` alternatives (the request's, else 0).
 
 use crate::compaction::{
     decode_compaction_blob, requests_compaction, CompactionOptions, SUMMARY_PREFIX,
@@ -222,6 +224,13 @@ pub fn build_chat_request(
     {
         body.insert("reasoning_effort".into(), effort.clone());
     }
+    // Log probabilities of the answer's text, when `include` asks for them (`top_logprobs`
+    // alternatives at each position); a compaction's summary is never shown.
+    if includes(req, INCLUDE_LOGPROBS) && !compaction {
+        body.insert("logprobs".into(), json!(true));
+        let top = req.get("top_logprobs").and_then(Value::as_u64).unwrap_or(0);
+        body.insert("top_logprobs".into(), json!(top));
+    }
 
     Ok(ChatPlan {
         body: Value::Object(body),
@@ -240,16 +249,20 @@ fn survives_compaction(item: &Value) -> bool {
         )
 }
 
+/// The `include` value asking for the answer text's log probabilities.
+pub const INCLUDE_LOGPROBS: &str = "message.output_text.logprobs";
+
 /// True when the request's `include` asks for `reasoning.encrypted_content` (pass the answer to
 /// [`crate::ResponseStream::with_encrypted_reasoning`]).
 pub fn includes_encrypted_reasoning(req: &Value) -> bool {
+    includes(req, "reasoning.encrypted_content")
+}
+
+/// Whether the request's `include` lists `value`.
+fn includes(req: &Value, value: &str) -> bool {
     req.get("include")
         .and_then(Value::as_array)
-        .is_some_and(|include| {
-            include
-                .iter()
-                .any(|entry| entry.as_str() == Some("reasoning.encrypted_content"))
-        })
+        .is_some_and(|include| include.iter().any(|entry| entry.as_str() == Some(value)))
 }
 
 fn translate_text_format(format: &Value) -> Result<Option<Value>, ApiError> {
@@ -775,6 +788,25 @@ mod tests {
         let plan = build_chat_request(&req, &[], &input, &vllm()).unwrap();
         assert_eq!(plan.body["max_tokens"], 64);
         assert!(plan.body.get("prompt_cache_key").is_none());
+    }
+
+    #[test]
+    fn log_probabilities_are_asked_for_when_include_lists_them() {
+        let input = normalize_input(&json!("hi")).unwrap();
+        let plan = |req: Value| build_chat_request(&req, &[], &input, &vllm()).unwrap().body;
+        let asked = plan(json!({"include": [INCLUDE_LOGPROBS], "top_logprobs": 3}));
+        assert_eq!(
+            (&asked["logprobs"], &asked["top_logprobs"]),
+            (&json!(true), &json!(3))
+        );
+        let plain = plan(json!({"include": [INCLUDE_LOGPROBS]}));
+        assert_eq!(
+            (&plain["logprobs"], &plain["top_logprobs"]),
+            (&json!(true), &json!(0))
+        );
+        // Alternatives alone are not asked for: the text's logprobs come with the include.
+        let not = plan(json!({"top_logprobs": 3}));
+        assert!(not.get("logprobs").is_none() && not.get("top_logprobs").is_none());
     }
 
     #[test]

@@ -72,6 +72,8 @@ enum OpenItem {
         output_index: usize,
         item_id: String,
         text: String,
+        /// The text's log probabilities, when the engine sends them.
+        logprobs: Vec<Value>,
     },
 }
 
@@ -118,6 +120,48 @@ pub struct ResponseStream {
     /// message only if text follows it, so a tool parser's newlines around calls do not become
     /// messages of their own between the calls.
     held_whitespace: String,
+    /// The log probabilities of `held_whitespace`.
+    held_logprobs: Vec<Value>,
+}
+
+/// The log probabilities of a chunk's content (`choices[].logprobs.content`, as vLLM and SGLang
+/// send them when asked), in the Responses shape: `{token, logprob, bytes, top_logprobs:
+/// [{token, logprob, bytes}]}` (`bytes` from the token's text when the engine sends none).
+fn content_logprobs(choice: &Value) -> Vec<Value> {
+    let Some(entries) = choice
+        .pointer("/logprobs/content")
+        .and_then(Value::as_array)
+    else {
+        return Vec::new();
+    };
+    let entry = |e: &Value| {
+        let token = e.get("token").and_then(Value::as_str).unwrap_or_default();
+        let bytes = match e.get("bytes") {
+            Some(Value::Array(bytes)) => Value::Array(bytes.clone()),
+            _ => json!(token.as_bytes()),
+        };
+        let logprob = e.get("logprob").and_then(Value::as_f64).unwrap_or(0.0);
+        (token.to_string(), logprob, bytes)
+    };
+    entries
+        .iter()
+        .map(|e| {
+            let (token, logprob, bytes) = entry(e);
+            let top: Vec<Value> = e
+                .get("top_logprobs")
+                .and_then(Value::as_array)
+                .map(|top| {
+                    top.iter()
+                        .map(|t| {
+                            let (token, logprob, bytes) = entry(t);
+                            json!({"token": token, "logprob": logprob, "bytes": bytes})
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            json!({"token": token, "logprob": logprob, "bytes": bytes, "top_logprobs": top})
+        })
+        .collect()
 }
 
 impl ResponseStream {
@@ -143,6 +187,7 @@ impl ResponseStream {
             calls_closed: 0,
             call_by_index: HashMap::new(),
             held_whitespace: String::new(),
+            held_logprobs: Vec::new(),
             single_tool_call: false,
             finish_reason: None,
             engine_usage: None,
@@ -259,7 +304,7 @@ impl ResponseStream {
                 .and_then(Value::as_str)
                 .filter(|s| !s.is_empty())
             {
-                self.text_delta(text, &mut events);
+                self.text_delta(text, content_logprobs(choice), &mut events);
             }
             if let Some(calls) = delta.get("tool_calls").and_then(Value::as_array) {
                 for (position, call) in calls.iter().enumerate() {
@@ -318,8 +363,9 @@ impl ResponseStream {
         };
         // An answer of whitespace alone is still the answer.
         let held = std::mem::take(&mut self.held_whitespace);
+        let held_logprobs = std::mem::take(&mut self.held_logprobs);
         if !held.is_empty() && self.output.is_empty() {
-            self.append_text(&held, &mut events);
+            self.append_text(&held, held_logprobs, &mut events);
         }
         self.close_all(item_status, &mut events);
         self.ended = true;
@@ -513,21 +559,27 @@ impl ResponseStream {
         }
     }
 
-    fn text_delta(&mut self, text: &str, events: &mut Vec<SseEvent>) {
+    fn text_delta(&mut self, text: &str, logprobs: Vec<Value>, events: &mut Vec<SseEvent>) {
         let open = matches!(self.current, Some(OpenItem::Message { .. }));
         if !open && text.trim().is_empty() {
             self.held_whitespace.push_str(text);
+            self.held_logprobs.extend(logprobs);
             return;
         }
         let held = std::mem::take(&mut self.held_whitespace);
+        let mut held_logprobs = std::mem::take(&mut self.held_logprobs);
         match held.is_empty() {
-            true => self.append_text(text, events),
-            false => self.append_text(&(held + text), events),
+            true => self.append_text(text, logprobs, events),
+            false => {
+                held_logprobs.extend(logprobs);
+                self.append_text(&(held + text), held_logprobs, events)
+            }
         }
     }
 
-    /// Add `text` to the open message, opening one first if none is.
-    fn append_text(&mut self, text: &str, events: &mut Vec<SseEvent>) {
+    /// Add `text` (with its log probabilities) to the open message, opening one first if none
+    /// is.
+    fn append_text(&mut self, text: &str, logprobs: Vec<Value>, events: &mut Vec<SseEvent>) {
         if !matches!(self.current, Some(OpenItem::Message { .. })) {
             let item_id = new_item_id("msg_");
             let item = json!({
@@ -541,18 +593,21 @@ impl ResponseStream {
                 output_index,
                 item_id,
                 text: String::new(),
+                logprobs: Vec::new(),
             });
         }
         if let Some(OpenItem::Message {
             output_index,
             item_id,
             text: buffer,
+            logprobs: all,
         }) = &mut self.current
         {
             buffer.push_str(text);
+            all.extend(logprobs.iter().cloned());
             let fields = json!({
                 "item_id": item_id, "output_index": *output_index, "content_index": 0,
-                "delta": text, "logprobs": [],
+                "delta": text, "logprobs": logprobs,
             });
             self.emit(events, "response.output_text.delta", fields);
         }
@@ -574,6 +629,7 @@ impl ResponseStream {
             return;
         }
         self.held_whitespace.clear();
+        self.held_logprobs.clear();
         self.close_current("completed", events);
         let function = call.get("function");
         let name = function
@@ -729,17 +785,19 @@ impl ResponseStream {
                 output_index,
                 item_id,
                 text,
+                logprobs,
             }) => {
                 self.emit(
                     events,
                     "response.output_text.done",
                     json!({
                         "item_id": item_id, "output_index": output_index, "content_index": 0,
-                        "text": text, "logprobs": [],
+                        "text": text, "logprobs": logprobs,
                     }),
                 );
-                let part =
-                    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+                let part = json!({
+                    "type": "output_text", "text": text, "annotations": [], "logprobs": logprobs,
+                });
                 self.emit(events, "response.content_part.done", json!({
                     "item_id": item_id, "output_index": output_index, "content_index": 0, "part": part,
                 }));
@@ -1092,6 +1150,12 @@ mod tests {
                         data["delta"].as_str().unwrap()
                     );
                     part["text"] = json!(text);
+                    if let (Some(all), Some(more)) = (
+                        part.get_mut("logprobs").and_then(Value::as_array_mut),
+                        data["logprobs"].as_array(),
+                    ) {
+                        all.extend(more.iter().cloned());
+                    }
                 }
                 "response.output_text.done" | "response.reasoning_text.done" => {
                     let ci = data["content_index"].as_u64().unwrap() as usize;
@@ -1256,6 +1320,47 @@ mod tests {
         assert_eq!(response, &events.last().unwrap().data["response"]);
         assert_eq!(stream.output_items(), output.as_slice());
         assert!(stream.finish().is_empty(), "finish is idempotent");
+    }
+
+    #[test]
+    fn the_engines_log_probabilities_go_with_the_text() {
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let with_logprobs = |text: &str, logprob: f64| {
+            json!({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null,
+                "logprobs": {"content": [{"token": text, "logprob": logprob,
+                    "bytes": text.as_bytes(),
+                    "top_logprobs": [{"token": text, "logprob": logprob}, {"token": "x", "logprob": -3.0, "bytes": null}]}]}}]})
+        };
+        let events = run(
+            &mut stream,
+            &[
+                with_logprobs("\n", -0.5),
+                with_logprobs("Hi", -0.1),
+                chunk(json!({}), Some("stop")),
+            ],
+        );
+        let deltas: Vec<&SseEvent> = events
+            .iter()
+            .filter(|e| e.event == "response.output_text.delta")
+            .collect();
+        // The held newline opens the message with the text after it, its logprob first.
+        assert_eq!(deltas.len(), 1);
+        assert_eq!(deltas[0].data["delta"], "\nHi");
+        let tokens: Vec<&Value> = deltas[0].data["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| &l["token"])
+            .collect();
+        assert_eq!(tokens, ["\n", "Hi"]);
+        let part = &replay(&events)[0]["content"][0];
+        assert_eq!(part["logprobs"], deltas[0].data["logprobs"]);
+        assert_eq!(
+            part["logprobs"][1],
+            json!({"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": [
+                {"token": "Hi", "logprob": -0.1, "bytes": [72, 105]},
+                {"token": "x", "logprob": -3.0, "bytes": [120]}]})
+        );
     }
 
     #[test]

@@ -293,7 +293,7 @@ fn components() -> Value {
                     "prompt_cache_key": {"type": "string"},
                     "user": {"type": "string"},
                     "safety_identifier": {"type": "string"},
-                    "include": {"type": "array", "items": {"type": "string"}},
+                    "include": {"type": "array", "items": {"type": "string"}, "description": "reasoning.encrypted_content (reasoning items carry it), message.output_text.logprobs (the answer's log probabilities, with top_logprobs alternatives); other values are accepted and ignored"},
                     "reasoning": {"type": "object", "properties": {
                         "effort": {"type": "string"},
                         "summary": {"type": "string"}

@@ -281,6 +281,8 @@ struct Prepared {
     priority: i64,
     /// When the request arrived (Unix seconds): every chunk's and the response's `created`.
     created: u64,
+    /// `top_logprobs` alternatives when the request asked for `logprobs` (chat only).
+    logprobs: Option<usize>,
 }
 
 /// Wall-clock Unix seconds.
@@ -524,6 +526,7 @@ fn prepare(
         .and_then(Value::as_bool)
         .unwrap_or(false);
     let priority = request_priority(&state.config, body)?;
+    let logprobs = requested_logprobs(body, api)?;
     let kv_params = body
         .get("kv_transfer_params")
         .and_then(Value::as_object)
@@ -557,7 +560,60 @@ fn prepare(
         kv_params,
         bootstrap,
         priority,
+        logprobs,
     })
+}
+
+/// Most `top_logprobs` a request may ask for (vLLM's default `--max-logprobs`).
+const MAX_LOGPROBS: u64 = 20;
+
+/// The chat request's `logprobs` and `top_logprobs`, checked as vLLM checks them: the number
+/// of alternatives when log probabilities are asked for, else `None`.
+fn requested_logprobs(
+    body: &serde_json::Map<String, Value>,
+    api: Api,
+) -> Result<Option<usize>, ApiError> {
+    if api != Api::Chat {
+        return Ok(None);
+    }
+    let asked = match body.get("logprobs") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(asked)) => *asked,
+        Some(_) => return Err(ApiError::bad_request("`logprobs` must be a boolean")),
+    };
+    let top = match body.get("top_logprobs") {
+        None | Some(Value::Null) => 0,
+        Some(value) => value.as_u64().ok_or_else(|| {
+            ApiError::bad_request("`top_logprobs` must be a non-negative integer")
+        })?,
+    };
+    if top > 0 && !asked {
+        return Err(ApiError::bad_request(
+            "when using `top_logprobs`, `logprobs` must be set to true.",
+        ));
+    }
+    if top > MAX_LOGPROBS {
+        return Err(ApiError::bad_request(format!(
+            "Requested top logprobs of {top} exceeds the maximum of {MAX_LOGPROBS}."
+        )));
+    }
+    Ok(asked.then_some(top as usize))
+}
+
+/// The log probability entry of the `index`-th generated piece `token`, with `top` alternatives
+/// (the token itself first): made-up figures, the same for the same piece.
+fn logprob_entry(index: usize, token: &str, top: usize) -> Value {
+    let logprob = -0.05 * ((index % 7) as f64 + 1.0);
+    let alternatives: Vec<Value> = (0..top)
+        .map(|k| {
+            let (alt, lp) = match k {
+                0 => (token.to_string(), logprob),
+                k => (format!("{token}~{k}"), logprob - 1.5 * k as f64),
+            };
+            json!({"token": alt, "logprob": lp, "bytes": alt.as_bytes()})
+        })
+        .collect();
+    json!({"token": token, "logprob": logprob, "bytes": token.as_bytes(), "top_logprobs": alternatives})
 }
 
 /// Decide the P/D part: blocks imported from a prefill replica and whether to hand blocks off.
@@ -818,7 +874,17 @@ async fn complete_response(
                         "tool_calls": tool_calls,
                         reasoning_field(state.config.flavor): reasoning,
                     },
-                    "logprobs": null,
+                    "logprobs": prepared.logprobs.map(|top| {
+                        let content: Vec<Value> = plan
+                            .pieces
+                            .iter()
+                            .take(generated)
+                            .enumerate()
+                            .filter(|(_, (channel, _))| *channel == Channel::Content)
+                            .map(|(index, (_, token))| logprob_entry(index, token, top))
+                            .collect();
+                        json!({"content": content})
+                    }),
                     "finish_reason": finish_reason,
                     "stop_reason": null,
                 }],
@@ -889,12 +955,13 @@ fn reasoning_field(flavor: Flavor) -> &'static str {
     }
 }
 
-/// The chunk choice revealing one piece; `None` for a hidden piece that does not end the output.
+/// The chunk choice revealing piece `index`; `None` for a hidden piece that does not end the
+/// output.
 fn piece_choice(
     flavor: Flavor,
     prepared: &Prepared,
-    channel: Channel,
-    text: &str,
+    index: usize,
+    (channel, text): (Channel, &str),
     finish: Option<&str>,
 ) -> Option<Value> {
     if prepared.api == Api::Completion {
@@ -920,8 +987,12 @@ fn piece_choice(
             json!({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
         }
     };
+    let logprobs = match (prepared.logprobs, channel) {
+        (Some(top), Channel::Content) => json!({"content": [logprob_entry(index, text, top)]}),
+        _ => Value::Null,
+    };
     Some(
-        json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish, "stop_reason": null}),
+        json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": null}),
     )
 }
 
@@ -974,9 +1045,13 @@ fn stream_response(
                         };
                         let finish =
                             (index + 1 == total).then(|| prepared.plan.finish_reason_after(total));
-                        if let Some(choice) =
-                            piece_choice(state.config.flavor, &prepared, *channel, text, finish)
-                        {
+                        if let Some(choice) = piece_choice(
+                            state.config.flavor,
+                            &prepared,
+                            index,
+                            (*channel, text),
+                            finish,
+                        ) {
                             send!(chunk(&prepared, prepared.created, choice));
                         }
                     }

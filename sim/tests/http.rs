@@ -156,6 +156,69 @@ async fn streaming_follows_vllm_framing() {
     let usage_chunk = chunks.last().expect("usage chunk");
     assert_eq!(usage_chunk["choices"], json!([]));
     assert_eq!(usage_chunk["usage"]["completion_tokens"], 5);
+    assert!(
+        content_chunks
+            .iter()
+            .all(|c| c["choices"][0]["logprobs"].is_null()),
+        "no log probabilities unless asked"
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn log_probabilities_come_when_asked() {
+    let client = reqwest::Client::new();
+    let sim = start(config()).await;
+    let mut body = chat("with logprobs");
+    body["max_tokens"] = json!(4);
+    body["ignore_eos"] = json!(true);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(2);
+    let (status, answer) = post(&client, &sim, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    let content = answer["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs.content");
+    let text: String = content
+        .iter()
+        .map(|e| e["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(json!(text), answer["choices"][0]["message"]["content"]);
+    for entry in content {
+        assert!(entry["logprob"].as_f64().unwrap() < 0.0, "{entry}");
+        assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 2);
+        assert_eq!(entry["top_logprobs"][0]["token"], entry["token"]);
+        assert_eq!(
+            entry["bytes"],
+            json!(entry["token"].as_str().unwrap().as_bytes())
+        );
+    }
+    // Streamed: each content chunk carries its own token's entry.
+    body["stream"] = json!(true);
+    let response = client
+        .post(format!("{}/v1/chat/completions", sim.base_url()))
+        .json(&body)
+        .send()
+        .await
+        .expect("sent");
+    let events = sse_events(response).await;
+    let streamed: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).expect("json chunk"))
+        .filter(|c| c["choices"][0]["logprobs"].is_object())
+        .map(|c| c["choices"][0]["logprobs"]["content"][0].clone())
+        .collect();
+    assert_eq!(&streamed, content);
+    // As vLLM checks them.
+    body["logprobs"] = json!(false);
+    let (status, error) = post(&client, &sim, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 400, "{error}");
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(21);
+    assert_eq!(
+        post(&client, &sim, "/v1/chat/completions", &body).await.0,
+        400
+    );
     sim.shutdown().await;
 }
 

@@ -111,6 +111,28 @@ def test_stream_helper_final_response(client):
     assert stored.output_text == final.output_text
 
 
+def test_log_probabilities_come_with_the_text_when_included(client):
+    include = ["message.output_text.logprobs"]
+    r = client.responses.create(model=MODEL, input="Answer briefly.", include=include,
+                                top_logprobs=2, max_output_tokens=16)
+    part = r.output[-1].content[0]
+    assert part.logprobs and "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob < 0 for lp in part.logprobs)
+    assert client.responses.retrieve(r.id).output[-1].content[0].logprobs == part.logprobs
+    # Streamed: each text delta carries its tokens' log probabilities.
+    streamed = []
+    with client.responses.stream(model=MODEL, input="Answer briefly.", include=include) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                assert "".join(lp.token for lp in event.logprobs) == event.delta
+                streamed.extend(event.logprobs)
+        final = stream.get_final_response()
+    assert streamed and len(final.output[-1].content[0].logprobs) == len(streamed)
+    # Not asked for: none.
+    plain = client.responses.create(model=MODEL, input="Answer briefly.", max_output_tokens=16)
+    assert not plain.output[-1].content[0].logprobs
+
+
 def test_streamed_response_is_stored_when_the_terminal_event_arrives(client):
     with client.responses.stream(model=MODEL, input="one") as stream:
         final = stream.get_final_response()
