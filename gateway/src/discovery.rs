@@ -277,7 +277,8 @@ struct FileEntry {
     labels: BTreeMap<String, LabelValue>,
 }
 
-/// Label values are strings; numbers and booleans are taken as written.
+/// Label values are strings; numbers and booleans are taken as written (in a JSON file a
+/// real number is read as a number first: quote `"1.10"` to keep its zero).
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 enum LabelValue {
@@ -434,10 +435,9 @@ fn yaml_to_json(node: &yaml_rust2::Yaml, depth: usize) -> Result<Value, String> 
         Yaml::Null => Value::Null,
         Yaml::Boolean(b) => Value::Bool(*b),
         Yaml::Integer(i) => Value::from(*i),
-        Yaml::Real(text) => match node.as_f64().and_then(serde_json::Number::from_f64) {
-            Some(n) => Value::Number(n),
-            None => Value::String(text.clone()),
-        },
+        // As written: a label `version: 1.10` stays "1.10" (no field of the file is a real
+        // number).
+        Yaml::Real(text) => Value::String(text.clone()),
         Yaml::String(s) => Value::String(s.clone()),
         Yaml::Array(items) => Value::Array(
             items
@@ -665,6 +665,13 @@ mod tests {
         assert_eq!(a.len(), 2);
         assert_eq!(a[0].base_url(), "http://10.0.0.5:8000");
         assert_eq!(a[0].labels["gpus"], "8");
+        let versioned =
+            "endpoints:\n  - {name: a, address: x, port: 1, labels: {version: 1.10, ratio: 1e3}}\n";
+        let labels = &parse_endpoints(versioned).unwrap()[0].labels;
+        assert_eq!(
+            (labels["version"].as_str(), labels["ratio"].as_str()),
+            ("1.10", "1e3")
+        );
         assert_eq!(a[0].role(Role::Both).unwrap(), Role::Decode);
         assert_eq!(a[1].base_url(), "http://[::1]:8001");
         assert_eq!(a[1].role(Role::Prefill).unwrap(), Role::Prefill);
