@@ -48,9 +48,10 @@
 //!
 //! A request's band is the `x-agentgate-band` header of its answer, or for a request that was
 //! not admitted, the band the configuration gives its team. Queue waits come from the
-//! `x-agentgate-queue-wait-ms` header of admitted requests. A turn is *continuing* when it is
-//! not the first of its session, or belongs to a sub-agent (which starts from its parent's
-//! history, and which the gateway sees as continuing too); *new* otherwise.
+//! `x-agentgate-queue-wait-ms` header of admitted requests. A turn is *continuing* when the
+//! gateway sees it so: it is not the first of its session, or belongs to a sub-agent (which
+//! starts from its parent's history), unless its session's earlier turns all failed (it then
+//! goes out without any); *new* otherwise.
 //!
 //! Fairness, per band with two or more teams: a team is *backlogged* while it has a request in
 //! the gateway's queue (an admitted request queued from its send time for its queue wait, one

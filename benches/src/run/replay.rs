@@ -107,8 +107,10 @@ pub struct RequestRecord {
     pub session: usize,
     /// Index of the turn in its session.
     pub turn: usize,
-    /// Whether the request continues a conversation: a turn after the first of its session,
-    /// or any turn of a sub-agent (which starts from its parent's history).
+    /// Whether the request continues a conversation, as the gateway judges it from what was
+    /// sent: a `previous_response_id`, or earlier turns in its input (a turn after the first
+    /// of its session, or any turn of a sub-agent, which starts from its parent's history; not
+    /// a turn whose earlier turns all failed).
     pub continuing: bool,
     /// Index of the gateway it was sent to.
     pub gateway: usize,
@@ -358,6 +360,9 @@ async fn send_turn(
             (all, &[])
         }
     };
+    // As the gateway judges it, from what is sent: a turn whose earlier turns all failed goes
+    // out as a new session's first.
+    let continuing = continue_from.is_some() || agentgate::flow::input_continues(&sent_input);
     let mut body = json!({
         "model": shared.config.model,
         "input": sent_input,
@@ -414,7 +419,7 @@ async fn send_turn(
         seq,
         session: index,
         turn: turn_index,
-        continuing: turn_index > 0 || plan.parent.is_some(),
+        continuing,
         gateway,
         endpoint: admission.endpoint,
         route_reason: admission.route_reason,
