@@ -78,12 +78,12 @@ pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Buckets (seconds) for the latency of prefill and decode legs.
 pub const LEG_BUCKETS: &[f64] = &[
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 ];
 
 /// Buckets (seconds) for probe and scrape latency.
 pub const PROBE_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -453,7 +453,7 @@ impl Metrics {
             ),
             responses: CounterVec::new(
                 "agentgate_responses_total",
-                "Responses that ended, by pool, final status (completed, incomplete, failed) and error code (empty unless failed).",
+                "Responses that ended, by pool, final status (completed, incomplete, failed, cancelled) and error code (empty unless failed).",
                 ["pool", "status", "code"],
             ),
             pd_sub_agent_calls: CounterVec::new(

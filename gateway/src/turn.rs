@@ -2130,6 +2130,9 @@ async fn stop_queued(state: &AppState, turn: &Turn, mut announced: Announced, st
         // The record says `cancelled` already; the stream and the log end saying so too.
         Stop::Cancelled => {
             let events = stop.end(&mut announced.rs);
+            state
+                .metrics
+                .response_ended(&turn.pool.name, announced.rs.response());
             announced.end(state, events).await;
         }
     }

@@ -912,6 +912,10 @@ async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_whe
         followed.iter().map(|e| &e.data).collect::<Vec<_>>(),
         events.iter().map(|e| &e.data).collect::<Vec<_>>()
     );
+    // It counts as a response that ended cancelled, though it never ran.
+    let cancelled = "agentgate_responses_total{pool=\"sim\",status=\"cancelled\",code=\"\"} 1";
+    let m = metrics_text(&base).await;
+    assert!(m.lines().any(|l| l == cancelled), "{m}");
     cancel(&base, busy["id"].as_str().unwrap()).await;
     gw.shutdown().await;
     sim.shutdown().await;

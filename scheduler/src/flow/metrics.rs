@@ -7,8 +7,11 @@
 use std::time::Duration;
 
 /// Upper bounds, in seconds, of the queue-wait histogram buckets (a `+Inf` bucket follows).
-pub const WAIT_BUCKETS_SECONDS: [f64; 14] = [
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+/// They reach past the longest queue TTLs in use (the implicit band waits up to
+/// `upstream.first_byte_timeout_s`, 600 s by default).
+pub const WAIT_BUCKETS_SECONDS: [f64; 18] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    1800.0, 3600.0,
 ];
 
 /// Queue waits of dispatched requests, in the fixed [`WAIT_BUCKETS_SECONDS`] buckets.
@@ -195,17 +198,22 @@ mod tests {
         h.observe(Duration::ZERO);
         h.observe(Duration::from_millis(10));
         h.observe(Duration::from_millis(300));
+        // A wait within the default implicit band's TTL (600 s) has a bucket of its own.
         h.observe(Duration::from_secs(500));
+        h.observe(Duration::from_secs(4000));
         let buckets: Vec<_> = h.cumulative().collect();
         assert_eq!(buckets.len(), WAIT_BUCKETS_SECONDS.len() + 1);
         assert_eq!(buckets[0], (0.005, 1));
         assert_eq!(buckets[1], (0.01, 2));
         assert_eq!(buckets[6], (0.5, 3));
         assert_eq!(buckets[13], (120.0, 3));
-        assert_eq!(buckets[14], (f64::INFINITY, 4));
-        assert_eq!(h.count(), 4);
-        assert!((h.sum_seconds() - 500.31).abs() < 1e-9);
-        assert_eq!(h.quantile_upper_bound(0.5), Some(0.01));
+        assert_eq!(buckets[14], (300.0, 3));
+        assert_eq!(buckets[15], (600.0, 4));
+        assert_eq!(buckets[18], (f64::INFINITY, 5));
+        assert_eq!(h.count(), 5);
+        assert!((h.sum_seconds() - 4500.31).abs() < 1e-9);
+        assert_eq!(h.quantile_upper_bound(0.5), Some(0.5));
+        assert_eq!(h.quantile_upper_bound(0.8), Some(600.0));
         assert_eq!(h.quantile_upper_bound(1.0), Some(f64::INFINITY));
         assert_eq!(WaitHistogram::default().quantile_upper_bound(0.5), None);
     }
