@@ -29,8 +29,9 @@
 //!
 //! Background responses are admitted inside their run, after a `[background]` slot, so a
 //! detached run never holds pool capacity while it waits for its own slot; their rate limits
-//! are charged at creation ([`Pending::charge`]), so a team over them gets its 429 there, as
-//! OpenAI answers it, not a run that fails later.
+//! are charged at creation ([`Pending::charge`], after the shed and full-queue checks), so a
+//! team over them gets its 429 there, as OpenAI answers it, not a run that fails later. A run
+//! shed when it starts (the pool saturated meanwhile) has spent its charge.
 //!
 //! Refusals ([`rejection_error`]): shed, queue full and rate-limited are 429, a queue timeout
 //! 503, each with `Retry-After` and a `code` naming the limit (`overloaded_shed`,
@@ -626,7 +627,9 @@ impl RateLimiter for StoreRateLimiter {
 pub fn served_tier(tiers: &BTreeMap<String, String>, body: &Value) -> Value {
     let asked = body.get("service_tier").and_then(Value::as_str);
     match asked.and_then(|tier| mapped_tier(tiers, tier)) {
-        Some((tier, _)) if OPENAI_SERVICE_TIERS.contains(&tier) && tier != "default" => {
+        Some((tier, _))
+            if OPENAI_SERVICE_TIERS.contains(&tier) && !matches!(tier, "auto" | "default") =>
+        {
             Value::from(if tier == "fast" { "priority" } else { tier })
         }
         _ => Value::from("default"),
@@ -1172,6 +1175,12 @@ mod tests {
         assert_eq!(tier("fast"), "priority");
         assert_eq!(tier("priority"), "priority");
         assert_eq!(tier("ultrafast"), "ultrafast");
+        // `auto` is a request, not a mode served, even when a band stands for it.
+        let auto = BTreeMap::from([("auto".to_string(), "batch".to_string())]);
+        assert_eq!(
+            served_tier(&auto, &json!({"service_tier": "auto"})),
+            "default"
+        );
         let fast = BTreeMap::from([("fast".to_string(), "interactive".to_string())]);
         assert_eq!(
             served_tier(&fast, &json!({"service_tier": "fast"})),

@@ -374,15 +374,11 @@ impl FlowController {
 
     /// Charge `ticket` to its team's rate limits now, for a request admitted later with
     /// [`Self::admit_charged`] (a background response: refused at creation when over its
-    /// limits, queued when its run starts). Checks the band; neither sheds nor queues.
+    /// limits, queued when its run starts). What [`Self::admit`] would refuse before charging
+    /// (shed, a full queue) is refused first, uncharged; a request shed when it is admitted
+    /// later has spent its charge.
     pub async fn charge(&self, ticket: &Ticket) -> Result<Option<RateStatus>, Rejection> {
-        let (limits, band) = {
-            let state = self.inner.lock();
-            let band = state
-                .config
-                .band_for(&ticket.team, ticket.band.as_deref())?;
-            (state.team_limits(&ticket.team), band.name.clone())
-        };
+        let (limits, band) = self.check_room(ticket)?;
         self.charge_limits(ticket, limits, &band).await
     }
 

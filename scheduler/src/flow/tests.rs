@@ -790,6 +790,21 @@ async fn a_request_charged_ahead_is_admitted_without_a_second_charge() {
         flow.charge(&Ticket::new("agents", 1000)).await.unwrap(),
         None
     );
+
+    // What would be shed is refused before the charge, as by `admit`.
+    let mut config = sheddable_config();
+    config.teams[1].rpm = Some(2);
+    let (flow, _capacity) = controller(config, 1);
+    let busy = flow.admit(Ticket::new("bulk", 10)).await.unwrap();
+    let refused = flow.charge(&Ticket::new("bulk", 10)).await.unwrap_err();
+    assert!(matches!(refused, Rejection::Shed { .. }), "{refused:?}");
+    // The shed one cost nothing: the second of the two requests a minute is still there.
+    drop(busy);
+    let charged = flow.charge(&Ticket::new("bulk", 10)).await.unwrap();
+    assert_eq!(charged.unwrap().requests.unwrap().remaining, 0);
+    let snapshot = flow.snapshot();
+    assert_eq!(snapshot.team("bulk").unwrap().shed, 1);
+    assert_eq!(snapshot.team("bulk").unwrap().rate_limited, 0);
 }
 
 #[tokio::test(start_paused = true)]
