@@ -303,9 +303,24 @@ pub async fn add_items(
     let team = state.keys.authenticate(&headers)?;
     let fields = body_of(&state, &headers, body).await?;
     let items = items_of(&fields, true)?;
-    let held = self::items(&state, &team, &id).await?;
-    check_new_ids(&held, &items)?;
-    check_room(&state, &id, held.len(), items.len(), "items")?;
+    // Ids the client chose are checked against the conversation's; ids made here are new.
+    let chosen_ids = fields
+        .get("items")
+        .and_then(Value::as_array)
+        .is_some_and(|sent| sent.iter().any(|item| item.get("id").is_some()));
+    if chosen_ids {
+        let held = self::items(&state, &team, &id).await?;
+        check_new_ids(&held, &items)?;
+        check_room(&state, &id, held.len(), items.len(), "items")?;
+    } else if state.config.store.conversation_max_items > 0 {
+        let held = state
+            .store
+            .conversation_len(&team.0, &id)
+            .await
+            .map_err(store_error)?
+            .ok_or_else(|| not_found(&id))?;
+        check_room(&state, &id, held, items.len(), "items")?;
+    }
     if !state
         .store
         .append_conversation_items(&team.0, &id, "", &items)
