@@ -124,16 +124,37 @@ pub struct ResponseStream {
     held_logprobs: Vec<Value>,
 }
 
-/// The log probabilities of a chunk's content (`choices[].logprobs.content`, as vLLM and SGLang
-/// send them when asked), in the Responses shape: `{token, logprob, bytes, top_logprobs:
-/// [{token, logprob, bytes}]}` (`bytes` from the token's text when the engine sends none).
-fn content_logprobs(choice: &Value) -> Vec<Value> {
+/// The log probabilities of a chunk's content `text` (`choices[].logprobs.content`, as vLLM
+/// and SGLang send them when asked), in the Responses shape: `{token, logprob, bytes,
+/// top_logprobs: [{token, logprob, bytes}]}` (`bytes` from the token's text when the engine
+/// sends none). The engine lists every token the chunk decoded: when the chunk also carries
+/// reasoning or a tool call (`mixed`), only the trailing entries that spell `text` are its
+/// (none if no run of them does); otherwise all are.
+fn content_logprobs(choice: &Value, text: &str, mixed: bool) -> Vec<Value> {
     let Some(entries) = choice
         .pointer("/logprobs/content")
         .and_then(Value::as_array)
     else {
         return Vec::new();
     };
+    fn token(e: &Value) -> &str {
+        e.get("token").and_then(Value::as_str).unwrap_or_default()
+    }
+    let mut start = 0;
+    if mixed {
+        // The shortest run of trailing entries whose tokens spell `text`.
+        let mut spelled = 0;
+        start = entries.len();
+        while start > 0 && spelled < text.len() {
+            start -= 1;
+            spelled += token(&entries[start]).len();
+        }
+        let run: String = entries[start..].iter().map(token).collect();
+        if run != text {
+            return Vec::new();
+        }
+    }
+    let entries = &entries[start..];
     let entry = |e: &Value| {
         let token = e.get("token").and_then(Value::as_str).unwrap_or_default();
         let bytes = match e.get("bytes") {
@@ -304,7 +325,8 @@ impl ResponseStream {
                 .and_then(Value::as_str)
                 .filter(|s| !s.is_empty())
             {
-                self.text_delta(text, content_logprobs(choice), &mut events);
+                let mixed = reasoning.is_some() || delta.get("tool_calls").is_some();
+                self.text_delta(text, content_logprobs(choice, text, mixed), &mut events);
             }
             if let Some(calls) = delta.get("tool_calls").and_then(Value::as_array) {
                 for (position, call) in calls.iter().enumerate() {
@@ -1355,6 +1377,28 @@ mod tests {
         assert_eq!(tokens, ["\n", "Hi"]);
         let part = &replay(&events)[0]["content"][0];
         assert_eq!(part["logprobs"], deltas[0].data["logprobs"]);
+
+        // A chunk ending the reasoning and starting the answer lists both's tokens: the
+        // answer's are the trailing ones that spell it.
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let entry = |token: &str| json!({"token": token, "logprob": -0.2});
+        let events = run(
+            &mut stream,
+            &[
+                json!({"choices": [{"index": 0, "finish_reason": null,
+                    "delta": {"reasoning_content": "Hm.", "content": "Yes!"},
+                    "logprobs": {"content": [entry("Hm"), entry("."), entry("Yes"), entry("!")]}}]}),
+                chunk(json!({}), Some("stop")),
+            ],
+        );
+        let output = replay(&events);
+        let tokens: Vec<&Value> = output[1]["content"][0]["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| &l["token"])
+            .collect();
+        assert_eq!(tokens, ["Yes", "!"]);
         assert_eq!(
             part["logprobs"][1],
             json!({"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": [
