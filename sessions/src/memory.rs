@@ -15,10 +15,10 @@
 //! whole chain while abandoned ones make room. A record goes together with every record that
 //! continues it (`previous_response_id`, followed down through a child index), so a later turn
 //! never silently loses the beginning of its history: a dropped record answers like an expired
-//! one (404 on retrieve, `previous_response_not_found` when continued). A turn written after its
-//! predecessor was dropped (while the turn ran) answers [`StoreError::Lost`] when continued, as
-//! the Redis store does for a predecessor gone without a deletion. [`MemoryStore::evicted`]
-//! counts them. Never dropped: the last record written, even when it alone is over the bound,
+//! one (404 on retrieve, `previous_response_not_found` when continued). A chain whose
+//! predecessor is gone without a deletion (dropped while a later turn ran, or expired while a
+//! later turn kept itself alive) answers [`StoreError::Lost`] when continued, as the Redis store
+//! does for a predecessor without a deletion marker. [`MemoryStore::evicted`] counts them. Never dropped: the last record written, even when it alone is over the bound,
 //! background responses still queued or running, and the records these continue.
 //! Conversations (Conversations API) count toward the same bound and take their turn in the
 //! same least-recently-used order (used: created, read, or written).
@@ -59,8 +59,8 @@ struct Entry {
     used: u64,
     /// Its event log ([`Store::append_events`]); its bytes count in `bytes`.
     events: Vec<String>,
-    /// Its predecessor had been dropped for memory when it was written (while its turn ran):
-    /// its history cannot be rebuilt whole.
+    /// Its predecessor was gone without a deletion (dropped for memory, or expired) when it
+    /// was written (while its turn ran): its history cannot be rebuilt whole.
     parent_lost: bool,
 }
 
@@ -119,15 +119,16 @@ struct Records {
     children: HashMap<String, HashSet<String>>,
     /// Conversations by id (they count toward the memory bound and take their turn in `lru`).
     conversations: HashMap<String, ConversationEntry>,
-    /// Ids of the last [`EVICTED_REMEMBERED`] records dropped for memory, oldest first, and
-    /// the same as a set: a turn that ran while its predecessor was dropped is written with
-    /// `parent_lost`.
-    evicted_ids: VecDeque<String>,
-    evicted_set: HashSet<String>,
+    /// Ids of the last [`LOST_REMEMBERED`] records gone without a deletion (dropped for
+    /// memory, or swept once expired), oldest first, and the same as a set: a history walk
+    /// reaching one answers `Lost`, as the Redis store answers a predecessor gone without a
+    /// deletion marker.
+    lost_ids: VecDeque<String>,
+    lost_set: HashSet<String>,
 }
 
-/// Dropped record ids remembered, for turns whose predecessor was dropped while they ran.
-const EVICTED_REMEMBERED: usize = 4096;
+/// Ids of records gone without a deletion that are remembered.
+const LOST_REMEMBERED: usize = 4096;
 
 impl Records {
     /// The live entry for `id` owned by `team`, if any.
@@ -256,10 +257,12 @@ impl Records {
         if now >= self.next_sweep {
             self.drop_pins(|_, e| e.expires_at <= now);
             let bytes = &mut self.bytes;
-            self.by_id.retain(|_, e| {
+            let mut expired = Vec::new();
+            self.by_id.retain(|id, e| {
                 let live = e.expires_at > now;
                 if !live {
                     *bytes -= e.bytes;
+                    expired.push(id.clone());
                 }
                 live
             });
@@ -270,6 +273,9 @@ impl Records {
                 }
                 live
             });
+            for id in expired {
+                self.remember_lost(id);
+            }
             let by_id = &self.by_id;
             self.children.retain(|parent, children| {
                 children.retain(|child| by_id.contains_key(child));
@@ -286,9 +292,15 @@ impl Records {
         let bytes = record_bytes(&rec);
         self.tick += 1;
         let id = rec.id.clone();
-        let parent_lost = rec.previous_response_id.as_ref().is_some_and(|parent| {
-            !self.by_id.contains_key(parent) && self.evicted_set.contains(parent)
-        });
+        let now = Instant::now();
+        let parent_lost = rec
+            .previous_response_id
+            .as_ref()
+            .is_some_and(|parent| self.is_lost(parent, &rec.team, now));
+        // Written again under an id once lost (a store restored from elsewhere): present now.
+        if self.lost_set.remove(&id) {
+            self.lost_ids.retain(|lost| *lost != id);
+        }
         if let Some(parent) = &rec.previous_response_id {
             self.children
                 .entry(parent.clone())
@@ -382,7 +394,7 @@ impl Records {
             for member in family {
                 if self.remove(&member).is_some() {
                     self.evicted += 1;
-                    self.remember_evicted(&member);
+                    self.remember_lost(member.clone());
                 }
                 self.children.remove(&member);
             }
@@ -393,15 +405,25 @@ impl Records {
         self.compact_lru(false);
     }
 
-    /// Remember that `id` was dropped for memory (the last [`EVICTED_REMEMBERED`] ids).
-    fn remember_evicted(&mut self, id: &str) {
-        if self.evicted_set.insert(id.to_string()) {
-            self.evicted_ids.push_back(id.to_string());
+    /// Remember that `id` is gone without a deletion (the last [`LOST_REMEMBERED`] ids).
+    fn remember_lost(&mut self, id: String) {
+        if self.lost_set.insert(id.clone()) {
+            self.lost_ids.push_back(id);
         }
-        while self.evicted_ids.len() > EVICTED_REMEMBERED {
-            if let Some(old) = self.evicted_ids.pop_front() {
-                self.evicted_set.remove(&old);
+        while self.lost_ids.len() > LOST_REMEMBERED {
+            if let Some(old) = self.lost_ids.pop_front() {
+                self.lost_set.remove(&old);
             }
+        }
+    }
+
+    /// Whether `id`, wanted as a predecessor by a record of `team`, is gone without a
+    /// deletion: expired (swept or not), or dropped for memory. A deleted record, or one of
+    /// another team, is not lost: the history starts after it.
+    fn is_lost(&self, id: &str, team: &str, now: Instant) -> bool {
+        match self.by_id.get(id) {
+            Some(entry) => entry.rec.team == team && entry.expires_at <= now,
+            None => self.lost_set.contains(id),
         }
     }
 
@@ -540,8 +562,8 @@ impl MemoryStore {
                 evicted: 0,
                 children: HashMap::new(),
                 conversations: HashMap::new(),
-                evicted_ids: VecDeque::new(),
-                evicted_set: HashSet::new(),
+                lost_ids: VecDeque::new(),
+                lost_set: HashSet::new(),
             }),
             rates: Mutex::new(HashMap::new()),
             boards: Mutex::new(HashMap::new()),
@@ -681,9 +703,9 @@ impl Store for MemoryStore {
                 if walked == 0 {
                     return Ok(None);
                 }
-                // As the Redis store answers for a predecessor gone without a deletion: a
-                // record written after its predecessor was dropped for memory.
-                if parent_lost && !records.by_id.contains_key(&current) {
+                // As the Redis store answers a predecessor gone without a deletion marker.
+                let gone = !records.by_id.contains_key(&current);
+                if (parent_lost && gone) || records.is_lost(&current, team, now) {
                     return Err(StoreError::Lost {
                         id: id.to_string(),
                         missing: current,
@@ -1119,6 +1141,20 @@ mod tests {
             .unwrap();
         let history = store.history("t", "d2").await.unwrap().unwrap();
         assert_eq!(history.root_id, "d2");
+        // A predecessor that expired (while a later turn kept itself alive), swept or not.
+        for sweep in [false, true] {
+            let store = MemoryStore::default();
+            store.put(&record("t", "e1", None, 1)).await.unwrap();
+            store.put(&record("t", "e2", Some("e1"), 1)).await.unwrap();
+            store.lock().by_id.get_mut("e1").unwrap().expires_at = Instant::now();
+            if sweep {
+                store.lock().next_sweep = Instant::now();
+                store.put(&record("t", "x", None, 1)).await.unwrap();
+                assert!(!store.lock().by_id.contains_key("e1"), "swept");
+            }
+            let err = store.history("t", "e2").await.unwrap_err();
+            assert!(matches!(err, StoreError::Lost { .. }), "{err}");
+        }
     }
 
     #[tokio::test]

@@ -38,9 +38,11 @@ pub trait Store: Send + Sync + 'static {
     /// unknown or not the team's.
     ///
     /// One backend round trip however long the chain. The walk stops at the first predecessor
-    /// that no longer exists (expired or deleted) or belongs to another team: the history then
-    /// starts at the response after it. Every response walked gets its TTL refreshed, so a
-    /// conversation in use does not lose its beginning.
+    /// that was deleted or belongs to another team: the history then starts at the response
+    /// after it. A predecessor gone without a deletion (expired, evicted, lost with the store)
+    /// is [`StoreError::Lost`]: a history without it would be silently cut short. Every
+    /// response walked gets its TTL refreshed, so a conversation in use does not lose its
+    /// beginning.
     fn history(
         &self,
         team: &str,
