@@ -321,14 +321,14 @@ fn optional_times(value: Option<f64>) -> String {
     value.map_or_else(|| "n/a".to_string(), |v| format!("{v:.2}x"))
 }
 
-/// Whether the report has anything to say about flow control: a row with bands, several
-/// flow settings, or several teams.
+/// Whether the report has anything to say about flow control: a row with flow control on and
+/// bands, several flow settings, or several teams.
 fn has_flow_section(summary: &RunSummary) -> bool {
     summary.flow_control.len() > 1
         || summary
             .policies
             .iter()
-            .any(|p| !p.bands.is_empty() || p.teams.len() > 1)
+            .any(|p| (p.flow_control == "on" && !p.bands.is_empty()) || p.teams.len() > 1)
 }
 
 /// The flow-control section: configuration, isolation check, per-row saturation, bands, teams,
