@@ -882,6 +882,7 @@ async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_whe
     )
     .await;
     assert_eq!(s, 200, "{busy}");
+    wait_until_running(&base, busy["id"].as_str().unwrap()).await;
     let mut resp = post_response(
         &base,
         &json!({"model": "sim-model", "input": "waits", "background": true, "stream": true}),
@@ -919,6 +920,18 @@ async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_whe
     cancel(&base, busy["id"].as_str().unwrap()).await;
     gw.shutdown().await;
     sim.shutdown().await;
+}
+
+/// Wait until background response `id` runs (holds a slot): a run created later could
+/// otherwise take the slot first.
+async fn wait_until_running(base: &str, id: &str) {
+    for _ in 0..500 {
+        if retrieve(base, id).await["status"] == "in_progress" {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("background response {id} never started running");
 }
 
 /// Read `resp`'s stream into `text` until `enough` says so, or to its end.
@@ -2009,6 +2022,7 @@ async fn a_background_response_streams_again_from_any_gateway() {
     // Cancelled while still queued behind another run: nothing was generated, and the stream
     // ends with the stored response (status cancelled).
     let (_, busy) = create(&a, body.clone()).await;
+    wait_until_running(&a, busy["id"].as_str().unwrap()).await;
     let (_, waiting) = create(&a, body).await;
     let waiting = waiting["id"].as_str().unwrap().to_string();
     assert_eq!(cancel(&b, &waiting).await["status"], "cancelled");
