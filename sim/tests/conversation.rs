@@ -213,15 +213,7 @@ async fn conversation_reuses_answers(time_scale: f64, streamed: bool) {
     // effort "none" turns thinking off
     let body = json!({"model": "sim-model", "reasoning_effort": "none", "stream": false,
         "messages": [{"role": "user", "content": "answer at once"}]});
-    let plain: Value = client
-        .post(format!("{}/v1/chat/completions", sim.base_url()))
-        .json(&body)
-        .send()
-        .await
-        .expect("request")
-        .json()
-        .await
-        .expect("json");
+    let plain = post(&client, &sim, &body).await;
     let message = &plain["choices"][0]["message"];
     assert!(message["reasoning"].is_null(), "{plain}");
     assert!(message["content"].is_string(), "{plain}");

@@ -61,6 +61,17 @@ async fn sse_events(response: reqwest::Response) -> Vec<String> {
         .collect()
 }
 
+/// The SSE `data` payloads of a streamed chat request.
+async fn post_streamed(client: &reqwest::Client, sim: &SimHandle, body: &Value) -> Vec<String> {
+    let response = client
+        .post(format!("{}/v1/chat/completions", sim.base_url()))
+        .json(body)
+        .send()
+        .await
+        .expect("sent");
+    sse_events(response).await
+}
+
 #[tokio::test]
 async fn shared_prefix_hits_the_cache_on_the_same_replica_only() {
     let client = reqwest::Client::new();
@@ -195,13 +206,7 @@ async fn log_probabilities_come_when_asked() {
     }
     // Streamed: each content chunk carries its own token's entry.
     body["stream"] = json!(true);
-    let response = client
-        .post(format!("{}/v1/chat/completions", sim.base_url()))
-        .json(&body)
-        .send()
-        .await
-        .expect("sent");
-    let events = sse_events(response).await;
+    let events = post_streamed(&client, &sim, &body).await;
     let streamed: Vec<Value> = events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str::<Value>(e).expect("json chunk"))
@@ -246,13 +251,7 @@ async fn tools_json_schema_and_max_tokens() {
     // streamed: header delta first, then argument deltas that add up to the same JSON
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let response = client
-        .post(format!("{}/v1/chat/completions", sim.base_url()))
-        .json(&streamed)
-        .send()
-        .await
-        .expect("sent");
-    let events = sse_events(response).await;
+    let events = post_streamed(&client, &sim, &streamed).await;
     let deltas: Vec<Value> = events
         .iter()
         .filter_map(|e| serde_json::from_str::<Value>(e).ok())
