@@ -1076,8 +1076,10 @@ async fn a_band_below_a_reserve_leaves_prefill_room_for_the_band_above() {
         // Nothing gets its first token: every request stays prefilling.
         stall(&fleet.sims()[0]).await;
         let first = spawn_call(&base, Some("bulk"), hello(), &[]);
+        // Admitted, and placed on the replica (it counts as prefilling there from then on).
+        let endpoint = fleet.pool().endpoints()[0].clone();
         eventually("the first batch request runs", || {
-            snapshot(gw).in_flight == 1
+            snapshot(gw).in_flight == 1 && endpoint.prefilling_requests() == 1
         })
         .await;
         let second = spawn_call(&base, Some("bulk"), hello(), &[]);
