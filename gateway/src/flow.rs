@@ -738,10 +738,10 @@ impl Pending {
         self
     }
 
-    /// Charge the team's rate limits now, for a request that waits for its slot later (a
-    /// background response: refused at creation with 429 when over its limits, as OpenAI
-    /// refuses it, rather than failed once its run starts). Returns the rate-limit headers
-    /// to answer with.
+    /// Judge shedding and a full queue and charge the team's rate limits now, for a request
+    /// that waits for its slot later (a background response: refused at creation with 429, as
+    /// OpenAI refuses one over its limits, rather than failed once its run starts). Returns
+    /// the rate-limit headers to answer with.
     pub async fn charge(&mut self) -> Result<Vec<(&'static str, String)>, HttpError> {
         if self.background_default {
             self.ticket.band = self.controller.background_band(&self.ticket.team);

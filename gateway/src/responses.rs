@@ -645,8 +645,8 @@ async fn run(
                 )
                 .with_retry_after(1)
             })?;
-        // Rate limits are charged now, so a team over them gets its 429 here; the slot in
-        // the pool is waited for inside the run.
+        // Shedding, a full queue and the rate limits are judged now (the team is charged),
+        // so a refusal is a 429 here; the slot in the pool is waited for inside the run.
         let mut admission = admission;
         let rate_headers = match admission.as_mut() {
             Some(pending) => pending.charge().await?,
