@@ -750,7 +750,7 @@ impl Pending {
             .controller
             .charge(&self.ticket)
             .await
-            .map_err(|rejection| self.refused(&rejection))?;
+            .map_err(|rejection| refused(&self.ticket.team, &rejection, self.param))?;
         let headers = status.as_ref().map(RateStatus::headers).unwrap_or_default();
         self.charged = Some(status);
         Ok(headers)
@@ -758,26 +758,30 @@ impl Pending {
 
     /// Wait for a slot (see [`FlowController::admit`]); a refusal comes back as the error to
     /// answer with. Dropping the future leaves the queue.
-    pub async fn admit(mut self) -> Result<Permit, HttpError> {
-        if self.background_default {
-            self.ticket.band = self.controller.background_band(&self.ticket.team);
+    pub async fn admit(self) -> Result<Permit, HttpError> {
+        let Pending {
+            controller,
+            mut ticket,
+            param,
+            background_default,
+            charged,
+        } = self;
+        if background_default {
+            ticket.band = controller.background_band(&ticket.team);
         }
-        let admitted = match self.charged.take() {
-            Some(rate) => {
-                self.controller
-                    .admit_charged(self.ticket.clone(), rate)
-                    .await
-            }
-            None => self.controller.admit(self.ticket.clone()).await,
+        let team = ticket.team.clone();
+        let admitted = match charged {
+            Some(rate) => controller.admit_charged(ticket, rate).await,
+            None => controller.admit(ticket).await,
         };
-        admitted.map_err(|rejection| self.refused(&rejection))
+        admitted.map_err(|rejection| refused(&team, &rejection, param))
     }
+}
 
-    /// The error answering `rejection`.
-    fn refused(&self, rejection: &Rejection) -> HttpError {
-        tracing::debug!(team = %self.ticket.team, code = rejection.code(), "not admitted: {rejection}");
-        rejection_error(rejection, self.param)
-    }
+/// The error answering `rejection` of a request of `team`.
+fn refused(team: &str, rejection: &Rejection, param: Option<&'static str>) -> HttpError {
+    tracing::debug!(team = %team, code = rejection.code(), "not admitted: {rejection}");
+    rejection_error(rejection, param)
 }
 
 impl FlowControl {

@@ -153,24 +153,27 @@ fn resolve_item_references(
     items: Vec<Value>,
     history: &[Value],
 ) -> Result<(Vec<Value>, Vec<usize>), HttpError> {
-    let item_id = |item: &Value| item.get("id").and_then(Value::as_str).map(str::to_owned);
+    fn item_id(item: &Value) -> Option<&str> {
+        item.get("id").and_then(Value::as_str)
+    }
     // The ids in the conversation so far: the history's, then each kept item's as it is kept.
-    let mut known_ids: HashSet<String> = history.iter().filter_map(item_id).collect();
+    let history_ids: HashSet<&str> = history.iter().filter_map(item_id).collect();
+    let mut input_ids: HashSet<String> = HashSet::new();
     let mut out: Vec<Value> = Vec::with_capacity(items.len());
     let mut positions = Vec::with_capacity(items.len());
     for (i, item) in items.into_iter().enumerate() {
         if item.get("type").and_then(Value::as_str) != Some("item_reference") {
             if let Some(id) = item_id(&item) {
-                if !known_ids.insert(id.clone()) {
-                    return Err(duplicate_item(&id, "input"));
+                if history_ids.contains(id) || !input_ids.insert(id.to_owned()) {
+                    return Err(duplicate_item(id, "input"));
                 }
             }
             out.push(item);
             positions.push(i);
             continue;
         }
-        let id = item.get("id").and_then(Value::as_str).unwrap_or_default();
-        if !known_ids.contains(id) {
+        let id = item_id(&item).unwrap_or_default();
+        if !history_ids.contains(id) && !input_ids.contains(id) {
             return Err(HttpError::invalid(
                 format!("Item with id '{id}' not found."),
                 Some(&format!("input[{i}]")),
