@@ -22,15 +22,23 @@
 //! turn's history (one store round trip) and, once the response has `completed` or is
 //! `incomplete`, appends the turn's input items and output items before the terminal event is
 //! sent, so the next turn sees them (once: a retried write does not add them again; a
-//! background response cancelled meanwhile adds nothing). Two responses running on one
-//! conversation at once each see
-//! the items of the moment they started; their items are appended as each ends. The session key
+//! background response cancelled meanwhile adds nothing).
+//!
+//! One turn at a time: a response in a conversation holds the conversation's lock in the store
+//! ([`ConversationLock`]) from before it reads the items until its own are appended (a
+//! background response from its creation), and `POST .../items` holds it while it checks and
+//! appends. Another response or append meanwhile is refused 400 `conversation_locked` (`param:
+//! conversation`), as OpenAI refuses it, instead of building on a snapshot the running turn is
+//! about to extend. The lock lives in the store, so it holds across gateway replicas; its TTL
+//! ([`LOCK_TTL`], renewed while the turn runs) frees the conversation of a gateway that died
+//! holding it. The session key
 //! of such turns is the conversation id (`agentgate_scheduler::session_key`), so they go to the
 //! replica holding the conversation's cache (unless a session header or `prompt_cache_key`
 //! names the session first).
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -38,9 +46,10 @@ use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::Json;
 use serde_json::{json, Value};
+use tokio::task::JoinHandle;
 
 use agentgate_adapters::normalize_input;
-use agentgate_sessions::{ConversationRecord, Store};
+use agentgate_sessions::{AnyStore, ConversationRecord, Store};
 
 use crate::app::AppState;
 use crate::auth::Team;
@@ -50,6 +59,133 @@ use crate::response_object::{new_id, now_secs};
 use crate::responses::{
     as_listed, body_error, duplicate_item, item_list, item_page, store_error, ListQuery,
 };
+
+/// How long a conversation's lock outlives its holder's last renewal: the longest a gateway
+/// that dies mid-turn keeps its conversations locked.
+pub const LOCK_TTL: Duration = Duration::from_secs(30);
+
+/// The lock of one conversation, held by one turn (or one item append) until released or
+/// its last clone dropped (see the module docs). A task renews it every third of [`LOCK_TTL`].
+#[derive(Clone)]
+pub struct ConversationLock(Arc<LockHolder>);
+
+struct LockHolder {
+    store: Arc<AnyStore>,
+    team: String,
+    id: String,
+    owner: String,
+    /// The renewing task; `None` once released.
+    keeper: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl ConversationLock {
+    /// Take conversation `id`'s lock for `owner`; 400 `conversation_locked` while another
+    /// turn holds it.
+    pub async fn take(
+        store: &Arc<AnyStore>,
+        team: &Team,
+        id: &str,
+        owner: &str,
+    ) -> Result<ConversationLock, HttpError> {
+        if !store
+            .lock_conversation(&team.0, id, owner, LOCK_TTL)
+            .await
+            .map_err(store_error)?
+        {
+            return Err(HttpError::invalid(
+                format!(
+                    "Another request is running in conversation '{id}' (a response, or items \
+                     being added); retry once it has finished."
+                ),
+                Some("conversation"),
+                Some("conversation_locked"),
+            ));
+        }
+        let keeper = {
+            let (store, team, id, owner) = (
+                store.clone(),
+                team.0.clone(),
+                id.to_string(),
+                owner.to_string(),
+            );
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(LOCK_TTL / 3).await;
+                    match store.lock_conversation(&team, &id, &owner, LOCK_TTL).await {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            tracing::warn!(conversation = %id, response = %owner, "the conversation's lock expired while its turn ran, and another request holds it now")
+                        }
+                        Err(e) => {
+                            tracing::warn!(conversation = %id, response = %owner, "could not renew the conversation's lock: {e}")
+                        }
+                    }
+                }
+            })
+        };
+        Ok(ConversationLock(Arc::new(LockHolder {
+            store: store.clone(),
+            team: team.0.clone(),
+            id: id.to_string(),
+            owner: owner.to_string(),
+            keeper: std::sync::Mutex::new(Some(keeper)),
+        })))
+    }
+
+    /// Release the lock now, in the store (once; later calls do nothing), before the caller
+    /// tells its client the turn is over: a client may start the next turn the moment it
+    /// reads that.
+    pub async fn release(&self) {
+        if let Some(keeper) = self.0.take_keeper() {
+            self.0.unlock(keeper).await;
+        }
+    }
+}
+
+impl LockHolder {
+    fn take_keeper(&self) -> Option<JoinHandle<()>> {
+        self.keeper
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+    }
+
+    /// Stop `keeper` renewing the lock (a renewal still running ends first, so it cannot take
+    /// the lock again afterwards), then release it.
+    async fn unlock(&self, keeper: JoinHandle<()>) {
+        keeper.abort();
+        let _ = keeper.await;
+        if let Err(e) = self
+            .store
+            .unlock_conversation(&self.team, &self.id, &self.owner)
+            .await
+        {
+            tracing::warn!(conversation = %self.id, response = %self.owner, "could not release the conversation's lock (it expires by itself): {e}");
+        }
+    }
+}
+
+impl Drop for LockHolder {
+    /// A lock nobody released (its turn ended another way) is released from a task; outside
+    /// a runtime, its TTL frees it.
+    fn drop(&mut self) {
+        let Some(keeper) = self.take_keeper() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            keeper.abort();
+            return;
+        };
+        let holder = LockHolder {
+            store: self.store.clone(),
+            team: std::mem::take(&mut self.team),
+            id: std::mem::take(&mut self.id),
+            owner: std::mem::take(&mut self.owner),
+            keeper: std::sync::Mutex::new(None),
+        };
+        runtime.spawn(async move { holder.unlock(keeper).await });
+    }
+}
 
 /// Most items one create or add request may carry (OpenAI's limit).
 pub const MAX_ITEMS_PER_REQUEST: usize = 20;
@@ -303,6 +439,9 @@ pub async fn add_items(
     let team = state.keys.authenticate(&headers)?;
     let fields = body_of(&state, &headers, body).await?;
     let items = items_of(&fields, true)?;
+    // Checked and appended under the conversation's lock: not between a running turn's read
+    // of the items and the append of its own.
+    let _lock = ConversationLock::take(&state.store, &team, &id, &new_id("append")).await?;
     // Ids the client chose are checked against the conversation's; ids made here are new.
     let chosen_ids = fields
         .get("items")

@@ -154,7 +154,7 @@ pub const ROUTES: &[RouteDoc] = &[
     RouteDoc {
         method: "post",
         path: "/v1/conversations/{id}/items",
-        summary: "Append items (at most 20) to a conversation; answers the items added.",
+        summary: "Append items (at most 20) to a conversation; answers the items added (400 conversation_locked while a response runs in it).",
         request: Some("ConversationItems"),
         response: "InputItemList",
         errors: &[400, 401, 404, 413, 415, 503],
@@ -254,7 +254,7 @@ fn components() -> Value {
                     "previous_response_id": {"type": "string", "nullable": true},
                     "conversation": {
                         "oneOf": [{"type": "string"}, {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}],
-                        "description": "Run in this conversation: its items are the history, and the turn's input and output items are appended once it is completed or incomplete. Not with previous_response_id."
+                        "description": "Run in this conversation: its items are the history, and the turn's input and output items are appended once it is completed or incomplete. One turn at a time: while a response runs in the conversation, another (or an item append) is refused with 400 conversation_locked. Not with previous_response_id."
                     },
                     "store": {"type": "boolean", "default": true},
                     "stream": {"type": "boolean", "default": false},

@@ -547,6 +547,42 @@ async fn run(
     req: CreateRequest,
     body_bytes: u64,
 ) -> Result<Started, HttpError> {
+    let id = new_id("resp");
+    // One turn at a time in a conversation: locked before its items are read, released once
+    // the turn's items are in (or, on a refusal, before the client is answered).
+    let conversation_lock = match req.conversation.as_deref() {
+        Some(conversation) => Some(
+            crate::conversations::ConversationLock::take(&state.store, &team, conversation, &id)
+                .await?,
+        ),
+        None => None,
+    };
+    let started = run_turn(
+        state,
+        headers,
+        team,
+        req,
+        body_bytes,
+        id,
+        conversation_lock.clone(),
+    )
+    .await;
+    if let (Err(_), Some(lock)) = (&started, &conversation_lock) {
+        lock.release().await;
+    }
+    started
+}
+
+/// [`run`] with the response's id and its conversation's lock taken.
+async fn run_turn(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    team: Team,
+    req: CreateRequest,
+    body_bytes: u64,
+    id: String,
+    conversation_lock: Option<crate::conversations::ConversationLock>,
+) -> Result<Started, HttpError> {
     let prepared = prepare(
         state,
         &team,
@@ -560,7 +596,6 @@ async fn run(
         || !prepared.history.is_empty()
         || req.conversation.is_some()
         || flow::input_continues(&prepared.input_items);
-    let id = new_id("resp");
     let status = if req.background {
         "queued"
     } else {
@@ -600,6 +635,7 @@ async fn run(
         failed_slots: Vec::new(),
         background_slot: None,
         conversation: req.conversation.clone(),
+        conversation_lock,
     };
     turn.lineage = turn::lineage_of(&turn.pool, headers, turn.session.as_deref());
     // Admission comes after the request is prepared (its token estimate exists) and before

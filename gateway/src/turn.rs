@@ -128,6 +128,9 @@ pub struct Turn {
     /// The conversation the turn runs in (`conversation`): its items were the history, and
     /// the turn's input and output items are appended once it finishes.
     pub conversation: Option<String>,
+    /// The conversation's lock, held until the turn is dropped (after its items are
+    /// appended, or it failed).
+    pub conversation_lock: Option<crate::conversations::ConversationLock>,
 }
 
 /// The sub-agent lineage of a request to `pool` with these headers and session key, read as
@@ -1617,6 +1620,9 @@ async fn drive_announced(
         }
     }
     let persisted = persist(&state, &turn, &response, rs.output_items()).await;
+    // Its items are in the conversation (or never will be): the next turn may start there
+    // as soon as the client reads the terminal event.
+    release_conversation(&turn).await;
     let mut terminal = terminal;
     match persisted {
         // The client would get an id it cannot retrieve or continue from: say so instead. A
@@ -2133,6 +2139,7 @@ async fn stop_queued(state: &AppState, turn: &Turn, mut announced: Announced, st
             state
                 .metrics
                 .response_ended(&turn.pool.name, announced.rs.response());
+            release_conversation(turn).await;
             announced.end(state, events).await;
         }
     }
@@ -2156,7 +2163,15 @@ async fn fail_background(state: &AppState, turn: &Turn, mut announced: Announced
     state
         .metrics
         .response_ended(&turn.pool.name, announced.rs.response());
+    release_conversation(turn).await;
     announced.end(state, events).await;
+}
+
+/// Release the turn's conversation lock, if it holds one: the turn adds nothing more to it.
+async fn release_conversation(turn: &Turn) {
+    if let Some(lock) = &turn.conversation_lock {
+        lock.release().await;
+    }
 }
 
 /// A background response's place in this process's registry of runs (`AppState::background`),

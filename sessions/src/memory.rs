@@ -538,6 +538,8 @@ pub struct MemoryStore {
     rates: Mutex<HashMap<String, f64>>,
     /// Exchange boards by pool.
     boards: Mutex<HashMap<String, Board>>,
+    /// Conversation locks: (team, conversation id) -> (owner, expiry).
+    conversation_locks: Mutex<HashMap<(String, String), (String, Instant)>>,
     epoch: Instant,
     ttl: Duration,
     pin_ttl: Duration,
@@ -567,6 +569,7 @@ impl MemoryStore {
             }),
             rates: Mutex::new(HashMap::new()),
             boards: Mutex::new(HashMap::new()),
+            conversation_locks: Mutex::new(HashMap::new()),
             epoch: Instant::now(),
             ttl: opts.ttl,
             pin_ttl: opts.pin_ttl,
@@ -929,6 +932,51 @@ impl Store for MemoryStore {
             records.resize_conversation(id);
         }
         Ok(removed)
+    }
+
+    async fn lock_conversation(
+        &self,
+        team: &str,
+        id: &str,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let now = Instant::now();
+        let mut locks = self
+            .conversation_locks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Locks whose holder vanished without releasing them expire; drop those first once
+        // there are many, so the map stays as small as the turns running.
+        if locks.len() >= 1024 {
+            locks.retain(|_, (_, expires_at)| *expires_at > now);
+        }
+        let key = (team.to_string(), id.to_string());
+        let free = match locks.get(&key) {
+            Some((holder, expires_at)) => holder == owner || *expires_at <= now,
+            None => true,
+        };
+        if free {
+            locks.insert(key, (owner.to_string(), expiry_after(now, ttl)));
+        }
+        Ok(free)
+    }
+
+    async fn unlock_conversation(
+        &self,
+        team: &str,
+        id: &str,
+        owner: &str,
+    ) -> Result<(), StoreError> {
+        let mut locks = self
+            .conversation_locks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let key = (team.to_string(), id.to_string());
+        if locks.get(&key).is_some_and(|(holder, _)| holder == owner) {
+            locks.remove(&key);
+        }
+        Ok(())
     }
 
     async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {

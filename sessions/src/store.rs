@@ -155,6 +155,26 @@ pub trait Store: Send + Sync + 'static {
         item_id: &str,
     ) -> impl Future<Output = Result<Option<bool>, StoreError>> + Send;
 
+    /// Hold conversation `id`'s lock (the team's) for `owner`, for `ttl`: taken when free or
+    /// expired, renewed when `owner` holds it already; false while another owner holds it.
+    /// A turn running in a conversation holds it from reading the items to appending its
+    /// own, so two turns never build on the same snapshot. One round trip.
+    fn lock_conversation(
+        &self,
+        team: &str,
+        id: &str,
+        owner: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Release conversation `id`'s lock if `owner` holds it (else nothing). One round trip.
+    fn unlock_conversation(
+        &self,
+        team: &str,
+        id: &str,
+        owner: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// The pin of `session` in `pool`, if one is in force, its TTL refreshed: a pin is read for
     /// each turn of its session, so it lasts `pin_ttl` after the session's last turn. One
     /// round trip.
@@ -403,6 +423,31 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.delete_conversation_item(team, id, item_id).await,
             AnyStore::Redis(s) => s.delete_conversation_item(team, id, item_id).await,
+        }
+    }
+
+    async fn lock_conversation(
+        &self,
+        team: &str,
+        id: &str,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.lock_conversation(team, id, owner, ttl).await,
+            AnyStore::Redis(s) => s.lock_conversation(team, id, owner, ttl).await,
+        }
+    }
+
+    async fn unlock_conversation(
+        &self,
+        team: &str,
+        id: &str,
+        owner: &str,
+    ) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.unlock_conversation(team, id, owner).await,
+            AnyStore::Redis(s) => s.unlock_conversation(team, id, owner).await,
         }
     }
 

@@ -545,6 +545,52 @@ pub async fn conversation_suite<S: Store>(store: &S) {
         ),
         Some(many)
     );
+    conversation_lock_suite(store).await;
+}
+
+/// Conversation locks: one owner at a time, re-entrant for that owner, per team, released
+/// only by their owner, and free again once their TTL passes. One round trip each.
+pub async fn conversation_lock_suite<S: Store>(store: &S) {
+    let long = Duration::from_secs(60);
+    let lock = |team: &'static str, owner: &'static str, ttl: Duration| async move {
+        at_most_one_round_trip(
+            store,
+            "lock conversation",
+            store.lock_conversation(team, "conv_l", owner, ttl),
+        )
+        .await
+        .expect("lock conversation")
+    };
+    let unlock = |owner: &'static str| async move {
+        at_most_one_round_trip(
+            store,
+            "unlock conversation",
+            store.unlock_conversation("team-a", "conv_l", owner),
+        )
+        .await
+        .expect("unlock conversation")
+    };
+    assert!(lock("team-a", "resp_1", long).await, "a free lock is taken");
+    assert!(!lock("team-a", "resp_2", long).await, "held by another");
+    assert!(lock("team-a", "resp_1", long).await, "its owner renews it");
+    assert!(
+        lock("team-b", "resp_2", long).await,
+        "another team's conversation of that id is another lock"
+    );
+    unlock("resp_2").await;
+    assert!(
+        !lock("team-a", "resp_3", long).await,
+        "only the owner releases it"
+    );
+    unlock("resp_1").await;
+    assert!(lock("team-a", "resp_3", long).await, "released");
+    unlock("resp_3").await;
+    // A holder that never releases (its process died) holds it for its TTL only.
+    assert!(lock("team-a", "resp_4", Duration::from_millis(300)).await);
+    assert!(!lock("team-a", "resp_5", long).await);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(lock("team-a", "resp_5", long).await, "expired");
+    unlock("resp_5").await;
 }
 
 /// Rate limits: a budget spent to the last unit, refusals with `retry_after`, all-or-nothing

@@ -2165,6 +2165,113 @@ async fn a_conversation_is_served_by_either_gateway_and_grows_with_each_turn() {
     fleet.shutdown().await;
 }
 
+/// One turn at a time in a conversation, across gateways: while a response runs in it,
+/// another response or an item append is refused `conversation_locked` on either gateway; the
+/// next turn may start the moment the running one's terminal event is read, and a refused
+/// request leaves the conversation unlocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_runs_one_turn_at_a_time_across_gateways() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("conversation_lock");
+    // 50 ms per token: the first turn runs for about two seconds.
+    let fleet = Fleet::over(vec![slow_sim(50.0).await])
+        .store(redis.url(), &prefix)
+        .gateways(2)
+        .start()
+        .await;
+    let (a, b) = (
+        fleet.gateways()[0].base_url(),
+        fleet.gateways()[1].base_url(),
+    );
+    let new_conversation = || async {
+        let (s, conv) = post_json(
+            format!("{a}/v1/conversations"),
+            json!({"items": [{"role": "user", "content": "Plan a parser."}]}),
+        )
+        .await;
+        assert_eq!(s, 200, "{conv}");
+        conv["id"].as_str().unwrap().to_string()
+    };
+    let id = new_conversation().await;
+    let turn = |input: &str, tokens: u32| {
+        json!({"model": "sim-model", "input": input, "conversation": id,
+               "max_output_tokens": tokens})
+    };
+    let mut long = turn("a long answer", 40);
+    long["stream"] = json!(true);
+    let running = post_response(&a, &long).await;
+    assert_eq!(running.status(), 200);
+
+    let locked = |(status, body): (u16, Value)| {
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(body["error"]["code"], "conversation_locked", "{body}");
+        assert_eq!(body["error"]["param"], "conversation", "{body}");
+    };
+    locked(create(&b, turn("meanwhile", 16)).await);
+    locked(create(&a, turn("meanwhile", 16)).await);
+    locked(
+        post_json(
+            format!("{b}/v1/conversations/{id}/items"),
+            json!({"items": [{"role": "user", "content": "meanwhile"}]}),
+        )
+        .await,
+    );
+    // Another conversation is not held up.
+    let other = new_conversation().await;
+    let (s, r) = create(
+        &b,
+        json!({"model": "sim-model", "input": "elsewhere", "conversation": other,
+               "max_output_tokens": 16}),
+    )
+    .await;
+    assert_eq!(s, 200, "{r}");
+
+    let events = read_sse(running).await;
+    let last = &events.last().unwrap().event;
+    assert!(
+        last == "response.completed" || last == "response.incomplete",
+        "{last}"
+    );
+    let (s, r) = create(&b, turn("next", 16)).await;
+    assert_eq!(s, 200, "the lock outlived the turn: {r}");
+    // A request refused after taking the lock gives it back before it is answered.
+    let mut unknown = turn("wrong model", 16);
+    unknown["model"] = json!("no-such-model");
+    let (s, r) = create(&a, unknown).await;
+    assert_eq!(s, 404, "{r}");
+    let (s, r) = create(&a, turn("last", 16)).await;
+    assert_eq!(s, 200, "{r}");
+
+    // Nothing refused reached the conversation.
+    let items = get_json(&format!(
+        "{a}/v1/conversations/{id}/items?order=asc&limit=100"
+    ))
+    .await;
+    let texts: Vec<(&str, &str)> = items["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["role"] == "user")
+        .map(|i| {
+            (
+                i["role"].as_str().unwrap(),
+                i["content"][0]["text"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        texts,
+        [
+            ("user", "Plan a parser."),
+            ("user", "a long answer"),
+            ("user", "next"),
+            ("user", "last")
+        ]
+    );
+    assert_eq!(items["data"].as_array().unwrap().len(), 7);
+    fleet.shutdown().await;
+}
+
 /// One simulated replica decoding `decode_ms` real milliseconds per token, behind a gateway
 /// with `extra` config.
 async fn slow_fleet(decode_ms: f64, extra: &str) -> Fleet {

@@ -19,7 +19,10 @@
 //!
 //! A conversation (Conversations API) is a hash `{prefix}conv:{id}` (`team`, `created_at`,
 //! `metadata`) and a list `{prefix}conv_items:{id}` of its items as JSON, both with the TTL,
-//! refreshed on every use; `conversation.lua` does each operation with the owner check.
+//! refreshed on every use; `conversation.lua` does each operation with the owner check. The
+//! turn running in it holds `{prefix}conv_lock:{team length}:{team}:{id}`, a string naming
+//! the holder, with the TTL the holder asks for (`conversation_lock.lua`: take or renew for the
+//! same holder, release only by it).
 //!
 //! Session pins are plain string keys `{prefix}pin:{pool}:{session}` (see [`crate::pins`])
 //! holding the pin as JSON, with their own TTL; a swap is one compare-and-set script, a touch
@@ -204,6 +207,7 @@ pub struct RedisStore {
     get_pin_script: LuaScript,
     rate_script: LuaScript,
     exchange_script: LuaScript,
+    conversation_lock_script: LuaScript,
 }
 
 /// How long to wait for a TCP connection to Redis.
@@ -256,6 +260,7 @@ impl RedisStore {
             get_pin_script: LuaScript::new(include_str!("get_pin.lua")),
             rate_script: LuaScript::new(include_str!("rate_limit.lua")),
             exchange_script: LuaScript::new(include_str!("exchange.lua")),
+            conversation_lock_script: LuaScript::new(include_str!("conversation_lock.lua")),
         };
         store.load_scripts().await?;
         Ok(store)
@@ -298,6 +303,12 @@ impl RedisStore {
         args.extend_from_slice(extra);
         self.run_script_keys(&self.conversation_script, &[&hash, &items], &args)
             .await
+    }
+
+    /// The Redis key of the lock of the team's conversation `id` (the team's name is
+    /// length-prefixed, so no team and id pair spells another's).
+    fn conversation_lock_key(&self, team: &str, id: &str) -> String {
+        format!("{}conv_lock:{}:{team}:{id}", self.key_prefix, team.len())
     }
 
     /// The Redis key of the pin of `session` in `pool` (see [`crate::pins::pin_key`]).
@@ -346,6 +357,7 @@ impl RedisStore {
             &self.get_pin_script,
             &self.rate_script,
             &self.exchange_script,
+            &self.conversation_lock_script,
         ] {
             pipe.cmd("SCRIPT").arg("LOAD").arg(script.source).ignore();
         }
@@ -827,6 +839,42 @@ impl Store for RedisStore {
             -1 => None,
             n => Some(n == 1),
         })
+    }
+
+    async fn lock_conversation(
+        &self,
+        team: &str,
+        id: &str,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let key = self.conversation_lock_key(team, id);
+        let ttl = millis(ttl).max(1).to_string();
+        let held: i64 = self
+            .run_script(
+                &self.conversation_lock_script,
+                &key,
+                &[b"hold", owner.as_bytes(), ttl.as_bytes()],
+            )
+            .await?;
+        Ok(held == 1)
+    }
+
+    async fn unlock_conversation(
+        &self,
+        team: &str,
+        id: &str,
+        owner: &str,
+    ) -> Result<(), StoreError> {
+        let key = self.conversation_lock_key(team, id);
+        let _released: i64 = self
+            .run_script(
+                &self.conversation_lock_script,
+                &key,
+                &[b"release", owner.as_bytes()],
+            )
+            .await?;
+        Ok(())
     }
 
     async fn get_pin(&self, pool: &str, session: &str) -> Result<Option<SessionPin>, StoreError> {
