@@ -241,6 +241,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::map_response(openai_shaped_rejections))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            metrics::observe_http,
+        ))
         .with_state(state)
 }
 

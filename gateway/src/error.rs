@@ -107,11 +107,32 @@ impl From<ApiError> for HttpError {
     }
 }
 
+/// The error code of an error answer, kept in the response's extensions for the HTTP metrics
+/// (`crate::metrics::observe_http`): the body's `code` when it is a plain snake_case word of at
+/// most 64 characters, as the gateway's own codes are, `other` else (a code passed on from an
+/// engine could be anything).
+#[derive(Debug, Clone)]
+pub struct ErrorCode(pub String);
+
+impl ErrorCode {
+    fn of(code: Option<&str>) -> ErrorCode {
+        let code = code.unwrap_or("");
+        let plain = !code.is_empty()
+            && code.len() <= 64
+            && code
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        ErrorCode(if plain { code } else { "other" }.to_string())
+    }
+}
+
 impl IntoResponse for HttpError {
     fn into_response(self) -> Response {
         let status =
             StatusCode::from_u16(self.error.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut resp = (status, axum::Json(self.body())).into_response();
+        resp.extensions_mut()
+            .insert(ErrorCode::of(self.error.code.as_deref()));
         if let Some(secs) = self.retry_after {
             if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
                 resp.headers_mut().insert(header::RETRY_AFTER, v);

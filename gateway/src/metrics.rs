@@ -8,6 +8,15 @@
 //!
 //! Two kinds of series:
 //!
+//! - **HTTP**, counted by a middleware around every route ([`observe_http`]): each request
+//!   by route (its template, `/v1/responses/{id}`; `unmatched` for unknown paths), method,
+//!   status and the error code of an error answer
+//!   (`agentgate_http_requests_total{route,method,status,code}`, `code` empty on success), and
+//!   the time until the answer's head was ready
+//!   (`agentgate_http_request_duration_seconds{route,method}`: a whole non-streamed answer,
+//!   a stream's opening, which comes with the engine's first answer). A request refused before
+//!   its stream opens (authentication, validation, flow control, an engine that failed at once)
+//!   is counted here, and in no response series;
 //! - **events**, counted as they happen through [`Metrics`]' methods: responses by how they
 //!   ended (`agentgate_responses_total{pool,status,code}`: `completed`, `incomplete`,
 //!   `cancelled` or `failed`, with a failure's error code: the engine failure's,
@@ -79,6 +88,12 @@ pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// Buckets (seconds) for the latency of prefill and decode legs.
 pub const LEG_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+
+/// Buckets (seconds) for the time until an HTTP answer's head.
+pub const HTTP_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0,
 ];
 
 /// Buckets (seconds) for probe and scrape latency.
@@ -368,6 +383,10 @@ pub struct Metrics {
     pub pd_sub_agent_calls: CounterVec<2>,
     /// `agentgate_pd_leg_duration_seconds{pool,leg}`.
     pub pd_leg_duration: HistogramVec<2>,
+    /// `agentgate_http_requests_total{route,method,status,code}`.
+    pub http_requests: CounterVec<4>,
+    /// `agentgate_http_request_duration_seconds{route,method}`.
+    pub http_duration: HistogramVec<2>,
 }
 
 impl Default for Metrics {
@@ -466,6 +485,17 @@ impl Metrics {
                 "Latency of disaggregated legs: prefill (until the KV cache is ready for decode) and decode (from then to the first token).",
                 ["pool", "leg"],
                 LEG_BUCKETS,
+            ),
+            http_requests: CounterVec::new(
+                "agentgate_http_requests_total",
+                "HTTP requests answered, by route template, method, status and the error code of an error answer (empty on success).",
+                ["route", "method", "status", "code"],
+            ),
+            http_duration: HistogramVec::new(
+                "agentgate_http_request_duration_seconds",
+                "Time until an HTTP answer's head was ready (a stream's: its opening), by route template and method.",
+                ["route", "method"],
+                HTTP_BUCKETS,
             ),
         }
     }
@@ -595,8 +625,46 @@ impl Metrics {
         self.pd_prefill_pin_moves.encode(&mut out);
         self.pd_sub_agent_calls.encode(&mut out);
         self.pd_leg_duration.encode(&mut out);
+        self.http_requests.encode(&mut out);
+        self.http_duration.encode(&mut out);
         out
     }
+}
+
+/// Count every answer in `agentgate_http_requests_total` and time its head in
+/// `agentgate_http_request_duration_seconds` (see the module docs). Labels stay bounded: the
+/// route is axum's template, the method one of those routes use (`other` else), the code one
+/// of the gateway's own ([`crate::error::ErrorCode`]).
+pub async fn observe_http(
+    State(state): State<Arc<AppState>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let method = match request.method().as_str() {
+        "GET" => "GET",
+        "POST" => "POST",
+        "DELETE" => "DELETE",
+        _ => "other",
+    };
+    let started = Instant::now();
+    let resp = next.run(request).await;
+    let code = resp
+        .extensions()
+        .get::<crate::error::ErrorCode>()
+        .map_or("", |c| c.0.as_str());
+    state
+        .metrics
+        .http_requests
+        .inc([&route, method, resp.status().as_str(), code]);
+    state
+        .metrics
+        .http_duration
+        .observe([&route, method], started.elapsed().as_secs_f64());
+    resp
 }
 
 /// A histogram family from flow-control snapshots' [`WaitHistogram`]s.

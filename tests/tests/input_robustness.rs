@@ -854,3 +854,40 @@ async fn a_follower_that_stops_reading_is_dropped() {
     gw.shutdown().await;
     sim.shutdown().await;
 }
+
+/// Every answer is counted by route template, method, status and error code, refusals before
+/// any stream included, and the time to its head is observed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_answers_are_counted_by_route_status_and_error_code() {
+    let sim = start_sim("sim-model").await;
+    let gw = start_gateway(&config_toml(&[sim.base_url()], None, "")).await;
+    let base = gw.base_url();
+    let ok = post_response(
+        &base,
+        &json!({"model": "sim-model", "input": "hi", "max_output_tokens": 16}),
+    )
+    .await;
+    assert_eq!(ok.status(), 200);
+    let refused = post_response(&base, &json!({"model": "sim-model", "input": 5})).await;
+    assert_eq!(refused.status(), 400);
+    let refused: Value = refused.json().await.unwrap();
+    let refused_code = refused["error"]["code"].as_str().unwrap().to_string();
+    let missing =
+        json_body(reqwest::Client::new().get(format!("{base}/v1/responses/resp_missing"))).await;
+    let missing_code = missing["error"]["code"].as_str().unwrap().to_string();
+    let unknown = json_body(reqwest::Client::new().get(format!("{base}/v1/nowhere"))).await;
+    assert_eq!(unknown["error"]["code"], "unknown_url");
+
+    let m = metrics_text(&base).await;
+    for line in [
+        r#"agentgate_http_requests_total{route="/v1/responses",method="POST",status="200",code=""} 1"#.to_string(),
+        format!(r#"agentgate_http_requests_total{{route="/v1/responses",method="POST",status="400",code="{refused_code}"}} 1"#),
+        format!(r#"agentgate_http_requests_total{{route="/v1/responses/{{id}}",method="GET",status="404",code="{missing_code}"}} 1"#),
+        r#"agentgate_http_requests_total{route="unmatched",method="GET",status="404",code="unknown_url"} 1"#.to_string(),
+        r#"agentgate_http_request_duration_seconds_count{route="/v1/responses",method="POST"} 2"#.to_string(),
+    ] {
+        assert!(m.contains(&line), "{line} missing from:\n{m}");
+    }
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
