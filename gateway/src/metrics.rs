@@ -14,7 +14,8 @@
 //!   (`agentgate_http_requests_total{route,method,status,code}`, `code` empty on success), and
 //!   the time until the answer's head was ready
 //!   (`agentgate_http_request_duration_seconds{route,method}`: a whole non-streamed answer,
-//!   a stream's opening, which comes with the engine's first answer). A request refused before
+//!   a stream's opening, which comes with the engine's first answer); a client that left before
+//!   the head is counted with status `499`, code `client_closed`. A request refused before
 //!   its stream opens (authentication, validation, flow control, an engine that failed at once)
 //!   is counted here, and in no response series;
 //! - **events**, counted as they happen through [`Metrics`]' methods: responses by how they
@@ -634,7 +635,9 @@ impl Metrics {
 /// Count every answer in `agentgate_http_requests_total` and time its head in
 /// `agentgate_http_request_duration_seconds` (see the module docs). Labels stay bounded: the
 /// route is axum's template, the method one of those routes use (`other` else), the code one
-/// of the gateway's own ([`crate::error::ErrorCode`]).
+/// of the gateway's own ([`crate::error::ErrorCode`]). A client that leaves before the head
+/// (while its request was queued, or a non-streamed turn ran) is counted with status `499`
+/// and code `client_closed`.
 pub async fn observe_http(
     State(state): State<Arc<AppState>>,
     request: axum::extract::Request,
@@ -650,21 +653,52 @@ pub async fn observe_http(
         "DELETE" => "DELETE",
         _ => "other",
     };
-    let started = Instant::now();
+    let mut pending = HttpAnswer {
+        state,
+        route,
+        method,
+        started: Instant::now(),
+        answered: false,
+    };
     let resp = next.run(request).await;
     let code = resp
         .extensions()
         .get::<crate::error::ErrorCode>()
         .map_or("", |c| c.0.as_str());
-    state
-        .metrics
-        .http_requests
-        .inc([&route, method, resp.status().as_str(), code]);
-    state
-        .metrics
-        .http_duration
-        .observe([&route, method], started.elapsed().as_secs_f64());
+    pending.record(resp.status().as_str(), code);
     resp
+}
+
+/// One request [`observe_http`] counts: recorded with its answer's status, or as `499` when
+/// dropped before it (the client went away).
+struct HttpAnswer {
+    state: Arc<AppState>,
+    route: String,
+    method: &'static str,
+    started: Instant,
+    answered: bool,
+}
+
+impl HttpAnswer {
+    fn record(&mut self, status: &str, code: &str) {
+        self.answered = true;
+        let metrics = &self.state.metrics;
+        metrics
+            .http_requests
+            .inc([&self.route, self.method, status, code]);
+        metrics.http_duration.observe(
+            [&self.route, self.method],
+            self.started.elapsed().as_secs_f64(),
+        );
+    }
+}
+
+impl Drop for HttpAnswer {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.record("499", "client_closed");
+        }
+    }
 }
 
 /// A histogram family from flow-control snapshots' [`WaitHistogram`]s.

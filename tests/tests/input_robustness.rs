@@ -891,3 +891,43 @@ async fn http_answers_are_counted_by_route_status_and_error_code() {
     gw.shutdown().await;
     sim.shutdown().await;
 }
+
+/// A client that leaves before its answer's head (a non-streamed turn still running) is
+/// counted as `499 client_closed`, not left out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_before_its_answer_is_counted_as_closed() {
+    // 50 ms per token of a 20,000-token answer: the turn runs far longer than the test.
+    let (sim, gw) = long_answers_paced(30.0, 50.0).await;
+    let base = gw.base_url();
+    let body = json!({"model": "sim-model", "input": "write at length"}).to_string();
+    let head = format!(
+        "POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}",
+        body.len()
+    );
+    let waiting = raw_request(&base, &head, body.as_bytes()).await;
+    let mut m = String::new();
+    for _ in 0..1500 {
+        m = metrics_text(&base).await;
+        if metric_sum(&m, "agentgate_endpoint_in_flight_requests") == 1.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        metric_sum(&m, "agentgate_endpoint_in_flight_requests"),
+        1.0,
+        "{m}"
+    );
+    drop(waiting);
+    let closed = r#"agentgate_http_requests_total{route="/v1/responses",method="POST",status="499",code="client_closed"} 1"#;
+    for _ in 0..1500 {
+        m = metrics_text(&base).await;
+        if m.contains(closed) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(m.contains(closed), "{m}");
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
