@@ -29,7 +29,9 @@
 //! background response from its creation), and `POST .../items` holds it while it checks and
 //! appends. Another response or append meanwhile is refused 400 `conversation_locked` (`param:
 //! conversation`), as OpenAI refuses it, instead of building on a snapshot the running turn is
-//! about to extend. The lock lives in the store, so it holds across gateway replicas; its TTL
+//! about to extend (after a short wait, [`TAKE_RETRIES`]: the lock is released a store round
+//! trip after a client may have seen its turn end). A cancel releases a background response's
+//! lock at once ([`release_for`]). The lock lives in the store, so it holds across gateway replicas; its TTL
 //! ([`LOCK_TTL`], renewed while the turn runs) frees the conversation of a gateway that died
 //! holding it. The session key
 //! of such turns is the conversation id (`agentgate_scheduler::session_key`), so they go to the
@@ -64,6 +66,19 @@ use crate::responses::{
 /// that dies mid-turn keeps its conversations locked.
 pub const LOCK_TTL: Duration = Duration::from_secs(30);
 
+/// Pauses between tries to take a held lock before refusing (about 0.8 s in all): a turn
+/// releases it a store round trip or two after its client may have seen it end (a background
+/// response's record says `completed` just before its items are appended; a cancel on another
+/// replica is seen at its run's next event-log write), and a client that starts the next turn
+/// at once should not be refused for that.
+const TAKE_RETRIES: [Duration; 5] = [
+    Duration::from_millis(25),
+    Duration::from_millis(50),
+    Duration::from_millis(100),
+    Duration::from_millis(200),
+    Duration::from_millis(400),
+];
+
 /// The lock of one conversation, held by one turn (or one item append) until released or
 /// its last clone dropped (see the module docs). A task renews it every third of [`LOCK_TTL`].
 #[derive(Clone)]
@@ -80,42 +95,102 @@ struct LockHolder {
 
 impl ConversationLock {
     /// Take conversation `id`'s lock for `owner`; 400 `conversation_locked` while another
-    /// turn holds it.
+    /// turn holds it (after [`TAKE_RETRIES`]). The store calls run in a task of their own, so
+    /// a client that leaves meanwhile cannot leave the lock taken with no holder: the task's
+    /// lock is then dropped, which releases it.
     pub async fn take(
         store: &Arc<AnyStore>,
         team: &Team,
         id: &str,
         owner: &str,
     ) -> Result<ConversationLock, HttpError> {
-        if !store
-            .lock_conversation(&team.0, id, owner, LOCK_TTL)
-            .await
-            .map_err(store_error)?
-        {
-            return Err(HttpError::invalid(
-                format!(
-                    "Another request is running in conversation '{id}' (a response, or items \
-                     being added); retry once it has finished."
-                ),
-                Some("conversation"),
-                Some("conversation_locked"),
-            ));
+        let holder = LockHolder {
+            store: store.clone(),
+            team: team.0.clone(),
+            id: id.to_string(),
+            owner: owner.to_string(),
+            keeper: std::sync::Mutex::new(None),
+        };
+        tokio::spawn(holder.take()).await.unwrap_or_else(|e| {
+            Err(HttpError::server(
+                500,
+                format!("Taking the conversation's lock failed: {e}."),
+                "server_error",
+            ))
+        })
+    }
+
+    /// Release the lock now, in the store (once; later calls do nothing), before the caller
+    /// tells its client the turn is over: a client may start the next turn the moment it
+    /// reads that. The release runs in a task of its own, so it happens even if the caller is
+    /// dropped while waiting for it.
+    pub async fn release(&self) {
+        if let Some(keeper) = self.0.take_keeper() {
+            let holder = self.0.detached();
+            let _ = tokio::spawn(async move { holder.unlock(keeper).await }).await;
+        }
+    }
+}
+
+/// Release, for a background response `owner` cancelled or deleted while it ran or waited
+/// in conversation `id`, the lock its run holds: a cancelled response adds nothing to the
+/// conversation, and its run (maybe on another replica) may take a while to notice. The run
+/// renews only a lock it still holds, so it does not take it back.
+pub async fn release_for(state: &AppState, team: &str, response: &Value, owner: &str) {
+    let Some(id) = response.pointer("/conversation/id").and_then(Value::as_str) else {
+        return;
+    };
+    if let Err(e) = state.store.unlock_conversation(team, id, owner).await {
+        tracing::warn!(conversation = %id, response = %owner, "could not release the conversation's lock (it expires by itself): {e}");
+    }
+}
+
+impl LockHolder {
+    /// Take the lock (see [`ConversationLock::take`]) and start renewing it.
+    async fn take(self) -> Result<ConversationLock, HttpError> {
+        let mut pauses = TAKE_RETRIES.iter();
+        loop {
+            let taken = self
+                .store
+                .lock_conversation(&self.team, &self.id, &self.owner, LOCK_TTL, false)
+                .await
+                .map_err(store_error)?;
+            if taken {
+                break;
+            }
+            match pauses.next() {
+                Some(pause) => tokio::time::sleep(*pause).await,
+                None => {
+                    return Err(HttpError::invalid(
+                        format!(
+                            "Another request is running in conversation '{}' (a response, or \
+                             items being added); retry once it has finished.",
+                            self.id
+                        ),
+                        Some("conversation"),
+                        Some("conversation_locked"),
+                    ))
+                }
+            }
         }
         let keeper = {
             let (store, team, id, owner) = (
-                store.clone(),
-                team.0.clone(),
-                id.to_string(),
-                owner.to_string(),
+                self.store.clone(),
+                self.team.clone(),
+                self.id.clone(),
+                self.owner.clone(),
             );
             tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(LOCK_TTL / 3).await;
-                    match store.lock_conversation(&team, &id, &owner, LOCK_TTL).await {
+                    match store
+                        .lock_conversation(&team, &id, &owner, LOCK_TTL, true)
+                        .await
+                    {
                         Ok(true) => {}
-                        Ok(false) => {
-                            tracing::warn!(conversation = %id, response = %owner, "the conversation's lock expired while its turn ran, and another request holds it now")
-                        }
+                        // Released for it (its response was cancelled), or expired while the
+                        // store was out of reach: not taken back.
+                        Ok(false) => break,
                         Err(e) => {
                             tracing::warn!(conversation = %id, response = %owner, "could not renew the conversation's lock: {e}")
                         }
@@ -123,26 +198,13 @@ impl ConversationLock {
                 }
             })
         };
-        Ok(ConversationLock(Arc::new(LockHolder {
-            store: store.clone(),
-            team: team.0.clone(),
-            id: id.to_string(),
-            owner: owner.to_string(),
-            keeper: std::sync::Mutex::new(Some(keeper)),
-        })))
+        *self
+            .keeper
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(keeper);
+        Ok(ConversationLock(Arc::new(self)))
     }
 
-    /// Release the lock now, in the store (once; later calls do nothing), before the caller
-    /// tells its client the turn is over: a client may start the next turn the moment it
-    /// reads that.
-    pub async fn release(&self) {
-        if let Some(keeper) = self.0.take_keeper() {
-            self.0.unlock(keeper).await;
-        }
-    }
-}
-
-impl LockHolder {
     fn take_keeper(&self) -> Option<JoinHandle<()>> {
         self.keeper
             .lock()
@@ -150,8 +212,19 @@ impl LockHolder {
             .take()
     }
 
-    /// Stop `keeper` renewing the lock (a renewal still running ends first, so it cannot take
-    /// the lock again afterwards), then release it.
+    /// The same lock's names, without its renewing task (for a task that releases it).
+    fn detached(&self) -> LockHolder {
+        LockHolder {
+            store: self.store.clone(),
+            team: self.team.clone(),
+            id: self.id.clone(),
+            owner: self.owner.clone(),
+            keeper: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Stop `keeper` renewing the lock, then release it. A renewal already sent may still
+    /// land after the release; it renews only a lock its owner holds, so it does nothing.
     async fn unlock(&self, keeper: JoinHandle<()>) {
         keeper.abort();
         let _ = keeper.await;
@@ -176,13 +249,7 @@ impl Drop for LockHolder {
             keeper.abort();
             return;
         };
-        let holder = LockHolder {
-            store: self.store.clone(),
-            team: std::mem::take(&mut self.team),
-            id: std::mem::take(&mut self.id),
-            owner: std::mem::take(&mut self.owner),
-            keeper: std::sync::Mutex::new(None),
-        };
+        let holder = self.detached();
         runtime.spawn(async move { holder.unlock(keeper).await });
     }
 }
@@ -440,33 +507,47 @@ pub async fn add_items(
     let fields = body_of(&state, &headers, body).await?;
     let items = items_of(&fields, true)?;
     // Checked and appended under the conversation's lock: not between a running turn's read
-    // of the items and the append of its own.
-    let _lock = ConversationLock::take(&state.store, &team, &id, &new_id("append")).await?;
+    // of the items and the append of its own. Released before the answer, so the client's
+    // next request finds it free.
+    let lock = ConversationLock::take(&state.store, &team, &id, &new_id("append")).await?;
+    let added = append_items(&state, &team, &id, &fields, items).await;
+    lock.release().await;
+    added
+}
+
+/// The checks and the append of [`add_items`], under the conversation's lock.
+async fn append_items(
+    state: &AppState,
+    team: &Team,
+    id: &str,
+    fields: &serde_json::Map<String, Value>,
+    items: Vec<Value>,
+) -> Result<Json<Value>, HttpError> {
     // Ids the client chose are checked against the conversation's; ids made here are new.
     let chosen_ids = fields
         .get("items")
         .and_then(Value::as_array)
         .is_some_and(|sent| sent.iter().any(|item| item.get("id").is_some()));
     if chosen_ids {
-        let held = self::items(&state, &team, &id).await?;
+        let held = self::items(state, team, id).await?;
         check_new_ids(&held, &items)?;
-        check_room(&state, &id, held.len(), items.len(), "items")?;
+        check_room(state, id, held.len(), items.len(), "items")?;
     } else if state.config.store.conversation_max_items > 0 {
         let held = state
             .store
-            .conversation_len(&team.0, &id)
+            .conversation_len(&team.0, id)
             .await
             .map_err(store_error)?
-            .ok_or_else(|| not_found(&id))?;
-        check_room(&state, &id, held, items.len(), "items")?;
+            .ok_or_else(|| not_found(id))?;
+        check_room(state, id, held, items.len(), "items")?;
     }
     if !state
         .store
-        .append_conversation_items(&team.0, &id, "", &items)
+        .append_conversation_items(&team.0, id, "", &items)
         .await
         .map_err(store_error)?
     {
-        return Err(not_found(&id));
+        return Err(not_found(id));
     }
     Ok(Json(item_list(items, false)))
 }

@@ -750,6 +750,10 @@ async fn run_turn(
         Err(e) if req.stream && e.error.code.as_deref() == Some(CONTEXT_LENGTH_EXCEEDED) => {
             let events =
                 turn::failed_at_start(state, &turn, CONTEXT_LENGTH_EXCEEDED, &e.error.message);
+            // It adds nothing to its conversation.
+            if let Some(lock) = &turn.conversation_lock {
+                lock.release().await;
+            }
             let (tx, rx) = mpsc::channel(events.len().max(1));
             for event in &events {
                 let _ = tx.try_send(Bytes::from(event.to_sse_frame()));
@@ -1129,6 +1133,9 @@ pub async fn cancel(
         .map_err(store_error)?;
     if applied {
         signal_cancel(&state, &id);
+        // It adds nothing to its conversation: the next turn there need not wait for the run
+        // to notice.
+        crate::conversations::release_for(&state, &team.0, &rec.response, &id).await;
         return Ok(Json(cancelled));
     }
     let current = load_record(&state, &team, &id).await?;

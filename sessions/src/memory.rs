@@ -940,6 +940,7 @@ impl Store for MemoryStore {
         id: &str,
         owner: &str,
         ttl: Duration,
+        renew_only: bool,
     ) -> Result<bool, StoreError> {
         let now = Instant::now();
         let mut locks = self
@@ -953,8 +954,8 @@ impl Store for MemoryStore {
         }
         let key = (team.to_string(), id.to_string());
         let free = match locks.get(&key) {
-            Some((holder, expires_at)) => holder == owner || *expires_at <= now,
-            None => true,
+            Some((holder, expires_at)) if *expires_at > now => holder == owner,
+            _ => !renew_only,
         };
         if free {
             locks.insert(key, (owner.to_string(), expiry_after(now, ttl)));

@@ -156,15 +156,18 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<bool>, StoreError>> + Send;
 
     /// Hold conversation `id`'s lock (the team's) for `owner`, for `ttl`: taken when free or
-    /// expired, renewed when `owner` holds it already; false while another owner holds it.
-    /// A turn running in a conversation holds it from reading the items to appending its
-    /// own, so two turns never build on the same snapshot. One round trip.
+    /// expired (unless `renew_only`), renewed when `owner` holds it already; false while
+    /// another owner holds it (or, `renew_only`, when `owner` does not). A turn running in a
+    /// conversation holds it from reading the items to appending its own, so two turns never
+    /// build on the same snapshot; it renews with `renew_only`, so a lock released for it
+    /// (its response cancelled) or expired is not taken again. One round trip.
     fn lock_conversation(
         &self,
         team: &str,
         id: &str,
         owner: &str,
         ttl: Duration,
+        renew_only: bool,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Release conversation `id`'s lock if `owner` holds it (else nothing). One round trip.
@@ -432,10 +435,11 @@ impl Store for AnyStore {
         id: &str,
         owner: &str,
         ttl: Duration,
+        renew_only: bool,
     ) -> Result<bool, StoreError> {
         match self {
-            AnyStore::Memory(s) => s.lock_conversation(team, id, owner, ttl).await,
-            AnyStore::Redis(s) => s.lock_conversation(team, id, owner, ttl).await,
+            AnyStore::Memory(s) => s.lock_conversation(team, id, owner, ttl, renew_only).await,
+            AnyStore::Redis(s) => s.lock_conversation(team, id, owner, ttl, renew_only).await,
         }
     }
 

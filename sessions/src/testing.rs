@@ -552,15 +552,17 @@ pub async fn conversation_suite<S: Store>(store: &S) {
 /// only by their owner, and free again once their TTL passes. One round trip each.
 pub async fn conversation_lock_suite<S: Store>(store: &S) {
     let long = Duration::from_secs(60);
-    let lock = |team: &'static str, owner: &'static str, ttl: Duration| async move {
+    let hold = |team: &'static str, owner: &'static str, ttl: Duration, renew_only: bool| async move {
         at_most_one_round_trip(
             store,
             "lock conversation",
-            store.lock_conversation(team, "conv_l", owner, ttl),
+            store.lock_conversation(team, "conv_l", owner, ttl, renew_only),
         )
         .await
         .expect("lock conversation")
     };
+    let lock = |team, owner, ttl| hold(team, owner, ttl, false);
+    let renew = |owner, ttl| hold("team-a", owner, ttl, true);
     let unlock = |owner: &'static str| async move {
         at_most_one_round_trip(
             store,
@@ -570,9 +572,15 @@ pub async fn conversation_lock_suite<S: Store>(store: &S) {
         .await
         .expect("unlock conversation")
     };
+    assert!(!renew("resp_1", long).await, "a renewal takes no free lock");
     assert!(lock("team-a", "resp_1", long).await, "a free lock is taken");
     assert!(!lock("team-a", "resp_2", long).await, "held by another");
-    assert!(lock("team-a", "resp_1", long).await, "its owner renews it");
+    assert!(!renew("resp_2", long).await, "held by another");
+    assert!(
+        lock("team-a", "resp_1", long).await,
+        "its owner takes it again"
+    );
+    assert!(renew("resp_1", long).await, "its owner renews it");
     assert!(
         lock("team-b", "resp_2", long).await,
         "another team's conversation of that id is another lock"
@@ -583,12 +591,14 @@ pub async fn conversation_lock_suite<S: Store>(store: &S) {
         "only the owner releases it"
     );
     unlock("resp_1").await;
+    assert!(!renew("resp_1", long).await, "released: not renewed");
     assert!(lock("team-a", "resp_3", long).await, "released");
     unlock("resp_3").await;
     // A holder that never releases (its process died) holds it for its TTL only.
     assert!(lock("team-a", "resp_4", Duration::from_millis(300)).await);
     assert!(!lock("team-a", "resp_5", long).await);
     tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(!renew("resp_4", long).await, "expired: not renewed");
     assert!(lock("team-a", "resp_5", long).await, "expired");
     unlock("resp_5").await;
 }

@@ -137,3 +137,28 @@ def test_listed_items_carry_the_fields_the_sdk_requires(client):
     assert items[0].content[1].detail == "auto"
     again = client.conversations.items.retrieve(items[1].id, conversation_id=conv.id)
     assert again.status == "completed"
+
+
+def test_a_conversation_runs_one_response_at_a_time(slow_gateway):
+    client = slow_gateway.client()
+    conv = client.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "Plan a parser."}])
+    # About 200 ms per token: it runs for minutes unless cancelled.
+    running = client.responses.create(model=MODEL, input="Write it all out.",
+                                      conversation=conv.id, background=True,
+                                      max_output_tokens=4000)
+    with pytest.raises(openai.BadRequestError) as locked:
+        client.responses.create(model=MODEL, input="meanwhile", conversation=conv.id)
+    assert (locked.value.code, locked.value.param) == ("conversation_locked", "conversation")
+    with pytest.raises(openai.BadRequestError) as locked:
+        client.conversations.items.create(
+            conv.id, items=[{"type": "message", "role": "user", "content": "meanwhile"}])
+    assert locked.value.code == "conversation_locked"
+    # Cancelled, it adds nothing, and the conversation is free at once.
+    assert client.responses.cancel(running.id).status == "cancelled"
+    after = client.responses.create(model=MODEL, input="Just the outline.",
+                                    conversation=conv.id, max_output_tokens=16)
+    assert after.status in ("completed", "incomplete")
+    items = client.conversations.items.list(conv.id, order="asc")
+    assert _texts(items.data) == [("user", "Plan a parser."), ("user", "Just the outline."),
+                                  ("assistant", after.output_text)]

@@ -2173,8 +2173,15 @@ async fn a_conversation_is_served_by_either_gateway_and_grows_with_each_turn() {
 async fn a_conversation_runs_one_turn_at_a_time_across_gateways() {
     let redis = TestRedis::start();
     let prefix = unique_prefix("conversation_lock");
-    // 50 ms per token: the first turn runs for about two seconds.
-    let fleet = Fleet::over(vec![slow_sim(50.0).await])
+    // 50 ms per token: the first turn runs for about ten seconds (each refusal below waits
+    // 0.8 s for the lock first).
+    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+        default_output_tokens: 20_000,
+        ..slow_sim_config(50.0)
+    })
+    .await
+    .unwrap();
+    let fleet = Fleet::over(vec![sim])
         .store(redis.url(), &prefix)
         .gateways(2)
         .start()
@@ -2197,7 +2204,7 @@ async fn a_conversation_runs_one_turn_at_a_time_across_gateways() {
         json!({"model": "sim-model", "input": input, "conversation": id,
                "max_output_tokens": tokens})
     };
-    let mut long = turn("a long answer", 40);
+    let mut long = turn("a long answer", 200);
     long["stream"] = json!(true);
     let running = post_response(&a, &long).await;
     assert_eq!(running.status(), 200);
@@ -2234,6 +2241,12 @@ async fn a_conversation_runs_one_turn_at_a_time_across_gateways() {
     );
     let (s, r) = create(&b, turn("next", 16)).await;
     assert_eq!(s, 200, "the lock outlived the turn: {r}");
+    let (s, r) = post_json(
+        format!("{a}/v1/conversations/{id}/items"),
+        json!({"items": [{"role": "user", "content": "added"}]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{r}");
     // A request refused after taking the lock gives it back before it is answered.
     let mut unknown = turn("wrong model", 16);
     unknown["model"] = json!("no-such-model");
@@ -2265,10 +2278,11 @@ async fn a_conversation_runs_one_turn_at_a_time_across_gateways() {
             ("user", "Plan a parser."),
             ("user", "a long answer"),
             ("user", "next"),
+            ("user", "added"),
             ("user", "last")
         ]
     );
-    assert_eq!(items["data"].as_array().unwrap().len(), 7);
+    assert_eq!(items["data"].as_array().unwrap().len(), 8);
     fleet.shutdown().await;
 }
 

@@ -847,14 +847,16 @@ impl Store for RedisStore {
         id: &str,
         owner: &str,
         ttl: Duration,
+        renew_only: bool,
     ) -> Result<bool, StoreError> {
         let key = self.conversation_lock_key(team, id);
         let ttl = millis(ttl).max(1).to_string();
+        let op: &[u8] = if renew_only { b"renew" } else { b"hold" };
         let held: i64 = self
             .run_script(
                 &self.conversation_lock_script,
                 &key,
-                &[b"hold", owner.as_bytes(), ttl.as_bytes()],
+                &[op, owner.as_bytes(), ttl.as_bytes()],
             )
             .await?;
         Ok(held == 1)
