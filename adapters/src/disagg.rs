@@ -196,12 +196,15 @@ impl EngineClient {
     /// [`EngineClient::chat_stream_disaggregated`], also reporting how long the prefill leg
     /// took and, where the protocol returns it (vLLM), the prefill engine's usage.
     ///
-    /// SGLang: when the prefill leg fails before the decode engine answers, the decode leg is
-    /// abandoned at once (its engine would otherwise wait in the bootstrap room until its
-    /// transfer timeout) and the prefill leg is blamed. When the decode leg fails first, the
-    /// prefill leg is blamed only if it fails within 2 s. A prefill leg still running when the
-    /// decode leg fails, or when its stream is dropped, is dropped too. Either leg's answer is read with the
-    /// client's first-byte and idle timeouts, so neither waits for ever on a silent engine.
+    /// SGLang: the decode engine answers with its headers at once, then waits in the bootstrap
+    /// room for the KV cache; this returns once its first chunk has come or the prefill leg has
+    /// ended (`prefill_latency`). When the prefill leg fails before that, the decode leg is
+    /// abandoned at once (its engine would otherwise wait in the room until its transfer
+    /// timeout) and the prefill leg is blamed. When the decode leg fails first (an error
+    /// status, a broken stream, or an error chunk before any output), the prefill leg is
+    /// blamed only if it fails within 2 s. A prefill leg still running when the decode leg
+    /// fails, or when its stream is dropped, is dropped too. Either leg's answer is read with
+    /// the client's first-byte and idle timeouts, so neither waits for ever on a silent engine.
     pub async fn open_disaggregated(
         &self,
         flavor: Flavor,
@@ -229,43 +232,75 @@ impl EngineClient {
                     tokio::spawn(
                         async move { client.chat_discard(&prefill_url, &prefill_leg).await },
                     );
-                // Held from here: a caller that gives up while the decode leg is still opening
-                // (the decode engine answers only once the KV has arrived, so that lasts the
-                // whole prefill) drops the prefill leg with it.
+                // Held from here: a caller that gives up while the decode leg waits for the KV
+                // cache (which lasts the whole prefill) drops the prefill leg with it.
                 let prefill_leg = AbortOnDrop(prefill_task.abort_handle());
                 let decode = self.chat_stream(decode_url, &leg);
                 tokio::pin!(decode);
+                let mut prefill_done = false;
+                // 1. The decode engine's headers (or the prefill leg failing first).
                 let opened = tokio::select! {
-                    decode = &mut decode => match decode {
-                        Ok(stream) => Ok(stream),
-                        // The decode leg often fails because the prefill leg did (no KV
-                        // arrived); a prefill still running after a short wait is not blamed.
-                        Err(decode_err) => {
-                            match tokio::time::timeout(PREFILL_VERDICT_WAIT, &mut prefill_task)
-                                .await
-                            {
-                                Ok(Ok(Err(prefill_err))) => Err(DisaggError::Prefill(prefill_err)),
-                                _ => Err(DisaggError::Decode(decode_err)),
+                    decode = &mut decode => decode,
+                    prefilled = &mut prefill_task => {
+                        prefill_done = true;
+                        match prefilled {
+                            Ok(Err(prefill_err)) => return Err(DisaggError::Prefill(prefill_err)),
+                            _ => decode.await,
+                        }
+                    }
+                };
+                let mut stream = match opened {
+                    Ok(stream) => stream,
+                    Err(decode_err) => {
+                        return Err(blame(&mut prefill_task, prefill_done, decode_err).await)
+                    }
+                };
+                // 2. The KV cache in the room: the decode engine answers with its headers at
+                // once and then waits for it, so the leg is over when its first chunk comes or
+                // the prefill leg ends, whichever is first. A prefill leg failing meanwhile
+                // fails the request here (the decode engine would wait out its transfer
+                // timeout), as does an error the decode engine streams before any output.
+                let first = if prefill_done {
+                    None
+                } else {
+                    tokio::select! {
+                        first = stream.next() => Some(first),
+                        prefilled = &mut prefill_task => {
+                            prefill_done = true;
+                            match prefilled {
+                                Ok(Err(prefill_err)) => return Err(DisaggError::Prefill(prefill_err)),
+                                _ => None,
                             }
                         }
-                    },
-                    prefilled = &mut prefill_task => match prefilled {
-                        Ok(Err(prefill_err)) => Err(DisaggError::Prefill(prefill_err)),
-                        _ => decode.await.map_err(DisaggError::Decode),
-                    },
+                    }
                 };
-                // Once the decode leg is over (failed, or its stream dropped: the turn ended or
-                // failed), nobody will fetch what a prefill leg still running computes: it is
-                // dropped (the engine aborts a request whose client went) rather than left to
-                // run to its end and wait out its transfer timeout. A prefill leg that finished
-                // is not affected.
-                // The decode engine answers once the KV cache has arrived in the room.
-                opened.map(|stream| Disaggregated {
+                let prefill_latency = started.elapsed();
+                let head = match first {
+                    Some(Some(Ok(chunk))) => match crate::stream::engine_error_message(&chunk) {
+                        Some(message) => {
+                            let decode_err = UpstreamError::Protocol(format!(
+                                "{decode_url}: the decode engine failed before its first token: {message}"
+                            ));
+                            return Err(blame(&mut prefill_task, prefill_done, decode_err).await);
+                        }
+                        None => Some(Ok(chunk)),
+                    },
+                    Some(Some(Err(decode_err))) => {
+                        return Err(blame(&mut prefill_task, prefill_done, decode_err).await)
+                    }
+                    Some(None) | None => None,
+                };
+                // Once the decode stream is dropped (the turn ended or failed), nobody will
+                // fetch what a prefill leg still running computes: it is dropped (the engine
+                // aborts a request whose client went) rather than left to run to its end and
+                // wait out its transfer timeout. A prefill leg that finished is not affected.
+                let stream = futures_util::stream::iter(head).chain(stream);
+                Ok(Disaggregated {
                     stream: Box::pin(stream.map(move |chunk| {
                         let _held = &prefill_leg;
                         chunk
                     })),
-                    prefill_latency: started.elapsed(),
+                    prefill_latency,
                     prefill_usage: None,
                 })
             }
@@ -299,6 +334,24 @@ impl EngineClient {
     }
 }
 
+/// Which leg a failed SGLang decode leg is blamed on: it often fails because the prefill leg
+/// did (no KV arrived), so a prefill leg that fails within [`PREFILL_VERDICT_WAIT`] takes the
+/// blame; one still running then (or done well) does not.
+async fn blame(
+    prefill_task: &mut tokio::task::JoinHandle<Result<(), UpstreamError>>,
+    prefill_done: bool,
+    decode_err: UpstreamError,
+) -> DisaggError {
+    if !prefill_done {
+        if let Ok(Ok(Err(prefill_err))) =
+            tokio::time::timeout(PREFILL_VERDICT_WAIT, prefill_task).await
+        {
+            return DisaggError::Prefill(prefill_err);
+        }
+    }
+    DisaggError::Decode(decode_err)
+}
+
 /// Aborts a task when dropped.
 struct AbortOnDrop(tokio::task::AbortHandle);
 
@@ -313,7 +366,8 @@ pub struct Disaggregated {
     /// The decode engine's stream.
     pub stream: ChunkStream,
     /// From sending the request until the KV cache was ready for decode: the prefill leg's
-    /// answer (vLLM), or the decode engine's answer, which waits for the transfer (SGLang).
+    /// answer (vLLM), or the decode engine's first chunk or the prefill leg's end, whichever
+    /// came first (SGLang).
     pub prefill_latency: Duration,
     /// The prefill engine's prompt usage, when its protocol returns it.
     pub prefill_usage: Option<PrefillUsage>,

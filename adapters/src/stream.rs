@@ -1010,7 +1010,7 @@ fn request_fault_code(chunk: &Value, message: &str) -> Option<&'static str> {
 
 /// The message of an engine error delivered inside the stream (`{"error": {...}}` or
 /// `{"object": "error", "message": ...}`), if this chunk is one.
-fn engine_error_message(chunk: &Value) -> Option<String> {
+pub(crate) fn engine_error_message(chunk: &Value) -> Option<String> {
     if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
         let message = error
             .get("message")

@@ -125,3 +125,36 @@ async fn sglang_legs_meet_in_a_bootstrap_room() {
     assert!(matches!(err, DisaggError::Prefill(_)), "{err}");
     decode.shutdown().await;
 }
+
+/// SGLang's decode engine answers with its headers at once and then waits in the bootstrap
+/// room: a prefill leg that fails after that fails the request as a prefill failure (which the
+/// gateway falls back from), instead of being handed back as an open stream that waits out the
+/// decode engine's transfer timeout and then fails as an engine error.
+#[tokio::test]
+async fn an_sglang_prefill_failing_after_the_decode_headers_is_a_prefill_failure() {
+    let decode = sim(agentgate_sim::Flavor::Sglang, Role::Decode).await;
+    // A prefill engine (and bootstrap server) that takes connections and drops them 300 ms
+    // later unanswered.
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = hole.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = hole.accept().await {
+            tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                drop(conn);
+            });
+        }
+    });
+    let target = PrefillTarget {
+        base_url: format!("http://127.0.0.1:{port}"),
+        bootstrap: Some(("127.0.0.1".to_string(), port)),
+    };
+    let client = EngineClient::new(ClientOptions::default());
+    let err = client
+        .chat_stream_disaggregated(Flavor::Sglang, &target, &decode.base_url(), &body())
+        .await
+        .err()
+        .expect("the request fails");
+    assert!(matches!(err, DisaggError::Prefill(_)), "{err}");
+    decode.shutdown().await;
+}

@@ -18,7 +18,9 @@
 //!
 //! Either way, if the transfer cannot complete (prefill replica unreachable, blocks unknown or
 //! expired after `--kv-transfer-timeout-s`, or different blocks than the decode prompt), the decode
-//! request fails with HTTP 500 in the engine's error shape.
+//! request fails with HTTP 500 in the engine's error shape; a streamed SGLang decode request,
+//! whose headers go out at once (as SGLang's HTTP server sends them before the request is
+//! scheduled), gets that error as an `{"error": {...}}` event, then `[DONE]`.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -702,6 +702,59 @@ async fn transfer(
 }
 
 async fn run(state: Shared, prepared: Prepared) -> Result<Response, ApiError> {
+    // SGLang (its HTTP server, like vLLM's) sends a streamed answer's headers at once; a
+    // decode server then waits in the bootstrap room for the KV cache, and a transfer that
+    // fails ends the stream with an error.
+    if prepared.stream
+        && prepared.bootstrap.is_some()
+        && state.config.flavor == Flavor::Sglang
+        && state.config.role == Role::Decode
+    {
+        return Ok(headers_first(state, prepared));
+    }
+    run_now(state, prepared).await
+}
+
+/// A streamed answer whose headers go out at once, its events once [`run_now`] has them; a
+/// failure before the first event is sent in the stream as SGLang sends it (an `error` object,
+/// then `[DONE]`).
+fn headers_first(state: Shared, prepared: Prepared) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
+    tokio::spawn(async move {
+        match run_now(state, prepared).await {
+            Ok(answer) => {
+                let mut body = answer.into_body().into_data_stream();
+                while let Some(frame) = futures_util::StreamExt::next(&mut body).await {
+                    // A client that left drops `rx`: the answer's stream is dropped with it, and
+                    // the engine cancels the request.
+                    if tx.send(frame.map_err(std::io::Error::other)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(error) => {
+                let frame = json!({"error": {"object": "error", "message": error.message,
+                    "type": "InternalServerError", "param": null,
+                    "code": error.status.as_u16()}});
+                let _ = tx.send(Ok(sse(&frame))).await;
+                let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+            }
+        }
+    });
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_default()
+}
+
+/// Transfer the KV cache a disaggregated request needs, submit the request to the engine and
+/// answer it.
+async fn run_now(state: Shared, prepared: Prepared) -> Result<Response, ApiError> {
     let hashes = chain_hashes(&prepared.tokens, state.config.block_size);
     let (imported_blocks, handoff) = match transfer(&state, &prepared, &hashes).await {
         Ok(result) => result,
