@@ -197,8 +197,8 @@ impl EngineClient {
     /// took and, where the protocol returns it (vLLM), the prefill engine's usage.
     ///
     /// SGLang: the decode engine answers with its headers at once, then waits in the bootstrap
-    /// room for the KV cache; this returns once its first chunk has come or the prefill leg has
-    /// ended (`prefill_latency`). When the prefill leg fails before that, the decode leg is
+    /// room for the KV cache; this returns once its first chunk has come (`prefill_latency`
+    /// ends then, or when the prefill leg ended, if earlier). When the prefill leg fails before that, the decode leg is
     /// abandoned at once (its engine would otherwise wait in the room until its transfer
     /// timeout) and the prefill leg is blamed. When the decode leg fails first (an error
     /// status, a broken stream, or an error chunk before any output), the prefill leg is
@@ -256,45 +256,52 @@ impl EngineClient {
                     }
                 };
                 // 2. The KV cache in the room: the decode engine answers with its headers at
-                // once and then waits for it, so the leg is over when its first chunk comes or
-                // the prefill leg ends, whichever is first. A prefill leg failing meanwhile
-                // fails the request here (the decode engine would wait out its transfer
-                // timeout), as does an error the decode engine streams before any output.
-                let first = if prefill_done {
-                    None
-                } else {
+                // once and then waits for it. The KV is ready when the prefill leg ends or the
+                // decode engine's first chunk comes, whichever is first; the request is open
+                // once that chunk has come. A prefill leg failing first fails the request here
+                // (the decode engine would wait out its transfer timeout), as does a decode leg
+                // that fails, streams an error or ends before any output.
+                let mut kv_ready = None;
+                let first = loop {
+                    if prefill_done {
+                        break stream.next().await;
+                    }
                     tokio::select! {
-                        first = stream.next() => Some(first),
+                        first = stream.next() => break first,
                         prefilled = &mut prefill_task => {
                             prefill_done = true;
                             match prefilled {
                                 Ok(Err(prefill_err)) => return Err(DisaggError::Prefill(prefill_err)),
-                                _ => None,
+                                _ => kv_ready = Some(started.elapsed()),
                             }
                         }
                     }
                 };
-                let prefill_latency = started.elapsed();
+                let prefill_latency = kv_ready.unwrap_or_else(|| started.elapsed());
+                let failed = |why: String| {
+                    UpstreamError::Protocol(format!(
+                        "{decode_url}: the decode engine {why} before its first token"
+                    ))
+                };
                 let head = match first {
-                    Some(Some(Ok(chunk))) => match crate::stream::engine_error_message(&chunk) {
-                        Some(message) => {
-                            let decode_err = UpstreamError::Protocol(format!(
-                                "{decode_url}: the decode engine failed before its first token: {message}"
-                            ));
-                            return Err(blame(&mut prefill_task, prefill_done, decode_err).await);
-                        }
-                        None => Some(Ok(chunk)),
+                    Some(Ok(chunk)) => match crate::stream::engine_error_message(&chunk) {
+                        Some(message) => Err(failed(format!("failed ({message})"))),
+                        None => Ok(chunk),
                     },
-                    Some(Some(Err(decode_err))) => {
+                    Some(Err(decode_err)) => Err(decode_err),
+                    None => Err(failed("ended its stream".into())),
+                };
+                let head = match head {
+                    Ok(chunk) => chunk,
+                    Err(decode_err) => {
                         return Err(blame(&mut prefill_task, prefill_done, decode_err).await)
                     }
-                    Some(None) | None => None,
                 };
                 // Once the decode stream is dropped (the turn ended or failed), nobody will
                 // fetch what a prefill leg still running computes: it is dropped (the engine
                 // aborts a request whose client went) rather than left to run to its end and
                 // wait out its transfer timeout. A prefill leg that finished is not affected.
-                let stream = futures_util::stream::iter(head).chain(stream);
+                let stream = futures_util::stream::iter([Ok(head)]).chain(stream);
                 Ok(Disaggregated {
                     stream: Box::pin(stream.map(move |chunk| {
                         let _held = &prefill_leg;

@@ -132,10 +132,11 @@ impl ConversationLock {
     }
 }
 
-/// Release, for a background response `owner` cancelled or deleted while it ran or waited
-/// in conversation `id`, the lock its run holds: a cancelled response adds nothing to the
+/// Release, for a background response `owner` cancelled while it ran or waited in
+/// conversation `id`, the lock its run holds: a cancelled response adds nothing to the
 /// conversation, and its run (maybe on another replica) may take a while to notice. The run
-/// renews only a lock it still holds, so it does not take it back.
+/// renews only a lock it still holds, and takes a lost one back only while its response is
+/// not cancelled ([`keep`]).
 pub async fn release_for(state: &AppState, team: &str, response: &Value, owner: &str) {
     let Some(id) = response.pointer("/conversation/id").and_then(Value::as_str) else {
         return;
@@ -150,11 +151,21 @@ impl LockHolder {
     async fn take(self) -> Result<ConversationLock, HttpError> {
         let mut pauses = TAKE_RETRIES.iter();
         loop {
-            let taken = self
+            let taken = match self
                 .store
                 .lock_conversation(&self.team, &self.id, &self.owner, LOCK_TTL, false)
                 .await
-                .map_err(store_error)?;
+            {
+                Ok(taken) => taken,
+                Err(e) => {
+                    // The call may have taken it and only its reply been lost.
+                    let _ = self
+                        .store
+                        .unlock_conversation(&self.team, &self.id, &self.owner)
+                        .await;
+                    return Err(store_error(e));
+                }
+            };
             if taken {
                 break;
             }
@@ -180,23 +191,7 @@ impl LockHolder {
                 self.id.clone(),
                 self.owner.clone(),
             );
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(LOCK_TTL / 3).await;
-                    match store
-                        .lock_conversation(&team, &id, &owner, LOCK_TTL, true)
-                        .await
-                    {
-                        Ok(true) => {}
-                        // Released for it (its response was cancelled), or expired while the
-                        // store was out of reach: not taken back.
-                        Ok(false) => break,
-                        Err(e) => {
-                            tracing::warn!(conversation = %id, response = %owner, "could not renew the conversation's lock: {e}")
-                        }
-                    }
-                }
-            })
+            tokio::spawn(keep(store, team, id, owner))
         };
         *self
             .keeper
@@ -234,6 +229,47 @@ impl LockHolder {
             .await
         {
             tracing::warn!(conversation = %self.id, response = %self.owner, "could not release the conversation's lock (it expires by itself): {e}");
+        }
+    }
+}
+
+/// Renew `owner`'s lock every third of [`LOCK_TTL`] until aborted. A renewal that finds the
+/// lock no longer `owner`'s stops, when its response was cancelled ([`release_for`] released
+/// it) or another request holds it now; a lock that expired while the store was out of reach
+/// is taken back if still free.
+async fn keep(store: Arc<AnyStore>, team: String, id: String, owner: String) {
+    loop {
+        tokio::time::sleep(LOCK_TTL / 3).await;
+        match store
+            .lock_conversation(&team, &id, &owner, LOCK_TTL, true)
+            .await
+        {
+            Ok(true) => continue,
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(conversation = %id, response = %owner, "could not renew the conversation's lock: {e}");
+                continue;
+            }
+        }
+        if let Ok(Some(status)) = store.status(&team, &owner).await {
+            if status == "cancelled" {
+                return;
+            }
+        }
+        match store
+            .lock_conversation(&team, &id, &owner, LOCK_TTL, false)
+            .await
+        {
+            Ok(true) => {
+                tracing::warn!(conversation = %id, response = %owner, "the conversation's lock expired while its turn ran (the store was out of reach); taken again")
+            }
+            Ok(false) => {
+                tracing::warn!(conversation = %id, response = %owner, "the conversation's lock expired while its turn ran, and another request holds it now");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(conversation = %id, response = %owner, "could not take the conversation's lock again: {e}")
+            }
         }
     }
 }

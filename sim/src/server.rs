@@ -721,7 +721,12 @@ async fn run(state: Shared, prepared: Prepared) -> Result<Response, ApiError> {
 fn headers_first(state: Shared, prepared: Prepared) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
     tokio::spawn(async move {
-        match run_now(state, prepared).await {
+        // A client gone while the transfer is awaited leaves nothing to submit.
+        let answer = tokio::select! {
+            answer = run_now(state, prepared) => answer,
+            () = tx.closed() => return,
+        };
+        match answer {
             Ok(answer) => {
                 let mut body = answer.into_body().into_data_stream();
                 while let Some(frame) = futures_util::StreamExt::next(&mut body).await {
