@@ -28,9 +28,9 @@
 //!   `priority`, and `aged` (waited out its head start) or `idle_ms`, how long ago its session
 //!   was last active;
 //!
-//! and `sessions`: the sessions it dispatched or finished a turn of within the last ten
-//! intervals, with how long ago (`FlowController::recent_activity`; keys over 1 KiB are left
-//! out).
+//! `sessions`: the sessions it dispatched or finished a turn of within the last ten intervals,
+//! with how long ago (`FlowController::recent_activity`; keys over 1 KiB are left out); and
+//! `teams`: each team's requests in flight there (`FlowController::team_in_flight`).
 //!
 //! From the others' fresh states (published within the last ten intervals, or a second if
 //! that is longer, on the store's clock):
@@ -45,16 +45,20 @@
 //!   room at its next exchange;
 //! - their sessions' activity counts here as if their turns had run here
 //!   (`FlowController::note_activity`): warmth and "continuing" follow a session across
-//!   gateways.
+//!   gateways;
+//! - each team's requests in flight there count toward its `max_concurrent` here
+//!   (`FlowController::set_peer_team_in_flight`), so the gateways hold one team to one cap
+//!   (to within what they admit in one interval: each counts the others' as of the last
+//!   exchange).
 //!
 //! Instants travel as ages ("how long ago") measured by the publisher, plus the state's age
 //! measured by the store, so the gateways' clocks need not agree; the reader counts them back
 //! from the middle of its round trip to the store, which errs by half that round trip at
 //! most.
 //!
-//! A failed exchange clears what came from the others (peer working sets, held turns): each
-//! gateway then falls back to the engines' scraped usage and its own queue, as with the
-//! exchange off. A gateway shutting down publishes an empty state. With one gateway the board
+//! A failed exchange clears what came from the others (peer working sets, held turns, team
+//! counts): each gateway then falls back to the engines' scraped usage, its own queue and its
+//! own team counts, as with the exchange off. A gateway shutting down publishes an empty state. With one gateway the board
 //! holds only its own state and nothing changes; with an in-memory store of its own (no other
 //! gateway can read it) the exchange does not run. Gateways of one process handed one
 //! in-memory store (`MemoryStore::shared_in_process`) exchange through it as through Redis.
@@ -109,6 +113,15 @@ struct Published {
     endpoints: Vec<EndpointState>,
     #[serde(default)]
     sessions: Vec<SessionSeen>,
+    /// Teams with requests in flight at this gateway, and how many.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    teams: Vec<TeamInFlight>,
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct TeamInFlight {
+    name: String,
+    in_flight: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -149,6 +162,8 @@ struct Peers {
     held: HashMap<String, HeldTurn>,
     /// Session -> when it was last active at another gateway.
     sessions: HashMap<String, Instant>,
+    /// Team -> its requests in flight at the others, summed.
+    teams: HashMap<String, u64>,
 }
 
 /// The instant `ms` milliseconds plus `age` before `now`; `None` when the clock cannot
@@ -162,14 +177,19 @@ fn millis(d: Duration) -> u64 {
 }
 
 /// This gateway's state: `working_set` per endpoint, `held` from its queue, `sessions` it
-/// served recently, all as of `now`.
+/// served recently, `teams` with requests in flight, all as of `now`.
 fn publish(
     endpoints: impl IntoIterator<Item = (String, u64, u64)>,
     held: &HashMap<String, HeldTurn>,
     sessions: Vec<(String, Instant)>,
+    teams: Vec<(String, u64)>,
     now: Instant,
 ) -> Published {
     Published {
+        teams: teams
+            .into_iter()
+            .map(|(name, in_flight)| TeamInFlight { name, in_flight })
+            .collect(),
         endpoints: endpoints
             .into_iter()
             .map(|(name, working_set, in_flight)| {
@@ -233,6 +253,10 @@ fn merge(states: &[PeerState], now: Instant) -> Peers {
                 warmth,
             }
             .keep_first(&mut peers.held, &e.name);
+        }
+        for t in published.teams {
+            let sum = peers.teams.entry(t.name).or_insert(0);
+            *sum = sum.saturating_add(t.in_flight);
         }
         for s in published.sessions {
             let Some(at) = ago(now, peer.age, s.idle_ms) else {
@@ -340,6 +364,7 @@ async fn exchange_pool(
         }),
         &controller.held(),
         controller.recent_activity(now.checked_sub(every * ACTIVITY_INTERVALS).unwrap_or(now)),
+        controller.team_in_flight(),
         now,
     );
     let body = serde_json::to_string(&published).map_err(|e| e.to_string())?;
@@ -361,6 +386,7 @@ async fn exchange_pool(
         e.set_peers(tokens, in_flight);
     }
     changed |= state.flow.set_peers_held(&pool.name, peers.held);
+    changed |= controller.set_peer_team_in_flight(peers.teams);
     controller.note_activity(peers.sessions);
     // Alone on the board nothing changed: dispatch rounds stay paced by this gateway's own
     // arrivals, releases and scrapes.
@@ -398,16 +424,17 @@ mod tests {
             ],
             &ours,
             vec![("s1".into(), now - Duration::from_millis(200)), (long, now)],
+            vec![("team-a".into(), 2)],
             now,
         );
         let body = serde_json::to_string(&published).unwrap();
         assert_eq!(
             body,
-            r#"{"endpoints":[{"name":"p/0","working_set":640,"in_flight":2,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"in_flight":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64,"in_flight":1}],"sessions":[{"key":"s1","idle_ms":200}]}"#
+            r#"{"endpoints":[{"name":"p/0","working_set":640,"in_flight":2,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"in_flight":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64,"in_flight":1}],"sessions":[{"key":"s1","idle_ms":200}],"teams":[{"name":"team-a","in_flight":2}]}"#
         );
         // Three peers: this one 300 ms old; one holding a colder turn for p/0 and a turn of a
         // higher band for p/1 (which goes first even against an aged one); one unreadable.
-        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"in_flight":1,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}]}"#;
+        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"in_flight":1,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}],"teams":[{"name":"team-a","in_flight":1},{"name":"team-b","in_flight":4}]}"#;
         let read_at = now + Duration::from_millis(10);
         let peers = merge(
             &[
@@ -429,6 +456,10 @@ mod tests {
         assert_eq!(peers.working_set["p/0"], (740, 3));
         assert_eq!(peers.working_set["p/1"], (5, 0), "in_flight defaults to 0");
         assert_eq!(peers.working_set["p/2"], (64, 1));
+        assert_eq!(
+            peers.teams,
+            HashMap::from([("team-a".to_string(), 3), ("team-b".to_string(), 4)])
+        );
         assert_eq!(
             peers.held["p/0"],
             held(0, Warmth::Since(read_at - Duration::from_millis(1_800))),

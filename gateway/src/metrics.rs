@@ -735,6 +735,7 @@ fn encode_waits(
 /// | `agentgate_flow_band_requests_total{pool,band,outcome}` | `dispatched`, `shed`, `rate_limited`, `queue_full`, `timed_out`, `cancelled` |
 /// | `agentgate_flow_queue_wait_seconds{pool,band}` | queue wait of dispatched requests (histogram) |
 /// | `agentgate_flow_team_queued_requests{pool,team}`, `agentgate_flow_team_in_flight_requests{pool,team}` | per team, now |
+/// | `agentgate_flow_team_peer_in_flight_requests{pool,team}` | the team's requests in flight at the other gateways, as last exchanged (counted toward its `max_concurrent`) |
 /// | `agentgate_flow_team_requests_total{pool,team,outcome}` | `dispatched`, `shed`, `rate_limited`, `queue_full`, `timed_out`, `cancelled` |
 /// | `agentgate_flow_team_dispatched_tokens_total{pool,team}` | tokens of the team's dispatched turns, counted when each ends (its actual count; the estimate when it reported none) |
 /// | `agentgate_flow_team_queue_wait_seconds{pool,team}` | queue wait of the team's dispatched requests (histogram) |
@@ -775,6 +776,11 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
     let team_in_flight = GaugeVec::new(
         "agentgate_flow_team_in_flight_requests",
         "Requests of the team admitted and not finished.",
+        ["pool", "team"],
+    );
+    let team_peer_in_flight = GaugeVec::new(
+        "agentgate_flow_team_peer_in_flight_requests",
+        "Requests of the team in flight at the other gateways in front of the pool, as last exchanged (counted toward its max_concurrent).",
         ["pool", "team"],
     );
     let team_requests = CounterVec::new(
@@ -827,6 +833,7 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
             let l = [p, t.name.as_str()];
             team_queued.set(l, t.queued as f64);
             team_in_flight.set(l, t.in_flight as f64);
+            team_peer_in_flight.set(l, t.peer_in_flight as f64);
             team_tokens.inc_by(l, t.finished_tokens);
             team_waits.push((key(l), &t.wait));
             for (outcome, n) in [
@@ -860,6 +867,7 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
     );
     team_queued.encode(out);
     team_in_flight.encode(out);
+    team_peer_in_flight.encode(out);
     team_requests.encode(out);
     team_tokens.encode(out);
     encode_waits(

@@ -501,6 +501,52 @@ async fn two_gateways_on_one_redis_share_a_team_budget() {
     fleet.shutdown().await;
 }
 
+/// A team's `max_concurrent` holds across two gateways on one Redis: with its one request
+/// running on the first, its request on the second waits, and goes once the first ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_on_one_redis_hold_a_team_to_one_concurrency_cap() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("flow_shared_concurrency");
+    let extra = format!(
+        "{}{}",
+        exchange_every_200_ms(),
+        team("capped", "max_concurrent = 1")
+    );
+    let fleet = Fleet::of(1)
+        .store(redis.url(), &prefix)
+        .extra(&extra)
+        .gateways(2)
+        .start()
+        .await;
+    let (a, b) = (&fleet.gateways()[0], &fleet.gateways()[1]);
+    // The first request's first token is held back for three seconds.
+    set_sim_fault(fleet.sim(), json!({"stall_ms": 3_000})).await;
+    let first = spawn_call(&a.base_url(), Some("capped"), hello(), &[]);
+    eventually("b counts the team's request on a", || {
+        snapshot(b).team("capped").unwrap().peer_in_flight == 1
+    })
+    .await;
+    let text = metrics_text(&b.base_url()).await;
+    assert!(
+        has_line(
+            &text,
+            "agentgate_flow_team_peer_in_flight_requests{pool=\"sim\",team=\"capped\"} 1"
+        ),
+        "{text}"
+    );
+    clear_sim_faults(fleet.sim()).await;
+    let second = spawn_call(&b.base_url(), Some("capped"), hello(), &[]);
+    eventually("the second request waits on b", || {
+        snapshot(b).team("capped").unwrap().queued == 1
+    })
+    .await;
+    assert_eq!(snapshot(b).team("capped").unwrap().in_flight, 0);
+    assert_eq!(first.await.unwrap().status, 200);
+    let second = second.await.unwrap();
+    assert_eq!(second.status, 200, "{}", second.body);
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_continuing_turn_goes_before_a_new_session() {
     let extra = format!("{STILL}[flow]\nmax_in_flight_per_endpoint = 1\naging_s = 600\n");

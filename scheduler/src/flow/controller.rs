@@ -343,6 +343,7 @@ impl FlowController {
             band_index: HashMap::new(),
             team_index: HashMap::new(),
             teams: HashMap::new(),
+            peer_team_in_flight: HashMap::new(),
             entries: HashMap::new(),
             next_id: 0,
             in_flight: 0,
@@ -566,6 +567,31 @@ impl FlowController {
         self.inner.lock().held(Instant::now())
     }
 
+    /// Each team's requests in flight here (teams with none left out): what this gateway
+    /// tells the others in front of the same pool, so that a team's `max_concurrent` holds
+    /// across them ([`FlowController::set_peer_team_in_flight`]).
+    pub fn team_in_flight(&self) -> Vec<(String, u64)> {
+        let state = self.inner.lock();
+        state
+            .teams
+            .iter()
+            .filter(|(_, t)| t.in_flight > 0)
+            .map(|(name, t)| (name.clone(), t.in_flight))
+            .collect()
+    }
+
+    /// The other gateways' requests in flight per team, summed, as last exchanged: they count
+    /// toward each team's `max_concurrent` with this gateway's own (an empty map: none, e.g.
+    /// after a failed exchange). Whether it changed anything; call
+    /// [`FlowController::notify`] then, so requests a drop made eligible are dispatched.
+    pub fn set_peer_team_in_flight(&self, mut counts: HashMap<String, u64>) -> bool {
+        let mut state = self.inner.lock();
+        counts.retain(|_, n| *n > 0);
+        let changed = state.peer_team_in_flight != counts;
+        state.peer_team_in_flight = counts;
+        changed
+    }
+
     /// Sessions this gateway dispatched or finished a turn of at or after `since`, each with
     /// its latest such instant (at most the last 4,096 events).
     pub fn recent_activity(&self, since: Instant) -> Vec<(String, Instant)> {
@@ -754,6 +780,10 @@ struct State {
     band_index: HashMap<String, usize>,
     team_index: HashMap<String, usize>,
     teams: HashMap<String, TeamState>,
+    /// Team -> its requests in flight at the other gateways in front of this pool, as last
+    /// exchanged ([`FlowController::set_peer_team_in_flight`]): they count toward the team's
+    /// `max_concurrent` with this gateway's own.
+    peer_team_in_flight: HashMap<String, u64>,
     entries: HashMap<u64, Entry>,
     next_id: u64,
     in_flight: u64,
@@ -1215,10 +1245,15 @@ impl State {
             .map_or(Warmth::Unknown, Warmth::Since)
     }
 
-    /// Whether `team` may have one more request in flight (its `max_concurrent`).
+    /// Whether `team` may have one more request in flight (its `max_concurrent`, counting its
+    /// requests at the other gateways as last exchanged).
     fn team_eligible(&self, team: &str) -> bool {
         let limit = self.team_spec(team).map(|t| t.max_concurrent);
-        let in_flight = self.teams.get(team).map_or(0, |t| t.in_flight);
+        let in_flight = self
+            .teams
+            .get(team)
+            .map_or(0, |t| t.in_flight)
+            .saturating_add(self.peer_team_in_flight.get(team).copied().unwrap_or(0));
         match limit {
             Some(Some(max)) => in_flight < u64::from(max),
             Some(None) => true,
@@ -1375,6 +1410,11 @@ impl State {
                     name: spec.name.clone(),
                     queued: t.map_or(0, |t| t.queued),
                     in_flight: get(|t| t.in_flight),
+                    peer_in_flight: self
+                        .peer_team_in_flight
+                        .get(&spec.name)
+                        .copied()
+                        .unwrap_or(0),
                     dispatched_requests: get(|t| t.dispatched_requests),
                     dispatched_tokens: get(|t| t.dispatched_tokens),
                     finished_tokens: get(|t| t.finished_tokens),

@@ -117,6 +117,9 @@ pub struct TeamSnapshot {
     pub queued: usize,
     /// Requests dispatched and not yet finished.
     pub in_flight: u64,
+    /// The team's requests in flight at the other gateways in front of the pool, as last
+    /// exchanged (they count toward its `max_concurrent`).
+    pub peer_in_flight: u64,
     /// Requests dispatched.
     pub dispatched_requests: u64,
     /// Tokens dispatched: the estimate at dispatch, replaced by the actual count when the

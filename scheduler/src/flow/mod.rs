@@ -41,7 +41,8 @@
 //!
 //! - **Between bands, strict priority.** The highest-priority band with a dispatchable request
 //!   goes first. A request is dispatchable unless its team is at `max_concurrent` (counted
-//!   over all bands); a band whose waiting teams are all at their cap does not hold back lower
+//!   over all bands, with the team's requests at the other gateways in front of the pool as
+//!   last exchanged, [`FlowController::set_peer_team_in_flight`]); a band whose waiting teams are all at their cap does not hold back lower
 //!   bands. A lower band can wait as long as higher bands stay backlogged: its TTL bounds that
 //!   wait.
 //! - **Within a band, weighted fair queuing across teams**, start-time fair queuing over

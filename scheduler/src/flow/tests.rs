@@ -708,6 +708,31 @@ async fn max_concurrent_caps_a_team_without_holding_back_others() {
     assert_eq!(flow.snapshot().team("agents").unwrap().in_flight, 1);
 }
 
+/// The team's requests in flight at the other gateways count toward its `max_concurrent`
+/// here; when they finish (the next exchange says so), a waiting request goes.
+#[tokio::test(start_paused = true)]
+async fn max_concurrent_counts_the_teams_requests_at_other_gateways() {
+    let mut config = config();
+    config.teams[0].max_concurrent = Some(2);
+    let (flow, _capacity) = controller(config, 10);
+    let peers = |n: u64| HashMap::from([("agents".to_string(), n)]);
+    assert!(flow.set_peer_team_in_flight(peers(1)));
+    assert!(!flow.set_peer_team_in_flight(peers(1)), "unchanged");
+    let _first = flow.admit(Ticket::new("agents", 1)).await.unwrap();
+    assert_eq!(flow.team_in_flight(), vec![("agents".to_string(), 1)]);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    spawn_admit(&flow, Ticket::new("agents", 1), "agents", &tx);
+    wait_queued(&flow, 1).await;
+    let team = flow.snapshot().team("agents").unwrap().clone();
+    assert_eq!((team.in_flight, team.peer_in_flight), (1, 1));
+    // The other gateway's request finished.
+    assert!(flow.set_peer_team_in_flight(HashMap::new()));
+    flow.notify();
+    let (label, _second) = rx.recv().await.unwrap();
+    assert_eq!(label, "agents");
+    assert_eq!(flow.snapshot().team("agents").unwrap().in_flight, 2);
+}
+
 #[tokio::test(start_paused = true)]
 async fn tokens_used_beyond_the_estimate_are_charged_when_the_request_finishes() {
     let mut config = config();
