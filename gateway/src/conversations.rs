@@ -29,7 +29,7 @@
 //! background response from its creation), and `POST .../items` holds it while it checks and
 //! appends. Another response or append meanwhile is refused 400 `conversation_locked` (`param:
 //! conversation`), as OpenAI refuses it, instead of building on a snapshot the running turn is
-//! about to extend (after a short wait, [`TAKE_RETRIES`]: the lock is released a store round
+//! about to extend (after a short wait, `TAKE_RETRIES`: the lock is released a store round
 //! trip after a client may have seen its turn end). A cancel releases a background response's
 //! lock at once ([`release_for`]). The lock lives in the store, so it holds across gateway replicas; its TTL
 //! ([`LOCK_TTL`], renewed while the turn runs) frees the conversation of a gateway that died
@@ -95,7 +95,7 @@ struct LockHolder {
 
 impl ConversationLock {
     /// Take conversation `id`'s lock for `owner`; 400 `conversation_locked` while another
-    /// turn holds it (after [`TAKE_RETRIES`]). The store calls run in a task of their own, so
+    /// turn holds it (after `TAKE_RETRIES`). The store calls run in a task of their own, so
     /// a client that leaves meanwhile cannot leave the lock taken with no holder: the task's
     /// lock is then dropped, which releases it.
     pub async fn take(
@@ -136,7 +136,7 @@ impl ConversationLock {
 /// conversation `id`, the lock its run holds: a cancelled response adds nothing to the
 /// conversation, and its run (maybe on another replica) may take a while to notice. The run
 /// renews only a lock it still holds, and takes a lost one back only while its response is
-/// not cancelled ([`keep`]).
+/// not cancelled (`keep`).
 pub async fn release_for(state: &AppState, team: &str, response: &Value, owner: &str) {
     let Some(id) = response.pointer("/conversation/id").and_then(Value::as_str) else {
         return;

@@ -30,7 +30,8 @@
 //!
 //! `sessions`: the sessions it dispatched or finished a turn of within the last ten intervals,
 //! with how long ago (`FlowController::recent_activity`; keys over 1 KiB are left out); and
-//! `teams`: each team's requests in flight there (`FlowController::team_in_flight`).
+//! `teams`: each team's requests in flight there and how long its oldest waiting request has
+//! waited (`FlowController::team_load`).
 //!
 //! From the others' fresh states (published within the last ten intervals, or a second if
 //! that is longer, on the store's clock):
@@ -46,10 +47,12 @@
 //! - their sessions' activity counts here as if their turns had run here
 //!   (`FlowController::note_activity`): warmth and "continuing" follow a session across
 //!   gateways;
-//! - each team's requests in flight there count toward its `max_concurrent` here
-//!   (`FlowController::set_peer_team_in_flight`), so the gateways hold one team to one cap
-//!   (to within what they admit in one interval: each counts the others' as of the last
-//!   exchange).
+//! - each team's requests in flight there count toward its `max_concurrent` here, and a slot
+//!   of a team with a cap that frees here is left, for at most four intervals, to an older
+//!   request of the team waiting there (`FlowController::set_peer_teams`): the gateways hold
+//!   one team to one cap and serve its requests oldest first wherever they wait. Each counts
+//!   the others' requests as of their last publication, so gateways admitting at the same
+//!   moment can pass the cap together, by at most a cap each.
 //!
 //! Instants travel as ages ("how long ago") measured by the publisher, plus the state's age
 //! measured by the store, so the gateways' clocks need not agree; the reader counts them back
@@ -70,7 +73,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentgate_scheduler::flow::{HeldTurn, Warmth};
+use agentgate_scheduler::flow::{HeldTurn, PeerTeam, Warmth};
 use agentgate_sessions::{PeerState, Store};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -113,7 +116,7 @@ struct Published {
     endpoints: Vec<EndpointState>,
     #[serde(default)]
     sessions: Vec<SessionSeen>,
-    /// Teams with requests in flight at this gateway, and how many.
+    /// Teams with requests in flight or waiting at this gateway.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     teams: Vec<TeamInFlight>,
 }
@@ -121,7 +124,11 @@ struct Published {
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
 struct TeamInFlight {
     name: String,
+    #[serde(default)]
     in_flight: u64,
+    /// How long its oldest request waiting there had waited at publication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    waiting_ms: Option<u64>,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -162,8 +169,8 @@ struct Peers {
     held: HashMap<String, HeldTurn>,
     /// Session -> when it was last active at another gateway.
     sessions: HashMap<String, Instant>,
-    /// Team -> its requests in flight at the others, summed.
-    teams: HashMap<String, u64>,
+    /// Team -> its requests in flight at the others, summed, and its oldest waiting there.
+    teams: HashMap<String, PeerTeam>,
 }
 
 /// The instant `ms` milliseconds plus `age` before `now`; `None` when the clock cannot
@@ -182,13 +189,19 @@ fn publish(
     endpoints: impl IntoIterator<Item = (String, u64, u64)>,
     held: &HashMap<String, HeldTurn>,
     sessions: Vec<(String, Instant)>,
-    teams: Vec<(String, u64)>,
+    teams: Vec<(String, PeerTeam)>,
     now: Instant,
 ) -> Published {
     Published {
         teams: teams
             .into_iter()
-            .map(|(name, in_flight)| TeamInFlight { name, in_flight })
+            .map(|(name, team)| TeamInFlight {
+                name,
+                in_flight: team.in_flight,
+                waiting_ms: team
+                    .oldest_waiting
+                    .map(|at| millis(now.saturating_duration_since(at))),
+            })
             .collect(),
         endpoints: endpoints
             .into_iter()
@@ -255,8 +268,14 @@ fn merge(states: &[PeerState], now: Instant) -> Peers {
             .keep_first(&mut peers.held, &e.name);
         }
         for t in published.teams {
-            let sum = peers.teams.entry(t.name).or_insert(0);
-            *sum = sum.saturating_add(t.in_flight);
+            let sum = peers.teams.entry(t.name).or_insert(PeerTeam {
+                in_flight: 0,
+                oldest_waiting: None,
+            });
+            sum.in_flight = sum.in_flight.saturating_add(t.in_flight);
+            if let Some(at) = t.waiting_ms.and_then(|ms| ago(now, peer.age, ms)) {
+                sum.oldest_waiting = Some(sum.oldest_waiting.map_or(at, |o| o.min(at)));
+            }
         }
         for s in published.sessions {
             let Some(at) = ago(now, peer.age, s.idle_ms) else {
@@ -364,7 +383,7 @@ async fn exchange_pool(
         }),
         &controller.held(),
         controller.recent_activity(now.checked_sub(every * ACTIVITY_INTERVALS).unwrap_or(now)),
-        controller.team_in_flight(),
+        controller.team_load(),
         now,
     );
     let body = serde_json::to_string(&published).map_err(|e| e.to_string())?;
@@ -386,7 +405,7 @@ async fn exchange_pool(
         e.set_peers(tokens, in_flight);
     }
     changed |= state.flow.set_peers_held(&pool.name, peers.held);
-    changed |= controller.set_peer_team_in_flight(peers.teams);
+    changed |= controller.set_peer_teams(peers.teams);
     controller.note_activity(peers.sessions);
     // Alone on the board nothing changed: dispatch rounds stay paced by this gateway's own
     // arrivals, releases and scrapes.
@@ -424,17 +443,23 @@ mod tests {
             ],
             &ours,
             vec![("s1".into(), now - Duration::from_millis(200)), (long, now)],
-            vec![("team-a".into(), 2)],
+            vec![(
+                "team-a".into(),
+                PeerTeam {
+                    in_flight: 2,
+                    oldest_waiting: Some(now - Duration::from_millis(700)),
+                },
+            )],
             now,
         );
         let body = serde_json::to_string(&published).unwrap();
         assert_eq!(
             body,
-            r#"{"endpoints":[{"name":"p/0","working_set":640,"in_flight":2,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"in_flight":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64,"in_flight":1}],"sessions":[{"key":"s1","idle_ms":200}],"teams":[{"name":"team-a","in_flight":2}]}"#
+            r#"{"endpoints":[{"name":"p/0","working_set":640,"in_flight":2,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"in_flight":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64,"in_flight":1}],"sessions":[{"key":"s1","idle_ms":200}],"teams":[{"name":"team-a","in_flight":2,"waiting_ms":700}]}"#
         );
         // Three peers: this one 300 ms old; one holding a colder turn for p/0 and a turn of a
         // higher band for p/1 (which goes first even against an aged one); one unreadable.
-        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"in_flight":1,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}],"teams":[{"name":"team-a","in_flight":1},{"name":"team-b","in_flight":4}]}"#;
+        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"in_flight":1,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}],"teams":[{"name":"team-a","in_flight":1,"waiting_ms":5000},{"name":"team-b","in_flight":4}]}"#;
         let read_at = now + Duration::from_millis(10);
         let peers = merge(
             &[
@@ -458,7 +483,23 @@ mod tests {
         assert_eq!(peers.working_set["p/2"], (64, 1));
         assert_eq!(
             peers.teams,
-            HashMap::from([("team-a".to_string(), 3), ("team-b".to_string(), 4)])
+            HashMap::from([
+                (
+                    "team-a".to_string(),
+                    PeerTeam {
+                        in_flight: 3,
+                        oldest_waiting: Some(read_at - Duration::from_millis(5_000)),
+                    }
+                ),
+                (
+                    "team-b".to_string(),
+                    PeerTeam {
+                        in_flight: 4,
+                        oldest_waiting: None
+                    }
+                )
+            ]),
+            "in flight summed; the oldest waiting request of either"
         );
         assert_eq!(
             peers.held["p/0"],

@@ -502,7 +502,8 @@ async fn two_gateways_on_one_redis_share_a_team_budget() {
 }
 
 /// A team's `max_concurrent` holds across two gateways on one Redis: with its one request
-/// running on the first, its request on the second waits, and goes once the first ends.
+/// running on the first, its request on the second waits; when the first ends, the slot goes
+/// to that older request, not to a newer one waiting on the first gateway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_on_one_redis_hold_a_team_to_one_concurrency_cap() {
     let redis = TestRedis::start();
@@ -519,11 +520,12 @@ async fn two_gateways_on_one_redis_hold_a_team_to_one_concurrency_cap() {
         .start()
         .await;
     let (a, b) = (&fleet.gateways()[0], &fleet.gateways()[1]);
-    // The first request's first token is held back for three seconds.
-    set_sim_fault(fleet.sim(), json!({"stall_ms": 3_000})).await;
+    let team_on = |gw: &Gateway| snapshot(gw).team("capped").unwrap().clone();
+    // Every first token is held back for 1.5 s: each request runs that long.
+    set_sim_fault(fleet.sim(), json!({"stall_ms": 1_500})).await;
     let first = spawn_call(&a.base_url(), Some("capped"), hello(), &[]);
     eventually("b counts the team's request on a", || {
-        snapshot(b).team("capped").unwrap().peer_in_flight == 1
+        team_on(b).peer_in_flight == 1
     })
     .await;
     let text = metrics_text(&b.base_url()).await;
@@ -534,16 +536,24 @@ async fn two_gateways_on_one_redis_hold_a_team_to_one_concurrency_cap() {
         ),
         "{text}"
     );
-    clear_sim_faults(fleet.sim()).await;
     let second = spawn_call(&b.base_url(), Some("capped"), hello(), &[]);
-    eventually("the second request waits on b", || {
-        snapshot(b).team("capped").unwrap().queued == 1
+    eventually("the second request waits on b", || team_on(b).queued == 1).await;
+    assert_eq!(team_on(b).in_flight, 0);
+    // Once a has heard of it, a newer request is queued on a.
+    eventually("a hears of the request waiting on b", || {
+        team_on(a).peer_waiting
     })
     .await;
-    assert_eq!(snapshot(b).team("capped").unwrap().in_flight, 0);
+    let third = spawn_call(&a.base_url(), Some("capped"), hello(), &[]);
+    eventually("the third request waits on a", || team_on(a).queued == 1).await;
     assert_eq!(first.await.unwrap().status, 200);
+    // The slot goes to the older request on b while the newer one on a still waits.
+    eventually("the second request runs on b", || team_on(b).in_flight == 1).await;
+    assert_eq!(team_on(a).queued, 1, "the newer request on a waits");
     let second = second.await.unwrap();
     assert_eq!(second.status, 200, "{}", second.body);
+    let third = third.await.unwrap();
+    assert_eq!(third.status, 200, "{}", third.body);
     fleet.shutdown().await;
 }
 

@@ -343,7 +343,8 @@ impl FlowController {
             band_index: HashMap::new(),
             team_index: HashMap::new(),
             teams: HashMap::new(),
-            peer_team_in_flight: HashMap::new(),
+            peer_teams: HashMap::new(),
+            team_yields: std::cell::RefCell::new(HashMap::new()),
             entries: HashMap::new(),
             next_id: 0,
             in_flight: 0,
@@ -567,28 +568,54 @@ impl FlowController {
         self.inner.lock().held(Instant::now())
     }
 
-    /// Each team's requests in flight here (teams with none left out): what this gateway
-    /// tells the others in front of the same pool, so that a team's `max_concurrent` holds
-    /// across them ([`FlowController::set_peer_team_in_flight`]).
-    pub fn team_in_flight(&self) -> Vec<(String, u64)> {
+    /// Each team's requests in flight here and when its oldest waiting request here was
+    /// queued (teams with neither left out): what this gateway tells the others in front of
+    /// the same pool, so that a team's `max_concurrent` holds across them
+    /// ([`FlowController::set_peer_teams`]).
+    pub fn team_load(&self) -> Vec<(String, PeerTeam)> {
         let state = self.inner.lock();
-        state
+        let mut oldest: HashMap<&str, Instant> = HashMap::new();
+        for entry in state.entries.values() {
+            let at = oldest
+                .entry(entry.team.as_str())
+                .or_insert(entry.enqueued_at);
+            *at = (*at).min(entry.enqueued_at);
+        }
+        let mut load: HashMap<String, PeerTeam> = state
             .teams
             .iter()
             .filter(|(_, t)| t.in_flight > 0)
-            .map(|(name, t)| (name.clone(), t.in_flight))
-            .collect()
+            .map(|(name, t)| {
+                let team = PeerTeam {
+                    in_flight: t.in_flight,
+                    oldest_waiting: None,
+                };
+                (name.clone(), team)
+            })
+            .collect();
+        for (team, at) in oldest {
+            load.entry(team.to_string())
+                .or_insert(PeerTeam {
+                    in_flight: 0,
+                    oldest_waiting: None,
+                })
+                .oldest_waiting = Some(at);
+        }
+        load.into_iter().collect()
     }
 
-    /// The other gateways' requests in flight per team, summed, as last exchanged: they count
-    /// toward each team's `max_concurrent` with this gateway's own (an empty map: none, e.g.
-    /// after a failed exchange). Whether it changed anything; call
-    /// [`FlowController::notify`] then, so requests a drop made eligible are dispatched.
-    pub fn set_peer_team_in_flight(&self, mut counts: HashMap<String, u64>) -> bool {
+    /// The other gateways' load per team, summed (requests in flight; the oldest waiting
+    /// request), as last exchanged: their requests count toward each team's `max_concurrent`
+    /// with this gateway's own, and a freed slot goes to the oldest waiting request of the team
+    /// at any gateway (an empty map: none, e.g. after a failed exchange). Whether the caller
+    /// should [`notify`](FlowController::notify): something changed, or another gateway has a
+    /// request waiting (a slot left to it may be taken back once it has waited long enough).
+    pub fn set_peer_teams(&self, mut teams: HashMap<String, PeerTeam>) -> bool {
         let mut state = self.inner.lock();
-        counts.retain(|_, n| *n > 0);
-        let changed = state.peer_team_in_flight != counts;
-        state.peer_team_in_flight = counts;
+        teams.retain(|_, t| t.in_flight > 0 || t.oldest_waiting.is_some());
+        let changed =
+            state.peer_teams != teams || teams.values().any(|t| t.oldest_waiting.is_some());
+        state.peer_teams = teams;
         changed
     }
 
@@ -773,6 +800,15 @@ impl SessionTracker {
     }
 }
 
+/// A team's load at the other gateways in front of a pool, summed, as exchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerTeam {
+    /// Its requests in flight there.
+    pub in_flight: u64,
+    /// When the oldest of its requests waiting there was queued, if any waits.
+    pub oldest_waiting: Option<Instant>,
+}
+
 struct State {
     config: FlowConfig,
     /// Highest priority first.
@@ -780,10 +816,14 @@ struct State {
     band_index: HashMap<String, usize>,
     team_index: HashMap<String, usize>,
     teams: HashMap<String, TeamState>,
-    /// Team -> its requests in flight at the other gateways in front of this pool, as last
-    /// exchanged ([`FlowController::set_peer_team_in_flight`]): they count toward the team's
-    /// `max_concurrent` with this gateway's own.
-    peer_team_in_flight: HashMap<String, u64>,
+    /// Team -> its requests in flight and its oldest waiting request at the other gateways in
+    /// front of this pool, as last exchanged ([`FlowController::set_peer_teams`]): the
+    /// requests count toward the team's `max_concurrent` with this gateway's own, and a slot
+    /// goes to the oldest waiting request anywhere ([`State::team_eligible`]).
+    peer_teams: HashMap<String, PeerTeam>,
+    /// Team -> since when a freed slot of the team has been left to an older request waiting
+    /// at another gateway (cleared when the team dispatches here).
+    team_yields: std::cell::RefCell<HashMap<String, Instant>>,
     entries: HashMap<u64, Entry>,
     next_id: u64,
     in_flight: u64,
@@ -1166,7 +1206,8 @@ impl State {
         now: Instant,
     ) -> Option<(usize, Pick)> {
         let pin_wait = self.config.pin_wait;
-        let eligible = |team: &str| self.team_eligible(team);
+        let yield_limit = capacity.yield_limit();
+        let eligible = |team: &str| self.team_eligible(team, now, yield_limit);
         let enqueued_at = |id: u64| self.entries.get(&id).map(|e| e.enqueued_at);
         self.bands.iter().enumerate().find_map(|(b, band)| {
             if band.queued == 0 {
@@ -1245,20 +1286,55 @@ impl State {
             .map_or(Warmth::Unknown, Warmth::Since)
     }
 
-    /// Whether `team` may have one more request in flight (its `max_concurrent`, counting its
-    /// requests at the other gateways as last exchanged).
-    fn team_eligible(&self, team: &str) -> bool {
+    /// Whether `team` has room for one more request in flight under its `max_concurrent`,
+    /// counting its requests at the other gateways as last exchanged.
+    fn team_has_room(&self, team: &str) -> bool {
         let limit = self.team_spec(team).map(|t| t.max_concurrent);
+        let peers = self.peer_teams.get(team);
         let in_flight = self
             .teams
             .get(team)
             .map_or(0, |t| t.in_flight)
-            .saturating_add(self.peer_team_in_flight.get(team).copied().unwrap_or(0));
+            .saturating_add(peers.map_or(0, |p| p.in_flight));
         match limit {
             Some(Some(max)) => in_flight < u64::from(max),
             Some(None) => true,
             None => false,
         }
+    }
+
+    /// Whether `team` may have one more request dispatched here now: it has room
+    /// ([`State::team_has_room`]) and, when it has a `max_concurrent`, no request of it has
+    /// waited longer at another gateway. A slot freed here is otherwise refilled here before the
+    /// others hear of it, and a gateway that keeps a backlog of the team would keep its slots;
+    /// left to an older request elsewhere, it is taken back after `yield_limit` all the same
+    /// (that gateway may be gone, or unable to place it), and the wait starts again at the
+    /// team's next dispatch here.
+    fn team_eligible(&self, team: &str, now: Instant, yield_limit: Duration) -> bool {
+        if !self.team_has_room(team) {
+            return false;
+        }
+        let capped = self
+            .team_spec(team)
+            .is_some_and(|t| t.max_concurrent.is_some());
+        let older_elsewhere = self
+            .peer_teams
+            .get(team)
+            .and_then(|p| p.oldest_waiting)
+            .is_some_and(|theirs| {
+                self.entries
+                    .values()
+                    .filter(|e| e.team == team)
+                    .map(|e| e.enqueued_at)
+                    .min()
+                    .is_some_and(|ours| theirs < ours)
+            });
+        if !capped || !older_elsewhere {
+            return true;
+        }
+        let mut yields = self.team_yields.borrow_mut();
+        let since = *yields.entry(team.to_string()).or_insert(now);
+        now.saturating_duration_since(since) >= yield_limit
     }
 
     /// Whether `entry` (as `turn`), which could go to `endpoint` now, leaves the room to a
@@ -1301,7 +1377,7 @@ impl State {
                 continue;
             };
             let band = &self.bands[b];
-            if band.spec.reserve > 0.0 || !self.team_eligible(&entry.team) {
+            if band.spec.reserve > 0.0 || !self.team_has_room(&entry.team) {
                 continue;
             }
             let head_start = band.head_start(self.config.aging, self.config.aging_follows_wait);
@@ -1341,6 +1417,7 @@ impl State {
         band.counters.dispatched += 1;
         band.counters.wait.observe(waited);
         band.observe_wait(waited);
+        self.team_yields.borrow_mut().remove(&entry.team);
         if let Some(team) = self.teams.get_mut(&entry.team) {
             team.in_flight += 1;
             team.queued = team.queued.saturating_sub(1);
@@ -1410,11 +1487,11 @@ impl State {
                     name: spec.name.clone(),
                     queued: t.map_or(0, |t| t.queued),
                     in_flight: get(|t| t.in_flight),
-                    peer_in_flight: self
-                        .peer_team_in_flight
+                    peer_in_flight: self.peer_teams.get(&spec.name).map_or(0, |p| p.in_flight),
+                    peer_waiting: self
+                        .peer_teams
                         .get(&spec.name)
-                        .copied()
-                        .unwrap_or(0),
+                        .is_some_and(|p| p.oldest_waiting.is_some()),
                     dispatched_requests: get(|t| t.dispatched_requests),
                     dispatched_tokens: get(|t| t.dispatched_tokens),
                     finished_tokens: get(|t| t.finished_tokens),

@@ -120,6 +120,8 @@ pub struct TeamSnapshot {
     /// The team's requests in flight at the other gateways in front of the pool, as last
     /// exchanged (they count toward its `max_concurrent`).
     pub peer_in_flight: u64,
+    /// Whether a request of the team waits at another gateway, as last exchanged.
+    pub peer_waiting: bool,
     /// Requests dispatched.
     pub dispatched_requests: u64,
     /// Tokens dispatched: the estimate at dispatch, replaced by the actual count when the

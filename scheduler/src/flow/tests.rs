@@ -715,22 +715,74 @@ async fn max_concurrent_counts_the_teams_requests_at_other_gateways() {
     let mut config = config();
     config.teams[0].max_concurrent = Some(2);
     let (flow, _capacity) = controller(config, 10);
-    let peers = |n: u64| HashMap::from([("agents".to_string(), n)]);
-    assert!(flow.set_peer_team_in_flight(peers(1)));
-    assert!(!flow.set_peer_team_in_flight(peers(1)), "unchanged");
+    let running = |n: u64| {
+        HashMap::from([(
+            "agents".to_string(),
+            PeerTeam {
+                in_flight: n,
+                oldest_waiting: None,
+            },
+        )])
+    };
+    assert!(flow.set_peer_teams(running(1)));
+    assert!(!flow.set_peer_teams(running(1)), "unchanged");
     let _first = flow.admit(Ticket::new("agents", 1)).await.unwrap();
-    assert_eq!(flow.team_in_flight(), vec![("agents".to_string(), 1)]);
     let (tx, mut rx) = mpsc::unbounded_channel();
     spawn_admit(&flow, Ticket::new("agents", 1), "agents", &tx);
     wait_queued(&flow, 1).await;
+    let load = flow.team_load();
+    assert_eq!(load.len(), 1);
+    assert_eq!(load[0].0, "agents");
+    assert_eq!(load[0].1.in_flight, 1);
+    assert!(load[0].1.oldest_waiting.is_some(), "one waits here");
     let team = flow.snapshot().team("agents").unwrap().clone();
     assert_eq!((team.in_flight, team.peer_in_flight), (1, 1));
     // The other gateway's request finished.
-    assert!(flow.set_peer_team_in_flight(HashMap::new()));
+    assert!(flow.set_peer_teams(HashMap::new()));
     flow.notify();
     let (label, _second) = rx.recv().await.unwrap();
     assert_eq!(label, "agents");
     assert_eq!(flow.snapshot().team("agents").unwrap().in_flight, 2);
+}
+
+/// A slot of a capped team that frees here goes to an older request of the team waiting at
+/// another gateway: this gateway leaves it for up to the yield limit, then takes it back.
+#[tokio::test(start_paused = true)]
+async fn a_freed_team_slot_is_left_to_an_older_request_at_another_gateway() {
+    let mut config = config();
+    config.teams[0].max_concurrent = Some(1);
+    // Exchanging every 100 ms: a slot is left for up to 400 ms.
+    let signal = Arc::new(Peers {
+        cap: MaxInFlight::new(10),
+        room: AtomicBool::new(true),
+        elsewhere: std::sync::Mutex::new(None),
+    });
+    let flow = FlowController::new(config, signal.clone()).unwrap();
+    let first = flow.admit(Ticket::new("agents", 1)).await.unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    spawn_admit(&flow, Ticket::new("agents", 1), "agents", &tx);
+    wait_queued(&flow, 1).await;
+    // Another gateway has had a request of the team waiting for longer.
+    let older = HashMap::from([(
+        "agents".to_string(),
+        PeerTeam {
+            in_flight: 0,
+            oldest_waiting: Some(Instant::now() - Duration::from_secs(5)),
+        },
+    )]);
+    assert!(flow.set_peer_teams(older));
+    drop(first);
+    tokio::task::yield_now().await;
+    assert_eq!(
+        flow.snapshot().queued(),
+        1,
+        "the slot is left to the older request"
+    );
+    // That gateway never took it: after the yield limit it is taken back here.
+    tokio::time::advance(signal.yield_limit()).await;
+    flow.notify();
+    let (label, _second) = rx.recv().await.unwrap();
+    assert_eq!(label, "agents");
 }
 
 #[tokio::test(start_paused = true)]
