@@ -30,8 +30,8 @@
 //!
 //! `sessions`: the sessions it dispatched or finished a turn of within the last ten intervals,
 //! with how long ago (`FlowController::recent_activity`; keys over 1 KiB are left out); and
-//! `teams`: each team's requests in flight there and how long its oldest waiting request has
-//! waited (`FlowController::team_load`).
+//! `teams`: each team's requests in flight and waiting there, and how long its oldest waiting
+//! request has waited (`FlowController::team_load`).
 //!
 //! From the others' fresh states (published within the last ten intervals, or a second if
 //! that is longer, on the store's clock):
@@ -47,10 +47,11 @@
 //! - their sessions' activity counts here as if their turns had run here
 //!   (`FlowController::note_activity`): warmth and "continuing" follow a session across
 //!   gateways;
-//! - each team's requests in flight there count toward its `max_concurrent` here, and a slot
-//!   of a team with a cap that frees here is left, for at most four intervals, to an older
-//!   request of the team waiting there (`FlowController::set_peer_teams`): the gateways hold
-//!   one team to one cap and serve its requests oldest first wherever they wait. Each counts
+//! - each team's requests in flight there count toward its `max_concurrent` here, and when
+//!   its requests waiting there would take all its free room, a slot that frees here is left,
+//!   for at most four intervals per request, to an older one of them
+//!   (`FlowController::set_peer_teams`): the gateways hold one team to one cap and serve its
+//!   requests about oldest first wherever they wait. Each counts
 //!   the others' requests as of their last publication, so gateways admitting at the same
 //!   moment can pass the cap together, by at most a cap each.
 //!
@@ -126,6 +127,9 @@ struct TeamInFlight {
     name: String,
     #[serde(default)]
     in_flight: u64,
+    /// Its requests waiting there.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    waiting: u64,
     /// How long its oldest request waiting there had waited at publication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     waiting_ms: Option<u64>,
@@ -158,6 +162,10 @@ struct Held {
 struct SessionSeen {
     key: String,
     idle_ms: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// What the other gateways published for one pool, merged, as of one exchange.
@@ -198,6 +206,7 @@ fn publish(
             .map(|(name, team)| TeamInFlight {
                 name,
                 in_flight: team.in_flight,
+                waiting: team.waiting,
                 waiting_ms: team
                     .oldest_waiting
                     .map(|at| millis(now.saturating_duration_since(at))),
@@ -270,9 +279,11 @@ fn merge(states: &[PeerState], now: Instant) -> Peers {
         for t in published.teams {
             let sum = peers.teams.entry(t.name).or_insert(PeerTeam {
                 in_flight: 0,
+                waiting: 0,
                 oldest_waiting: None,
             });
             sum.in_flight = sum.in_flight.saturating_add(t.in_flight);
+            sum.waiting = sum.waiting.saturating_add(t.waiting);
             if let Some(at) = t.waiting_ms.and_then(|ms| ago(now, peer.age, ms)) {
                 sum.oldest_waiting = Some(sum.oldest_waiting.map_or(at, |o| o.min(at)));
             }
@@ -447,6 +458,7 @@ mod tests {
                 "team-a".into(),
                 PeerTeam {
                     in_flight: 2,
+                    waiting: 3,
                     oldest_waiting: Some(now - Duration::from_millis(700)),
                 },
             )],
@@ -455,11 +467,11 @@ mod tests {
         let body = serde_json::to_string(&published).unwrap();
         assert_eq!(
             body,
-            r#"{"endpoints":[{"name":"p/0","working_set":640,"in_flight":2,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"in_flight":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64,"in_flight":1}],"sessions":[{"key":"s1","idle_ms":200}],"teams":[{"name":"team-a","in_flight":2,"waiting_ms":700}]}"#
+            r#"{"endpoints":[{"name":"p/0","working_set":640,"in_flight":2,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"in_flight":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64,"in_flight":1}],"sessions":[{"key":"s1","idle_ms":200}],"teams":[{"name":"team-a","in_flight":2,"waiting":3,"waiting_ms":700}]}"#
         );
         // Three peers: this one 300 ms old; one holding a colder turn for p/0 and a turn of a
         // higher band for p/1 (which goes first even against an aged one); one unreadable.
-        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"in_flight":1,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}],"teams":[{"name":"team-a","in_flight":1,"waiting_ms":5000},{"name":"team-b","in_flight":4}]}"#;
+        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"in_flight":1,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}],"teams":[{"name":"team-a","in_flight":1,"waiting":1,"waiting_ms":5000},{"name":"team-b","in_flight":4}]}"#;
         let read_at = now + Duration::from_millis(10);
         let peers = merge(
             &[
@@ -488,6 +500,7 @@ mod tests {
                     "team-a".to_string(),
                     PeerTeam {
                         in_flight: 3,
+                        waiting: 4,
                         oldest_waiting: Some(read_at - Duration::from_millis(5_000)),
                     }
                 ),
@@ -495,6 +508,7 @@ mod tests {
                     "team-b".to_string(),
                     PeerTeam {
                         in_flight: 4,
+                        waiting: 0,
                         oldest_waiting: None
                     }
                 )

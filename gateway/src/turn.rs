@@ -128,8 +128,9 @@ pub struct Turn {
     /// The conversation the turn runs in (`conversation`): its items were the history, and
     /// the turn's input and output items are appended once it finishes.
     pub conversation: Option<String>,
-    /// The conversation's lock, held until the turn is dropped (after its items are
-    /// appended, or it failed).
+    /// The conversation's lock: released once the turn adds nothing more to the
+    /// conversation (its items appended, or it failed), before its client is told it ended;
+    /// at the latest when the turn is dropped.
     pub conversation_lock: Option<crate::conversations::ConversationLock>,
 }
 

@@ -746,6 +746,11 @@ fn headers_first(state: Shared, prepared: Prepared) -> Response {
             }
         }
     });
+    sse_answer(rx)
+}
+
+/// A `200` event stream of the frames sent on `rx` (an `Err` breaks the connection).
+fn sse_answer(rx: mpsc::Receiver<Result<Bytes, std::io::Error>>) -> Response {
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|item| (item, rx))
     });
@@ -1145,15 +1150,7 @@ fn stream_response(
         }
         let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
     });
-    let body = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(body))
-        .unwrap_or_default()
+    sse_answer(rx)
 }
 
 // ----- other endpoints --------------------------------------------------------------------------

@@ -568,53 +568,45 @@ impl FlowController {
         self.inner.lock().held(Instant::now())
     }
 
-    /// Each team's requests in flight here and when its oldest waiting request here was
-    /// queued (teams with neither left out): what this gateway tells the others in front of
+    /// Each team's requests in flight and waiting here, and when its oldest waiting request
+    /// here was queued (teams with neither left out): what this gateway tells the others in front of
     /// the same pool, so that a team's `max_concurrent` holds across them
     /// ([`FlowController::set_peer_teams`]).
     pub fn team_load(&self) -> Vec<(String, PeerTeam)> {
         let state = self.inner.lock();
-        let mut oldest: HashMap<&str, Instant> = HashMap::new();
-        for entry in state.entries.values() {
-            let at = oldest
-                .entry(entry.team.as_str())
-                .or_insert(entry.enqueued_at);
-            *at = (*at).min(entry.enqueued_at);
-        }
-        let mut load: HashMap<String, PeerTeam> = state
+        state
             .teams
             .iter()
-            .filter(|(_, t)| t.in_flight > 0)
+            .filter(|(_, t)| t.in_flight > 0 || t.queued > 0)
             .map(|(name, t)| {
                 let team = PeerTeam {
                     in_flight: t.in_flight,
-                    oldest_waiting: None,
+                    waiting: t.queued as u64,
+                    oldest_waiting: state.team_oldest(name),
                 };
                 (name.clone(), team)
             })
-            .collect();
-        for (team, at) in oldest {
-            load.entry(team.to_string())
-                .or_insert(PeerTeam {
-                    in_flight: 0,
-                    oldest_waiting: None,
-                })
-                .oldest_waiting = Some(at);
-        }
-        load.into_iter().collect()
+            .collect()
     }
 
     /// The other gateways' load per team, summed (requests in flight; the oldest waiting
     /// request), as last exchanged: their requests count toward each team's `max_concurrent`
-    /// with this gateway's own, and a freed slot goes to the oldest waiting request of the team
-    /// at any gateway (an empty map: none, e.g. after a failed exchange). Whether the caller
-    /// should [`notify`](FlowController::notify): something changed, or another gateway has a
-    /// request waiting (a slot left to it may be taken back once it has waited long enough).
+    /// with this gateway's own, and a freed slot may be left to an older request of the team
+    /// waiting there (an empty map: none, e.g. after a failed exchange). Whether the caller
+    /// should [`notify`](FlowController::notify): something changed, or a capped team has
+    /// requests waiting both there and here (a slot left to them is taken back once it has
+    /// been left long enough).
     pub fn set_peer_teams(&self, mut teams: HashMap<String, PeerTeam>) -> bool {
         let mut state = self.inner.lock();
-        teams.retain(|_, t| t.in_flight > 0 || t.oldest_waiting.is_some());
-        let changed =
-            state.peer_teams != teams || teams.values().any(|t| t.oldest_waiting.is_some());
+        teams.retain(|_, t| t.in_flight > 0 || t.waiting > 0);
+        let contended = teams.iter().any(|(name, t)| {
+            t.waiting > 0
+                && state
+                    .team_spec(name)
+                    .is_some_and(|spec| spec.max_concurrent.is_some())
+                && state.teams.get(name).is_some_and(|own| own.queued > 0)
+        });
+        let changed = state.peer_teams != teams || contended;
         state.peer_teams = teams;
         changed
     }
@@ -800,11 +792,17 @@ impl SessionTracker {
     }
 }
 
+/// How far apart two readings of the queue instant of a request waiting at another gateway
+/// may be and still be taken for the same request (each exchange reads it back from ages).
+const SAME_REQUEST_SLACK: Duration = Duration::from_millis(25);
+
 /// A team's load at the other gateways in front of a pool, summed, as exchanged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerTeam {
     /// Its requests in flight there.
     pub in_flight: u64,
+    /// Its requests waiting there.
+    pub waiting: u64,
     /// When the oldest of its requests waiting there was queued, if any waits.
     pub oldest_waiting: Option<Instant>,
 }
@@ -821,9 +819,9 @@ struct State {
     /// requests count toward the team's `max_concurrent` with this gateway's own, and a slot
     /// goes to the oldest waiting request anywhere ([`State::team_eligible`]).
     peer_teams: HashMap<String, PeerTeam>,
-    /// Team -> since when a freed slot of the team has been left to an older request waiting
-    /// at another gateway (cleared when the team dispatches here).
-    team_yields: std::cell::RefCell<HashMap<String, Instant>>,
+    /// Team -> since when, and to which request waiting at another gateway (when it was
+    /// queued, as read back), a slot of the team has been left ([`State::team_eligible`]).
+    team_yields: std::cell::RefCell<HashMap<String, (Instant, Instant)>>,
     entries: HashMap<u64, Entry>,
     next_id: u64,
     in_flight: u64,
@@ -1304,37 +1302,60 @@ impl State {
     }
 
     /// Whether `team` may have one more request dispatched here now: it has room
-    /// ([`State::team_has_room`]) and, when it has a `max_concurrent`, no request of it has
-    /// waited longer at another gateway. A slot freed here is otherwise refilled here before the
-    /// others hear of it, and a gateway that keeps a backlog of the team would keep its slots;
-    /// left to an older request elsewhere, it is taken back after `yield_limit` all the same
-    /// (that gateway may be gone, or unable to place it), and the wait starts again at the
-    /// team's next dispatch here.
+    /// ([`State::team_has_room`]) and this is not the slot to leave to another gateway. A
+    /// slot freed here is refilled here before the others hear of it, so a gateway that keeps
+    /// a backlog of a capped team would keep its slots. So when the other gateways' waiting
+    /// requests of the team would take all its free room and the oldest of them waited longer
+    /// than any here, the slot is left to it, for at most `yield_limit` per request waiting
+    /// there (that gateway may be gone, or unable to place it for another reason).
     fn team_eligible(&self, team: &str, now: Instant, yield_limit: Duration) -> bool {
         if !self.team_has_room(team) {
             return false;
         }
-        let capped = self
-            .team_spec(team)
-            .is_some_and(|t| t.max_concurrent.is_some());
-        let older_elsewhere = self
-            .peer_teams
+        let Some(Some(max)) = self.team_spec(team).map(|t| t.max_concurrent) else {
+            return true;
+        };
+        let Some(peer) = self.peer_teams.get(team) else {
+            return true;
+        };
+        let Some(theirs) = peer.oldest_waiting else {
+            return true;
+        };
+        let in_flight = self
+            .teams
             .get(team)
-            .and_then(|p| p.oldest_waiting)
-            .is_some_and(|theirs| {
-                self.entries
-                    .values()
-                    .filter(|e| e.team == team)
-                    .map(|e| e.enqueued_at)
-                    .min()
-                    .is_some_and(|ours| theirs < ours)
-            });
-        if !capped || !older_elsewhere {
+            .map_or(0, |t| t.in_flight)
+            .saturating_add(peer.in_flight);
+        let free = u64::from(max).saturating_sub(in_flight);
+        if peer.waiting < free || self.team_oldest(team).is_none_or(|ours| theirs >= ours) {
             return true;
         }
         let mut yields = self.team_yields.borrow_mut();
-        let since = *yields.entry(team.to_string()).or_insert(now);
+        let since = match yields.get(team) {
+            // The same request there (its instant as read back at each exchange, to within
+            // the slack).
+            Some(&(since, seen))
+                if seen.max(theirs).saturating_duration_since(seen.min(theirs))
+                    <= SAME_REQUEST_SLACK =>
+            {
+                since
+            }
+            _ => {
+                yields.insert(team.to_string(), (now, theirs));
+                now
+            }
+        };
         now.saturating_duration_since(since) >= yield_limit
+    }
+
+    /// When the oldest request of `team` waiting here was queued: the fronts of its queues in
+    /// each band hold its oldest.
+    fn team_oldest(&self, team: &str) -> Option<Instant> {
+        self.bands
+            .iter()
+            .flat_map(|band| band.team_fronts(team))
+            .filter_map(|id| self.entries.get(&id).map(|e| e.enqueued_at))
+            .min()
     }
 
     /// Whether `entry` (as `turn`), which could go to `endpoint` now, leaves the room to a
@@ -1417,7 +1438,6 @@ impl State {
         band.counters.dispatched += 1;
         band.counters.wait.observe(waited);
         band.observe_wait(waited);
-        self.team_yields.borrow_mut().remove(&entry.team);
         if let Some(team) = self.teams.get_mut(&entry.team) {
             team.in_flight += 1;
             team.queued = team.queued.saturating_sub(1);
@@ -1491,7 +1511,7 @@ impl State {
                     peer_waiting: self
                         .peer_teams
                         .get(&spec.name)
-                        .is_some_and(|p| p.oldest_waiting.is_some()),
+                        .is_some_and(|p| p.waiting > 0),
                     dispatched_requests: get(|t| t.dispatched_requests),
                     dispatched_tokens: get(|t| t.dispatched_tokens),
                     finished_tokens: get(|t| t.finished_tokens),

@@ -42,7 +42,7 @@
 //! - **Between bands, strict priority.** The highest-priority band with a dispatchable request
 //!   goes first. A request is dispatchable unless its team is at `max_concurrent` (counted
 //!   over all bands, with the team's requests at the other gateways in front of the pool as
-//!   last exchanged, [`FlowController::set_peer_teams`]; a slot freed here is left for a
+//!   last exchanged, [`FlowController::set_peer_teams`]; its last free slot is left for a
 //!   while to an older request of the team waiting at another gateway); a band whose waiting teams are all at their cap does not hold back lower
 //!   bands. A lower band can wait as long as higher bands stay backlogged: its TTL bounds that
 //!   wait.

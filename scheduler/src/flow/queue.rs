@@ -198,6 +198,16 @@ pub const PLACEABLE_SCAN: usize = 32;
 pub const HEAD_START_WAITS: f64 = 2.0;
 
 impl BandQueue {
+    /// The ids at the front of `team`'s queues in this band (continuing turns, new sessions):
+    /// its oldest requests here.
+    pub fn team_fronts(&self, team: &str) -> impl Iterator<Item = u64> + '_ {
+        self.flows
+            .get(team)
+            .into_iter()
+            .flat_map(|flow| flow.continuing.front().into_iter().chain(flow.new.front()))
+            .copied()
+    }
+
     pub fn new(spec: BandSpec) -> Self {
         BandQueue {
             spec,

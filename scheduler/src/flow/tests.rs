@@ -720,6 +720,7 @@ async fn max_concurrent_counts_the_teams_requests_at_other_gateways() {
             "agents".to_string(),
             PeerTeam {
                 in_flight: n,
+                waiting: 0,
                 oldest_waiting: None,
             },
         )])
@@ -734,6 +735,7 @@ async fn max_concurrent_counts_the_teams_requests_at_other_gateways() {
     assert_eq!(load.len(), 1);
     assert_eq!(load[0].0, "agents");
     assert_eq!(load[0].1.in_flight, 1);
+    assert_eq!(load[0].1.waiting, 1);
     assert!(load[0].1.oldest_waiting.is_some(), "one waits here");
     let team = flow.snapshot().team("agents").unwrap().clone();
     assert_eq!((team.in_flight, team.peer_in_flight), (1, 1));
@@ -745,12 +747,13 @@ async fn max_concurrent_counts_the_teams_requests_at_other_gateways() {
     assert_eq!(flow.snapshot().team("agents").unwrap().in_flight, 2);
 }
 
-/// A slot of a capped team that frees here goes to an older request of the team waiting at
-/// another gateway: this gateway leaves it for up to the yield limit, then takes it back.
+/// A capped team's last free slot goes to an older request of the team waiting at another
+/// gateway: this gateway leaves it for up to the yield limit, once per such request, then
+/// takes it back; while the team has room for both, nothing is left.
 #[tokio::test(start_paused = true)]
-async fn a_freed_team_slot_is_left_to_an_older_request_at_another_gateway() {
+async fn a_teams_last_free_slot_is_left_to_an_older_request_at_another_gateway() {
     let mut config = config();
-    config.teams[0].max_concurrent = Some(1);
+    config.teams[0].max_concurrent = Some(3);
     // Exchanging every 100 ms: a slot is left for up to 400 ms.
     let signal = Arc::new(Peers {
         cap: MaxInFlight::new(10),
@@ -758,20 +761,23 @@ async fn a_freed_team_slot_is_left_to_an_older_request_at_another_gateway() {
         elsewhere: std::sync::Mutex::new(None),
     });
     let flow = FlowController::new(config, signal.clone()).unwrap();
-    let first = flow.admit(Ticket::new("agents", 1)).await.unwrap();
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    spawn_admit(&flow, Ticket::new("agents", 1), "agents", &tx);
-    wait_queued(&flow, 1).await;
-    // Another gateway has had a request of the team waiting for longer.
+    // Another gateway has had one request of the team waiting for longer.
     let older = HashMap::from([(
         "agents".to_string(),
         PeerTeam {
             in_flight: 0,
+            waiting: 1,
             oldest_waiting: Some(Instant::now() - Duration::from_secs(5)),
         },
     )]);
     assert!(flow.set_peer_teams(older));
-    drop(first);
+    // Room for it and for two here.
+    let first = flow.admit(Ticket::new("agents", 1)).await.unwrap();
+    let _second = flow.admit(Ticket::new("agents", 1)).await.unwrap();
+    // The last slot is left to it.
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    spawn_admit(&flow, Ticket::new("agents", 1), "third", &tx);
+    wait_queued(&flow, 1).await;
     tokio::task::yield_now().await;
     assert_eq!(
         flow.snapshot().queued(),
@@ -781,8 +787,16 @@ async fn a_freed_team_slot_is_left_to_an_older_request_at_another_gateway() {
     // That gateway never took it: after the yield limit it is taken back here.
     tokio::time::advance(signal.yield_limit()).await;
     flow.notify();
-    let (label, _second) = rx.recv().await.unwrap();
-    assert_eq!(label, "agents");
+    assert_eq!(rx.recv().await.unwrap().0, "third");
+    // Not left to the same request again.
+    drop(first);
+    let _fourth = tokio::time::timeout(
+        Duration::from_millis(1),
+        flow.admit(Ticket::new("agents", 1)),
+    )
+    .await
+    .expect("dispatched at once")
+    .unwrap();
 }
 
 #[tokio::test(start_paused = true)]
