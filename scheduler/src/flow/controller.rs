@@ -816,8 +816,8 @@ struct State {
     teams: HashMap<String, TeamState>,
     /// Team -> its requests in flight and its oldest waiting request at the other gateways in
     /// front of this pool, as last exchanged ([`FlowController::set_peer_teams`]): the
-    /// requests count toward the team's `max_concurrent` with this gateway's own, and a slot
-    /// goes to the oldest waiting request anywhere ([`State::team_eligible`]).
+    /// requests count toward the team's `max_concurrent` with this gateway's own, and its last
+    /// free slots may be left to an older request waiting there ([`State::team_eligible`]).
     peer_teams: HashMap<String, PeerTeam>,
     /// Team -> since when, and to which request waiting at another gateway (when it was
     /// queued, as read back), a slot of the team has been left ([`State::team_eligible`]).
