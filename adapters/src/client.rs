@@ -126,12 +126,26 @@ impl EngineClient {
         base_url: &str,
         body: &Value,
     ) -> Result<ChunkStream, UpstreamError> {
+        self.chat_stream_as(base_url, body, None).await
+    }
+
+    /// [`EngineClient::chat_stream`] with an `X-Request-Id` (the engine's request id) when
+    /// given.
+    pub(crate) async fn chat_stream_as(
+        &self,
+        base_url: &str,
+        body: &Value,
+        request_id: Option<&str>,
+    ) -> Result<ChunkStream, UpstreamError> {
         let url = v1_url(base_url, "chat/completions");
         let deadline = deadline_after(Instant::now(), self.options.first_byte_timeout);
-        let request = self
+        let mut request = self
             .authorized(self.http.post(&url))
             .header(reqwest::header::ACCEPT, "text/event-stream")
             .json(body);
+        if let Some(id) = request_id {
+            request = request.header("x-request-id", id);
+        }
         let response = match tokio::time::timeout_at(deadline, request.send()).await {
             Err(_) => {
                 return Err(UpstreamError::Timeout(format!(

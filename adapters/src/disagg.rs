@@ -13,7 +13,7 @@
 //! The prefill engine answers with its own `kv_transfer_params` (`do_remote_prefill: true`, its
 //! engine id, block ids, host and port). The decode leg is the original request with exactly those
 //! params; the decode engine pulls the blocks from the prefill engine and decodes. The legs are
-//! sequential.
+//! sequential, and share one `X-Request-Id`, as vLLM's disaggregation proxy sends them.
 //!
 //! **SGLang (bootstrap rooms).** Both legs are the same body: the original request plus
 //! `bootstrap_host`, `bootstrap_port` (the prefill engine's bootstrap server) and a random
@@ -112,6 +112,11 @@ pub fn sglang_leg(body: &Value, host: &str, port: u16, room: u64) -> Value {
     leg
 }
 
+/// A fresh request id shared by a split's two vLLM legs (32 hex digits).
+fn new_request_id() -> String {
+    format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..))
+}
+
 /// A fresh bootstrap room id (SGLang draws them at random from the non-negative i64 range).
 pub fn new_bootstrap_room() -> u64 {
     fastrand::u64(..(i64::MAX as u64))
@@ -127,10 +132,14 @@ impl EngineClient {
         &self,
         base_url: &str,
         body: &Value,
+        request_id: Option<&str>,
     ) -> Result<(String, reqwest::Response), UpstreamError> {
         let url = v1_url(base_url, "chat/completions");
         let limit = self.options().first_byte_timeout;
-        let request = self.authorized(self.http.post(&url)).json(body);
+        let mut request = self.authorized(self.http.post(&url)).json(body);
+        if let Some(id) = request_id {
+            request = request.header("x-request-id", id);
+        }
         let response = match tokio::time::timeout(limit, request.send()).await {
             Err(_) => {
                 return Err(UpstreamError::Timeout(format!(
@@ -146,7 +155,17 @@ impl EngineClient {
     /// POST a non-streaming chat completion and return its JSON body: at most 16 MiB, read
     /// whole within the idle timeout.
     pub async fn chat_json(&self, base_url: &str, body: &Value) -> Result<Value, UpstreamError> {
-        let (url, response) = self.post_chat(base_url, body).await?;
+        self.chat_json_as(base_url, body, None).await
+    }
+
+    /// [`EngineClient::chat_json`] with an `X-Request-Id` when given.
+    async fn chat_json_as(
+        &self,
+        base_url: &str,
+        body: &Value,
+        request_id: Option<&str>,
+    ) -> Result<Value, UpstreamError> {
+        let (url, response) = self.post_chat(base_url, body, request_id).await?;
         let limit = self.options().idle_timeout;
         let bytes = tokio::time::timeout(
             limit,
@@ -161,7 +180,7 @@ impl EngineClient {
     /// POST a chat completion and read its answer (JSON or SSE) to the end, discarding it; a
     /// silence longer than the idle timeout fails it.
     pub async fn chat_discard(&self, base_url: &str, body: &Value) -> Result<(), UpstreamError> {
-        let (url, response) = self.post_chat(base_url, body).await?;
+        let (url, response) = self.post_chat(base_url, body, None).await?;
         let limit = self.options().idle_timeout;
         let mut body = response.bytes_stream();
         loop {
@@ -312,8 +331,18 @@ impl EngineClient {
                 })
             }
             Flavor::Vllm | Flavor::Openai => {
+                // Both legs under one request id, as vLLM's disaggregation proxy sends them:
+                // NIXL versions whose `kv_transfer_params` carry no `remote_request_id` match
+                // the decode engine's "blocks read" notice to the prefill engine's request by
+                // it; without a match the prefill engine holds the blocks until its abort
+                // timeout.
+                let request_id = new_request_id();
                 let prefilled = self
-                    .chat_json(&prefill.base_url, &vllm_prefill_leg(body))
+                    .chat_json_as(
+                        &prefill.base_url,
+                        &vllm_prefill_leg(body),
+                        Some(&request_id),
+                    )
                     .await
                     .map_err(DisaggError::Prefill)?;
                 let prefill_latency = started.elapsed();
@@ -328,7 +357,11 @@ impl EngineClient {
                         )))
                     })?;
                 let stream = self
-                    .chat_stream(decode_url, &vllm_decode_leg(body, params))
+                    .chat_stream_as(
+                        decode_url,
+                        &vllm_decode_leg(body, params),
+                        Some(&request_id),
+                    )
                     .await
                     .map_err(DisaggError::Decode)?;
                 Ok(Disaggregated {

@@ -63,6 +63,25 @@ async fn vllm_legs_transfer_the_prompt_and_failures_name_their_leg() {
         cached >= 400,
         "the decode leg reused the transferred KV: {cached}"
     );
+    // The legs go under one request id of the gateway's (32 hex digits; vLLM names the
+    // request `chatcmpl-<X-Request-Id>`), a new one per split.
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let stream = client
+            .chat_stream_disaggregated(Flavor::Vllm, &target, &decode.base_url(), &body())
+            .await
+            .unwrap();
+        let chunks: Vec<Value> = stream.map(|c| c.unwrap()).collect().await;
+        let id = chunks[0]["id"].as_str().unwrap().to_string();
+        let hex = id.strip_prefix("chatcmpl-").unwrap_or_default();
+        assert!(
+            hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{id}"
+        );
+        assert!(chunks.iter().all(|c| c["id"] == id.as_str()));
+        ids.push(id);
+    }
+    assert_ne!(ids[0], ids[1]);
 
     // The decode replica cannot be reached: the prefill ran, the decode leg is at fault.
     let err = client

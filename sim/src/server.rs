@@ -334,7 +334,14 @@ async fn serve(
     }
     let body = parse_body(body)?;
     check_model(&state, &body)?;
-    let prepared = prepare(&state, api, &body, faults)?;
+    let mut prepared = prepare(&state, api, &body, faults)?;
+    // vLLM names the request after an `X-Request-Id` it is given.
+    if state.config.flavor == Flavor::Vllm {
+        if let Some(id) = headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
+            let prefix = if api == Api::Chat { "chatcmpl" } else { "cmpl" };
+            prepared.id = format!("{prefix}-{id}");
+        }
+    }
     run(state, prepared).await
 }
 
