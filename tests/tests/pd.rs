@@ -963,3 +963,32 @@ async fn cancelling_a_background_response_stops_its_wait_for_the_prefill_leg() {
     prefill.shutdown().await;
     decode.shutdown().await;
 }
+
+/// A vLLM decode engine answers with its headers before it pulls the KV cache: a split whose
+/// decode stream then breaks before the first token counts as a failed transfer, and the
+/// request is not split with the same endpoints again (here no other endpoint can take it,
+/// so the client gets the failure).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_decode_stream_broken_before_its_first_token_counts_as_a_failed_transfer() {
+    let (prefill, decode, gw) = prefill_decode_pair(Flavor::Vllm).await;
+    set_sim_fault(&decode, json!({"cut_after": 0})).await;
+    let base = gw.base_url();
+    let body =
+        json!({"model": "sim-model", "input": long_text("g", 4000), "max_output_tokens": 16});
+    let (status, error) = create_failing(&base, body).await;
+    assert!(status >= 500, "{status} {error}");
+    let m = metrics_text(&base).await;
+    assert_series(
+        &m,
+        "agentgate_pd_transfer_failures_total{pool=\"pd\",prefill=\"pd/0\",decode=\"pd/1\"}",
+        1.0,
+    );
+    assert_series(
+        &m,
+        "agentgate_pd_decisions_total{pool=\"pd\",decision=\"disaggregated\",reason=\"uncached\"}",
+        1.0,
+    );
+    gw.shutdown().await;
+    prefill.shutdown().await;
+    decode.shutdown().await;
+}
