@@ -133,6 +133,9 @@ struct TeamInFlight {
     /// How long its oldest request waiting there had waited at publication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     waiting_ms: Option<u64>,
+    /// That request's name, the same for as long as it waits (`<gateway>/<entry id>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    oldest: Option<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -209,7 +212,9 @@ fn publish(
                 waiting: team.waiting,
                 waiting_ms: team
                     .oldest_waiting
-                    .map(|at| millis(now.saturating_duration_since(at))),
+                    .as_ref()
+                    .map(|(at, _)| millis(now.saturating_duration_since(*at))),
+                oldest: team.oldest_waiting.map(|(_, key)| key),
             })
             .collect(),
         endpoints: endpoints
@@ -284,8 +289,11 @@ fn merge(states: &[PeerState], now: Instant) -> Peers {
             });
             sum.in_flight = sum.in_flight.saturating_add(t.in_flight);
             sum.waiting = sum.waiting.saturating_add(t.waiting);
-            if let Some(at) = t.waiting_ms.and_then(|ms| ago(now, peer.age, ms)) {
-                sum.oldest_waiting = Some(sum.oldest_waiting.map_or(at, |o| o.min(at)));
+            let at = t.waiting_ms.and_then(|ms| ago(now, peer.age, ms));
+            if let (Some(at), Some(key)) = (at, t.oldest) {
+                if sum.oldest_waiting.as_ref().is_none_or(|(o, _)| at < *o) {
+                    sum.oldest_waiting = Some((at, key));
+                }
             }
         }
         for s in published.sessions {
@@ -394,7 +402,17 @@ async fn exchange_pool(
         }),
         &controller.held(),
         controller.recent_activity(now.checked_sub(every * ACTIVITY_INTERVALS).unwrap_or(now)),
-        controller.team_load(),
+        controller
+            .team_load()
+            .into_iter()
+            .map(|(team, mut load)| {
+                // Keys name the request among all the gateways'.
+                load.oldest_waiting = load
+                    .oldest_waiting
+                    .map(|(at, id)| (at, format!("{gateway}/{id}")));
+                (team, load)
+            })
+            .collect(),
         now,
     );
     let body = serde_json::to_string(&published).map_err(|e| e.to_string())?;
@@ -459,7 +477,7 @@ mod tests {
                 PeerTeam {
                     in_flight: 2,
                     waiting: 3,
-                    oldest_waiting: Some(now - Duration::from_millis(700)),
+                    oldest_waiting: Some((now - Duration::from_millis(700), "g1/7".into())),
                 },
             )],
             now,
@@ -467,11 +485,11 @@ mod tests {
         let body = serde_json::to_string(&published).unwrap();
         assert_eq!(
             body,
-            r#"{"endpoints":[{"name":"p/0","working_set":640,"in_flight":2,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"in_flight":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64,"in_flight":1}],"sessions":[{"key":"s1","idle_ms":200}],"teams":[{"name":"team-a","in_flight":2,"waiting":3,"waiting_ms":700}]}"#
+            r#"{"endpoints":[{"name":"p/0","working_set":640,"in_flight":2,"held":{"priority":0,"idle_ms":1500}},{"name":"p/1","working_set":0,"in_flight":0,"held":{"priority":0,"aged":true}},{"name":"p/2","working_set":64,"in_flight":1}],"sessions":[{"key":"s1","idle_ms":200}],"teams":[{"name":"team-a","in_flight":2,"waiting":3,"waiting_ms":700,"oldest":"g1/7"}]}"#
         );
         // Three peers: this one 300 ms old; one holding a colder turn for p/0 and a turn of a
         // higher band for p/1 (which goes first even against an aged one); one unreadable.
-        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"in_flight":1,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}],"teams":[{"name":"team-a","in_flight":1,"waiting":1,"waiting_ms":5000},{"name":"team-b","in_flight":4}]}"#;
+        let other = r#"{"endpoints":[{"name":"p/0","working_set":100,"in_flight":1,"held":{"priority":0,"idle_ms":9000}},{"name":"p/1","working_set":5,"held":{"priority":10,"idle_ms":60000}}],"sessions":[{"key":"s1","idle_ms":50}],"teams":[{"name":"team-a","in_flight":1,"waiting":1,"waiting_ms":5000,"oldest":"g2/3"},{"name":"team-b","in_flight":4}]}"#;
         let read_at = now + Duration::from_millis(10);
         let peers = merge(
             &[
@@ -501,7 +519,10 @@ mod tests {
                     PeerTeam {
                         in_flight: 3,
                         waiting: 4,
-                        oldest_waiting: Some(read_at - Duration::from_millis(5_000)),
+                        oldest_waiting: Some((
+                            read_at - Duration::from_millis(5_000),
+                            "g2/3".to_string()
+                        )),
                     }
                 ),
                 (

@@ -970,14 +970,12 @@ async fn open_split(
         (None, Some(l)) => session_pin(state, pool, Some(&prefill_pin_key(&l.parent))).await,
         _ => own_prefill_pin.clone(),
     };
-    // With prefill endpoints only, `d` is one of them: it does not prefill for itself. Nor
-    // does an endpoint this request failed on before (a split whose decode leg failed).
-    let mut not_d: Vec<usize> = prefill_view
+    // With prefill endpoints only, `d` is one of them: it does not prefill for itself.
+    let not_d: Vec<usize> = prefill_view
         .iter()
         .position(|e| Arc::ptr_eq(e, &d))
         .into_iter()
         .collect();
-    not_d.extend(placement.avoided_in(&prefill_view));
     let prefill_request = PrefillRequest {
         exclude: &not_d,
         prefix: &placement.prefix,
@@ -1528,13 +1526,11 @@ async fn drive_announced(
                 turn.failed_slots.push(routed.slot);
                 // A split's decode leg that fails before its first token most likely lost its
                 // KV transfer (vLLM's decode engine answers with its headers before it pulls
-                // the blocks): counted as one, and its prefill endpoint is not used again for
-                // the request either.
+                // the blocks): counted as one.
                 if let Some(leg) = &routed.prefill {
                     state
                         .metrics
                         .pd_transfer_failed(&turn.pool.name, &leg.endpoint, &endpoint);
-                    turn.failed_slots.push(leg.endpoint.slot);
                 }
                 // The pin may have moved to the failed endpoint: read it again.
                 turn.admission_pin = None;

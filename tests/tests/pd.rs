@@ -965,9 +965,8 @@ async fn cancelling_a_background_response_stops_its_wait_for_the_prefill_leg() {
 }
 
 /// A vLLM decode engine answers with its headers before it pulls the KV cache: a split whose
-/// decode stream then breaks before the first token counts as a failed transfer, and the
-/// request is not split with the same endpoints again (here no other endpoint can take it,
-/// so the client gets the failure).
+/// decode stream then breaks before the first token counts as a failed transfer (here no other
+/// endpoint can take the request, so the client gets the failure).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vllm_decode_stream_broken_before_its_first_token_counts_as_a_failed_transfer() {
     let (prefill, decode, gw) = prefill_decode_pair(Flavor::Vllm).await;

@@ -582,7 +582,7 @@ impl FlowController {
                 let team = PeerTeam {
                     in_flight: t.in_flight,
                     waiting: t.queued as u64,
-                    oldest_waiting: state.team_oldest(name),
+                    oldest_waiting: state.team_oldest(name).map(|(at, id)| (at, id.to_string())),
                 };
                 (name.clone(), team)
             })
@@ -792,19 +792,23 @@ impl SessionTracker {
     }
 }
 
-/// How far apart two readings of the queue instant of a request waiting at another gateway
-/// may be and still be taken for the same request (each exchange reads it back from ages).
-const SAME_REQUEST_SLACK: Duration = Duration::from_millis(25);
+/// How much longer a request waiting at another gateway must have waited than any here to be
+/// left a slot: more than the error of its queue instant read back from ages (half a store
+/// round trip, and whole milliseconds), so two gateways never each take the other's for the
+/// older.
+const OLDER_BY: Duration = Duration::from_millis(50);
 
-/// A team's load at the other gateways in front of a pool, summed, as exchanged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A team's load at the other gateways in front of a pool, summed, as exchanged (or, from
+/// [`FlowController::team_load`], at this gateway).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerTeam {
     /// Its requests in flight there.
     pub in_flight: u64,
     /// Its requests waiting there.
     pub waiting: u64,
-    /// When the oldest of its requests waiting there was queued, if any waits.
-    pub oldest_waiting: Option<Instant>,
+    /// The oldest of its requests waiting there, if any waits: when it was queued, and a key
+    /// naming it for as long as it waits (this gateway's: its entry id).
+    pub oldest_waiting: Option<(Instant, String)>,
 }
 
 struct State {
@@ -819,9 +823,9 @@ struct State {
     /// requests count toward the team's `max_concurrent` with this gateway's own, and its last
     /// free slots may be left to an older request waiting there ([`State::team_eligible`]).
     peer_teams: HashMap<String, PeerTeam>,
-    /// Team -> since when, and to which request waiting at another gateway (when it was
-    /// queued, as read back), a slot of the team has been left ([`State::team_eligible`]).
-    team_yields: std::cell::RefCell<HashMap<String, (Instant, Instant)>>,
+    /// Team -> since when, and to which request waiting at another gateway (its key), a slot
+    /// of the team has been left ([`State::team_eligible`]).
+    team_yields: std::cell::RefCell<HashMap<String, (Instant, String)>>,
     entries: HashMap<u64, Entry>,
     next_id: u64,
     in_flight: u64,
@@ -1306,8 +1310,9 @@ impl State {
     /// slot freed here is refilled here before the others hear of it, so a gateway that keeps
     /// a backlog of a capped team would keep its slots. So when the other gateways' waiting
     /// requests of the team would take all its free room and the oldest of them waited longer
-    /// than any here, the slot is left to it, for at most `yield_limit` per request waiting
-    /// there (that gateway may be gone, or unable to place it for another reason).
+    /// than any here (by more than [`OLDER_BY`]), the slot is left to it, for at most
+    /// `yield_limit` per request waiting there (that gateway may be gone, or unable to place
+    /// it for another reason).
     fn team_eligible(&self, team: &str, now: Instant, yield_limit: Duration) -> bool {
         if !self.team_has_room(team) {
             return false;
@@ -1318,7 +1323,7 @@ impl State {
         let Some(peer) = self.peer_teams.get(team) else {
             return true;
         };
-        let Some(theirs) = peer.oldest_waiting else {
+        let Some((theirs, key)) = &peer.oldest_waiting else {
             return true;
         };
         let in_flight = self
@@ -1327,34 +1332,30 @@ impl State {
             .map_or(0, |t| t.in_flight)
             .saturating_add(peer.in_flight);
         let free = u64::from(max).saturating_sub(in_flight);
-        if peer.waiting < free || self.team_oldest(team).is_none_or(|ours| theirs >= ours) {
+        let older = self
+            .team_oldest(team)
+            .is_some_and(|(ours, _)| *theirs + OLDER_BY < ours);
+        if peer.waiting < free || !older {
             return true;
         }
         let mut yields = self.team_yields.borrow_mut();
         let since = match yields.get(team) {
-            // The same request there (its instant as read back at each exchange, to within
-            // the slack).
-            Some(&(since, seen))
-                if seen.max(theirs).saturating_duration_since(seen.min(theirs))
-                    <= SAME_REQUEST_SLACK =>
-            {
-                since
-            }
+            Some((since, seen)) if seen == key => *since,
             _ => {
-                yields.insert(team.to_string(), (now, theirs));
+                yields.insert(team.to_string(), (now, key.clone()));
                 now
             }
         };
         now.saturating_duration_since(since) >= yield_limit
     }
 
-    /// When the oldest request of `team` waiting here was queued: the fronts of its queues in
-    /// each band hold its oldest.
-    fn team_oldest(&self, team: &str) -> Option<Instant> {
+    /// The oldest request of `team` waiting here: when it was queued, and its id. The fronts
+    /// of its queues in each band hold its oldest.
+    fn team_oldest(&self, team: &str) -> Option<(Instant, u64)> {
         self.bands
             .iter()
             .flat_map(|band| band.team_fronts(team))
-            .filter_map(|id| self.entries.get(&id).map(|e| e.enqueued_at))
+            .filter_map(|id| self.entries.get(&id).map(|e| (e.enqueued_at, id)))
             .min()
     }
 

@@ -767,7 +767,7 @@ async fn a_teams_last_free_slot_is_left_to_an_older_request_at_another_gateway()
         PeerTeam {
             in_flight: 0,
             waiting: 1,
-            oldest_waiting: Some(Instant::now() - Duration::from_secs(5)),
+            oldest_waiting: Some((Instant::now() - Duration::from_secs(5), "g2/1".into())),
         },
     )]);
     assert!(flow.set_peer_teams(older));
