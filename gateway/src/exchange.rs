@@ -30,8 +30,8 @@
 //!
 //! `sessions`: the sessions it dispatched or finished a turn of within the last ten intervals,
 //! with how long ago (`FlowController::recent_activity`; keys over 1 KiB are left out); and
-//! `teams`: each team's requests in flight and waiting there, and how long its oldest waiting
-//! request has waited (`FlowController::team_load`).
+//! `teams`: each team's requests in flight and waiting there, and its oldest waiting request:
+//! how long it has waited, and its name (`<gateway>/<entry id>`; `FlowController::team_load`).
 //!
 //! From the others' fresh states (published within the last ten intervals, or a second if
 //! that is longer, on the store's clock):
