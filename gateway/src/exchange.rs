@@ -119,11 +119,11 @@ struct Published {
     sessions: Vec<SessionSeen>,
     /// Teams with requests in flight or waiting at this gateway.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    teams: Vec<TeamInFlight>,
+    teams: Vec<TeamLoad>,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
-struct TeamInFlight {
+struct TeamLoad {
     name: String,
     #[serde(default)]
     in_flight: u64,
@@ -206,7 +206,7 @@ fn publish(
     Published {
         teams: teams
             .into_iter()
-            .map(|(name, team)| TeamInFlight {
+            .map(|(name, team)| TeamLoad {
                 name,
                 in_flight: team.in_flight,
                 waiting: team.waiting,

@@ -751,9 +751,7 @@ async fn run_turn(
             let events =
                 turn::failed_at_start(state, &turn, CONTEXT_LENGTH_EXCEEDED, &e.error.message);
             // It adds nothing to its conversation.
-            if let Some(lock) = &turn.conversation_lock {
-                lock.release().await;
-            }
+            turn::release_conversation(&turn).await;
             let (tx, rx) = mpsc::channel(events.len().max(1));
             for event in &events {
                 let _ = tx.try_send(Bytes::from(event.to_sse_frame()));

@@ -2177,7 +2177,7 @@ async fn fail_background(state: &AppState, turn: &Turn, mut announced: Announced
 }
 
 /// Release the turn's conversation lock, if it holds one: the turn adds nothing more to it.
-async fn release_conversation(turn: &Turn) {
+pub(crate) async fn release_conversation(turn: &Turn) {
     if let Some(lock) = &turn.conversation_lock {
         lock.release().await;
     }

@@ -835,12 +835,7 @@ async fn cancelling_a_streamed_background_response_ends_its_stream_cleanly() {
 async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() {
     // 100 ms per token, answers of 2000 to 6000 tokens: the cancel lands mid-run, on the
     // gateway that does not run it.
-    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
-        default_output_tokens: 4000,
-        ..slow_sim_config(100.0)
-    })
-    .await
-    .unwrap();
+    let sim = long_answer_sim(100.0, 4000).await;
     let fleet = Fleet::over(vec![sim])
         .shared_memory()
         .gateways(2)
@@ -2175,12 +2170,7 @@ async fn a_conversation_runs_one_turn_at_a_time_across_gateways() {
     let prefix = unique_prefix("conversation_lock");
     // 50 ms per token: the first turn runs for about ten seconds (each refusal below waits
     // 0.8 s for the lock first).
-    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
-        default_output_tokens: 20_000,
-        ..slow_sim_config(50.0)
-    })
-    .await
-    .unwrap();
+    let sim = long_answer_sim(50.0, 20_000).await;
     let fleet = Fleet::over(vec![sim])
         .store(redis.url(), &prefix)
         .gateways(2)
@@ -2300,6 +2290,16 @@ async fn slow_sim(decode_ms: f64) -> agentgate_sim::SimHandle {
     agentgate_sim::spawn(slow_sim_config(decode_ms))
         .await
         .unwrap()
+}
+
+/// [`slow_sim`] whose answers, unless capped, are about `tokens` long.
+async fn long_answer_sim(decode_ms: f64, tokens: usize) -> agentgate_sim::SimHandle {
+    agentgate_sim::spawn(agentgate_sim::SimConfig {
+        default_output_tokens: tokens,
+        ..slow_sim_config(decode_ms)
+    })
+    .await
+    .unwrap()
 }
 
 /// The configuration of [`slow_sim`], for tests that change more of it.

@@ -622,6 +622,20 @@ async fn long_answers_paced(
     (sim, gw)
 }
 
+/// The gateway's metrics once `done` holds of them, polled for at most 15 s (the last read
+/// otherwise).
+async fn metrics_once(base: &str, done: impl Fn(&str) -> bool) -> String {
+    let mut m = String::new();
+    for _ in 0..1500 {
+        m = metrics_text(base).await;
+        if done(&m) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    m
+}
+
 /// The stored status of response `id` once it is `completed` or `incomplete`, polled for at
 /// most 15 s (the last status read otherwise).
 async fn finished_status(base: &str, id: &str) -> Value {
@@ -691,14 +705,10 @@ async fn an_unstored_turn_whose_client_stops_reading_stops() {
     let mut stalled = raw_request(&base, &head, body.as_bytes()).await;
     read_until(&mut stalled, |s| s.contains("response.output_text.delta")).await;
     let gone = "code=\"client_disconnected\"} 1";
-    let mut m = String::new();
-    for _ in 0..1500 {
-        m = metrics_text(&base).await;
-        if m.contains(gone) && metric_sum(&m, "agentgate_endpoint_in_flight_requests") == 0.0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    let m = metrics_once(&base, |m| {
+        m.contains(gone) && metric_sum(m, "agentgate_endpoint_in_flight_requests") == 0.0
+    })
+    .await;
     let ended: Vec<&str> = m
         .lines()
         .filter(|l| l.starts_with("agentgate_responses_total"))
@@ -905,14 +915,10 @@ async fn a_client_gone_before_its_answer_is_counted_as_closed() {
         body.len()
     );
     let waiting = raw_request(&base, &head, body.as_bytes()).await;
-    let mut m = String::new();
-    for _ in 0..1500 {
-        m = metrics_text(&base).await;
-        if metric_sum(&m, "agentgate_endpoint_in_flight_requests") == 1.0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    let m = metrics_once(&base, |m| {
+        metric_sum(m, "agentgate_endpoint_in_flight_requests") == 1.0
+    })
+    .await;
     assert_eq!(
         metric_sum(&m, "agentgate_endpoint_in_flight_requests"),
         1.0,
@@ -920,13 +926,7 @@ async fn a_client_gone_before_its_answer_is_counted_as_closed() {
     );
     drop(waiting);
     let closed = r#"agentgate_http_requests_total{route="/v1/responses",method="POST",status="499",code="client_closed"} 1"#;
-    for _ in 0..1500 {
-        m = metrics_text(&base).await;
-        if m.contains(closed) {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    let m = metrics_once(&base, |m| m.contains(closed)).await;
     assert!(m.contains(closed), "{m}");
     gw.shutdown().await;
     sim.shutdown().await;

@@ -1291,18 +1291,18 @@ impl State {
     /// Whether `team` has room for one more request in flight under its `max_concurrent`,
     /// counting its requests at the other gateways as last exchanged.
     fn team_has_room(&self, team: &str) -> bool {
-        let limit = self.team_spec(team).map(|t| t.max_concurrent);
-        let peers = self.peer_teams.get(team);
-        let in_flight = self
-            .teams
-            .get(team)
-            .map_or(0, |t| t.in_flight)
-            .saturating_add(peers.map_or(0, |p| p.in_flight));
-        match limit {
-            Some(Some(max)) => in_flight < u64::from(max),
+        match self.team_spec(team).map(|t| t.max_concurrent) {
+            Some(Some(max)) => self.team_in_flight(team) < u64::from(max),
             Some(None) => true,
             None => false,
         }
+    }
+
+    /// The team's requests in flight here and, as last exchanged, at the other gateways.
+    fn team_in_flight(&self, team: &str) -> u64 {
+        let here = self.teams.get(team).map_or(0, |t| t.in_flight);
+        let there = self.peer_teams.get(team).map_or(0, |p| p.in_flight);
+        here.saturating_add(there)
     }
 
     /// Whether `team` may have one more request dispatched here now: it has room
@@ -1326,12 +1326,7 @@ impl State {
         let Some((theirs, key)) = &peer.oldest_waiting else {
             return true;
         };
-        let in_flight = self
-            .teams
-            .get(team)
-            .map_or(0, |t| t.in_flight)
-            .saturating_add(peer.in_flight);
-        let free = u64::from(max).saturating_sub(in_flight);
+        let free = u64::from(max).saturating_sub(self.team_in_flight(team));
         let older = self
             .team_oldest(team)
             .is_some_and(|(ours, _)| *theirs + OLDER_BY < ours);
