@@ -1077,6 +1077,13 @@ pub async fn delete(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, HttpError> {
     let team = state.keys.authenticate(&headers)?;
+    // A response still running in a conversation holds the conversation's lock, and its run
+    // may be on another gateway, which notices the deletion only at its next store write: the
+    // lock is given back here, as a cancel does, so the conversation's next turn need not wait.
+    let running_in = match state.store.get(&team.0, &id).await {
+        Ok(Some(rec)) if is_active(&rec.response) => Some(rec.response),
+        _ => None,
+    };
     if !state
         .store
         .delete(&team.0, &id)
@@ -1086,9 +1093,20 @@ pub async fn delete(
         return Err(response_not_found(&id));
     }
     signal_cancel(&state, &id);
+    if let Some(response) = running_in {
+        crate::conversations::release_for(&state, &team.0, &response, &id).await;
+    }
     Ok(Json(
         json!({"id": id, "object": "response", "deleted": true}),
     ))
+}
+
+/// Whether a stored response is still queued or running.
+fn is_active(response: &Value) -> bool {
+    matches!(
+        response.get("status").and_then(Value::as_str),
+        Some("queued" | "in_progress")
+    )
 }
 
 /// Tell a background run in this process to stop (runs in other gateway processes notice the

@@ -2276,6 +2276,75 @@ async fn a_conversation_runs_one_turn_at_a_time_across_gateways() {
     fleet.shutdown().await;
 }
 
+/// Deleting a background response that waits for a run slot on another gateway gives its
+/// conversation back at once: the conversation's next turn is not refused `conversation_locked`
+/// while the run that would notice the deletion still waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_queued_background_response_frees_its_conversation_on_every_gateway() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("delete_unlocks");
+    let sim = long_answer_sim(50.0, 20_000).await;
+    let fleet = Fleet::over(vec![sim])
+        .store(redis.url(), &prefix)
+        .extra("[background]\nmax_concurrent = 1\n")
+        .gateways(2)
+        .start()
+        .await;
+    let (a, b) = (
+        fleet.gateways()[0].base_url(),
+        fleet.gateways()[1].base_url(),
+    );
+    // The one run slot on the first gateway is taken by a long answer.
+    let (s, busy) = create(
+        &a,
+        json!({"model": "sim-model", "input": "a long answer", "background": true,
+               "max_output_tokens": 400}),
+    )
+    .await;
+    assert_eq!(s, 200, "{busy}");
+    let (s, conv) = post_json(
+        format!("{a}/v1/conversations"),
+        json!({"items": [{"role": "user", "content": "Plan a parser."}]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{conv}");
+    let conv = conv["id"].as_str().unwrap().to_string();
+    let turn = |input: &str, background: bool| {
+        json!({"model": "sim-model", "input": input, "conversation": conv,
+               "max_output_tokens": 16, "background": background})
+    };
+    let (s, queued) = create(&a, turn("waits for a slot", true)).await;
+    assert_eq!(s, 200, "{queued}");
+    assert_eq!(queued["status"], "queued", "{queued}");
+    // Held while it waits.
+    let (s, r) = create(&b, turn("meanwhile", false)).await;
+    assert_eq!(s, 400, "{r}");
+    assert_eq!(r["error"]["code"], "conversation_locked", "{r}");
+
+    let deleted = reqwest::Client::new()
+        .delete(format!(
+            "{b}/v1/responses/{}",
+            queued["id"].as_str().unwrap()
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 200);
+    let (s, r) = create(&b, turn("next", false)).await;
+    assert_eq!(
+        s, 200,
+        "the deleted response still holds the conversation: {r}"
+    );
+
+    let (s, r) = post_json(
+        format!("{a}/v1/responses/{}/cancel", busy["id"].as_str().unwrap()),
+        json!({}),
+    )
+    .await;
+    assert_eq!(s, 200, "{r}");
+    fleet.shutdown().await;
+}
+
 /// One simulated replica decoding `decode_ms` real milliseconds per token, behind a gateway
 /// with `extra` config.
 async fn slow_fleet(decode_ms: f64, extra: &str) -> Fleet {
