@@ -372,6 +372,18 @@ pub struct BackgroundConfig {
     /// one team cannot take every place of `max_concurrent + max_queued`; 0: no bound beyond
     /// those.
     pub max_per_team: usize,
+    /// A background response still `queued` or `in_progress` whose gateway has not renewed
+    /// its run's lease in the store for this long (the gateway died, or lost the store) is
+    /// stored `failed` (code `server_error`) by the next read of it on any gateway; the
+    /// running gateway renews the lease every third of it.
+    pub orphaned_after_s: f64,
+}
+
+impl BackgroundConfig {
+    /// [`BackgroundConfig::orphaned_after_s`] as a duration.
+    pub fn orphaned_after(&self) -> Duration {
+        seconds(self.orphaned_after_s)
+    }
 }
 
 impl Default for BackgroundConfig {
@@ -380,6 +392,7 @@ impl Default for BackgroundConfig {
             max_concurrent: 4,
             max_queued: 1024,
             max_per_team: 0,
+            orphaned_after_s: 30.0,
         }
     }
 }
@@ -1084,6 +1097,10 @@ impl Config {
             (
                 "server.header_read_timeout_s",
                 self.server.header_read_timeout_s,
+            ),
+            (
+                "background.orphaned_after_s",
+                self.background.orphaned_after_s,
             ),
         ] {
             if !(value.is_finite() && value > 0.0 && value <= MAX_SECONDS) {
@@ -1949,6 +1966,11 @@ endpoints = ["http://127.0.0.1:8000"]
                 "server",
                 "header_read_timeout_s = 0",
                 "server.header_read_timeout_s",
+            ),
+            (
+                "background",
+                "orphaned_after_s = 0",
+                "background.orphaned_after_s",
             ),
             ("server", "tcp_keepalive_s = -1", "server.tcp_keepalive_s"),
             (

@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use agentgate_adapters::{build_chat_request, includes_encrypted_reasoning, normalize_input};
-use agentgate_sessions::{Store, StoreError};
+use agentgate_sessions::{ResponseRecord, Store, StoreError};
 
 use crate::app::AppState;
 use crate::auth::Team;
@@ -247,7 +247,16 @@ async fn prepare(
                 .await
                 .map_err(store_error)?
                 .ok_or_else(|| previous_not_found(prev))?;
-            previous_answered(prev, &h.status)?;
+            let mut status = h.status;
+            if matches!(status.as_str(), "queued" | "in_progress") {
+                // A background response lost with its gateway is said so, not "not finished".
+                if let Ok(Some(mut rec)) = state.store.get(&team.0, prev).await {
+                    if settle_orphan(state, team, &mut rec).await {
+                        status = rec.response["status"].as_str().unwrap_or_default().into();
+                    }
+                }
+            }
+            previous_answered(prev, &status)?;
             (h.items, Some(h.root_id))
         }
         (None, None) => (Vec::new(), None),
@@ -673,8 +682,8 @@ async fn run_turn(
 
     if req.background {
         let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
-        let registered =
-            turn::RunRegistration::new(state, &id, &turn.team, cancel_tx).map_err(|held| {
+        let mut registered = turn::RunRegistration::new(state, &id, &turn.team, cancel_tx)
+            .map_err(|held| {
                 HttpError::new(
                     429,
                     "rate_limit_error",
@@ -691,6 +700,7 @@ async fn run_turn(
             Some(pending) => pending.charge().await?,
             None => Vec::new(),
         };
+        registered.hold_lease().await;
         state
             .store
             .put(&turn::queued_record(&turn))
@@ -897,7 +907,8 @@ pub async fn retrieve(
             )
         })?),
     };
-    let rec = load_record(&state, &team, &id).await?;
+    let mut rec = load_record(&state, &team, &id).await?;
+    settle_orphan(&state, &team, &mut rec).await;
     if !stream {
         return Ok(Json(rec.response).into_response());
     }
@@ -919,12 +930,14 @@ pub async fn retrieve(
 /// until the terminal event (`response.completed`, `.incomplete` or `.failed`) has been sent.
 /// Frames are sent in `sequence_number` order, each once. When the stored response is final and
 /// no terminal event is logged within [`FOLLOW_TERMINAL_GRACE`] (a response cancelled before it
-/// ran, or a log the store lost), the stream ends with one carrying the stored response.
+/// ran, a run lost with its gateway and stored failed by [`settle_orphan`], which the follow
+/// checks for every third of `background.orphaned_after_s`, or a log the store lost), the
+/// stream ends with one carrying the stored response.
 ///
 /// A follow that cannot go on while the response itself goes on closes the stream without a
 /// terminal event, so the client picks it up again with `starting_after`: the client left, the
 /// store failed [`FOLLOW_STORE_TRIES`] times in a row, the response was deleted, nothing new
-/// arrived for [`FOLLOW_IDLE_LIMIT`] (a run lost with its replica stays `in_progress`), the
+/// arrived for [`FOLLOW_IDLE_LIMIT`] (a run that is alive but silent, e.g. waiting for a run slot), the
 /// client left its events unread for `client_stall_timeout_s`, or this gateway starts shutting
 /// down (a follow holds no work, so it does not wait out the grace; one blocked on a client
 /// that is not reading ends too, and the server closes the connection once that client reads
@@ -946,6 +959,9 @@ async fn stream_stored(
     let mut record_failures = 0;
     let mut draining = state.draining.subscribe();
     let stall = state.config.server.client_stall_timeout();
+    // How often a response that stays queued or running is checked for a lost run.
+    let orphan_check = (state.config.background.orphaned_after() / 3).max(FOLLOW_POLL);
+    let mut checked_at = tokio::time::Instant::now();
     loop {
         if tx.is_closed() || last_news.elapsed() >= FOLLOW_IDLE_LIMIT {
             return;
@@ -996,6 +1012,14 @@ async fn stream_stored(
             };
             if matches!(status.as_str(), "queued" | "in_progress") {
                 final_since = None;
+                // A run lost with its gateway logs nothing more: stored failed, the stream
+                // ends with it once the grace below has passed.
+                if checked_at.elapsed() >= orphan_check {
+                    checked_at = tokio::time::Instant::now();
+                    if let Ok(Some(mut rec)) = state.store.get(&team.0, &id).await {
+                        settle_orphan(&state, &team, &mut rec).await;
+                    }
+                }
             } else if final_since
                 .get_or_insert_with(tokio::time::Instant::now)
                 .elapsed()
@@ -1099,6 +1123,64 @@ pub async fn delete(
     Ok(Json(
         json!({"id": id, "object": "response", "deleted": true}),
     ))
+}
+
+/// The message a background response lost with its gateway is stored with.
+const ORPHANED: &str = "The gateway running this background response stopped before it \
+                        finished; create it again.";
+
+/// A background response still `queued` or `in_progress` whose run's lease is gone lost its
+/// run with the gateway running it (the gateway died, or had no word through the store for
+/// `background.orphaned_after_s`): it is stored `failed` (code `server_error`, unless its run
+/// ended meanwhile) and its conversation given back, and `rec` becomes what is stored. One
+/// younger than that TTL is left alone (its gateway may not have taken the lease yet), as is
+/// one whose lease cannot be read. Whether it was settled.
+async fn settle_orphan(state: &AppState, team: &Team, rec: &mut ResponseRecord) -> bool {
+    if rec.response.get("background") != Some(&Value::Bool(true)) || !is_active(&rec.response) {
+        return false;
+    }
+    let ttl = state.config.background.orphaned_after();
+    let created = rec.response.get("created_at").and_then(Value::as_i64);
+    let age = crate::response_object::now_secs().saturating_sub(created.unwrap_or(i64::MAX));
+    if age < 0 || (age as u64) < ttl.as_secs().max(1) {
+        return false;
+    }
+    let id = rec.response["id"].as_str().unwrap_or_default().to_string();
+    match state.store.run_held(&id).await {
+        Ok(false) => {}
+        Ok(true) => return false,
+        Err(e) => {
+            tracing::warn!(response = %id, "cannot read the background run's lease: {e}");
+            return false;
+        }
+    }
+    let mut failed = rec.response.clone();
+    failed["status"] = Value::from("failed");
+    failed["error"] = json!({"code": "server_error", "message": ORPHANED});
+    match state
+        .store
+        .update_if_active(&team.0, &id, &failed, &rec.output_items)
+        .await
+    {
+        Ok(true) => {
+            tracing::warn!(response = %id, "background response lost with the gateway running it (no run lease); stored as failed");
+            crate::conversations::release_for(state, &team.0, &failed, &id).await;
+            rec.response = failed;
+            true
+        }
+        // Its run ended (or it was cancelled) meanwhile: what is stored now says so.
+        Ok(false) => match state.store.get(&team.0, &id).await {
+            Ok(Some(now)) => {
+                *rec = now;
+                true
+            }
+            _ => false,
+        },
+        Err(e) => {
+            tracing::warn!(response = %id, "could not store the lost background response as failed: {e}");
+            false
+        }
+    }
 }
 
 /// Whether a stored response is still queued or running.

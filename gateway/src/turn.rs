@@ -2187,9 +2187,14 @@ pub(crate) async fn release_conversation(turn: &Turn) {
 /// taken before its record is written so that the `[background]` limits hold under concurrent
 /// creates; dropping it (the run ended, its record could not be written, its task unwound)
 /// gives the place back.
+///
+/// It also holds the run's lease in the store ([`RunRegistration::hold_lease`]), which readers
+/// on any gateway take for a sign of life (`responses::settle_orphan`).
 pub struct RunRegistration {
     state: Arc<AppState>,
     id: String,
+    /// The task renewing the run's lease, once taken.
+    lease: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl RunRegistration {
@@ -2231,7 +2236,28 @@ impl RunRegistration {
         Ok(RunRegistration {
             state: state.clone(),
             id: id.to_string(),
+            lease: None,
         })
+    }
+
+    /// Take the run's lease in the store (before the response is stored, so no reader finds it
+    /// queued without one) and renew it every third of `background.orphaned_after_s` until
+    /// the registration is dropped, which gives it up. A lease the store could not take is
+    /// taken by the next renewal; a reader gives a run that long before it counts as lost.
+    pub async fn hold_lease(&mut self) {
+        let ttl = self.state.config.background.orphaned_after();
+        let (store, id) = (self.state.store.clone(), self.id.clone());
+        if let Err(e) = store.hold_run(&id, ttl).await {
+            tracing::warn!(response = %id, "could not take the background run's lease: {e}");
+        }
+        self.lease = Some(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(ttl / 3).await;
+                if let Err(e) = store.hold_run(&id, ttl).await {
+                    tracing::warn!(response = %id, "could not renew the background run's lease: {e}");
+                }
+            }
+        }));
     }
 }
 
@@ -2242,6 +2268,20 @@ impl Drop for RunRegistration {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&self.id);
+        let Some(keeper) = self.lease.take() else {
+            return;
+        };
+        keeper.abort();
+        // Given up from a task; outside a runtime, its TTL ends it.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (store, id) = (self.state.store.clone(), self.id.clone());
+            runtime.spawn(async move {
+                let _ = keeper.await;
+                if let Err(e) = store.end_run(&id).await {
+                    tracing::warn!(response = %id, "could not give up the background run's lease (it expires by itself): {e}");
+                }
+            });
+        }
     }
 }
 

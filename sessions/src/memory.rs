@@ -540,6 +540,8 @@ pub struct MemoryStore {
     boards: Mutex<HashMap<String, Board>>,
     /// Conversation locks: (team, conversation id) -> (owner, expiry).
     conversation_locks: Mutex<HashMap<(String, String), (String, Instant)>>,
+    /// Background runs' leases: response id -> when the lease expires.
+    run_leases: Mutex<HashMap<String, Instant>>,
     epoch: Instant,
     ttl: Duration,
     pin_ttl: Duration,
@@ -570,6 +572,7 @@ impl MemoryStore {
             rates: Mutex::new(HashMap::new()),
             boards: Mutex::new(HashMap::new()),
             conversation_locks: Mutex::new(HashMap::new()),
+            run_leases: Mutex::new(HashMap::new()),
             epoch: Instant::now(),
             ttl: opts.ttl,
             pin_ttl: opts.pin_ttl,
@@ -977,6 +980,39 @@ impl Store for MemoryStore {
         if locks.get(&key).is_some_and(|(holder, _)| holder == owner) {
             locks.remove(&key);
         }
+        Ok(())
+    }
+
+    async fn hold_run(&self, id: &str, ttl: Duration) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let mut leases = self
+            .run_leases
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Leases whose run vanished without giving them up expire; drop those once there are
+        // many, so the map stays as small as the runs.
+        if leases.len() >= 1024 {
+            leases.retain(|_, expires_at| *expires_at > now);
+        }
+        leases.insert(id.to_string(), expiry_after(now, ttl));
+        Ok(())
+    }
+
+    async fn run_held(&self, id: &str) -> Result<bool, StoreError> {
+        let leases = self
+            .run_leases
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        Ok(leases
+            .get(id)
+            .is_some_and(|expires_at| *expires_at > Instant::now()))
+    }
+
+    async fn end_run(&self, id: &str) -> Result<(), StoreError> {
+        self.run_leases
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(id);
         Ok(())
     }
 

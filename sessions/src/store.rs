@@ -178,6 +178,22 @@ pub trait Store: Send + Sync + 'static {
         owner: &str,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Hold (take or renew) the lease of background response `id`'s run for `ttl`. The gateway
+    /// running a background response holds it from before the response is stored until the
+    /// run ends, renewing it while the run lasts; a response still `queued` or `in_progress`
+    /// whose lease is gone lost its run with its gateway. One round trip.
+    fn hold_run(
+        &self,
+        id: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Whether background response `id`'s run lease is held. One round trip.
+    fn run_held(&self, id: &str) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Give up background response `id`'s run lease (its run ended). One round trip.
+    fn end_run(&self, id: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// The pin of `session` in `pool`, if one is in force, its TTL refreshed: a pin is read for
     /// each turn of its session, so it lasts `pin_ttl` after the session's last turn. One
     /// round trip.
@@ -452,6 +468,27 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.unlock_conversation(team, id, owner).await,
             AnyStore::Redis(s) => s.unlock_conversation(team, id, owner).await,
+        }
+    }
+
+    async fn hold_run(&self, id: &str, ttl: Duration) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.hold_run(id, ttl).await,
+            AnyStore::Redis(s) => s.hold_run(id, ttl).await,
+        }
+    }
+
+    async fn run_held(&self, id: &str) -> Result<bool, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.run_held(id).await,
+            AnyStore::Redis(s) => s.run_held(id).await,
+        }
+    }
+
+    async fn end_run(&self, id: &str) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.end_run(id).await,
+            AnyStore::Redis(s) => s.end_run(id).await,
         }
     }
 

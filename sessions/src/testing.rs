@@ -546,6 +546,7 @@ pub async fn conversation_suite<S: Store>(store: &S) {
         Some(many)
     );
     conversation_lock_suite(store).await;
+    run_lease_suite(store).await;
 }
 
 /// Conversation locks: one owner at a time, re-entrant for that owner, per team, released
@@ -601,6 +602,37 @@ pub async fn conversation_lock_suite<S: Store>(store: &S) {
     assert!(!renew("resp_4", long).await, "expired: not renewed");
     assert!(lock("team-a", "resp_5", long).await, "expired");
     unlock("resp_5").await;
+}
+
+/// Background runs' leases: held until given up or expired, renewed by holding again, one
+/// round trip each.
+pub async fn run_lease_suite<S: Store>(store: &S) {
+    let held = |id: &'static str| async move {
+        at_most_one_round_trip(store, "run held", store.run_held(id))
+            .await
+            .expect("run held")
+    };
+    let hold = |id: &'static str, ttl: Duration| async move {
+        at_most_one_round_trip(store, "hold run", store.hold_run(id, ttl))
+            .await
+            .expect("hold run")
+    };
+    assert!(!held("resp_r1").await, "never held");
+    hold("resp_r1", Duration::from_secs(60)).await;
+    assert!(held("resp_r1").await);
+    assert!(!held("resp_r2").await, "one lease per run");
+    at_most_one_round_trip(store, "end run", store.end_run("resp_r1"))
+        .await
+        .expect("end run");
+    assert!(!held("resp_r1").await, "given up");
+    // A run whose gateway died holds its lease for its TTL only; holding again renews it.
+    hold("resp_r2", Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    hold("resp_r2", Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(held("resp_r2").await, "renewed");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!held("resp_r2").await, "expired");
 }
 
 /// Rate limits: a budget spent to the last unit, refusals with `retry_after`, all-or-nothing

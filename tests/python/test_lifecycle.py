@@ -284,3 +284,46 @@ def test_hash_key_takes_the_key_from_standard_input_too(agentgate_bin):
     assert padded.stdout.strip() == piped.stdout.strip()
     empty = subprocess.run([agentgate_bin, "hash-key"], input="", capture_output=True, text=True)
     assert empty.returncode != 0 and "no key given" in empty.stderr
+
+
+def test_a_background_response_lost_with_its_gateway_fails_instead_of_staying_queued(
+        agentgate_bin, workdir, redis_url):
+    """A gateway process killed (SIGKILL: no shutdown) while it runs a background response:
+    another gateway on the same Redis stores it `failed` once the run's lease lapses, so a
+    client polling or following it gets an answer instead of `in_progress` until the TTL."""
+    import uuid
+
+    from conftest import _start, config_toml
+
+    config = config_toml(time_scale=1.0, replicas=1, decode_ms_per_token=200,
+                         store_url=redis_url,
+                         key_prefix=f"agentgate-pytest-orphan-{uuid.uuid4().hex[:12]}:",
+                         extra="[background]\norphaned_after_s = 2\n")
+    doomed_gen = _start(agentgate_bin, "orphan-a", config, workdir)
+    survivor_gen = _start(agentgate_bin, "orphan-b", config, workdir)
+    doomed, survivor = next(doomed_gen), next(survivor_gen)
+    try:
+        r = doomed.client().responses.create(model=MODEL, input="Take your time.",
+                                             background=True, max_output_tokens=500)
+        client = survivor.client()
+        # Running on the first gateway, renewing its lease: the second leaves it alone.
+        time.sleep(3)
+        assert client.responses.retrieve(r.id).status in ("queued", "in_progress")
+        doomed.proc.kill()
+        doomed.proc.wait(timeout=10)
+
+        done, seen = _poll_until_done(client, r.id)
+        assert done.status == "failed", seen
+        assert done.error.code == "server_error"
+        # A follow of its events ends too, with the stored failure.
+        events = list(client.responses.retrieve(r.id, stream=True))
+        assert events[-1].type == "response.failed", [e.type for e in events]
+        assert events[-1].response.error.code == "server_error"
+        # It has no answer to continue from.
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="and?", previous_response_id=r.id)
+        assert e.value.param == "previous_response_id"
+        assert "failed" in e.value.message
+    finally:
+        survivor_gen.close()
+        doomed_gen.close()

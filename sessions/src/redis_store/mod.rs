@@ -311,6 +311,11 @@ impl RedisStore {
         format!("{}conv_lock:{}:{team}:{id}", self.key_prefix, team.len())
     }
 
+    /// The Redis key of background response `id`'s run lease.
+    fn run_lease_key(&self, id: &str) -> String {
+        format!("{}run_lease:{id}", self.key_prefix)
+    }
+
     /// The Redis key of the pin of `session` in `pool` (see [`crate::pins::pin_key`]).
     pub fn pin_key(&self, pool: &str, session: &str) -> String {
         pin_key(&self.key_prefix, pool, session)
@@ -876,6 +881,30 @@ impl Store for RedisStore {
                 &[b"release", owner.as_bytes()],
             )
             .await?;
+        Ok(())
+    }
+
+    async fn hold_run(&self, id: &str, ttl: Duration) -> Result<(), StoreError> {
+        let mut cmd = ::redis::cmd("SET");
+        cmd.arg(self.run_lease_key(id))
+            .arg(1)
+            .arg("PX")
+            .arg(millis(ttl).max(1));
+        let _: () = self.query(&cmd).await?;
+        Ok(())
+    }
+
+    async fn run_held(&self, id: &str) -> Result<bool, StoreError> {
+        let mut cmd = ::redis::cmd("EXISTS");
+        cmd.arg(self.run_lease_key(id));
+        let held: i64 = self.query(&cmd).await?;
+        Ok(held == 1)
+    }
+
+    async fn end_run(&self, id: &str) -> Result<(), StoreError> {
+        let mut cmd = ::redis::cmd("DEL");
+        cmd.arg(self.run_lease_key(id));
+        let _: i64 = self.query(&cmd).await?;
         Ok(())
     }
 
