@@ -998,6 +998,9 @@ fn request_fault_code(chunk: &Value, message: &str) -> Option<&'static str> {
     if is_context_overflow(message) {
         return Some("context_length_exceeded");
     }
+    if is_engine_death(message) {
+        return None;
+    }
     let status = chunk
         .get("error")
         .and_then(|e| e.get("code"))
@@ -1006,6 +1009,20 @@ fn request_fault_code(chunk: &Value, message: &str) -> Option<&'static str> {
     status
         .is_some_and(|c| (400..500).contains(&c))
         .then_some("invalid_request")
+}
+
+/// Whether an engine error's message says the engine itself died, whatever the error's code:
+/// vLLM before 0.12 codes every error raised inside its stream 400 (`BadRequestError`),
+/// including the `EngineDeadError` every request in flight gets when its engine core crashes,
+/// and vLLM's V0 engine said `Background loop has errored`. Such a request runs again
+/// elsewhere if nothing of it was sent, and fails as the server's fault otherwise.
+fn is_engine_death(message: &str) -> bool {
+    const DEATHS: [&str; 3] = [
+        "EngineCore encountered an issue",
+        "EngineDeadError",
+        "Background loop has errored",
+    ];
+    DEATHS.iter().any(|death| message.contains(death))
 }
 
 /// The message of an engine error delivered inside the stream (`{"error": {...}}` or
@@ -1062,6 +1079,13 @@ mod tests {
         assert_eq!(failure_without_output(&invalid), None);
         let long = json!({"error": {"message": "The input (9000 tokens) is longer than the model's context length (8192 tokens).", "code": 500}});
         assert_eq!(failure_without_output(&long), None);
+        // vLLM before 0.12 codes a dead engine core 400 like a bad request: still the engine's.
+        let dead = json!({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.", "type": "BadRequestError", "param": null, "code": 400}});
+        assert!(failure_without_output(&dead).is_some());
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = stream.on_chunk(&dead);
+        assert_eq!(events.last().unwrap().event, "response.failed");
+        assert_eq!(stream.response()["error"]["code"], "server_error");
         let abort =
             json!({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "abort"}]});
         assert!(failure_without_output(&abort).is_some());
