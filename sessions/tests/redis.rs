@@ -697,6 +697,8 @@ async fn two_gateways_on_one_redis_share_one_rate_budget() {
 struct SilencingProxy {
     port: u16,
     generation: Arc<AtomicU64>,
+    /// Connections opened from now on are silent from the start.
+    silence_new: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl SilencingProxy {
@@ -706,20 +708,29 @@ impl SilencingProxy {
             .expect("bind the proxy");
         let port = listener.local_addr().expect("proxy address").port();
         let generation = Arc::new(AtomicU64::new(0));
+        let silence_new = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let current = generation.clone();
+        let silent = silence_new.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
                     continue;
                 };
-                let born = current.load(Ordering::SeqCst);
+                let born = match silent.load(Ordering::SeqCst) {
+                    true => u64::MAX,
+                    false => current.load(Ordering::SeqCst),
+                };
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
                 tokio::spawn(pump(client_read, server_write, born, current.clone()));
                 tokio::spawn(pump(server_read, client_write, born, current.clone()));
             }
         });
-        SilencingProxy { port, generation }
+        SilencingProxy {
+            port,
+            generation,
+            silence_new,
+        }
     }
 
     fn url(&self) -> String {
@@ -729,6 +740,12 @@ impl SilencingProxy {
     /// Silence every connection open now.
     fn silence_open_connections(&self) {
         self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Silence every connection open now and every one opened later.
+    fn silence_everything(&self) {
+        self.silence_new.store(true, Ordering::SeqCst);
+        self.silence_open_connections();
     }
 }
 
@@ -806,6 +823,48 @@ async fn a_connection_whose_replies_stop_is_replaced() {
     }
     assert_eq!(found.expect("served again on a new connection").id, "r1");
     assert_eq!(store.connections_replaced(), 1);
+}
+
+/// Redis out of reach for good (every connection, old and new, swallows what is sent): a call
+/// sent while a replacement connection is being opened fails after waiting for it a while,
+/// instead of waiting out all its connection attempts and then a reply timeout on the old
+/// connection.
+#[tokio::test]
+async fn a_call_does_not_wait_out_a_replacement_that_cannot_be_opened() {
+    let redis = TestRedis::start();
+    let upstream: SocketAddr = redis
+        .url()
+        .trim_start_matches("redis://")
+        .split('/')
+        .next()
+        .and_then(|addr| addr.parse().ok())
+        .expect("the test Redis URL names an IP address and port");
+    let proxy = SilencingProxy::start(upstream).await;
+    let opts = StoreOptions {
+        ttl: TEST_TTL,
+        key_prefix: unique_prefix("unreachable"),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&proxy.url(), opts)
+        .await
+        .expect("connect through the proxy");
+    store.put(&record("t", "r1", None, 10)).await.expect("put");
+
+    proxy.silence_everything();
+    let err = store
+        .get("t", "r1")
+        .await
+        .expect_err("no reply comes on the silenced connection");
+    assert!(err.to_string().contains("timed out"), "{err}");
+    // That timeout started opening a new connection, which cannot succeed.
+    let err = store
+        .get("t", "r1")
+        .await
+        .expect_err("no connection answers");
+    assert!(
+        err.to_string().contains("no connection to Redis"),
+        "waited for the replacement, then timed out on the old connection: {err}"
+    );
 }
 
 #[tokio::test]

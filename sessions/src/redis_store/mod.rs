@@ -52,7 +52,9 @@ use std::time::Duration;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::io::tcp::{socket2::TcpKeepalive, TcpSettings};
 use ::redis::ServerErrorKind;
-use ::redis::{Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, Pipeline, RedisResult};
+use ::redis::{
+    Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, Pipeline, RedisError, RedisResult,
+};
 use serde_json::Value;
 
 use crate::exchange::board_key;
@@ -86,6 +88,8 @@ struct Link {
     config: ConnectionManagerConfig,
     /// A replacement connection is being opened.
     replacing: AtomicBool,
+    /// The last replacement could not be opened (read by the calls that waited for it).
+    replace_failed: AtomicBool,
     /// Connections opened to replace one whose replies timed out or that kept failing.
     replaced: AtomicU64,
     /// Calls failed in a row (any error; a success resets it).
@@ -105,6 +109,10 @@ struct Link {
 /// failure during a credentials rotation, a full client table): without a new manager every
 /// call would fail until the process restarts.
 const REPLACE_AFTER_FAILURES: u64 = 3;
+/// Longest a call waits for a replacement connection being opened before it fails (opening
+/// one may take the connection timeout times its attempts): a store that cannot be reached
+/// fails a call within about this long, or the reply timeout, rather than the sum of both.
+const REPLACE_WAIT: Duration = CONNECT_TIMEOUT;
 const REPLACE_FAILING_EVERY: Duration = Duration::from_secs(2);
 
 impl Link {
@@ -115,6 +123,7 @@ impl Link {
             client,
             config,
             replacing: AtomicBool::new(false),
+            replace_failed: AtomicBool::new(false),
             replaced: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             replace_started_ms: AtomicU64::new(u64::MAX),
@@ -123,10 +132,27 @@ impl Link {
         })
     }
 
-    /// The connection to use and its generation.
-    async fn conn(&self) -> (ConnectionManager, u64) {
-        let current = self.current.read().await;
-        (current.clone(), self.generation.load(Ordering::Acquire))
+    /// The connection to use and its generation. While a replacement is being opened a call
+    /// waits for it at most [`REPLACE_WAIT`], then fails, as it does when the replacement
+    /// could not be opened: the old connection stopped answering (or kept failing), and a call
+    /// sent there would wait out its reply timeout as well.
+    async fn conn(&self) -> RedisResult<(ConnectionManager, u64)> {
+        let current = match self.current.try_read() {
+            Ok(current) => current,
+            Err(_) => {
+                let unreachable = |why: &'static str| {
+                    RedisError::from((ErrorKind::Io, "no connection to Redis", why.into()))
+                };
+                let current = tokio::time::timeout(REPLACE_WAIT, self.current.read())
+                    .await
+                    .map_err(|_| unreachable("a new connection is still being opened"))?;
+                if self.replace_failed.load(Ordering::Acquire) {
+                    return Err(unreachable("a new connection could not be opened"));
+                }
+                current
+            }
+        };
+        Ok((current.clone(), self.generation.load(Ordering::Acquire)))
     }
 
     /// After a call on the connection of `generation`: a reply that timed out replaces the
@@ -156,8 +182,9 @@ impl Link {
     }
 
     /// Open a new connection in the background, unless one is being opened already; calls
-    /// from now on wait for it (at most the connection timeout and its retries). If it cannot
-    /// be opened, calls go on with the old one.
+    /// from now on wait for it, at most [`REPLACE_WAIT`] each. If it cannot be opened, the
+    /// calls that waited fail and later ones go on with the old one (which reconnects by
+    /// itself once Redis answers again).
     fn replace(self: &Arc<Self>, why: &'static str) {
         if self.replacing.swap(true, Ordering::AcqRel) {
             return;
@@ -178,9 +205,11 @@ impl Link {
                     link.generation.fetch_add(1, Ordering::AcqRel);
                     link.replaced.fetch_add(1, Ordering::Relaxed);
                     link.failures.store(0, Ordering::Relaxed);
+                    link.replace_failed.store(false, Ordering::Release);
                     tracing::warn!("{why}; now on a new connection");
                 }
                 Err(err) => {
+                    link.replace_failed.store(true, Ordering::Release);
                     tracing::warn!(error = %err, "{why}; no new connection either")
                 }
             }
@@ -382,7 +411,7 @@ impl RedisStore {
     /// Send one command.
     async fn send_cmd<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
         self.count_round_trip();
-        let (mut conn, generation) = self.link.conn().await;
+        let (mut conn, generation) = self.link.conn().await?;
         let result = cmd.query_async(&mut conn).await;
         self.link.observe(generation, &result);
         result
@@ -391,7 +420,7 @@ impl RedisStore {
     /// Send one pipeline.
     async fn send_pipe(&self, pipe: &Pipeline) -> RedisResult<()> {
         self.count_round_trip();
-        let (mut conn, generation) = self.link.conn().await;
+        let (mut conn, generation) = self.link.conn().await?;
         let result = pipe.query_async(&mut conn).await;
         self.link.observe(generation, &result);
         result
