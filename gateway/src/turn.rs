@@ -13,7 +13,11 @@
 //! streaming it gets the terminal event once the write lands or is given up). A turn still running
 //! when the gateway shuts down and `[server] shutdown_grace_s` has run out ends the same way
 //! with code `server_shutdown` (a background run still queued is recorded so too), so no
-//! client is left with a cut stream or a response that stays `in_progress` for ever.
+//! client is left with a cut stream or a response that stays `in_progress` for ever. A gateway
+//! that dies records nothing, so each background run holds a lease in the store while it lasts
+//! ([`RunRegistration::hold_lease`], renewed every third of `background.orphaned_after_s`): a
+//! read on any gateway that finds the response still queued or running without it stores it
+//! `failed` with code `server_error` (`responses::settle_orphan`).
 //!
 //! # Placement
 //!
