@@ -146,6 +146,19 @@ fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
             "cmp_"
         }
         "compaction_trigger" => "ctrg_",
+        // A content part where an item belongs (a common slip): it would reach no engine.
+        "input_text" | "input_image" | "input_file" | "input_audio" | "output_text" | "refusal"
+        | "text" => {
+            return Err(ApiError::invalid(
+                param.to_string(),
+                format!(
+                    "Invalid value: '{kind}'. {param} is a content part, not an input item: \
+                     put it in a message's content, e.g. {{\"role\": \"user\", \"content\": \
+                     [{{\"type\": \"{kind}\", ...}}]}}."
+                ),
+            )
+            .with_code("invalid_value"));
+        }
         _ => "item_",
     };
     let has_id = matches!(object.get("id"), Some(Value::String(id)) if !id.is_empty());
@@ -265,6 +278,19 @@ mod tests {
             json!([{"type": "input_text", "text": "hello"}])
         );
         assert!(item["id"].as_str().unwrap().starts_with("msg_"));
+    }
+
+    #[test]
+    fn a_content_part_sent_as_an_item_is_refused_not_dropped() {
+        let err = normalize_input(&json!([
+            {"role": "user", "content": "hi"},
+            {"type": "input_text", "text": "and this"},
+        ]))
+        .unwrap_err();
+        assert_eq!(err.status, 400);
+        assert_eq!(err.param.as_deref(), Some("input[1]"));
+        assert_eq!(err.code.as_deref(), Some("invalid_value"));
+        assert!(err.message.contains("content part"), "{}", err.message);
     }
 
     #[test]

@@ -270,16 +270,28 @@ fn in_range(
         false => (v.as_f64(), "a number"),
     };
     let x = x.ok_or_else(|| invalid_type(key, want))?;
-    if x < lo || hi.is_some_and(|hi| x > hi) {
-        let range = match hi {
-            Some(hi) => format!("between {lo} and {hi}"),
-            None => format!("at least {lo}"),
+    // Worded and coded as OpenAI words and codes them.
+    let kind = if integer { "integer" } else { "decimal" };
+    let out =
+        |side: &str, relation: &str, bound: f64| {
+            HttpError::invalid(
+                format!(
+                "Invalid '{key}': {kind} {side} {} value. Expected a value {relation} {bound}, \
+                 but got {v} instead.",
+                if side == "below" { "minimum" } else { "maximum" }
+            ),
+                Some(key),
+                Some(&format!(
+                    "{kind}_{side}_{}_value",
+                    if side == "below" { "min" } else { "max" }
+                )),
+            )
         };
-        return Err(HttpError::invalid(
-            format!("Invalid '{key}': {v} is out of range; it must be {range}."),
-            Some(key),
-            Some("invalid_value"),
-        ));
+    if x < lo {
+        return Err(out("below", ">=", lo));
+    }
+    if let Some(hi) = hi.filter(|hi| x > *hi) {
+        return Err(out("above", "<=", hi));
     }
     Ok(())
 }
@@ -670,7 +682,11 @@ mod tests {
                 "include",
                 "invalid_type",
             ),
-            (json!({"top_logprobs": 21}), "top_logprobs", "invalid_value"),
+            (
+                json!({"top_logprobs": 21}),
+                "top_logprobs",
+                "integer_above_max_value",
+            ),
             (
                 json!({"max_tool_calls": "3"}),
                 "max_tool_calls",
@@ -694,6 +710,33 @@ mod tests {
             json!({"model": "m", "input": "x", "tools": [{"type": "web_search"}]})
         )
         .is_ok());
+    }
+
+    #[test]
+    fn numbers_out_of_range_are_coded_as_openai_codes_them() {
+        let refused = |extra: Value| {
+            let mut body = json!({"model": "m", "input": "x"});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let e = CreateRequest::from_body(body).unwrap_err().error;
+            (e.param.unwrap(), e.code.unwrap(), e.message)
+        };
+        let (param, code, message) = refused(json!({"temperature": 3}));
+        assert_eq!(
+            (param.as_str(), code.as_str()),
+            ("temperature", "decimal_above_max_value")
+        );
+        assert_eq!(
+            message,
+            "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 3 instead."
+        );
+        let (_, code, _) = refused(json!({"top_p": -0.5}));
+        assert_eq!(code, "decimal_below_min_value");
+        let (_, code, _) = refused(json!({"top_logprobs": 21}));
+        assert_eq!(code, "integer_above_max_value");
+        let (_, code, _) = refused(json!({"max_tool_calls": -1}));
+        assert_eq!(code, "integer_below_min_value");
     }
 
     #[test]

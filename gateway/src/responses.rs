@@ -89,11 +89,13 @@ pub fn store_error(e: StoreError) -> HttpError {
     }
 }
 
+/// An unknown model, as the Responses API answers it: 400 (Chat Completions and `GET
+/// /v1/models/{id}` answer 404).
 fn model_not_found(model: &str) -> HttpError {
     HttpError::new(
-        404,
+        400,
         "invalid_request_error",
-        format!("The model '{model}' does not exist or you do not have access to it."),
+        format!("The requested model '{model}' does not exist."),
         Some("model"),
         Some("model_not_found"),
     )

@@ -148,7 +148,8 @@ def test_unknown_previous_response_id(client):
 
 
 def test_unknown_model_is_not_found(client):
-    with pytest.raises(openai.NotFoundError) as e:
+    # 400, as the Responses API answers it (Chat Completions answers 404).
+    with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="no-such-model", input="hi")
     assert e.value.code == "model_not_found"
     assert e.value.param == "model"
@@ -225,7 +226,7 @@ def test_streaming_request_errors_arrive_as_http_errors(client):
         client.responses.create(model=MODEL, input="hi", stream=True,
                                 previous_response_id="resp_0123456789abcdef")
     assert e.value.code == "previous_response_not_found"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):
         client.responses.create(model="no-such-model", input="hi", stream=True)
 
 

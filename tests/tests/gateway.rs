@@ -342,7 +342,7 @@ async fn bad_requests_get_openai_errors() {
     let (s, e) = create(&base, json!({"model": "nope", "input": "x"})).await;
     assert_eq!(
         (s, e["error"]["code"].as_str()),
-        (404, Some("model_not_found"))
+        (400, Some("model_not_found"))
     );
     let (s, e) = create(
         &base,
@@ -2241,7 +2241,8 @@ async fn a_conversation_runs_one_turn_at_a_time_across_gateways() {
     let mut unknown = turn("wrong model", 16);
     unknown["model"] = json!("no-such-model");
     let (s, r) = create(&a, unknown).await;
-    assert_eq!(s, 404, "{r}");
+    assert_eq!(s, 400, "{r}");
+    assert_eq!(r["error"]["code"], "model_not_found", "{r}");
     let (s, r) = create(&a, turn("last", 16)).await;
     assert_eq!(s, 200, "{r}");
 
