@@ -349,6 +349,7 @@ pub const PIN_MOVED_HEADER: &str = "x-agentgate-pin-moved";
 /// of these is the root of the chain its successors will form, so it is keyed by its own id.
 fn session_key_of(
     state: &AppState,
+    team: &str,
     headers: &HeaderMap,
     body: &Value,
     chain_root: Option<&str>,
@@ -361,7 +362,8 @@ fn session_key_of(
         .iter()
         .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str(), v)))
         .collect();
-    agentgate_scheduler::session_key(&cfg, &pairs, body, chain_root).map(|k| k.value)
+    agentgate_scheduler::session_key(&cfg, &pairs, body, chain_root)
+        .map(|k| turn::team_session_key(team, k.value))
 }
 
 /// `POST /v1/responses`.
@@ -612,6 +614,18 @@ async fn run_turn(
     } else {
         "in_progress"
     };
+    let session = session_key_of(
+        state,
+        &team.0,
+        headers,
+        &req.body,
+        // A stored first turn roots the chain its successors form, unless it runs in a
+        // conversation, whose id keys every turn.
+        prepared
+            .chain_root
+            .as_deref()
+            .or((req.store && req.conversation.is_none()).then_some(id.as_str())),
+    );
     let mut turn = Turn {
         team: team.0,
         id: id.clone(),
@@ -629,17 +643,7 @@ async fn run_turn(
         encrypted_reasoning: includes_encrypted_reasoning(&req.body),
         request: req.body.clone(),
         history: prepared.history,
-        session: session_key_of(
-            state,
-            headers,
-            &req.body,
-            // A stored first turn roots the chain its successors form, unless it runs in a
-            // conversation, whose id keys every turn.
-            prepared
-                .chain_root
-                .as_deref()
-                .or((req.store && req.conversation.is_none()).then_some(id.as_str())),
-        ),
+        session,
         permit: None,
         lineage: None,
         admission_pin: None,
@@ -648,7 +652,7 @@ async fn run_turn(
         conversation: req.conversation.clone(),
         conversation_lock,
     };
-    turn.lineage = turn::lineage_of(&turn.pool, headers, turn.session.as_deref());
+    turn.lineage = turn::lineage_of(&turn.pool, &turn.team, headers, turn.session.as_deref());
     // Admission comes after the request is prepared (its token estimate exists) and before
     // an endpoint is picked; a band the team may not use is refused here.
     let admission = state.flow.pending(flow::FlowRequest {

@@ -138,14 +138,37 @@ pub struct Turn {
     pub conversation_lock: Option<crate::conversations::ConversationLock>,
 }
 
-/// The sub-agent lineage of a request to `pool` with these headers and session key, read as
-/// the pool's `[pools.disaggregation]` says (`agentgate_scheduler::lineage`).
-pub fn lineage_of(pool: &Pool, headers: &HeaderMap, session: Option<&str>) -> Option<Lineage> {
+/// Session key `key` (`agentgate_scheduler::session_key`) of a request of `team`: the same key
+/// from two teams names two sessions, so one team's turns can neither move another's pin nor
+/// learn where it points. An open gateway's one team keeps the keys as they are.
+pub fn team_session_key(team: &str, key: String) -> String {
+    if team == crate::auth::OPEN_TEAM {
+        key
+    } else {
+        format!("team:{}:{team}/{key}", team.len())
+    }
+}
+
+/// The sub-agent lineage of a request of `team` to `pool` with these headers and session key
+/// (already the team's), read as the pool's `[pools.disaggregation]` says
+/// (`agentgate_scheduler::lineage`), its keys the team's as session keys are.
+pub fn lineage_of(
+    pool: &Pool,
+    team: &str,
+    headers: &HeaderMap,
+    session: Option<&str>,
+) -> Option<Lineage> {
     let pairs: Vec<(&str, &str)> = headers
         .iter()
         .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str(), v)))
         .collect();
-    agentgate_scheduler::lineage(&pool.disaggregation.lineage, &pairs, session)
+    let mut lineage = agentgate_scheduler::lineage(&pool.disaggregation.lineage, &pairs, session)?;
+    // Keys read from headers; Claude Code's are made from the session key, the team's already.
+    if matches!(lineage.source, "header" | "codex") {
+        lineage.parent = team_session_key(team, lineage.parent);
+        lineage.own = lineage.own.map(|own| team_session_key(team, own));
+    }
+    Some(lineage)
 }
 
 /// Whether the turn's session key names a session the client will use again: anything but
@@ -153,7 +176,9 @@ pub fn lineage_of(pool: &Pool, headers: &HeaderMap, session: Option<&str>) -> Op
 /// header, `prompt_cache_key`, `conversation` or `previous_response_id`).
 fn named_session(turn: &Turn) -> bool {
     turn.previous_response_id.is_some()
-        || agentgate_scheduler::chain_root_key(&turn.id).map(|k| k.value) != turn.session
+        || agentgate_scheduler::chain_root_key(&turn.id)
+            .map(|k| team_session_key(&turn.team, k.value))
+            != turn.session
 }
 
 /// Most rounds of `truncation: "auto"` before the context-length error is returned.

@@ -210,6 +210,43 @@ async fn forks_see_their_own_history() {
     fleet.shutdown().await;
 }
 
+/// A session key is its team's: another team sending the same session header has a session
+/// of its own, placed afresh, and neither finds nor moves the first team's pin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn teams_sending_the_same_session_key_hold_separate_pins() {
+    let teams = format!(
+        "[[teams]]\nname = \"a\"\napi_key_sha256 = [\"{}\"]\n[[teams]]\nname = \"b\"\napi_key_sha256 = [\"{}\"]\n",
+        agentgate::auth::hash_key("key-a"),
+        agentgate::auth::hash_key("key-b")
+    );
+    let fleet = Fleet::of(2).extra(&teams).start().await;
+    let base = fleet.base_url();
+    let turn = |key: &'static str| {
+        let base = base.clone();
+        async move {
+            let resp = client()
+                .post(format!("{base}/v1/responses"))
+                .bearer_auth(key)
+                .header("x-session-id", "shared-name")
+                .json(&json!({"model": "sim-model", "input": "hello", "store": false}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            header(&resp, agentgate::responses::ROUTE_REASON_HEADER)
+        }
+    };
+    assert_ne!(turn("key-a").await, "pin");
+    assert_eq!(turn("key-a").await, "pin");
+    assert_ne!(
+        turn("key-b").await,
+        "pin",
+        "the other team's first turn followed the first team's pin"
+    );
+    assert_eq!(turn("key-b").await, "pin");
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn teams_cannot_see_each_others_responses() {
     let redis = TestRedis::start();
