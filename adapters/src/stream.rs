@@ -107,6 +107,8 @@ pub struct ResponseStream {
     finish_reason: Option<String>,
     engine_usage: Option<Value>,
     reasoning_deltas: u64,
+    /// Output item ids given so far ([`ResponseStream::next_item_id`]).
+    item_ids: u32,
     /// `response.created` has been emitted (by [`ResponseStream::queued`] or the start).
     created: bool,
     started: bool,
@@ -213,6 +215,7 @@ impl ResponseStream {
             finish_reason: None,
             engine_usage: None,
             reasoning_deltas: 0,
+            item_ids: 0,
             created: false,
             started: false,
             ended: false,
@@ -479,7 +482,7 @@ impl ResponseStream {
     fn emit_compaction_item(&mut self, summary: &str, events: &mut Vec<SseEvent>) {
         let output_index = self.output.len();
         let item = json!({
-            "id": new_item_id("cmp_"),
+            "id": self.next_item_id("cmp_"),
             "type": "compaction",
             "encrypted_content": encode_compaction_blob(summary),
         });
@@ -551,10 +554,18 @@ impl ResponseStream {
         output_index
     }
 
+    /// A new output item id, named after the response (`crate::ids::output_item_id`).
+    fn next_item_id(&mut self, prefix: &str) -> String {
+        let n = self.item_ids;
+        self.item_ids = self.item_ids.wrapping_add(1);
+        let response_id = self.response.get("id").and_then(Value::as_str);
+        crate::ids::output_item_id(prefix, response_id.unwrap_or_default(), n)
+    }
+
     fn reasoning_delta(&mut self, text: &str, events: &mut Vec<SseEvent>) {
         self.reasoning_deltas += 1;
         if !matches!(self.current, Some(OpenItem::Reasoning { .. })) {
-            let item_id = new_item_id("rs_");
+            let item_id = self.next_item_id("rs_");
             let item = json!({
                 "id": item_id, "type": "reasoning", "summary": [], "content": [],
                 "encrypted_content": null, "status": "in_progress",
@@ -603,7 +614,7 @@ impl ResponseStream {
     /// is.
     fn append_text(&mut self, text: &str, logprobs: Vec<Value>, events: &mut Vec<SseEvent>) {
         if !matches!(self.current, Some(OpenItem::Message { .. })) {
-            let item_id = new_item_id("msg_");
+            let item_id = self.next_item_id("msg_");
             let item = json!({
                 "id": item_id, "type": "message", "status": "in_progress", "role": "assistant",
                 "content": [],
@@ -671,9 +682,10 @@ impl ResponseStream {
                     .filter(|id| !id.is_empty())
                     .map(str::to_string)
                     .unwrap_or_else(|| new_item_id("call_"));
+                let item_id = self.next_item_id("fc_");
                 self.calls.push(OpenCall {
                     output_index: None,
-                    item_id: new_item_id("fc_"),
+                    item_id,
                     call_id,
                     engine_name: String::new(),
                     arguments: String::new(),
@@ -709,7 +721,8 @@ impl ResponseStream {
             open.output_index = Some(output_index);
             if self.tool_names.is_custom(&open.engine_name) {
                 open.custom = true;
-                open.item_id = new_item_id("ctc_");
+                // The same id under the custom call's prefix.
+                open.item_id = open.item_id.replacen("fc_", "ctc_", 1);
             }
             let custom = open.custom;
             let buffered = open.arguments.clone();

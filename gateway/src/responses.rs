@@ -147,11 +147,16 @@ fn previous_not_found(id: &str) -> HttpError {
 
 /// Resolve `item_reference` input items. A reference to an item already in the conversation
 /// (the loaded history or earlier in this input) adds nothing new to the context, so it is
-/// dropped rather than duplicated; a reference to an unknown item is a 400. An item whose id
-/// is already in the history or earlier in this input is a 400, as OpenAI answers it (two
-/// items with one id would make `after=<id>` pagination repeat or loop). Returns the items kept
-/// and, for each, its position in the request's `input` (for error `param`s).
-fn resolve_item_references(
+/// dropped rather than duplicated; one to an output item of another stored response of the
+/// team (a client that sends its whole history by reference, without `previous_response_id`)
+/// is replaced by that item, found through its id (`agentgate_adapters::response_of_item`);
+/// a reference to an unknown item is a 400. An item whose id is already in the history or
+/// earlier in this input is a 400, as OpenAI answers it (two items with one id would make
+/// `after=<id>` pagination repeat or loop). Returns the items kept and, for each, its position
+/// in the request's `input` (for error `param`s).
+async fn resolve_item_references(
+    state: &AppState,
+    team: &Team,
     items: Vec<Value>,
     history: &[Value],
 ) -> Result<(Vec<Value>, Vec<usize>), HttpError> {
@@ -175,15 +180,42 @@ fn resolve_item_references(
             continue;
         }
         let id = item_id(&item).unwrap_or_default();
-        if !history_ids.contains(id) && !input_ids.contains(id) {
+        if history_ids.contains(id) || input_ids.contains(id) {
+            continue;
+        }
+        let Some(stored) = stored_output_item(state, team, id).await? else {
             return Err(HttpError::invalid(
                 format!("Item with id '{id}' not found."),
                 Some(&format!("input[{i}]")),
                 Some("item_not_found"),
             ));
-        }
+        };
+        input_ids.insert(id.to_owned());
+        out.push(stored);
+        positions.push(i);
     }
     Ok((out, positions))
+}
+
+/// Output item `id` of the team's stored response it names, if that response and item exist.
+async fn stored_output_item(
+    state: &AppState,
+    team: &Team,
+    id: &str,
+) -> Result<Option<Value>, HttpError> {
+    let Some(response) = agentgate_adapters::response_of_item(id) else {
+        return Ok(None);
+    };
+    let record = state
+        .store
+        .get(&team.0, &response)
+        .await
+        .map_err(store_error)?;
+    Ok(record.and_then(|rec| {
+        rec.output_items
+            .into_iter()
+            .find(|item| item.get("id").and_then(Value::as_str) == Some(id))
+    }))
 }
 
 /// 400 for an item whose id the conversation already holds, on `param`.
@@ -263,7 +295,8 @@ async fn prepare(
         }
         (None, None) => (Vec::new(), None),
     };
-    let (input_items, positions) = resolve_item_references(input_items, &history)?;
+    let (input_items, positions) =
+        resolve_item_references(state, team, input_items, &history).await?;
     if input_items.is_empty() && history.is_empty() {
         return Err(HttpError::invalid(
             "'input' must contain at least one item when there is no 'previous_response_id'.",

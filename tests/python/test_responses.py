@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import ALIAS, MODEL, SLASHED_ALIAS
+from conftest import ALIAS, MODEL, SLASHED_ALIAS, TEAM_A_KEY, TEAM_B_KEY
 
 
 def _usage_is_complete(usage) -> None:
@@ -313,6 +313,29 @@ def test_a_compaction_item_from_elsewhere_is_refused(client):
         client.responses.create(model=MODEL, input=[foreign, {"role": "user", "content": "hi"}])
     assert (e.value.param, e.value.code) == ("input[0].encrypted_content",
                                              "invalid_encrypted_content")
+
+
+def test_item_references_without_a_chain_find_the_stored_items(client, auth_gateway):
+    """The whole history in `input`, earlier answers by reference and no previous_response_id,
+    as the Vercel AI SDK sends a conversation with `store` on."""
+    first = client.responses.create(model=MODEL, input="Say something.")
+    said = first.output[-1].id
+    asked = {"role": "user", "content": "Say something."}
+    follow_up = {"role": "user", "content": "and then?"}
+    without = client.responses.create(model=MODEL, input=[asked, follow_up])
+    r = client.responses.create(
+        model=MODEL, input=[asked, {"type": "item_reference", "id": said}, follow_up])
+    assert r.status == "completed"
+    # The referenced answer reached the engine, and is stored as the turn's input.
+    assert r.usage.input_tokens > without.usage.input_tokens
+    assert said in [item.id for item in client.responses.input_items.list(r.id).data]
+
+    # Another team's stored items are not found by their ids.
+    a, b = auth_gateway.client(api_key=TEAM_A_KEY), auth_gateway.client(api_key=TEAM_B_KEY)
+    theirs = a.responses.create(model=MODEL, input="Say something.").output[-1].id
+    with pytest.raises(openai.BadRequestError) as e:
+        b.responses.create(model=MODEL, input=[asked, {"type": "item_reference", "id": theirs}])
+    assert (e.value.param, e.value.code) == ("input[1]", "item_not_found")
 
 
 def test_item_references_resolve_against_the_previous_response(client):
