@@ -20,14 +20,15 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    /// A 400 `invalid_request_error` naming the offending parameter.
+    /// A 400 `invalid_request_error` naming the offending parameter, coded `invalid_value`
+    /// unless [`ApiError::with_code`] says otherwise.
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
         ApiError {
             status: 400,
             message: message.into(),
             r#type: "invalid_request_error".to_string(),
             param: Some(param.into()),
-            code: None,
+            code: Some("invalid_value".to_string()),
         }
     }
 
@@ -268,7 +269,7 @@ mod tests {
         let body = ApiError::invalid("input[0]", "m").to_body();
         assert_eq!(
             body,
-            json!({"error": {"message": "m", "type": "invalid_request_error", "param": "input[0]", "code": null}})
+            json!({"error": {"message": "m", "type": "invalid_request_error", "param": "input[0]", "code": "invalid_value"}})
         );
     }
 }

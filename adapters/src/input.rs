@@ -253,13 +253,16 @@ fn normalize_message(object: &mut Map<String, Value>, param: &str) -> Result<(),
 }
 
 fn require_string(object: &Map<String, Value>, field: &str, param: &str) -> Result<(), ApiError> {
-    match object.get(field) {
-        Some(Value::String(_)) => Ok(()),
-        _ => Err(ApiError::invalid(
-            format!("{param}.{field}"),
-            format!("{param}.{field} is required and must be a string"),
-        )),
-    }
+    let code = match object.get(field) {
+        Some(Value::String(_)) => return Ok(()),
+        None | Some(Value::Null) => "missing_required_parameter",
+        Some(_) => "invalid_type",
+    };
+    Err(ApiError::invalid(
+        format!("{param}.{field}"),
+        format!("{param}.{field} is required and must be a string"),
+    )
+    .with_code(code))
 }
 
 #[cfg(test)]
@@ -291,6 +294,18 @@ mod tests {
         assert_eq!(err.param.as_deref(), Some("input[1]"));
         assert_eq!(err.code.as_deref(), Some("invalid_value"));
         assert!(err.message.contains("content part"), "{}", err.message);
+    }
+
+    #[test]
+    fn a_missing_field_and_a_wrong_one_are_coded_apart() {
+        let code = |item: Value| normalize_input(&json!([item])).unwrap_err();
+        let missing = code(json!({"type": "function_call_output", "output": "ok"}));
+        assert_eq!(missing.param.as_deref(), Some("input[0].call_id"));
+        assert_eq!(missing.code.as_deref(), Some("missing_required_parameter"));
+        let wrong = code(json!({"type": "function_call_output", "call_id": 7, "output": "ok"}));
+        assert_eq!(wrong.code.as_deref(), Some("invalid_type"));
+        let bad = code(json!({"type": "function_call_output", "call_id": "c", "output": 7}));
+        assert_eq!(bad.code.as_deref(), Some("invalid_value"));
     }
 
     #[test]
