@@ -234,7 +234,8 @@ pub struct RoutingConfig {
     /// (and with it the staleness rule).
     pub scrape_interval_ms: u64,
     /// A scrape older than this counts as saturated, in milliseconds; default 5x
-    /// `scrape_interval_ms`.
+    /// `scrape_interval_ms`, and at least twice `scrape_interval_ms + probe_timeout_ms` (the
+    /// longest two scrapes of an endpoint can be apart, when another endpoint times out).
     pub metrics_staleness_ms: Option<u64>,
     /// How often each endpoint's `/health` is probed, in milliseconds; 0 disables probing.
     pub health_interval_ms: u64,
@@ -285,9 +286,14 @@ impl RoutingConfig {
     /// Age past which a scrape counts as stale, or None when scraping is disabled.
     pub fn metrics_staleness(&self) -> Option<Duration> {
         self.scrape_interval()?;
-        let ms = self
-            .metrics_staleness_ms
-            .unwrap_or(self.scrape_interval_ms.saturating_mul(5));
+        let ms = self.metrics_staleness_ms.unwrap_or_else(|| {
+            let gap = self
+                .scrape_interval_ms
+                .saturating_add(self.probe_timeout_ms);
+            self.scrape_interval_ms
+                .saturating_mul(5)
+                .max(gap.saturating_mul(2))
+        });
         Some(Duration::from_millis(ms))
     }
 
@@ -1022,12 +1028,12 @@ impl Config {
         let r = &self.routing;
         if r.scrape_interval_ms > 0 {
             if let Some(staleness) = r.metrics_staleness_ms {
-                if staleness < r.scrape_interval_ms {
+                let gap = r.scrape_interval_ms.saturating_add(r.probe_timeout_ms);
+                if staleness < gap {
                     return Err(err(
                         "routing.metrics_staleness_ms",
                         format!(
-                            "must be at least routing.scrape_interval_ms ({} ms), or every scrape is stale before the next one",
-                            r.scrape_interval_ms
+                            "must be at least routing.scrape_interval_ms + routing.probe_timeout_ms ({gap} ms): a scrape round lasts until its slowest endpoint answers or times out, so two scrapes of an endpoint can be that far apart, and a shorter limit would count healthy endpoints saturated whenever one endpoint is unreachable"
                         ),
                     ));
                 }
@@ -1883,7 +1889,7 @@ endpoints = ["http://127.0.0.1:8000"]
         assert_eq!(c.pools[0].endpoints_file, None);
 
         let text = format!(
-            "[routing]\nscrape_interval_ms = 200\nmetrics_staleness_ms = 300\nhealth_interval_ms = 0\n\
+            "[routing]\nscrape_interval_ms = 200\nmetrics_staleness_ms = 300\nprobe_timeout_ms = 100\nhealth_interval_ms = 0\n\
              saturation_queue_depth = 8\nsaturation_kv_usage = 0.9\n{MINIMAL}role = \"decode\"\n\
              labels = {{ zone = \"a\" }}\n"
         );
@@ -1900,6 +1906,13 @@ endpoints = ["http://127.0.0.1:8000"]
             None,
             "engines without metrics are never stale"
         );
+        // A short interval's default outlasts a round that waits out the probe timeout.
+        let fast =
+            Config::parse(&format!("[routing]\nscrape_interval_ms = 200\n{MINIMAL}")).unwrap();
+        assert_eq!(
+            fast.routing.metrics_staleness(),
+            Some(Duration::from_millis(2400))
+        );
         let off = Config::parse(&format!("[routing]\nscrape_interval_ms = 0\n{MINIMAL}")).unwrap();
         assert_eq!(off.routing.saturation(Flavor::Sglang).staleness, None);
     }
@@ -1909,6 +1922,12 @@ endpoints = ["http://127.0.0.1:8000"]
         for (routing, key) in [
             (
                 "scrape_interval_ms = 1000\nmetrics_staleness_ms = 10",
+                "routing.metrics_staleness_ms",
+            ),
+            // Longer than the interval, but a round waiting out an unreachable endpoint's
+            // probe timeout would leave the others' scrapes older than it.
+            (
+                "scrape_interval_ms = 200\nmetrics_staleness_ms = 1000",
                 "routing.metrics_staleness_ms",
             ),
             ("unhealthy_after = 0", "routing.unhealthy_after"),
