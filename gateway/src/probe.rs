@@ -12,7 +12,10 @@
 //! - **Load.** Every `routing.scrape_interval_ms`, a sibling loop scrapes every endpoint's
 //!   `/metrics` (vLLM and SGLang names, see `agentgate_adapters::engine_metrics`) into
 //!   [`Endpoint::set_load_report`], and keeps the pool's prefix index capacity for the
-//!   endpoint's slot in step with the KV capacity the engine reports. A failed scrape leaves the
+//!   endpoint's slot in step with the KV capacity the engine reports. An engine whose lifetime
+//!   counters went back restarted: the index forgets what it held
+//!   ([`Endpoint::engine_restarted`]); one that only failed its probes a while (too busy to
+//!   answer them) keeps its cache, and the index its entries. A failed scrape leaves the
 //!   last report to age: past `routing.metrics_staleness_ms` the endpoint counts as saturated.
 //!   The gateway's own in-flight counts need no scraping; they are exact at all times.
 //! - **Discovery.** One watcher per pool with an `endpoints_file` applies each new list
@@ -70,6 +73,19 @@ pub async fn scrape(
             gateway_in_flight: in_flight_before.max(endpoint.in_flight_requests()),
             peer_in_flight: endpoint.peer_in_flight(),
         });
+    }
+    if let Some(queries) = metrics.prefix_cache_queries {
+        if endpoint.engine_restarted(queries) {
+            // Its cache is empty, whatever the index last knew of it.
+            if let Some(index) = pool
+                .picker
+                .prefix_index()
+                .filter(|_| !endpoint.is_retired())
+            {
+                index.clear(endpoint.slot);
+            }
+            tracing::info!(pool = %pool.name, endpoint = %endpoint.name, "engine restarted (its counters started over); its cache is empty");
+        }
     }
     if let Some(tokens) = metrics.kv_capacity_tokens() {
         // An engine reporting an absurd capacity (a bug, a bad exporter) must not make its
@@ -252,10 +268,13 @@ impl Live {
                 continue;
             }
             if healthy {
-                // Back from a failure, most likely restarted: its cache is empty, whatever the
-                // index last knew of it.
-                if let Some(index) = pool.picker.prefix_index() {
-                    index.clear(e.slot);
+                // Back from a failure. Whether it restarted (and lost its cache) the next scrape
+                // tells, from its counters; without them it is taken to have: a slow engine
+                // that missed its probes keeps its cache, and the index with it.
+                if !e.tells_restarts() || !self.record_load {
+                    if let Some(index) = pool.picker.prefix_index() {
+                        index.clear(e.slot);
+                    }
                 }
                 self.metrics.health_transition(&pool.name, e, "healthy");
                 tracing::info!(pool = %pool.name, endpoint = %e.name, "endpoint healthy again; taking new work");

@@ -207,6 +207,9 @@ struct Live {
     peer_working_set_tokens: AtomicU64,
     /// [`Endpoint::peer_in_flight`].
     peer_in_flight: AtomicU64,
+    /// [`Endpoint::engine_restarted`]: the last lifetime counter seen, as f64 bits
+    /// (`u64::MAX`: none yet).
+    lifetime_counter: AtomicU64,
 }
 
 impl Default for Live {
@@ -225,6 +228,7 @@ impl Default for Live {
             working_set_tokens: AtomicU64::new(0),
             peer_working_set_tokens: AtomicU64::new(0),
             peer_in_flight: AtomicU64::new(0),
+            lifetime_counter: AtomicU64::new(u64::MAX),
         }
     }
 }
@@ -418,6 +422,26 @@ impl Endpoint {
         self.live
             .kv_capacity_tokens
             .store(tokens, Ordering::Relaxed);
+    }
+
+    /// Record a counter the engine keeps since it started (vLLM's and SGLang's prefix-cache
+    /// queries); whether it went back since the last one recorded, i.e. the engine restarted
+    /// (and lost its cache) meanwhile.
+    pub fn engine_restarted(&self, lifetime_counter: f64) -> bool {
+        if !lifetime_counter.is_finite() || lifetime_counter < 0.0 {
+            return false;
+        }
+        let last = self
+            .live
+            .lifetime_counter
+            .swap(lifetime_counter.to_bits(), Ordering::Relaxed);
+        last != u64::MAX && lifetime_counter < f64::from_bits(last)
+    }
+
+    /// Whether the engine reported a lifetime counter ([`Endpoint::engine_restarted`]), by
+    /// which its restarts are told apart from failed probes.
+    pub fn tells_restarts(&self) -> bool {
+        self.live.lifetime_counter.load(Ordering::Relaxed) != u64::MAX
     }
 
     /// The engine's KV capacity in tokens, 0 while unknown.
@@ -762,5 +786,22 @@ mod tests {
         assert!(!ep.is_available());
         assert_eq!(Role::parse("decode").unwrap().name(), "decode");
         assert!(Role::parse("mixed").unwrap_err().contains("unknown role"));
+    }
+
+    #[test]
+    fn a_lifetime_counter_that_goes_back_is_a_restart() {
+        let ep = Endpoint::new("p/0", "http://127.0.0.1:1");
+        assert!(!ep.tells_restarts());
+        assert!(
+            !ep.engine_restarted(500.0),
+            "the first reading tells nothing"
+        );
+        assert!(ep.tells_restarts());
+        assert!(!ep.engine_restarted(500.0));
+        assert!(!ep.engine_restarted(800.0));
+        assert!(ep.engine_restarted(20.0), "started over");
+        assert!(!ep.engine_restarted(40.0));
+        assert!(!ep.engine_restarted(f64::NAN), "no reading");
+        assert!(!ep.engine_restarted(60.0));
     }
 }

@@ -139,6 +139,22 @@ impl Fleet {
         &self.sims
     }
 
+    /// Restart replica `i` on its address, as an engine process restarts: a new engine (of
+    /// `sim-model`, no time scale) with an empty cache and its counters from zero.
+    pub async fn restart_sim(&mut self, i: usize) {
+        let old = self.sims.remove(i);
+        let listen = old.addr();
+        old.shutdown().await;
+        let new = agentgate_sim::spawn(agentgate_sim::SimConfig {
+            listen,
+            model: "sim-model".to_string(),
+            ..Default::default()
+        })
+        .await
+        .expect("the replica starts again on its address");
+        self.sims.insert(i, new);
+    }
+
     /// The replicas' base URLs, in pool order.
     pub fn urls(&self) -> Vec<String> {
         self.sims.iter().map(|s| s.base_url()).collect()

@@ -121,9 +121,12 @@ async fn a_replica_serving_another_model_is_taken_out() {
     fleet.shutdown().await;
 }
 
+/// The prefix index forgets what an engine held when the engine restarts (its counters start
+/// over), not when it merely failed its probes for a while (too busy to answer them): its
+/// cache is intact then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_back_from_a_failure_is_indexed_as_holding_nothing() {
-    let fleet = Fleet::of(2).extra(FAST_PROBES).start().await;
+async fn a_replica_back_from_a_restart_is_indexed_as_holding_nothing() {
+    let mut fleet = Fleet::of(2).extra(FAST_PROBES).start().await;
     let base = fleet.base_url();
     let pool = fleet.pool();
     let resp = post_response(
@@ -140,17 +143,28 @@ async fn a_replica_back_from_a_failure_is_indexed_as_holding_nothing() {
         .expect("policy session keeps an index");
     assert!(index.held_chunks(served.slot) > 0);
 
-    // It fails and comes back (a restart: its cache is gone); the index forgets it too.
-    let sim = &fleet.sims()[served
+    let held = index.held_chunks(served.slot);
+
+    // It fails its probes and comes back, the same engine: the index still holds its cache.
+    let i = served
         .name
         .trim_start_matches("sim/")
         .parse::<usize>()
-        .unwrap()];
-    set_sim_fault(sim, json!({"unhealthy": true})).await;
+        .unwrap();
+    set_sim_fault(&fleet.sims()[i], json!({"unhealthy": true})).await;
     eventually("the replica is taken out", || !served.is_available()).await;
-    clear_sim_faults(sim).await;
+    clear_sim_faults(&fleet.sims()[i]).await;
     eventually("the replica returns", || served.is_available()).await;
-    assert_eq!(index.held_chunks(served.slot), 0);
+    // (Scrapes after its return, which would tell a restart.)
+    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    assert_eq!(index.held_chunks(served.slot), held);
+
+    // It restarts: its cache is gone, and the index forgets it too.
+    fleet.restart_sim(i).await;
+    eventually("the index forgets the restarted engine's cache", || {
+        index.held_chunks(served.slot) == 0
+    })
+    .await;
     fleet.shutdown().await;
 }
 
