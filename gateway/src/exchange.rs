@@ -18,7 +18,9 @@
 //! Every `[flow] exchange_interval_ms` (default 100; 0: off) the gateway writes one state per
 //! pool on the pool's board in the store and reads the others' back in the same round trip
 //! ([`Store::exchange`]; Redis: one script over one hash, see `agentgate_sessions::exchange`).
-//! A state carries, per endpoint of the pool:
+//! A state carries, per endpoint of the pool (named by its engine's URL, which every gateway
+//! agrees on, not by its name: configured endpoints are named by their position in the list,
+//! which a rolling config change can shift between gateways):
 //!
 //! - `working_set`: this gateway's KV working set there (`Endpoint::working_set_tokens`), and
 //!   `in_flight`, its requests there;
@@ -392,15 +394,25 @@ async fn exchange_pool(
     let fresh = fresh_for(every);
     let now = Instant::now();
     let endpoints = pool.endpoints();
+    // Endpoints go on the board by their engine's URL; flow control names them by name.
+    let url_of: HashMap<&str, &str> = endpoints
+        .iter()
+        .map(|e| (e.name.as_str(), e.base_url.as_str()))
+        .collect();
+    let held: HashMap<String, HeldTurn> = controller
+        .held()
+        .into_iter()
+        .filter_map(|(name, turn)| Some((url_of.get(name.as_str())?.to_string(), turn)))
+        .collect();
     let published = publish(
         endpoints.iter().map(|e| {
             (
-                e.name.clone(),
+                e.base_url.clone(),
                 e.working_set_tokens(),
                 e.in_flight_requests(),
             )
         }),
-        &controller.held(),
+        &held,
         controller.recent_activity(now.checked_sub(every * ACTIVITY_INTERVALS).unwrap_or(now)),
         controller
             .team_load()
@@ -429,11 +441,19 @@ async fn exchange_pool(
     };
     let mut changed = !peers.held.is_empty() || !peers.sessions.is_empty();
     for e in endpoints.iter() {
-        let (tokens, in_flight) = peers.working_set.get(&e.name).copied().unwrap_or((0, 0));
+        let (tokens, in_flight) = peers
+            .working_set
+            .get(&e.base_url)
+            .copied()
+            .unwrap_or((0, 0));
         changed |= tokens != e.peer_working_set_tokens();
         e.set_peers(tokens, in_flight);
     }
-    changed |= state.flow.set_peers_held(&pool.name, peers.held);
+    let held = endpoints
+        .iter()
+        .filter_map(|e| Some((e.name.clone(), peers.held.get(&e.base_url)?.clone())))
+        .collect();
+    changed |= state.flow.set_peers_held(&pool.name, held);
     changed |= controller.set_peer_teams(peers.teams);
     controller.note_activity(peers.sessions);
     // Alone on the board nothing changed: dispatch rounds stay paced by this gateway's own

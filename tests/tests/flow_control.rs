@@ -1292,6 +1292,71 @@ async fn two_gateways_handed_one_memory_store_exchange_as_over_redis() {
     exchange_working_sets_and_sessions(fleet).await;
 }
 
+/// Gateways whose configs list the same engines in another order (as during a rolling config
+/// change; configured endpoints are named by their position) still exchange about the same
+/// engines: the board names endpoints by their engine's URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_listing_the_engines_in_another_order_exchange_about_the_same_engines() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("flow_exchange_order");
+    let sims = [start_sim("sim-model").await, start_sim("sim-model").await];
+    let urls: Vec<String> = sims.iter().map(|s| s.base_url()).collect();
+    let reversed: Vec<String> = urls.iter().rev().cloned().collect();
+    let extra = exchange_every_200_ms();
+    let a = start_gateway(&config_toml(&urls, Some((redis.url(), &prefix)), &extra)).await;
+    let b = start_gateway(&config_toml(
+        &reversed,
+        Some((redis.url(), &prefix)),
+        &extra,
+    ))
+    .await;
+    let endpoints = |gw: &Gateway| {
+        gw.state()
+            .pools
+            .for_model("sim-model")
+            .unwrap()
+            .endpoints()
+            .to_vec()
+    };
+    for sim in &sims {
+        set_sim_fault(sim, json!({"stall_ms": 3_000})).await;
+    }
+    let mut long = hello();
+    long["input"] = json!("tell me about the weather in spring ".repeat(300));
+    let held = spawn_call(&a.base_url(), None, long, &[("x-session-id", "ordered")]);
+    eventually("a counts the turn's prompt", || {
+        endpoints(&a).iter().any(|e| e.working_set_tokens() > 0)
+    })
+    .await;
+    let busy = endpoints(&a)
+        .into_iter()
+        .find(|e| e.working_set_tokens() > 0)
+        .unwrap();
+    let working_set = busy.working_set_tokens();
+    eventually("b counts it on the same engine, and only there", || {
+        endpoints(&b).iter().all(|e| {
+            e.peer_working_set_tokens()
+                == if e.base_url == busy.base_url {
+                    working_set
+                } else {
+                    0
+                }
+        })
+    })
+    .await;
+    let same_engine_on_b = endpoints(&b)
+        .into_iter()
+        .find(|e| e.base_url == busy.base_url)
+        .unwrap();
+    assert_ne!(same_engine_on_b.name, busy.name, "named apart by position");
+    for sim in &sims {
+        clear_sim_faults(sim).await;
+    }
+    assert_eq!(held.await.unwrap().status, 200);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 fn exchange_every_200_ms() -> String {
     format!("{STILL}[flow]\nexchange_interval_ms = 200\n")
 }
