@@ -451,7 +451,7 @@ async fn exchange_pool(
     }
     let held = endpoints
         .iter()
-        .filter_map(|e| Some((e.name.clone(), peers.held.get(&e.base_url)?.clone())))
+        .filter_map(|e| Some((e.name.clone(), *peers.held.get(&e.base_url)?)))
         .collect();
     changed |= state.flow.set_peers_held(&pool.name, held);
     changed |= controller.set_peer_teams(peers.teams);
