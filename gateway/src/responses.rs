@@ -595,12 +595,20 @@ async fn run(
 ) -> Result<Started, HttpError> {
     let id = new_id("resp");
     // One turn at a time in a conversation: locked before its items are read, released once
-    // the turn's items are in (or, on a refusal, before the client is answered).
+    // the turn's items are in (or, on a refusal, before the client is answered). A request
+    // whose model or input is wrong is told so, not that the conversation is busy.
     let conversation_lock = match req.conversation.as_deref() {
-        Some(conversation) => Some(
+        Some(conversation) => Some({
+            state
+                .pools
+                .for_model(&req.model)
+                .ok_or_else(|| model_not_found(&req.model))?;
+            if let Some(input) = req.body.get("input") {
+                normalize_input(input)?;
+            }
             crate::conversations::ConversationLock::take(&state.store, &team, conversation, &id)
-                .await?,
-        ),
+                .await?
+        }),
         None => None,
     };
     let started = run_turn(

@@ -2243,6 +2243,23 @@ async fn a_conversation_runs_one_turn_at_a_time_across_gateways() {
     };
     locked(create(&b, turn("meanwhile", 16)).await);
     locked(create(&a, turn("meanwhile", 16)).await);
+    // A request at fault is told its fault, not that the conversation is busy.
+    let mut wrong = turn("meanwhile", 16);
+    wrong["model"] = json!("no-such-model");
+    let (s, r) = create(&b, wrong).await;
+    assert_eq!(
+        (s, r["error"]["code"].as_str()),
+        (400, Some("model_not_found")),
+        "{r}"
+    );
+    let mut wrong = turn("meanwhile", 16);
+    wrong["input"] = json!([{"type": "input_text", "text": "a part, not an item"}]);
+    let (s, r) = create(&b, wrong).await;
+    assert_eq!(
+        (s, r["error"]["param"].as_str()),
+        (400, Some("input[0]")),
+        "{r}"
+    );
     locked(
         post_json(
             format!("{b}/v1/conversations/{id}/items"),
