@@ -257,14 +257,19 @@ impl EngineClient {
                 let decode = self.chat_stream(decode_url, &leg);
                 tokio::pin!(decode);
                 let mut prefill_done = false;
-                // 1. The decode engine's headers (or the prefill leg failing first).
+                let mut kv_ready = None;
+                // 1. The decode engine's headers (or the prefill leg ending first: SGLang
+                // releases that engine opens a stream with its first chunk, after the KV came).
                 let opened = tokio::select! {
                     decode = &mut decode => decode,
                     prefilled = &mut prefill_task => {
                         prefill_done = true;
                         match prefilled {
                             Ok(Err(prefill_err)) => return Err(DisaggError::Prefill(prefill_err)),
-                            _ => decode.await,
+                            _ => {
+                                kv_ready = Some(started.elapsed());
+                                decode.await
+                            }
                         }
                     }
                 };
@@ -274,13 +279,12 @@ impl EngineClient {
                         return Err(blame(&mut prefill_task, prefill_done, decode_err).await)
                     }
                 };
-                // 2. The KV cache in the room: the decode engine answers with its headers at
-                // once and then waits for it. The KV is ready when the prefill leg ends or the
+                // 2. The KV cache in the room: a decode engine that answered with its headers at
+                // once (SGLang releases that send them before the first chunk) waits for it. The KV is ready when the prefill leg ends or the
                 // decode engine's first chunk comes, whichever is first; the request is open
                 // once that chunk has come. A prefill leg failing first fails the request here
                 // (the decode engine would wait out its transfer timeout), as does a decode leg
                 // that fails, streams an error or ends before any output.
-                let mut kv_ready = None;
                 let first = loop {
                     if prefill_done {
                         break stream.next().await;

@@ -709,9 +709,10 @@ async fn transfer(
 }
 
 async fn run(state: Shared, prepared: Prepared) -> Result<Response, ApiError> {
-    // SGLang (its HTTP server, like vLLM's) sends a streamed answer's headers at once; a
-    // decode server then waits in the bootstrap room for the KV cache, and a transfer that
-    // fails ends the stream with an error.
+    // A decode server sends a streamed answer's headers at once, as SGLang releases whose HTTP
+    // server streams without kick-starting the generator do (later ones send them with the
+    // first chunk; the gateway reads both), then waits in the bootstrap room for the KV cache,
+    // and a transfer that fails ends the stream with an error.
     if prepared.stream
         && prepared.bootstrap.is_some()
         && state.config.flavor == Flavor::Sglang
