@@ -981,14 +981,11 @@ impl State {
         }
     }
 
-    /// The cap of `band`'s queue that its waiting requests already fill, so that a request of
-    /// `bytes` more would pass it; `None` while the queue is empty (a band with
-    /// `max_queued = 0` dispatches or refuses each request as it comes).
+    /// The cap of `band`'s queue that a request of `bytes` more would pass (a band with
+    /// `max_queued = 0` has no room for one: while the pool takes no work, it refuses each
+    /// request as it comes, and so does a queue whose byte cap one request exceeds).
     fn full_queue(&self, band: &str, bytes: u64) -> Option<QueueLimit> {
         let queue = &self.bands[*self.band_index.get(band)?];
-        if queue.queued == 0 {
-            return None;
-        }
         over_caps(queue, 1, bytes)
     }
 

@@ -630,7 +630,11 @@ async fn queue_caps_refuse_what_does_not_fit() {
 async fn a_request_refused_for_a_full_queue_costs_its_team_nothing() {
     let mut config = config();
     config.bands[1].max_queued = 1;
+    let mut direct = BandSpec::new("direct", -1);
+    direct.max_queued = 0;
+    config.bands.push(direct);
     config.teams[1].rpm = Some(2);
+    config.teams[1].allowed_bands = vec!["batch".into(), "direct".into()];
     let (flow, capacity) = controller(config, 0);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let _queued = spawn_admit(&flow, Ticket::new("bulk", 10), "queued", &tx);
@@ -651,6 +655,17 @@ async fn a_request_refused_for_a_full_queue_costs_its_team_nothing() {
         );
     }
     assert_eq!(flow.snapshot().team("bulk").unwrap().queue_full, 3);
+    // A band that never queues refuses as freely, however empty its queue.
+    for _ in 0..3 {
+        let refused = flow
+            .admit(Ticket::new("bulk", 10).band("direct"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(refused, Rejection::QueueFull { .. }),
+            "{refused:?}"
+        );
+    }
     capacity.set_limit(2);
     flow.notify();
     let (label, _permit) = rx.recv().await.unwrap();
