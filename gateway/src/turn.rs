@@ -1974,7 +1974,7 @@ pub async fn run_background(
     turn.background_slot = tokio::select! {
         permit = state.background_slots.clone().acquire_owned() => permit.ok(),
         stop = stops.stopped() => {
-            stop_queued(&state, &turn, announced, stop).await;
+            stop_queued(&state, &mut turn, announced, stop).await;
             return;
         }
     };
@@ -1982,14 +1982,14 @@ pub async fn run_background(
         let admitted = tokio::select! {
             admitted = pending.admit() => admitted,
             stop = stops.stopped() => {
-                stop_queued(&state, &turn, announced, stop).await;
+                stop_queued(&state, &mut turn, announced, stop).await;
                 return;
             }
         };
         match admitted {
             Ok(permit) => turn.permit = Some(permit),
             Err(err) => {
-                fail_background(&state, &turn, announced, &err).await;
+                fail_background(&state, &mut turn, announced, &err).await;
                 return;
             }
         }
@@ -2005,7 +2005,7 @@ pub async fn run_background(
         Ok(false) => {
             // Cancelled (or deleted) while queued; the cancel may have come from another
             // gateway replica, so this one has no signal for it.
-            stop_queued(&state, &turn, announced, Stop::Cancelled).await;
+            stop_queued(&state, &mut turn, announced, Stop::Cancelled).await;
             return;
         }
         Err(e) => tracing::error!(response = %turn.id, "store error starting background run: {e}"),
@@ -2016,7 +2016,7 @@ pub async fn run_background(
     let opened = tokio::select! {
         opened = open_turn(&state, &mut turn) => opened,
         stop = stops.stopped() => {
-            stop_queued(&state, &turn, announced, stop).await;
+            stop_queued(&state, &mut turn, announced, stop).await;
             return;
         }
     };
@@ -2024,7 +2024,7 @@ pub async fn run_background(
         Ok((chunks, ep)) => {
             drive_announced(state.clone(), turn, chunks, ep, announced, Some(stops)).await;
         }
-        Err(err) => fail_background(&state, &turn, announced, &err).await,
+        Err(err) => fail_background(&state, &mut turn, announced, &err).await,
     }
 }
 
@@ -2164,7 +2164,8 @@ impl StopSignals {
 /// A background run stopped before its engine stream opened: cancelled (the record already
 /// says so), or cut short by shutdown (recorded as failed, so a client polling it stops
 /// waiting).
-async fn stop_queued(state: &AppState, turn: &Turn, mut announced: Announced, stop: Stop) {
+async fn stop_queued(state: &AppState, turn: &mut Turn, mut announced: Announced, stop: Stop) {
+    release_slots(turn);
     match stop {
         // (A background run does not stop when a client leaves.)
         Stop::Shutdown | Stop::ClientGone => {
@@ -2185,7 +2186,13 @@ async fn stop_queued(state: &AppState, turn: &Turn, mut announced: Announced, st
 
 /// Record a background response that could not run as failed with `err`'s code and message,
 /// and tell a streaming client.
-async fn fail_background(state: &AppState, turn: &Turn, mut announced: Announced, err: &HttpError) {
+async fn fail_background(
+    state: &AppState,
+    turn: &mut Turn,
+    mut announced: Announced,
+    err: &HttpError,
+) {
+    release_slots(turn);
     let events = announced.rs.fail(
         err.error.code.as_deref().unwrap_or("server_error"),
         &err.error.message,
@@ -2203,6 +2210,14 @@ async fn fail_background(state: &AppState, turn: &Turn, mut announced: Announced
         .response_ended(&turn.pool.name, announced.rs.response());
     release_conversation(turn).await;
     announced.end(state, events).await;
+}
+
+/// Give back a background run's engine slot (its flow-control permit) and run slot: it runs
+/// no more, and what is left to do (store writes it may retry for minutes, its client's
+/// stream) needs neither.
+fn release_slots(turn: &mut Turn) {
+    drop(turn.permit.take());
+    drop(turn.background_slot.take());
 }
 
 /// Release the turn's conversation lock, if it holds one: the turn adds nothing more to it.
