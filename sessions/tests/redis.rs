@@ -749,6 +749,30 @@ impl SilencingProxy {
     }
 }
 
+/// A test Redis, a [`SilencingProxy`] in front of it, and a store connected through the proxy
+/// holding response `r1` of team `t`.
+async fn store_through_a_proxy() -> (TestRedis, SilencingProxy, RedisStore) {
+    let redis = TestRedis::start();
+    let upstream: SocketAddr = redis
+        .url()
+        .trim_start_matches("redis://")
+        .split('/')
+        .next()
+        .and_then(|addr| addr.parse().ok())
+        .expect("the test Redis URL names an IP address and port");
+    let proxy = SilencingProxy::start(upstream).await;
+    let opts = StoreOptions {
+        ttl: TEST_TTL,
+        key_prefix: unique_prefix("proxied"),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&proxy.url(), opts)
+        .await
+        .expect("connect through the proxy");
+    store.put(&record("t", "r1", None, 10)).await.expect("put");
+    (redis, proxy, store)
+}
+
 /// Copy `from` to `to` while the proxy's generation is still `born`; after that, read and drop.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
@@ -770,24 +794,7 @@ async fn pump(
 
 #[tokio::test]
 async fn a_connection_whose_replies_stop_is_replaced() {
-    let redis = TestRedis::start();
-    let upstream: SocketAddr = redis
-        .url()
-        .trim_start_matches("redis://")
-        .split('/')
-        .next()
-        .and_then(|addr| addr.parse().ok())
-        .expect("the test Redis URL names an IP address and port");
-    let proxy = SilencingProxy::start(upstream).await;
-    let opts = StoreOptions {
-        ttl: TEST_TTL,
-        key_prefix: unique_prefix("silenced"),
-        ..StoreOptions::default()
-    };
-    let store = RedisStore::connect(&proxy.url(), opts)
-        .await
-        .expect("connect through the proxy");
-    store.put(&record("t", "r1", None, 10)).await.expect("put");
+    let (_redis, proxy, store) = store_through_a_proxy().await;
 
     proxy.silence_open_connections();
     let store = Arc::new(store);
@@ -831,24 +838,7 @@ async fn a_connection_whose_replies_stop_is_replaced() {
 /// connection.
 #[tokio::test]
 async fn a_call_does_not_wait_out_a_replacement_that_cannot_be_opened() {
-    let redis = TestRedis::start();
-    let upstream: SocketAddr = redis
-        .url()
-        .trim_start_matches("redis://")
-        .split('/')
-        .next()
-        .and_then(|addr| addr.parse().ok())
-        .expect("the test Redis URL names an IP address and port");
-    let proxy = SilencingProxy::start(upstream).await;
-    let opts = StoreOptions {
-        ttl: TEST_TTL,
-        key_prefix: unique_prefix("unreachable"),
-        ..StoreOptions::default()
-    };
-    let store = RedisStore::connect(&proxy.url(), opts)
-        .await
-        .expect("connect through the proxy");
-    store.put(&record("t", "r1", None, 10)).await.expect("put");
+    let (_redis, proxy, store) = store_through_a_proxy().await;
 
     proxy.silence_everything();
     let err = store

@@ -878,10 +878,7 @@ async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() 
         .gateways(2)
         .start()
         .await;
-    let (a, b) = (
-        fleet.gateways()[0].base_url(),
-        fleet.gateways()[1].base_url(),
-    );
+    let (a, b) = two_base_urls(&fleet);
     // Minutes of generation, were the run to go on.
     let mut resp = post_response(&a, &json!({"model": "sim-model", "input": "a streamed job", "background": true, "stream": true, "max_output_tokens": 4000})).await;
     let (mut text, id) = read_until_generating(&mut resp).await;
@@ -2004,10 +2001,7 @@ async fn a_background_response_streams_again_from_any_gateway() {
         .extra("[background]\nmax_concurrent = 1\n")
         .start()
         .await;
-    let (a, b) = (
-        fleet.gateways()[0].base_url(),
-        fleet.gateways()[1].base_url(),
-    );
+    let (a, b) = two_base_urls(&fleet);
     let body = json!({"model": "sim-model", "input": "a long story", "background": true,
                       "max_output_tokens": 48});
     let (s, created) = create(&a, body.clone()).await;
@@ -2129,10 +2123,7 @@ async fn a_conversation_is_served_by_either_gateway_and_grows_with_each_turn() {
         .gateways(2)
         .start()
         .await;
-    let (a, b) = (
-        fleet.gateways()[0].base_url(),
-        fleet.gateways()[1].base_url(),
-    );
+    let (a, b) = two_base_urls(&fleet);
     let (s, conv) = post_json(
         format!("{a}/v1/conversations"),
         json!({"items": [{"role": "user", "content": "My name is Ada."}]}),
@@ -2213,10 +2204,7 @@ async fn a_conversation_runs_one_turn_at_a_time_across_gateways() {
         .gateways(2)
         .start()
         .await;
-    let (a, b) = (
-        fleet.gateways()[0].base_url(),
-        fleet.gateways()[1].base_url(),
-    );
+    let (a, b) = two_base_urls(&fleet);
     let new_conversation = || async {
         let (s, conv) = post_json(
             format!("{a}/v1/conversations"),
@@ -2345,10 +2333,7 @@ async fn deleting_a_queued_background_response_frees_its_conversation_on_every_g
         .gateways(2)
         .start()
         .await;
-    let (a, b) = (
-        fleet.gateways()[0].base_url(),
-        fleet.gateways()[1].base_url(),
-    );
+    let (a, b) = two_base_urls(&fleet);
     // The one run slot on the first gateway is taken by a long answer.
     let (s, busy) = create(
         &a,
@@ -2398,6 +2383,14 @@ async fn deleting_a_queued_background_response_frees_its_conversation_on_every_g
     .await;
     assert_eq!(s, 200, "{r}");
     fleet.shutdown().await;
+}
+
+/// The base URLs of a fleet's first two gateways.
+fn two_base_urls(fleet: &Fleet) -> (String, String) {
+    (
+        fleet.gateways()[0].base_url(),
+        fleet.gateways()[1].base_url(),
+    )
 }
 
 /// One simulated replica decoding `decode_ms` real milliseconds per token, behind a gateway
