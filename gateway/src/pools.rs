@@ -585,7 +585,7 @@ mod tests {
     #[test]
     fn a_pools_scoring_table_lies_over_its_policys_defaults_with_the_routing_limits() {
         let config = Config::parse(
-            "[routing]\nscrape_interval_ms = 100\nmetrics_staleness_ms = 700\n\
+            "[routing]\nscrape_interval_ms = 100\nmetrics_staleness_ms = 700\nprobe_timeout_ms = 200\n\
              saturation_queue_depth = 5\n\
              [[pools]]\nname = \"p\"\nmodel = \"m\"\nflavor = \"vllm\"\npolicy = \"session\"\n\
              endpoints = [\"http://127.0.0.1:9\"]\n\
