@@ -89,6 +89,9 @@ struct LockHolder {
     team: String,
     id: String,
     owner: String,
+    /// The owner is a response stored from the start (a background one): once its record is
+    /// gone (deleted), its lock is not taken back.
+    recorded: bool,
     /// The renewing task; `None` once released.
     keeper: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
@@ -103,12 +106,14 @@ impl ConversationLock {
         team: &Team,
         id: &str,
         owner: &str,
+        recorded: bool,
     ) -> Result<ConversationLock, HttpError> {
         let holder = LockHolder {
             store: store.clone(),
             team: team.0.clone(),
             id: id.to_string(),
             owner: owner.to_string(),
+            recorded,
             keeper: std::sync::Mutex::new(None),
         };
         tokio::spawn(holder.take()).await.unwrap_or_else(|e| {
@@ -191,7 +196,7 @@ impl LockHolder {
                 self.id.clone(),
                 self.owner.clone(),
             );
-            tokio::spawn(keep(store, team, id, owner))
+            tokio::spawn(keep(store, team, id, owner, self.recorded))
         };
         *self
             .keeper
@@ -214,6 +219,7 @@ impl LockHolder {
             team: self.team.clone(),
             id: self.id.clone(),
             owner: self.owner.clone(),
+            recorded: self.recorded,
             keeper: std::sync::Mutex::new(None),
         }
     }
@@ -234,10 +240,11 @@ impl LockHolder {
 }
 
 /// Renew `owner`'s lock every third of [`LOCK_TTL`] until aborted. A renewal that finds the
-/// lock no longer `owner`'s stops, when its response was cancelled ([`release_for`] released
-/// it) or another request holds it now; a lock that expired while the store was out of reach
-/// is taken back if still free.
-async fn keep(store: Arc<AnyStore>, team: String, id: String, owner: String) {
+/// lock no longer `owner`'s stops, when its response was cancelled or deleted ([`release_for`]
+/// released it; a deleted one only when `recorded`, its record kept from the start) or another
+/// request holds it now; a lock that expired while the store was out of reach is taken back if
+/// still free.
+async fn keep(store: Arc<AnyStore>, team: String, id: String, owner: String, recorded: bool) {
     loop {
         tokio::time::sleep(LOCK_TTL / 3).await;
         match store
@@ -251,10 +258,11 @@ async fn keep(store: Arc<AnyStore>, team: String, id: String, owner: String) {
                 continue;
             }
         }
-        if let Ok(Some(status)) = store.status(&team, &owner).await {
-            if status == "cancelled" {
-                return;
-            }
+        match store.status(&team, &owner).await {
+            Ok(Some(status)) if status == "cancelled" => return,
+            // Deleted: a delete gives the lock back as a cancel does.
+            Ok(None) if recorded => return,
+            _ => {}
         }
         match store
             .lock_conversation(&team, &id, &owner, LOCK_TTL, false)
@@ -545,7 +553,7 @@ pub async fn add_items(
     // Checked and appended under the conversation's lock: not between a running turn's read
     // of the items and the append of its own. Released before the answer, so the client's
     // next request finds it free.
-    let lock = ConversationLock::take(&state.store, &team, &id, &new_id("append")).await?;
+    let lock = ConversationLock::take(&state.store, &team, &id, &new_id("append"), false).await?;
     let added = append_items(&state, &team, &id, &fields, items).await;
     lock.release().await;
     added

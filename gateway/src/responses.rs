@@ -606,8 +606,14 @@ async fn run(
             if let Some(input) = req.body.get("input") {
                 normalize_input(input)?;
             }
-            crate::conversations::ConversationLock::take(&state.store, &team, conversation, &id)
-                .await?
+            crate::conversations::ConversationLock::take(
+                &state.store,
+                &team,
+                conversation,
+                &id,
+                req.background,
+            )
+            .await?
         }),
         None => None,
     };

@@ -2353,6 +2353,7 @@ async fn deleting_a_queued_background_response_frees_its_conversation_on_every_g
         json!({"model": "sim-model", "input": input, "conversation": conv,
                "max_output_tokens": 16, "background": background})
     };
+    let created = std::time::Instant::now();
     let (s, queued) = create(&a, turn("waits for a slot", true)).await;
     assert_eq!(s, 200, "{queued}");
     assert_eq!(queued["status"], "queued", "{queued}");
@@ -2375,6 +2376,10 @@ async fn deleting_a_queued_background_response_frees_its_conversation_on_every_g
         s, 200,
         "the deleted response still holds the conversation: {r}"
     );
+    // Nor does the queued run take it back when it next renews it (every 10 s).
+    tokio::time::sleep(std::time::Duration::from_secs(11).saturating_sub(created.elapsed())).await;
+    let (s, r) = create(&b, turn("later", false)).await;
+    assert_eq!(s, 200, "the queued run took the conversation back: {r}");
 
     let (s, r) = post_json(
         format!("{a}/v1/responses/{}/cancel", busy["id"].as_str().unwrap()),
