@@ -142,11 +142,15 @@ pub struct Turn {
 /// from two teams names two sessions, so one team's turns can neither move another's pin nor
 /// learn where it points. An open gateway's one team keeps the keys as they are.
 pub fn team_session_key(team: &str, key: String) -> String {
-    if team == crate::auth::OPEN_TEAM {
-        key
-    } else {
-        format!("team:{}:{team}/{key}", team.len())
+    match team_prefix(team) {
+        Some(prefix) => prefix + &key,
+        None => key,
     }
+}
+
+/// What [`team_session_key`] puts before a key of `team` (none for an open gateway's team).
+fn team_prefix(team: &str) -> Option<String> {
+    (team != crate::auth::OPEN_TEAM).then(|| format!("team:{}:{team}/", team.len()))
 }
 
 /// The sub-agent lineage of a request of `team` to `pool` with these headers and session key
@@ -162,12 +166,26 @@ pub fn lineage_of(
         .iter()
         .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str(), v)))
         .collect();
-    let mut lineage = agentgate_scheduler::lineage(&pool.disaggregation.lineage, &pairs, session)?;
-    // Keys read from headers; Claude Code's are made from the session key, the team's already.
-    if matches!(lineage.source, "header" | "codex") {
-        lineage.parent = team_session_key(team, lineage.parent);
-        lineage.own = lineage.own.map(|own| team_session_key(team, own));
-    }
+    team_lineage(&pool.disaggregation.lineage, team, &pairs, session)
+}
+
+/// [`lineage_of`] from the pool's lineage settings and the request's headers.
+fn team_lineage(
+    cfg: &agentgate_scheduler::LineageConfig,
+    team: &str,
+    pairs: &[(&str, &str)],
+    session: Option<&str>,
+) -> Option<Lineage> {
+    // Read as the scheduler reads keys (its keys from headers are compared with the session
+    // key, and Claude Code's are made from it), then made the team's, all alike.
+    let prefix = team_prefix(team);
+    let raw = session.map(|s| match &prefix {
+        Some(prefix) => s.strip_prefix(prefix.as_str()).unwrap_or(s),
+        None => s,
+    });
+    let mut lineage = agentgate_scheduler::lineage(cfg, pairs, raw)?;
+    lineage.parent = team_session_key(team, lineage.parent);
+    lineage.own = lineage.own.map(|own| team_session_key(team, own));
     Some(lineage)
 }
 
@@ -2336,6 +2354,28 @@ mod tests {
 
     fn item(kind: &str, n: usize) -> Value {
         json!({"type": kind, "id": format!("{kind}_{n}")})
+    }
+
+    /// A team's sub-agent lineage is read in the same key space as its session key: the
+    /// parent named by a header and the request's own session, each the team's once.
+    #[test]
+    fn a_teams_lineage_keys_are_its_session_keys() {
+        let cfg = agentgate_scheduler::LineageConfig::default();
+        let session = team_session_key("acme", "h:child".into());
+        let pairs = [("x-agentgate-parent-session", "root")];
+        let l = team_lineage(&cfg, "acme", &pairs, Some(&session)).unwrap();
+        assert_eq!(l.parent, team_session_key("acme", "h:root".into()));
+        assert_eq!(l.own.as_deref(), Some(session.as_str()));
+        // A request naming its own session as its parent has no own key apart from it.
+        let root = team_session_key("acme", "h:root".into());
+        let l = team_lineage(&cfg, "acme", &pairs, Some(&root)).unwrap();
+        assert_eq!((l.parent.as_str(), l.own), (root.as_str(), None));
+        // An open gateway's keys are the scheduler's.
+        let l = team_lineage(&cfg, crate::auth::OPEN_TEAM, &pairs, Some("h:child")).unwrap();
+        assert_eq!(
+            (l.parent.as_str(), l.own.as_deref()),
+            ("h:root", Some("h:child"))
+        );
     }
 
     /// A store that never answers a pin read or write (stalled, black-holed) costs a turn at
