@@ -275,22 +275,25 @@ async fn prepare(
             (items, None)
         }
         (Some(prev), None) => {
-            let h = state
-                .store
-                .history(&team.0, prev)
-                .await
-                .map_err(store_error)?
-                .ok_or_else(|| previous_not_found(prev))?;
-            let mut status = h.status;
-            if matches!(status.as_str(), "queued" | "in_progress") {
-                // A background response lost with its gateway is said so, not "not finished".
+            let history = || async {
+                state
+                    .store
+                    .history(&team.0, prev)
+                    .await
+                    .map_err(store_error)?
+                    .ok_or_else(|| previous_not_found(prev))
+            };
+            let mut h = history().await?;
+            if matches!(h.status.as_str(), "queued" | "in_progress") {
+                // A background response lost with its gateway is said so, not "not finished"
+                // (and one that finished meanwhile is read again, its answer with it).
                 if let Ok(Some(mut rec)) = state.store.get(&team.0, prev).await {
                     if settle_orphan(state, team, &mut rec).await {
-                        status = rec.response["status"].as_str().unwrap_or_default().into();
+                        h = history().await?;
                     }
                 }
             }
-            previous_answered(prev, &status)?;
+            previous_answered(prev, &h.status)?;
             (h.items, Some(h.root_id))
         }
         (None, None) => (Vec::new(), None),
