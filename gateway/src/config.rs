@@ -1066,6 +1066,14 @@ impl Config {
         if r.discovery_interval_ms == 0 {
             return Err(err("routing.discovery_interval_ms", "must be at least 1"));
         }
+        if self.background.orphaned_after_s < 1.0 {
+            // Renewed every third of it: shorter would have every run's lease renewed many
+            // times a second, and lapse at the first slow store reply.
+            return Err(err(
+                "background.orphaned_after_s",
+                "must be at least 1 (seconds)",
+            ));
+        }
         if self.background.max_concurrent == 0 {
             return Err(err("background.max_concurrent", "must be at least 1"));
         }
@@ -1989,6 +1997,11 @@ endpoints = ["http://127.0.0.1:8000"]
             (
                 "background",
                 "orphaned_after_s = 0",
+                "background.orphaned_after_s",
+            ),
+            (
+                "background",
+                "orphaned_after_s = 0.001",
                 "background.orphaned_after_s",
             ),
             ("server", "tcp_keepalive_s = -1", "server.tcp_keepalive_s"),
