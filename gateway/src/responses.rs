@@ -1190,7 +1190,8 @@ const ORPHANED: &str = "The gateway running this background response stopped bef
 /// `background.orphaned_after_s`): it is stored `failed` (code `server_error`, unless its run
 /// ended meanwhile) and its conversation given back, and `rec` becomes what is stored. One
 /// younger than that TTL is left alone (its gateway may not have taken the lease yet), as is
-/// one whose lease cannot be read. Whether it was settled.
+/// one whose lease cannot be read or was never taken (a gateway from before leases runs it).
+/// Whether it was settled.
 async fn settle_orphan(state: &AppState, team: &Team, rec: &mut ResponseRecord) -> bool {
     if rec.response.get("background") != Some(&Value::Bool(true)) || !is_active(&rec.response) {
         return false;
@@ -1203,8 +1204,10 @@ async fn settle_orphan(state: &AppState, team: &Team, rec: &mut ResponseRecord) 
     }
     let id = rec.response["id"].as_str().unwrap_or_default().to_string();
     match state.store.run_held(&id).await {
-        Ok(false) => {}
-        Ok(true) => return false,
+        Ok(Some(false)) => {}
+        // Alive; or run by a gateway from before leases (during a rolling upgrade), whose
+        // run says nothing of its life.
+        Ok(Some(true) | None) => return false,
         Err(e) => {
             tracing::warn!(response = %id, "cannot read the background run's lease: {e}");
             return false;

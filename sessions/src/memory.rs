@@ -998,21 +998,27 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    async fn run_held(&self, id: &str) -> Result<bool, StoreError> {
+    async fn run_held(&self, id: &str) -> Result<Option<bool>, StoreError> {
         let leases = self
             .run_leases
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         Ok(leases
             .get(id)
-            .is_some_and(|expires_at| *expires_at > Instant::now()))
+            .map(|expires_at| *expires_at > Instant::now()))
     }
 
     async fn end_run(&self, id: &str) -> Result<(), StoreError> {
-        self.run_leases
+        // Kept, lapsed, as Redis keeps its mark that a lease was taken; dropped with the
+        // other lapsed leases once there are many.
+        if let Some(expires_at) = self
+            .run_leases
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .remove(id);
+            .get_mut(id)
+        {
+            *expires_at = Instant::now();
+        }
         Ok(())
     }
 

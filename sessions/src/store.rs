@@ -188,8 +188,10 @@ pub trait Store: Send + Sync + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Whether background response `id`'s run lease is held. One round trip.
-    fn run_held(&self, id: &str) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Whether background response `id`'s run lease is held: `None` when no lease was ever
+    /// taken for it (a gateway from before leases runs it, or none does yet), so that only a
+    /// lease that lapsed counts as a lost run. One round trip.
+    fn run_held(&self, id: &str) -> impl Future<Output = Result<Option<bool>, StoreError>> + Send;
 
     /// Give up background response `id`'s run lease (its run ended). One round trip.
     fn end_run(&self, id: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -478,7 +480,7 @@ impl Store for AnyStore {
         }
     }
 
-    async fn run_held(&self, id: &str) -> Result<bool, StoreError> {
+    async fn run_held(&self, id: &str) -> Result<Option<bool>, StoreError> {
         match self {
             AnyStore::Memory(s) => s.run_held(id).await,
             AnyStore::Redis(s) => s.run_held(id).await,

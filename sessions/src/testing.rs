@@ -604,8 +604,8 @@ pub async fn conversation_lock_suite<S: Store>(store: &S) {
     unlock("resp_5").await;
 }
 
-/// Background runs' leases: held until given up or expired, renewed by holding again, one
-/// round trip each.
+/// Background runs' leases: held until given up or expired, renewed by holding again, told
+/// apart from runs no lease was ever taken for, one round trip each.
 pub async fn run_lease_suite<S: Store>(store: &S) {
     let held = |id: &'static str| async move {
         at_most_one_round_trip(store, "run held", store.run_held(id))
@@ -617,22 +617,22 @@ pub async fn run_lease_suite<S: Store>(store: &S) {
             .await
             .expect("hold run")
     };
-    assert!(!held("resp_r1").await, "never held");
+    assert_eq!(held("resp_r1").await, None, "never held");
     hold("resp_r1", Duration::from_secs(60)).await;
-    assert!(held("resp_r1").await);
-    assert!(!held("resp_r2").await, "one lease per run");
+    assert_eq!(held("resp_r1").await, Some(true));
+    assert_eq!(held("resp_r2").await, None, "one lease per run");
     at_most_one_round_trip(store, "end run", store.end_run("resp_r1"))
         .await
         .expect("end run");
-    assert!(!held("resp_r1").await, "given up");
+    assert_eq!(held("resp_r1").await, Some(false), "given up");
     // A run whose gateway died holds its lease for its TTL only; holding again renews it.
     hold("resp_r2", Duration::from_millis(300)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     hold("resp_r2", Duration::from_millis(300)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(held("resp_r2").await, "renewed");
+    assert_eq!(held("resp_r2").await, Some(true), "renewed");
     tokio::time::sleep(Duration::from_millis(400)).await;
-    assert!(!held("resp_r2").await, "expired");
+    assert_eq!(held("resp_r2").await, Some(false), "lapsed");
 }
 
 /// Rate limits: a budget spent to the last unit, refusals with `retry_after`, all-or-nothing

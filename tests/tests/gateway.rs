@@ -2390,6 +2390,59 @@ async fn deleting_a_queued_background_response_frees_its_conversation_on_every_g
     fleet.shutdown().await;
 }
 
+/// A retrieve stores a background response failed only when its run's lease lapsed: one no
+/// lease was ever taken for (run by a gateway from before leases, during a rolling upgrade) is
+/// left as it is, and so is one whose lease is held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_lapsed_run_lease_fails_a_background_response() {
+    let fleet = Fleet::of(1)
+        .extra("[background]\norphaned_after_s = 1\n")
+        .start()
+        .await;
+    let base = fleet.base_url();
+    let store = fleet.gateway().state().store.clone();
+    let created = agentgate::response_object::now_secs() - 60;
+    let queued = |n: u32| {
+        let id = format!("resp_{}{n:08x}", "0".repeat(40));
+        let response = json!({"id": id, "object": "response", "status": "queued",
+                              "background": true, "created_at": created, "output": []});
+        agentgate_sessions::ResponseRecord {
+            id,
+            team: agentgate::auth::OPEN_TEAM.into(),
+            previous_response_id: None,
+            input_items: Vec::new(),
+            output_items: Vec::new(),
+            response,
+        }
+    };
+    let (legacy, lapsed, alive) = (queued(1), queued(2), queued(3));
+    for rec in [&legacy, &lapsed, &alive] {
+        store.put(rec).await.unwrap();
+    }
+    store
+        .hold_run(&lapsed.id, std::time::Duration::from_millis(50))
+        .await
+        .unwrap();
+    store
+        .hold_run(&alive.id, std::time::Duration::from_secs(60))
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let status = |id: String| {
+        let base = base.clone();
+        async move { get_json(&format!("{base}/v1/responses/{id}")).await }
+    };
+    assert_eq!(status(legacy.id.clone()).await["status"], "queued");
+    assert_eq!(status(alive.id.clone()).await["status"], "queued");
+    let lost = status(lapsed.id.clone()).await;
+    assert_eq!(
+        (&lost["status"], &lost["error"]["code"]),
+        (&json!("failed"), &json!("server_error")),
+        "{lost}"
+    );
+    fleet.shutdown().await;
+}
+
 /// The base URLs of a fleet's first two gateways.
 fn two_base_urls(fleet: &Fleet) -> (String, String) {
     (

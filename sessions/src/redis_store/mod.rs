@@ -345,6 +345,12 @@ impl RedisStore {
         format!("{}run_lease:{id}", self.key_prefix)
     }
 
+    /// The Redis key saying a lease was taken for background response `id` (it lives as long
+    /// as a response).
+    fn run_leased_key(&self, id: &str) -> String {
+        format!("{}run_leased:{id}", self.key_prefix)
+    }
+
     /// The Redis key of the pin of `session` in `pool` (see [`crate::pins::pin_key`]).
     pub fn pin_key(&self, pool: &str, session: &str) -> String {
         pin_key(&self.key_prefix, pool, session)
@@ -914,20 +920,34 @@ impl Store for RedisStore {
     }
 
     async fn hold_run(&self, id: &str, ttl: Duration) -> Result<(), StoreError> {
-        let mut cmd = ::redis::cmd("SET");
-        cmd.arg(self.run_lease_key(id))
+        let mut pipe = ::redis::pipe();
+        pipe.cmd("SET")
+            .arg(self.run_lease_key(id))
             .arg(1)
             .arg("PX")
-            .arg(millis(ttl).max(1));
-        let _: () = self.query(&cmd).await?;
+            .arg(millis(ttl).max(1))
+            .ignore()
+            .cmd("SET")
+            .arg(self.run_leased_key(id))
+            .arg(1)
+            .arg("PX")
+            .arg(self.ttl_ms.max(1))
+            .ignore();
+        self.send_pipe(&pipe).await?;
         Ok(())
     }
 
-    async fn run_held(&self, id: &str) -> Result<bool, StoreError> {
-        let mut cmd = ::redis::cmd("EXISTS");
-        cmd.arg(self.run_lease_key(id));
-        let held: i64 = self.query(&cmd).await?;
-        Ok(held == 1)
+    async fn run_held(&self, id: &str) -> Result<Option<bool>, StoreError> {
+        let mut cmd = ::redis::cmd("MGET");
+        cmd.arg(self.run_lease_key(id)).arg(self.run_leased_key(id));
+        let found: Vec<Option<Vec<u8>>> = self.query(&cmd).await?;
+        let [lease, leased] = found.as_slice() else {
+            return Err(StoreError::Backend(format!(
+                "MGET returned {} values, expected 2",
+                found.len()
+            )));
+        };
+        Ok(leased.is_some().then_some(lease.is_some()))
     }
 
     async fn end_run(&self, id: &str) -> Result<(), StoreError> {
