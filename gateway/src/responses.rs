@@ -287,10 +287,8 @@ async fn prepare(
             if matches!(h.status.as_str(), "queued" | "in_progress") {
                 // A background response lost with its gateway is said so, not "not finished"
                 // (and one that finished meanwhile is read again, its answer with it).
-                if let Ok(Some(mut rec)) = state.store.get(&team.0, prev).await {
-                    if settle_orphan(state, team, &mut rec).await {
-                        h = history().await?;
-                    }
+                if settle_orphan_by_id(state, team, prev).await {
+                    h = history().await?;
                 }
             }
             previous_answered(prev, &h.status)?;
@@ -1072,9 +1070,7 @@ async fn stream_stored(
                 // ends with it once the grace below has passed.
                 if checked_at.elapsed() >= orphan_check {
                     checked_at = tokio::time::Instant::now();
-                    if let Ok(Some(mut rec)) = state.store.get(&team.0, &id).await {
-                        settle_orphan(&state, &team, &mut rec).await;
-                    }
+                    settle_orphan_by_id(&state, &team, &id).await;
                 }
             } else if final_since
                 .get_or_insert_with(tokio::time::Instant::now)
@@ -1239,6 +1235,18 @@ async fn settle_orphan(state: &AppState, team: &Team, rec: &mut ResponseRecord) 
             tracing::warn!(response = %id, "could not store the lost background response as failed: {e}");
             false
         }
+    }
+}
+
+/// [`settle_orphan`] for response `id` of `team`, whose record is read only when its run's
+/// lease lapsed (a follow checks a running response this way every few seconds).
+async fn settle_orphan_by_id(state: &AppState, team: &Team, id: &str) -> bool {
+    if !matches!(state.store.run_held(id).await, Ok(Some(false))) {
+        return false;
+    }
+    match state.store.get(&team.0, id).await {
+        Ok(Some(mut rec)) => settle_orphan(state, team, &mut rec).await,
+        _ => false,
     }
 }
 
