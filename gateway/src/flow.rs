@@ -986,6 +986,7 @@ impl FlowControl {
             session: request.session,
             continuing: request.continuing,
             affinity: None,
+            band_checked: true,
         };
         Ok(Some(Pending {
             controller: controller.clone(),

@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::capacity::{CapacitySignal, FlowLoad};
-use super::config::{ConfigError, FlowConfig, TeamSpec};
+use super::config::{BandSpec, ConfigError, FlowConfig, TeamSpec};
 use super::metrics::{BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits, WaitHistogram};
 use super::queue::{BandQueue, Entry, HeldTurn, Pick, Placeable, Reply, TurnKind, Warmth};
 use super::rate_limit::{LocalRateLimiter, RateCost, RateLimiter, RateLimits, RateStatus};
@@ -49,6 +49,10 @@ pub struct Ticket {
     /// up to [`FlowConfig::pin_wait`] for a slot there while requests for other endpoints go
     /// ahead (see [`CapacitySignal::has_room`]).
     pub affinity: Option<String>,
+    /// `band` was checked against the configuration when the request was accepted: if a
+    /// reconfiguration has since removed it or taken it from the team, the request runs in its
+    /// team's default band (as a queued request is moved) instead of being refused.
+    pub band_checked: bool,
 }
 
 impl Ticket {
@@ -62,6 +66,7 @@ impl Ticket {
             session: None,
             continuing: false,
             affinity: None,
+            band_checked: false,
         }
     }
 
@@ -400,9 +405,7 @@ impl FlowController {
     fn check_room(&self, ticket: &Ticket) -> Result<(RateLimits, String), Rejection> {
         let inner = &self.inner;
         let mut state = inner.lock();
-        let band = state
-            .config
-            .band_for(&ticket.team, ticket.band.as_deref())?;
+        let band = ticket_band(&state.config, ticket)?;
         let (band_name, sheddable) = (band.name.clone(), band.sheddable);
         let limits = state.team_limits(&ticket.team);
         if sheddable && state.should_shed(&*inner.capacity) {
@@ -835,6 +838,18 @@ struct State {
 }
 
 /// The cap `queue` passes with `requests` more requests of `bytes` more bytes waiting in it.
+/// The band `ticket` runs in under `config` (see [`Ticket::band_checked`]).
+fn ticket_band<'c>(config: &'c FlowConfig, ticket: &Ticket) -> Result<&'c BandSpec, Rejection> {
+    match config.band_for(&ticket.team, ticket.band.as_deref()) {
+        Err(Rejection::UnknownBand { .. } | Rejection::BandNotAllowed { .. })
+            if ticket.band_checked && ticket.band.is_some() =>
+        {
+            config.band_for(&ticket.team, None)
+        }
+        answer => answer,
+    }
+}
+
 fn over_caps(queue: &BandQueue, requests: usize, bytes: u64) -> Option<QueueLimit> {
     if queue.queued.saturating_add(requests) > queue.spec.max_queued {
         Some(QueueLimit::Requests)
@@ -1027,7 +1042,7 @@ impl State {
         out: &mut VecDeque<Delivery>,
     ) -> Result<Queued, Rejection> {
         // Resolved again: the config may have been reloaded while the rate limit was checked.
-        let band = self.config.band_for(&ticket.team, ticket.band.as_deref())?;
+        let band = ticket_band(&self.config, &ticket)?;
         let (band_name, ttl) = (band.name.clone(), band.queue_ttl);
         let pin_wait =
             (ticket.affinity.is_some() && band.reserve <= 0.0 && !self.config.pin_wait.is_zero())

@@ -958,6 +958,30 @@ async fn reconfiguration_keeps_queued_requests() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_band_accepted_before_a_reconfiguration_took_it_away_becomes_the_team_default() {
+    let mut config = config();
+    config.bands.push(BandSpec::new("old", 5));
+    config.teams[0].allowed_bands.push("old".into());
+    let (flow, _capacity) = controller(config, 10);
+    // Accepted (checked) under the first config, admitted after a reload dropped the band
+    // and took `batch` from the team: not refused, run in the team's default band.
+    let checked = |band: &str| Ticket {
+        band_checked: true,
+        ..Ticket::new("agents", 1).band(band)
+    };
+    let (old, batch) = (checked("old"), checked("batch"));
+    let mut new = self::config();
+    new.teams[0].allowed_bands.retain(|b| b != "batch");
+    flow.reconfigure(new).unwrap();
+    assert_eq!(flow.admit(old).await.unwrap().band(), "interactive");
+    assert_eq!(flow.charge(&batch).await, Ok(None));
+    assert_eq!(flow.admit(batch).await.unwrap().band(), "interactive");
+    // A band never checked is still refused.
+    let unchecked = flow.admit(Ticket::new("agents", 1).band("old")).await;
+    assert!(matches!(unchecked, Err(Rejection::UnknownBand { .. })));
+}
+
+#[tokio::test(start_paused = true)]
 async fn reconfiguration_applies_new_limits_to_queued_requests() {
     let mut config = config();
     config.teams[0].max_concurrent = Some(1);
