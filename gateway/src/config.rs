@@ -62,7 +62,14 @@ pub struct Config {
     /// against, so an edit made while the gateway starts is still seen as one.
     #[serde(skip)]
     pub source_stamp: Option<FileStamp>,
+    /// The sections of the file a reload does not apply (all but `[[bands]]`, `[[teams]]` and
+    /// `[flow]`), as read: a reload that changes them says they wait for the next start.
+    #[serde(skip)]
+    pub restart_sections: toml::Table,
 }
+
+/// The top-level sections a reload applies.
+pub const RELOADED_SECTIONS: [&str; 3] = ["bands", "teams", "flow"];
 
 /// What identifies a version of a watched file without reading it: its modification time and
 /// length and, on Unix, its inode and status-change time (so a file renamed over it, or a
@@ -948,7 +955,20 @@ impl Config {
         let stamp = FileStamp::of(path);
         let text = std::fs::read_to_string(path)
             .map_err(|e| err(path.display().to_string(), format!("cannot read file: {e}")))?;
-        let mut config = Config::parse(&text)?;
+        Config::from_file_text(path, &text, stamp)
+    }
+
+    /// Parse and validate `text`, read from `path` when it had `stamp`.
+    pub fn from_file_text(
+        path: &Path,
+        text: &str,
+        stamp: Option<FileStamp>,
+    ) -> Result<Config, ConfigError> {
+        let mut config = Config::parse(text)?;
+        if let Ok(mut table) = toml::from_str::<toml::Table>(text) {
+            table.retain(|key, _| !RELOADED_SECTIONS.contains(&key));
+            config.restart_sections = table;
+        }
         config.source = Some(path.to_path_buf());
         config.source_stamp = stamp;
         let base = path.parent().unwrap_or(Path::new(""));

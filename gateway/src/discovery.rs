@@ -28,7 +28,9 @@
 //! half-written or mistyped file never empties a pool. To empty one, write `endpoints: []`.
 //! The file is polled every `routing.discovery_interval_ms` for a change of modification time,
 //! length, inode or status-change time ([`FileStamp`]; no file-system notification needed);
-//! writers should replace it atomically (write a temporary file, then rename it over the old
+//! a change is read once the file has kept the same stamp for a whole interval, and again
+//! later if it changed while it was read, so a file written in place is read whole. Writers
+//! should still replace it atomically (write a temporary file, then rename it over the old
 //! one). A file that cannot be read for now (no permission yet, out of file descriptors) is
 //! tried again at every poll until it can, with one warning per reason.
 //!
@@ -153,6 +155,8 @@ pub struct FileDiscovery {
     unreadable: Option<String>,
     /// Checked at least once: later checks wait `interval` first.
     checked: bool,
+    /// A changed stamp seen at the last check, read if the next check sees it again.
+    settling: Option<Stamp>,
 }
 
 impl FileDiscovery {
@@ -165,6 +169,7 @@ impl FileDiscovery {
             seen: None,
             unreadable: None,
             checked: false,
+            settling: None,
         }
     }
 
@@ -205,10 +210,17 @@ impl FileDiscovery {
     /// One check: the update to report, if the file changed since the last check.
     fn check(&mut self) -> Option<Update> {
         let stamp = self.stamp();
-        let previous = self.seen.replace(stamp);
-        if previous == Some(stamp) {
+        if self.seen == Some(stamp) {
             return None;
         }
+        // A change is read once the file has kept its stamp for a whole interval (the first
+        // look reads at once): by then a writer that truncates and writes in place is done. A
+        // file cut at an entry boundary still parses, and would drop the entries after it.
+        if self.seen.is_some() && self.settling != Some(stamp) {
+            self.settling = Some(stamp);
+            return None;
+        }
+        let previous = self.seen.replace(stamp);
         match stamp {
             // Never seen: nothing to report. Seen before: say so once, keep the list.
             Stamp::Missing => previous.map(|_| {
@@ -239,6 +251,13 @@ impl FileDiscovery {
                     }
                 };
                 self.unreadable = None;
+                let now = self.stamp();
+                if now != stamp {
+                    // Written to while it was read: read it once it settles.
+                    self.seen = previous;
+                    self.settling = Some(now);
+                    return None;
+                }
                 Some(match parse_endpoints(&text) {
                     Ok(list) => Update::Endpoints(list),
                     Err(e) => Update::Failed(format!("{}: {e}", self.path.display())),
@@ -968,25 +987,50 @@ mod tests {
         // Missing at first: nothing to report.
         assert_eq!(watch.check(), None);
         std::fs::write(&path, "endpoints:\n  - {name: a, address: h, port: 1}\n").unwrap();
+        assert_eq!(
+            watch.check(),
+            None,
+            "read once it has kept its stamp for an interval"
+        );
         match watch.check() {
             Some(Update::Endpoints(list)) => assert_eq!(list[0].name, "a"),
             other => panic!("{other:?}"),
         }
         assert_eq!(watch.check(), None, "unchanged file");
+        // Cut short while written in place: the rest arrives before the next check, and only
+        // the whole file is read.
+        std::fs::write(&path, "endpoints:\n  - {name: a, address: h, port: 1}\n").unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        std::fs::write(
+            &path,
+            "endpoints:\n  - {name: a, address: h, port: 1}\n  - {name: c, address: h, port: 2}\n",
+        )
+        .unwrap();
+        assert_eq!(watch.check(), None);
+        std::fs::write(&path, "endpoints:\n  - {name: a, address: h, port: 1}\n  - {name: c, address: h, port: 2}\n  - {name: d, address: h, port: 3}\n").unwrap();
+        assert_eq!(watch.check(), None, "changed again before it settled");
+        match watch.check() {
+            Some(Update::Endpoints(list)) => assert_eq!(list.len(), 3),
+            other => panic!("{other:?}"),
+        }
         std::fs::write(&path, "endpoints: [").unwrap();
+        assert_eq!(watch.check(), None);
         assert!(matches!(watch.check(), Some(Update::Failed(_))));
         std::fs::remove_file(&path).unwrap();
+        assert_eq!(watch.check(), None);
         assert!(matches!(watch.check(), Some(Update::Failed(e)) if e.contains("missing")));
         assert_eq!(watch.check(), None, "missing is reported once");
 
         // Unreadable (here a folder in its place): reported once, then tried again at every
         // check until it reads.
         std::fs::create_dir(&path).unwrap();
+        assert_eq!(watch.check(), None);
         assert!(matches!(watch.check(), Some(Update::Failed(e)) if e.contains("cannot read")));
         assert_eq!(watch.check(), None, "the same failure is reported once");
         assert_ne!(watch.seen, Some(watch.stamp()), "and is tried again");
         std::fs::remove_dir(&path).unwrap();
         std::fs::write(&path, "endpoints:\n  - {name: b, address: h, port: 1}\n").unwrap();
+        assert_eq!(watch.check(), None);
         match watch.check() {
             Some(Update::Endpoints(list)) => assert_eq!(list[0].name, "b"),
             other => panic!("{other:?}"),
@@ -998,6 +1042,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         perms.set_readonly(true);
         std::fs::set_permissions(&path, perms).unwrap();
+        assert_eq!(watch.check(), None);
         assert!(matches!(watch.check(), Some(Update::Endpoints(_))));
         std::fs::remove_dir_all(&dir).unwrap();
     }

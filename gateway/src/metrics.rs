@@ -433,7 +433,7 @@ impl Metrics {
             ),
             config_reloads: CounterVec::new(
                 "agentgate_config_reloads_total",
-                "Config file reloads of [[bands]], [[teams]] and [flow], by result (ok or error).",
+                "Config file reloads of [[bands]], [[teams]] and [flow], by result (ok, error, or restart_needed: applied, other sections changed too).",
                 ["result"],
             ),
             store_write_errors: CounterVec::new(

@@ -3,13 +3,17 @@
 //!
 //! The config file is polled every `server.reload_interval_ms` for a change of modification
 //! time, length, inode or status-change time (as the endpoints-file watcher does), against the
-//! file as it was when the running configuration was read; a changed file that cannot be opened
-//! yet is tried again at every poll. A changed file is read and validated
-//! whole; if it is valid, every pool's flow controller is reconfigured (queued requests stay
+//! file as it was when the running configuration was read. A change is read once the file has
+//! kept the same stamp for a whole poll (and again if it changed while it was read), so a file
+//! written in place is read whole; a changed file that cannot be read yet is tried again at
+//! every poll. A changed file is read and validated whole; if it is valid, every pool's flow controller is reconfigured (queued requests stay
 //! queued, in arrival order, with their deadlines; see `FlowController::reconfigure`) and the
 //! key ring replaced. A file that does not parse or validate changes nothing: the reason is
 //! logged and `agentgate_config_reloads_total{result="error"}` counts it. Other sections, and
-//! `[flow] exchange_interval_ms` (the exchange task's period), take effect at the next start.
+//! `[flow] exchange_interval_ms` (the exchange task's period), take effect at the next start: a
+//! reload that changes one of them (say a pool's `endpoints`) applies the flow sections, warns
+//! naming the others and counts `result="restart_needed"`. Endpoints that come and go belong
+//! in a pool's watched `endpoints_file`.
 //! Replace the file atomically (write, then rename).
 
 use std::path::{Path, PathBuf};
@@ -39,27 +43,58 @@ pub fn apply(state: &AppState, config: &Config) -> Result<(), String> {
     Ok(())
 }
 
-/// Read `path` and apply it; the outcome is logged and counted.
-fn reload(state: &AppState, path: &Path) {
-    let outcome = Config::load(path)
+/// Apply `text`, read from `path` when it had `stamp`; the outcome is logged and counted.
+/// `pending` holds the sections that wait for a restart as last read: a reload that changes
+/// them warns, naming them, and counts `result="restart_needed"`.
+fn reload(
+    state: &AppState,
+    path: &Path,
+    text: &str,
+    stamp: Option<FileStamp>,
+    pending: &mut toml::Table,
+) {
+    let outcome = Config::from_file_text(path, text, stamp)
         .map_err(|e| e.to_string())
         .and_then(|config| apply(state, &config).map(|()| config));
     match outcome {
         Ok(config) => {
-            state.metrics.config_reloads.inc(["ok"]);
+            let changed = changed_sections(pending, &config.restart_sections);
+            *pending = config.restart_sections.clone();
             tracing::info!(
                 file = %path.display(),
                 bands = config.flow_bands().len(),
                 teams = config.teams.len(),
                 flow = config.flow.enabled,
-                "config reloaded: [[bands]], [[teams]] and [flow] applied (other sections apply at the next start)"
+                "config reloaded: [[bands]], [[teams]] and [flow] applied"
             );
+            if changed.is_empty() {
+                state.metrics.config_reloads.inc(["ok"]);
+            } else {
+                state.metrics.config_reloads.inc(["restart_needed"]);
+                tracing::warn!(
+                    file = %path.display(),
+                    "config sections {} changed: only [[bands]], [[teams]] and [flow] are reloaded; restart the gateway to apply the others",
+                    changed.join(", ")
+                );
+            }
         }
         Err(reason) => {
             state.metrics.config_reloads.inc(["error"]);
             tracing::warn!(file = %path.display(), "config not reloaded, keeping the current one: {reason}");
         }
     }
+}
+
+/// The top-level sections that differ between `before` and `after`, as `[name]`.
+fn changed_sections(before: &toml::Table, after: &toml::Table) -> Vec<String> {
+    let mut names: Vec<&String> = before.keys().chain(after.keys()).collect();
+    names.sort();
+    names.dedup();
+    names
+        .into_iter()
+        .filter(|name| before.get(*name) != after.get(*name))
+        .map(|name| format!("[{name}]"))
+        .collect()
 }
 
 /// The task watching the config file.
@@ -100,6 +135,8 @@ async fn watch_loop(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut unreadable = None;
+    let mut settling = None;
+    let mut pending = state.config.restart_sections.clone();
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
@@ -109,22 +146,38 @@ async fn watch_loop(
         if now == seen {
             continue;
         }
+        // A change is read once the file has kept its stamp for a whole poll: by then a writer
+        // that truncates and writes in place is done (a file cut after a `[[teams]]` entry
+        // still parses, and would remove the teams after it).
+        if settling != Some(now) {
+            settling = Some(now);
+            continue;
+        }
         if now.is_none() {
             seen = now;
             tracing::warn!(file = %path.display(), "config file is missing; keeping the current configuration");
             continue;
         }
-        // A file that cannot be opened for now (no permission yet, out of file descriptors)
+        // A file that cannot be read for now (no permission yet, out of file descriptors)
         // is tried again at every poll, with one warning, until it can.
-        if let Err(e) = std::fs::File::open(&path) {
-            if unreadable != Some(e.kind()) {
-                unreadable = Some(e.kind());
-                tracing::warn!(file = %path.display(), "cannot read the changed config file ({e}); keeping the current configuration and trying again");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) => {
+                if unreadable != Some(e.kind()) {
+                    unreadable = Some(e.kind());
+                    tracing::warn!(file = %path.display(), "cannot read the changed config file ({e}); keeping the current configuration and trying again");
+                }
+                continue;
             }
+        };
+        unreadable = None;
+        let after = FileStamp::of(&path);
+        if after != now {
+            // Written to while it was read: read it once it settles.
+            settling = Some(after);
             continue;
         }
-        unreadable = None;
         seen = now;
-        reload(&state, &path);
+        reload(&state, &path, &text, now, &mut pending);
     }
 }

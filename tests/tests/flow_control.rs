@@ -862,6 +862,43 @@ async fn a_reload_that_would_open_a_keyed_gateway_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_changes_sections_it_cannot_apply_says_so() {
+    let sim = start_sim("sim-model").await;
+    let (dir, file, base_toml) = watched_config(
+        &sim,
+        "agentgate-restart-sections",
+        "[server]\nreload_interval_ms = 20\n",
+    );
+    let alpha = team("alpha", "");
+    let gw = start_watching(&file, &format!("{base_toml}{alpha}")).await;
+    let reloads = |result: &str| gw.state().metrics.config_reloads.get([result]);
+    // A new team and a second endpoint in the pool: the team applies, the pool waits for a
+    // restart, and the reload says so instead of passing for a full one.
+    let other = start_sim("sim-model").await;
+    let two_endpoints = config_toml(
+        &[sim.base_url(), other.base_url()],
+        None,
+        "[server]\nreload_interval_ms = 20\n",
+    );
+    write_atomically(
+        &file,
+        &format!("{two_endpoints}{alpha}{}", team("beta", "")),
+    );
+    eventually("the edit is applied", || reloads("restart_needed") == 1).await;
+    assert_eq!(reloads("ok"), 0);
+    let answer = call(&gw.base_url(), Some("beta"), hello(), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    // A later edit of the flow sections alone is a full reload again.
+    write_atomically(&file, &format!("{two_endpoints}{alpha}"));
+    eventually("the next edit is applied", || reloads("ok") == 1).await;
+    assert_eq!(reloads("restart_needed"), 1);
+    gw.shutdown().await;
+    sim.shutdown().await;
+    other.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_config_edit_made_while_the_gateway_starts_is_applied() {
     let sim = start_sim("sim-model").await;
     let (dir, file, base_toml) = watched_config(
