@@ -1017,14 +1017,12 @@ async fn open_split(
         (None, Some(l)) => session_pin(state, pool, Some(&prefill_pin_key(&l.parent))).await,
         _ => own_prefill_pin.clone(),
     };
-    // With prefill endpoints only, `d` is one of them: it does not prefill for itself.
-    let not_d: Vec<usize> = prefill_view
-        .iter()
-        .position(|e| Arc::ptr_eq(e, &d))
-        .into_iter()
-        .collect();
+    // Not an endpoint this request failed on; with prefill endpoints only, `d` is one of
+    // them: it does not prefill for itself.
+    let mut excluded = placement.avoided_in(&prefill_view);
+    excluded.extend(prefill_view.iter().position(|e| Arc::ptr_eq(e, &d)));
     let prefill_request = PrefillRequest {
-        exclude: &not_d,
+        exclude: &excluded,
         prefix: &placement.prefix,
         prompt_tokens,
         pinned: pinned_in(&prefill_view, prefill_pin.as_ref()),
@@ -1570,17 +1568,26 @@ async fn drive_announced(
                 reopens_left -= 1;
                 tracing::warn!(response = %turn.id, endpoint = %endpoint.name, "engine failed before its first token ({e}); trying the request again elsewhere");
                 // (The failed request still counts on its endpoint while another is picked.)
-                turn.failed_slots.push(routed.slot);
                 // A split's decode leg that fails before its first token most likely lost its
                 // KV transfer (vLLM's decode engine answers with its headers before it pulls
-                // the blocks): counted as one.
-                if let Some(leg) = &routed.prefill {
-                    state
-                        .metrics
-                        .pd_transfer_failed(&turn.pool.name, &leg.endpoint, &endpoint);
+                // the blocks): counted as one, and the prefill endpoint is avoided next, so the
+                // decode endpoint prefills the prompt itself unless another prefill endpoint
+                // can (should the decode endpoint fail again, that try avoids it too).
+                match &routed.prefill {
+                    Some(leg) => {
+                        state
+                            .metrics
+                            .pd_transfer_failed(&turn.pool.name, &leg.endpoint, &endpoint);
+                        turn.failed_slots.push(leg.endpoint.slot);
+                    }
+                    None => turn.failed_slots.push(routed.slot),
                 }
                 // The pin may have moved to the failed endpoint: read it again.
                 turn.admission_pin = None;
+                // The failed engine request is given up now, not once another endpoint has
+                // answered: its connection would keep it queued or prefilling there (and a
+                // split's prefill leg running) for nobody.
+                chunks = Box::pin(futures_util::stream::empty());
                 let reopened = match stops.as_mut() {
                     Some(stops) => tokio::select! {
                         reopened = open_turn(&state, &mut turn) => reopened,
