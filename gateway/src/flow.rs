@@ -931,11 +931,8 @@ impl FlowControl {
     pub fn reconfigure(&self, config: &Config) -> Result<(), String> {
         let flow_config = config.flow_config();
         flow_config.validate().map_err(|e| e.to_string())?;
-        for (name, pool) in &self.pools {
-            pool.controller
-                .reconfigure(flow_config.clone())
-                .map_err(|e| format!("pool `{name}`: {e}"))?;
-        }
+        // The per-endpoint limits first: each controller dispatches what its new config lets
+        // go at once, against the new limits.
         *self
             .settings
             .write()
@@ -946,7 +943,14 @@ impl FlowControl {
         self.limits
             .max_kv_working_set
             .store(config.flow.max_kv_working_set.to_bits(), Ordering::Relaxed);
-        self.set_max_in_flight_per_endpoint(config.flow.max_in_flight_per_endpoint);
+        self.limits
+            .per_endpoint
+            .store(config.flow.max_in_flight_per_endpoint, Ordering::Relaxed);
+        for (name, pool) in &self.pools {
+            pool.controller
+                .reconfigure(flow_config.clone())
+                .map_err(|e| format!("pool `{name}`: {e}"))?;
+        }
         Ok(())
     }
 

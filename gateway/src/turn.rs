@@ -1085,9 +1085,13 @@ async fn open_split(
             state
                 .metrics
                 .pd_leg(&pool.name, "prefill", opened.prefill_latency);
-            pool.picker.routed(p.slot, &placement.prefix);
+            // (Its guard dropped, a prefill endpoint discovery removed meanwhile may have given
+            // its slot to another engine: that one is not credited with this prompt.)
+            if !p.is_retired() {
+                pool.picker.routed(p.slot, &placement.prefix);
+            }
             pool.picker.routed(d.slot, &placement.prefix);
-            if let Some(usage) = opened.prefill_usage {
+            if let Some(usage) = opened.prefill_usage.filter(|_| !p.is_retired()) {
                 pool.picker.completed(
                     p.slot,
                     &placement.prefix,
