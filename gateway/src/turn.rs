@@ -997,6 +997,9 @@ async fn open_split(
             }
             true => {
                 let mut guard = d.begin(prompt_tokens, 0);
+                // The prompt is prefilled elsewhere: `d` runs no prefill chunks for it, so it
+                // does not count against `[flow] max_prefilling_per_endpoint` there.
+                guard.prefill_done();
                 guard.hold_prompt(&placement.prefix, pool.tokens_per_chunk());
                 DecodeLeg::Split(decode, guard)
             }

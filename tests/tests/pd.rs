@@ -964,6 +964,41 @@ async fn cancelling_a_background_response_stops_its_wait_for_the_prefill_leg() {
     decode.shutdown().await;
 }
 
+/// While a split's prompt prefills on the prefill endpoint, the decode endpoint counts the
+/// request in flight but not as prefilling (`[flow] max_prefilling_per_endpoint` limits the
+/// prompts whose chunks compete for an engine's steps).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_prompt_counts_as_prefilling_only_where_it_prefills() {
+    for flavor in [Flavor::Vllm, Flavor::Sglang] {
+        let (prefill, decode, gw) = prefill_decode_pair(flavor).await;
+        set_sim_fault(&prefill, json!({"stall_ms": 60_000})).await;
+        let base = gw.base_url();
+        let queued = json_body(reqwest::Client::new().post(format!("{base}/v1/responses")).json(
+            &json!({"model": "sim-model", "input": long_text("q", 6000), "background": true}),
+        ))
+        .await;
+        let id = queued["id"].as_str().unwrap().to_string();
+        await_in_flight(&base, |n| n >= 2.0, "both legs are under way").await;
+        let pool = gw.state().pools.for_model("sim-model").unwrap();
+        let endpoints = pool.endpoints();
+        let by_url = |url: &str| {
+            endpoints
+                .iter()
+                .find(|e| e.base_url.as_str().trim_end_matches('/') == url.trim_end_matches('/'))
+                .unwrap()
+                .clone()
+        };
+        let (p, d) = (by_url(&prefill.base_url()), by_url(&decode.base_url()));
+        assert_eq!(p.prefilling_requests(), 1, "{flavor:?}");
+        assert_eq!(d.prefilling_requests(), 0, "{flavor:?}");
+        assert_eq!(d.in_flight_requests(), 1, "{flavor:?}");
+        assert_eq!(cancel(&base, &id).await["status"], "cancelled");
+        gw.shutdown().await;
+        prefill.shutdown().await;
+        decode.shutdown().await;
+    }
+}
+
 /// A vLLM decode engine answers with its headers before it pulls the KV cache: a split whose
 /// decode stream then breaks before the first token counts as a failed transfer (here no other
 /// endpoint can take the request, so the client gets the failure).
