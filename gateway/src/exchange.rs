@@ -394,16 +394,8 @@ async fn exchange_pool(
     let fresh = fresh_for(every);
     let now = Instant::now();
     let endpoints = pool.endpoints();
-    // Endpoints go on the board by their engine's URL; flow control names them by name.
-    let url_of: HashMap<&str, &str> = endpoints
-        .iter()
-        .map(|e| (e.name.as_str(), e.base_url.as_str()))
-        .collect();
-    let held: HashMap<String, HeldTurn> = controller
-        .held()
-        .into_iter()
-        .filter_map(|(name, turn)| Some((url_of.get(name.as_str())?.to_string(), turn)))
-        .collect();
+    // Endpoints go on the board by their engine's URL, as flow control knows them.
+    let held: HashMap<String, HeldTurn> = controller.held();
     let published = publish(
         endpoints.iter().map(|e| {
             (
@@ -451,7 +443,7 @@ async fn exchange_pool(
     }
     let held = endpoints
         .iter()
-        .filter_map(|e| Some((e.name.clone(), *peers.held.get(&e.base_url)?)))
+        .filter_map(|e| Some((e.base_url.clone(), *peers.held.get(&e.base_url)?)))
         .collect();
     changed |= state.flow.set_peers_held(&pool.name, held);
     changed |= controller.set_peer_teams(peers.teams);

@@ -87,7 +87,8 @@
 //! unavailable, saturated or out of free slots.
 //!
 //! **Turns wait for their endpoint.** A continuing turn whose session is pinned carries the
-//! pinned endpoint as its ticket's affinity (read from the store at admission). In a band
+//! pinned endpoint as its ticket's affinity (read from the store at admission), named by its
+//! engine's URL, so a turn queued while discovery renames the engine keeps waiting for it. In a band
 //! without a reserve it is dispatched only while that endpoint has room for it,
 //! `in_flight(e) + promised + floor(r * max_in_flight_per_endpoint) < max_in_flight_per_endpoint`
 //! (`r` the largest reserve above the band, `promised` what the same dispatch round already
@@ -366,7 +367,7 @@ impl CapacitySignal for PoolCapacity {
         };
         let endpoints = self.pool.endpoints();
         match endpoint {
-            Some(name) => match endpoints.iter().find(|e| e.name == name) {
+            Some(url) => match endpoints.iter().find(|e| e.base_url == url) {
                 Some(e) if e.is_available() => fits(e, promised),
                 _ => true,
             },

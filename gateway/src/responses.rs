@@ -719,14 +719,15 @@ async fn run_turn(
     let admission = match admission {
         Some(pending) if continuing => {
             let pin = turn::session_pin(state, &turn.pool, turn.session.as_deref()).await;
-            // The endpoint the pin stands for, by its name now (a renamed engine keeps its
-            // sessions); a pin whose engine is gone holds nothing: no affinity.
+            // The engine the pin stands for, by its URL (a renamed engine keeps its sessions,
+            // and its queued turns their place there); a pin whose engine is gone holds
+            // nothing: no affinity.
             let endpoint = pin.as_ref().and_then(|p| {
                 turn.pool
                     .endpoints()
                     .iter()
                     .find(|e| turn::pins_to(p, e))
-                    .map(|e| e.name.clone())
+                    .map(|e| e.base_url.clone())
             });
             turn.admission_pin = Some(pin);
             Some(pending.with_affinity(endpoint))

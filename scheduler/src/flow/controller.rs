@@ -45,9 +45,10 @@ pub struct Ticket {
     /// Whether the request continues an earlier turn (it has a `previous_response_id`, a
     /// conversation, or prior turns in its input).
     pub continuing: bool,
-    /// The endpoint the request is expected to go to (its session's pin), if known: it waits
-    /// up to [`FlowConfig::pin_wait`] for a slot there while requests for other endpoints go
-    /// ahead (see [`CapacitySignal::has_room`]).
+    /// The endpoint the request is expected to go to (its session's pin), if known, in
+    /// whatever names the [`CapacitySignal`] understands (the gateway uses the engine's URL):
+    /// it waits up to [`FlowConfig::pin_wait`] for a slot there while requests for other
+    /// endpoints go ahead (see [`CapacitySignal::has_room`]).
     pub affinity: Option<String>,
     /// `band` was checked against the configuration when the request was accepted: if a
     /// reconfiguration has since removed it or taken it from the team, the request runs in its
