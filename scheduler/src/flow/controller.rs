@@ -13,7 +13,9 @@ use tokio::time::Instant;
 use super::capacity::{CapacitySignal, FlowLoad};
 use super::config::{BandSpec, ConfigError, FlowConfig, TeamSpec};
 use super::metrics::{BandSnapshot, FlowSnapshot, TeamSnapshot, TurnWaits, WaitHistogram};
-use super::queue::{BandQueue, Entry, HeldTurn, Pick, Placeable, Reply, TurnKind, Warmth};
+use super::queue::{
+    BandCounters, BandQueue, Entry, HeldTurn, Pick, Placeable, Reply, TurnKind, Warmth,
+};
 use super::rate_limit::{LocalRateLimiter, RateCost, RateLimiter, RateLimits, RateStatus};
 use super::rejection::{QueueLimit, Rejection};
 
@@ -357,6 +359,8 @@ impl FlowController {
             in_flight_tokens: 0,
             sessions: SessionTracker::default(),
             turns: TurnWaits::default(),
+            retired_bands: HashMap::new(),
+            retired_teams: HashMap::new(),
         };
         state.install(config);
         Ok(FlowController {
@@ -836,9 +840,12 @@ struct State {
     in_flight_tokens: u64,
     sessions: SessionTracker,
     turns: TurnWaits,
+    /// Counters of bands and teams a reconfiguration removed, picked up again if they come
+    /// back: counters are monotonic over the controller's life.
+    retired_bands: HashMap<String, BandCounters>,
+    retired_teams: HashMap<String, TeamState>,
 }
 
-/// The cap `queue` passes with `requests` more requests of `bytes` more bytes waiting in it.
 /// The band `ticket` runs in under `config` (see [`Ticket::band_checked`]).
 fn ticket_band<'c>(config: &'c FlowConfig, ticket: &Ticket) -> Result<&'c BandSpec, Rejection> {
     match config.band_for(&ticket.team, ticket.band.as_deref()) {
@@ -851,6 +858,7 @@ fn ticket_band<'c>(config: &'c FlowConfig, ticket: &Ticket) -> Result<&'c BandSp
     }
 }
 
+/// The cap `queue` passes with `requests` more requests of `bytes` more bytes waiting in it.
 fn over_caps(queue: &BandQueue, requests: usize, bytes: u64) -> Option<QueueLimit> {
     if queue.queued.saturating_add(requests) > queue.spec.max_queued {
         Some(QueueLimit::Requests)
@@ -903,9 +911,19 @@ impl State {
                     band.clear();
                     band
                 }
-                None => BandQueue::new(spec),
+                None => {
+                    let retired = self.retired_bands.remove(&spec.name);
+                    let mut band = BandQueue::new(spec);
+                    if let Some(counters) = retired {
+                        band.counters = counters;
+                    }
+                    band
+                }
             })
             .collect();
+        for (name, band) in old {
+            self.retired_bands.insert(name, band.counters);
+        }
         self.band_index = self
             .bands
             .iter()
@@ -923,10 +941,22 @@ impl State {
                 .retain(|team, _| self.team_index.contains_key(team));
         }
         for team in &config.teams {
-            self.teams.entry(team.name.clone()).or_default();
+            if !self.teams.contains_key(&team.name) {
+                let state = self.retired_teams.remove(&team.name).unwrap_or_default();
+                self.teams.insert(team.name.clone(), state);
+            }
         }
-        self.teams
-            .retain(|name, t| self.team_index.contains_key(name) || t.in_flight > 0);
+        let gone: Vec<String> = self
+            .teams
+            .iter()
+            .filter(|(name, t)| !self.team_index.contains_key(*name) && t.in_flight == 0)
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in gone {
+            if let Some(team) = self.teams.remove(&name) {
+                self.retired_teams.insert(name, team);
+            }
+        }
         self.config = config;
     }
 

@@ -982,6 +982,24 @@ async fn a_band_accepted_before_a_reconfiguration_took_it_away_becomes_the_team_
 }
 
 #[tokio::test(start_paused = true)]
+async fn counters_of_a_band_and_a_team_removed_and_added_back_carry_on() {
+    let mut with_old = config();
+    with_old.bands.push(BandSpec::new("old", 5));
+    with_old.teams.push(TeamSpec::new("gone", "old"));
+    let (flow, _capacity) = controller(with_old.clone(), 10);
+    drop(flow.admit(Ticket::new("gone", 7)).await.unwrap());
+    flow.reconfigure(config()).unwrap();
+    let snapshot = flow.snapshot();
+    assert!(snapshot.band("old").is_none() && snapshot.team("gone").is_none());
+    flow.reconfigure(with_old).unwrap();
+    let snapshot = flow.snapshot();
+    assert_eq!(snapshot.band("old").unwrap().dispatched, 1);
+    assert_eq!(snapshot.team("gone").unwrap().dispatched_requests, 1);
+    drop(flow.admit(Ticket::new("gone", 7)).await.unwrap());
+    assert_eq!(flow.snapshot().band("old").unwrap().dispatched, 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn reconfiguration_applies_new_limits_to_queued_requests() {
     let mut config = config();
     config.teams[0].max_concurrent = Some(1);
