@@ -271,7 +271,6 @@ async fn prepare(
                     }
                     e
                 })?;
-            crate::conversations::check_room(state, id, items.len(), 0, "conversation")?;
             (items, None)
         }
         (Some(prev), None) => {
@@ -653,6 +652,11 @@ async fn run_turn(
         req.conversation.as_deref(),
     )
     .await?;
+    // A full conversation takes no more turns (counting a prompt's tokens in it adds nothing:
+    // `input_tokens` is not refused).
+    if let Some(id) = req.conversation.as_deref() {
+        crate::conversations::check_room(state, id, prepared.history.len(), 0, "conversation")?;
+    }
     let continuing = prepared.chain_root.is_some()
         || !prepared.history.is_empty()
         || req.conversation.is_some()

@@ -2094,6 +2094,14 @@ async fn a_full_conversation_takes_no_more_items_and_no_more_turns() {
         (&refused["error"]["code"], &refused["error"]["param"]),
         (&json!("conversation_full"), &json!("conversation"))
     );
+    // Counting a prompt's tokens in it adds nothing: not refused.
+    let (s, counted) = post_json(
+        format!("{base}/v1/responses/input_tokens"),
+        json!({"model": "sim-model", "input": "next", "conversation": id}),
+    )
+    .await;
+    assert_eq!(s, 200, "{counted}");
+    assert!(counted["input_tokens"].as_u64().unwrap() > 0, "{counted}");
     // Room for one more: a turn goes, its input and answer taking it past the bound.
     let first = get_json(&format!(
         "{base}/v1/conversations/{id}/items?order=asc&limit=1"
