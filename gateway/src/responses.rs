@@ -1082,6 +1082,18 @@ async fn stream_stored(
                 .elapsed()
                 >= FOLLOW_TERMINAL_GRACE
             {
+                // A terminal event in the log before `starting_after`: the client has seen the
+                // end already, nothing more to send.
+                if next > 0 {
+                    if let Ok(log) = state.store.events(&id, 0).await {
+                        if log
+                            .iter()
+                            .any(|f| TERMINAL_EVENTS.contains(&frame_kind(f).0.as_str()))
+                        {
+                            return;
+                        }
+                    }
+                }
                 // The terminal event never reached the log: end with the stored record.
                 let record = match state.store.get(&team.0, &id).await {
                     Ok(Some(record)) => record,

@@ -2034,6 +2034,9 @@ async fn a_background_response_streams_again_from_any_gateway() {
     for (resumed, original) in rest.iter().zip(&events[6..]) {
         assert_eq!(resumed.data, original.data);
     }
+    // Resumed after the last event (a client reconnecting once it had the end): nothing.
+    let end = last.data["sequence_number"].as_u64().unwrap();
+    assert_eq!(follow(&a, &id, Some(end)).await.len(), 0);
 
     // A log evicted before its follower came: the stream ends with the stored response.
     assert!(
