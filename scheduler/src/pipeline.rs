@@ -10,7 +10,9 @@
 //!    candidate's [`Endpoint::slot`]: `m(e)` in [0, 1].
 //! 4. **Pin** (pipelines with the `session_pin` scorer): the sticky-until-saturated rule of
 //!    [`crate::pin`] decides whether the session's pin holds. A pin broken by the wait rule
-//!    takes its endpoint out of the candidates: the rule found a cheaper place.
+//!    leaves as candidates only the endpoints where the rule found moving cheaper
+//!    (`wait(a) + recompute(a) + hysteresis < wait(pin)`), so the move goes where it pays, not
+//!    to another endpoint as busy that holds the prefix too (and back the next turn).
 //! 5. **Score** ([`crate::scorer`]): each scorer with a positive weight rates every candidate
 //!    in [0, 1] (anything else is clamped; NaN counts as 0), and
 //!
@@ -295,9 +297,27 @@ impl Pipeline {
                                 PinOutcome::Held
                             }
                             Some(cause) => {
-                                candidates.remove(k);
-                                matched.remove(k);
-                                matches.remove(k);
+                                // Only where moving is cheaper by the rule's own measure: the
+                                // scores alone could pick another endpoint holding the prefix
+                                // and as busy, and the pin would swing back the next turn.
+                                let stay = cost(k);
+                                let kept: Vec<usize> = (0..candidates.len())
+                                    .filter(|&j| {
+                                        let a = cost(j);
+                                        j != k
+                                            && a.wait_tokens
+                                                + PinRule::recompute_tokens(
+                                                    request.prompt_tokens,
+                                                    &stay,
+                                                    &a,
+                                                )
+                                                + self.rule.hysteresis_tokens
+                                                < stay.wait_tokens
+                                    })
+                                    .collect();
+                                candidates = kept.iter().map(|&j| candidates[j]).collect();
+                                matched = kept.iter().map(|&j| matched[j]).collect();
+                                matches = kept.iter().map(|&j| matches[j]).collect();
                                 PinOutcome::Broken(cause)
                             }
                         }
@@ -890,6 +910,20 @@ mod tests {
         drop(_there);
         let pick = p.pick(&e, &request).unwrap();
         assert_eq!((pick.index, pick.pin), (0, PinOutcome::Held));
+    }
+
+    #[test]
+    fn a_pin_broken_by_the_wait_rule_moves_where_moving_pays_not_to_a_busy_copy() {
+        let (e, p, h) = pinned_session(3);
+        // Endpoint 2 holds the prefix too, and is as busy as the pin; endpoint 1 is idle.
+        p.routed(2, &h[..90]);
+        let request = req(&h, 100_000, Pinned::At(0));
+        let _busy = [e[0].begin(300_000, 300_000), e[2].begin(300_000, 300_000)];
+        for _ in 0..20 {
+            let pick = p.pick(&e, &request).unwrap();
+            assert_eq!(pick.pin, PinOutcome::Broken(BreakCause::Wait));
+            assert_eq!(pick.index, 1, "the scores alone pick the busy copy");
+        }
     }
 
     #[test]
