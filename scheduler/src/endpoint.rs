@@ -146,16 +146,22 @@ impl Saturation {
     /// `staleness`, or the engine's queue is at `max_waiting`, or its KV cache is at
     /// `max_kv_usage` with requests waiting.
     pub fn saturated(&self, report: Option<&LoadReport>, now: Instant) -> bool {
-        if let Some(staleness) = self.staleness {
-            match report {
-                None => return true,
-                Some(r) if now.saturating_duration_since(r.at) > staleness => return true,
-                _ => {}
-            }
+        if self.stale(report, now) {
+            return true;
         }
         report.is_some_and(|r| {
             r.waiting >= self.max_waiting
                 || (r.waiting > 0.0 && r.kv_usage.is_some_and(|u| u >= self.max_kv_usage))
+        })
+    }
+}
+
+impl Saturation {
+    /// Whether metrics are expected (`staleness` set) and `report` is missing or older than
+    /// `staleness` at `now`: the gateway cannot see into the engine.
+    pub fn stale(&self, report: Option<&LoadReport>, now: Instant) -> bool {
+        self.staleness.is_some_and(|staleness| {
+            report.is_none_or(|r| now.saturating_duration_since(r.at) > staleness)
         })
     }
 }

@@ -157,7 +157,10 @@ impl Filter for RoleMatch {
     }
 }
 
-/// Drops saturated endpoints while at least one candidate is not saturated.
+/// Drops saturated endpoints while at least one candidate is not saturated; with every one
+/// saturated, drops those whose metrics are stale while one is not (the figures of a stale
+/// report may show an engine idle that is overloaded), except the request's pinned endpoint
+/// (the pin rule weighs it against the others).
 #[derive(Debug, Clone, Copy)]
 pub struct PreferUnsaturated {
     /// What counts as saturated.
@@ -172,6 +175,13 @@ impl Filter for PreferUnsaturated {
     fn filter(&self, view: &PoolView<'_>, candidates: &mut Vec<usize>) {
         if candidates.iter().any(|&i| !view.saturated(i, &self.limits)) {
             candidates.retain(|&i| !view.saturated(i, &self.limits));
+            return;
+        }
+        let stale = |i: usize| {
+            self.limits.stale(view.report(i), view.now) && view.request.pinned != Pinned::At(i)
+        };
+        if candidates.iter().any(|&i| !stale(i)) {
+            candidates.retain(|&i| !stale(i));
         }
     }
 }
@@ -343,10 +353,36 @@ mod tests {
         let mut candidates = vec![0, 1, 2];
         filter.filter(&view, &mut candidates);
         assert_eq!(candidates, [1]);
-        // Without 1, everything left is saturated: keep it all.
+        // Without 1, everything left is saturated: the one the gateway can see into goes
+        // first (2's figures, were there any, would be guesses).
         let mut candidates = vec![0, 2];
         filter.filter(&view, &mut candidates);
+        assert_eq!(candidates, [0]);
+        // Unless 2 is the request's pinned endpoint: the pin rule weighs it.
+        let pinned = PickRequest {
+            pinned: Pinned::At(2),
+            ..PickRequest::default()
+        };
+        let mut candidates = vec![0, 2];
+        filter.filter(
+            &PoolView {
+                request: &pinned,
+                ..view
+            },
+            &mut candidates,
+        );
         assert_eq!(candidates, [0, 2]);
+        // Everything stale (the scraper is down): keep it all.
+        let all_stale = vec![None, None, None];
+        let mut candidates = vec![0, 1, 2];
+        filter.filter(
+            &PoolView {
+                reports: &all_stale,
+                ..view
+            },
+            &mut candidates,
+        );
+        assert_eq!(candidates, [0, 1, 2]);
         assert_eq!(view.engine_waiting(0), 8.0);
         assert_eq!(view.engine_waiting(2), 0.0);
         assert_eq!(view.engine_waiting(9), 0.0);

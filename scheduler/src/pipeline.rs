@@ -5,7 +5,8 @@
 //!
 //! 1. **View.** Every endpoint's load report is read once; filters and scorers share it.
 //! 2. **Filter** ([`crate::filter`]): available, not excluded, of the requested role, and not
-//!    saturated unless everything is. No candidate left: no pick.
+//!    saturated unless everything is (then, while one has fresh metrics, not one whose metrics
+//!    are stale, unless it is the pin's). No candidate left: no pick.
 //! 3. **Match.** The prompt's chunk hashes are matched against the prefix index, by each
 //!    candidate's [`Endpoint::slot`]: `m(e)` in [0, 1].
 //! 4. **Pin** (pipelines with the `session_pin` scorer): the sticky-until-saturated rule of
@@ -870,6 +871,17 @@ mod tests {
             .pick_at(&e, &req(&h, 100_000, Pinned::At(0)), later)
             .unwrap();
         assert_eq!((pick.index, pick.pin), (0, PinOutcome::Held));
+        // Every endpoint saturated, one of them unseen for 10 s with an idle engine in its last
+        // figures: new work goes to the ones the gateway can see into.
+        e[0].set_load_report(report(t0, 0.0));
+        e[1].set_load_report(report(later, 40.0));
+        e[2].set_load_report(report(later, 40.0));
+        for _ in 0..20 {
+            let pick = p
+                .pick_at(&e, &req(&[], 1_000, Pinned::None), later)
+                .unwrap();
+            assert_ne!(pick.index, 0);
+        }
     }
 
     #[test]
