@@ -63,13 +63,14 @@ pub struct EngineMetrics {
 
 impl EngineMetrics {
     /// KV-cache capacity in tokens: `block_size * num_gpu_blocks` when both are known, else the
-    /// engine's reported token capacity.
+    /// engine's reported token capacity. A capacity of 0 (an engine still starting) is
+    /// unknown: sizing the prefix index by it would forget what it learnt of the engine.
     pub fn kv_capacity_tokens(&self) -> Option<u64> {
         match (self.block_size, self.num_gpu_blocks) {
             (Some(block_size), Some(blocks)) if block_size > 0 && blocks > 0 => {
                 block_size.checked_mul(blocks)
             }
-            _ => self.max_total_tokens,
+            _ => self.max_total_tokens.filter(|&tokens| tokens > 0),
         }
     }
 
@@ -624,6 +625,12 @@ sglang:time_to_first_token_seconds_bucket{le="0.001",model_name="meta-llama/Llam
             }
         );
         assert_eq!(metrics.kv_capacity_tokens(), Some(161_721));
+        // Reported as 0 while the engine starts: unknown, not empty.
+        let starting = EngineMetrics {
+            max_total_tokens: Some(0),
+            ..metrics
+        };
+        assert_eq!(starting.kv_capacity_tokens(), None);
     }
 
     #[test]
