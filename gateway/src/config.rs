@@ -1033,16 +1033,16 @@ impl Config {
                 "must be 0 (no bound) or at least 20 (a conversation may be created with 20 items)",
             ));
         }
-        if self.routing.session_header.trim().is_empty()
-            || !self
-                .routing
-                .session_header
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        // Empty: no configured header (only the native ones, when on, and the body's keys).
+        if !self
+            .routing
+            .session_header
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         {
             return Err(err(
                 "routing.session_header",
-                "must be a header name (letters, digits, '-' and '_')",
+                "must be a header name (letters, digits, '-' and '_'), or empty to read none",
             ));
         }
         let r = &self.routing;
@@ -1967,10 +1967,15 @@ endpoints = ["http://127.0.0.1:8000"]
             ),
             ("saturation_kv_usage = 1.5", "routing.saturation_kv_usage"),
             ("discovery_interval_ms = 0", "routing.discovery_interval_ms"),
+            ("session_header = \" \"", "routing.session_header"),
+            ("session_header = \"x session\"", "routing.session_header"),
         ] {
             let e = Config::parse(&format!("[routing]\n{routing}\n{MINIMAL}")).unwrap_err();
             assert_eq!(e.key, key, "{e}");
         }
+        // Empty: no configured session header.
+        let c = Config::parse(&format!("[routing]\nsession_header = \"\"\n{MINIMAL}")).unwrap();
+        assert_eq!(c.routing.session_header, "");
         let e = Config::parse(&format!("{MINIMAL}role = \"encode\"\n")).unwrap_err();
         assert_eq!(e.key, "pools[0].role");
         assert!(e.reason.contains("both, prefill, decode"), "{e}");
