@@ -24,7 +24,7 @@
 //!    was below that line, and placed on one that is not it would take the room that
 //!    endpoint's waiting turns are held for. Pinned requests are not dropped for it: flow
 //!    control held them for their own endpoint.
-//! 6. [`SpreadReserved`]: a new session (no pin) of a band with a reserve
+//! 6. [`SpreadReserved`]: a new session (no pin on a candidate) of a band with a reserve
 //!    ([`PickRequest::spread_window`]) keeps only the endpoints with the fewest of those bands'
 //!    turns routed lately, within [`SPREAD_SLACK`]. A reserve is a share of each endpoint's
 //!    slots, so it holds a band's bursts only if the band's sessions are spread; placed by
@@ -203,7 +203,7 @@ impl Filter for PreferFreeSlot {
         let kv = view
             .request
             .kv_working_set_below
-            .filter(|_| !matches!(view.request.pinned, Pinned::At(_)));
+            .filter(|_| !pinned_candidate(view, candidates));
         if slots.is_none() && prefilling.is_none() && kv.is_none() {
             return;
         }
@@ -219,6 +219,12 @@ impl Filter for PreferFreeSlot {
             candidates.retain(|&i| free(i));
         }
     }
+}
+
+/// Whether the request is pinned to one of `candidates`: a pin whose endpoint is unavailable,
+/// excluded (the request failed there) or gone places the request as a new session's.
+fn pinned_candidate(view: &PoolView<'_>, candidates: &[usize]) -> bool {
+    matches!(view.request.pinned, Pinned::At(p) if candidates.contains(&p))
 }
 
 /// How many more recent reserved turns than the least an endpoint may count and still be kept
@@ -239,7 +245,7 @@ impl Filter for SpreadReserved {
         let Some(window) = view.request.spread_window else {
             return;
         };
-        if view.request.pinned != Pinned::None {
+        if pinned_candidate(view, candidates) {
             return;
         }
         let recent: Vec<f64> = candidates
@@ -458,6 +464,23 @@ mod tests {
         assert_eq!(keep(Some(0.6), Pinned::At(0)), [0, 1, 2]);
         // One whose endpoint is gone looks for room like a new session.
         assert_eq!(keep(Some(0.6), Pinned::Gone), [1]);
+        // So does one pinned to an endpoint it may not go to (unhealthy, or failed there).
+        let request = PickRequest {
+            kv_working_set_below: Some(0.6),
+            pinned: Pinned::At(0),
+            exclude: &[0],
+            ..PickRequest::default()
+        };
+        let view = PoolView {
+            endpoints: &endpoints,
+            request: &request,
+            now: Instant::now(),
+            reports: &[None, None, None],
+        };
+        let mut candidates = vec![0, 1, 2];
+        NotExcluded.filter(&view, &mut candidates);
+        PreferFreeSlot.filter(&view, &mut candidates);
+        assert_eq!(candidates, [1]);
     }
 
     #[test]
