@@ -1221,7 +1221,7 @@ mod tests {
         let config = config("[flow]\nmax_kv_working_set = 0.5\n");
         let (pools, pool, cap) = capacity(&config, (0, 0, config.flow.max_kv_working_set)).await;
         let eps = pool.endpoints();
-        let (a, b) = (eps[0].name.as_str(), eps[1].name.as_str());
+        let (a, b) = (eps[0].base_url.as_str(), eps[1].base_url.as_str());
         let chunks = |first: u64, n: u64| (first..first + n).collect::<Vec<u64>>();
         let mut big = eps[0].begin(900, 900);
         big.hold_prompt(&chunks(0, 9), 100);
