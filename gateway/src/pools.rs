@@ -260,11 +260,13 @@ impl Pool {
         if !diff.changed() {
             return Ok(diff);
         }
-        for e in diff
-            .removed
-            .iter()
-            .chain(diff.relabelled.iter().map(|(old, _)| old))
-        {
+        for (old, _) in &diff.relabelled {
+            // Its slot and live counts go on in the endpoint that replaces it: nothing to drain
+            // (kept among the draining, an engine relabelled often while always busy would
+            // add one entry per relabel that never left).
+            old.retire();
+        }
+        for e in &diff.removed {
             e.retire();
             if e.in_flight_requests() > 0 && !draining.iter().any(|d| Arc::ptr_eq(d, e)) {
                 draining.push(e.clone());
@@ -611,6 +613,39 @@ mod tests {
         };
         assert_eq!(scoring.saturation, expected);
         assert_eq!(routing.saturation, expected);
+    }
+
+    #[tokio::test]
+    async fn a_busy_engine_relabelled_again_and_again_leaves_nothing_to_drain() {
+        let config = Config::parse(
+            "[routing]\nscrape_interval_ms = 0\nhealth_interval_ms = 0\n\
+             [[pools]]\nname = \"p\"\nmodel = \"m\"\nendpoints_file = \"/nonexistent/e.yaml\"\n",
+        )
+        .unwrap();
+        let engines = agentgate_adapters::EngineClient::new(Default::default());
+        let pools = Pools::start(&config, &engines).await.unwrap();
+        let pool = pools.for_model("m").unwrap();
+        let listed = |generation: u32| {
+            vec![DiscoveredEndpoint {
+                name: "a".into(),
+                address: "127.0.0.1".into(),
+                port: 9,
+                labels: [("generation".to_string(), generation.to_string())].into(),
+            }]
+        };
+        let mut draining = Vec::new();
+        pool.apply_discovered(&listed(0), &mut draining).unwrap();
+        // Always a request in flight on the engine, whatever its labels say.
+        let _busy = pool.endpoints()[0].begin(10, 0);
+        for generation in 1..20 {
+            pool.apply_discovered(&listed(generation), &mut draining)
+                .unwrap();
+        }
+        assert!(draining.is_empty(), "{} left to drain", draining.len());
+        assert_eq!(pool.endpoints()[0].in_flight_requests(), 1);
+        // Removed while busy: drained until its request ends.
+        pool.apply_discovered(&[], &mut draining).unwrap();
+        assert_eq!(draining.len(), 1);
     }
 
     #[tokio::test]
