@@ -119,16 +119,17 @@ struct Records {
     children: HashMap<String, HashSet<String>>,
     /// Conversations by id (they count toward the memory bound and take their turn in `lru`).
     conversations: HashMap<String, ConversationEntry>,
-    /// Ids of the last [`LOST_REMEMBERED`] records gone without a deletion (dropped for
-    /// memory, or swept once expired), oldest first, and the same as a set: a history walk
-    /// reaching one answers `Lost`, as the Redis store answers a predecessor gone without a
-    /// deletion marker.
-    lost_ids: VecDeque<String>,
-    lost_set: HashSet<String>,
+    /// Ids of the last [`DELETED_REMEMBERED`] records deleted, oldest first, and the same as a
+    /// set: a history walk reaching one starts there; reaching any other record that is gone
+    /// (dropped for memory, expired, never stored) it answers `Lost`, as the Redis store
+    /// answers a predecessor gone without a deletion marker. Past the bound, an old deletion
+    /// reads as a loss: an error, never a history silently cut short.
+    deleted_ids: VecDeque<String>,
+    deleted_set: HashSet<String>,
 }
 
-/// Ids of records gone without a deletion that are remembered.
-const LOST_REMEMBERED: usize = 4096;
+/// Ids of deleted records that are remembered.
+const DELETED_REMEMBERED: usize = 16_384;
 
 impl Records {
     /// The live entry for `id` owned by `team`, if any.
@@ -257,12 +258,10 @@ impl Records {
         if now >= self.next_sweep {
             self.drop_pins(|_, e| e.expires_at <= now);
             let bytes = &mut self.bytes;
-            let mut expired = Vec::new();
-            self.by_id.retain(|id, e| {
+            self.by_id.retain(|_, e| {
                 let live = e.expires_at > now;
                 if !live {
                     *bytes -= e.bytes;
-                    expired.push(id.clone());
                 }
                 live
             });
@@ -273,9 +272,6 @@ impl Records {
                 }
                 live
             });
-            for id in expired {
-                self.remember_lost(id);
-            }
             let by_id = &self.by_id;
             self.children.retain(|parent, children| {
                 children.retain(|child| by_id.contains_key(child));
@@ -297,9 +293,9 @@ impl Records {
             .previous_response_id
             .as_ref()
             .is_some_and(|parent| self.is_lost(parent, &rec.team, now));
-        // Written again under an id once lost (a store restored from elsewhere): present now.
-        if self.lost_set.remove(&id) {
-            self.lost_ids.retain(|lost| *lost != id);
+        // Written again under an id once deleted: present now.
+        if self.deleted_set.remove(&id) {
+            self.deleted_ids.retain(|deleted| *deleted != id);
         }
         if let Some(parent) = &rec.previous_response_id {
             self.children
@@ -394,7 +390,6 @@ impl Records {
             for member in family {
                 if self.remove(&member).is_some() {
                     self.evicted += 1;
-                    self.remember_lost(member.clone());
                 }
                 self.children.remove(&member);
             }
@@ -405,25 +400,26 @@ impl Records {
         self.compact_lru(false);
     }
 
-    /// Remember that `id` is gone without a deletion (the last [`LOST_REMEMBERED`] ids).
-    fn remember_lost(&mut self, id: String) {
-        if self.lost_set.insert(id.clone()) {
-            self.lost_ids.push_back(id);
+    /// Remember that `id` was deleted (the last [`DELETED_REMEMBERED`] ids).
+    fn remember_deleted(&mut self, id: String) {
+        if self.deleted_set.insert(id.clone()) {
+            self.deleted_ids.push_back(id);
         }
-        while self.lost_ids.len() > LOST_REMEMBERED {
-            if let Some(old) = self.lost_ids.pop_front() {
-                self.lost_set.remove(&old);
+        while self.deleted_ids.len() > DELETED_REMEMBERED {
+            if let Some(old) = self.deleted_ids.pop_front() {
+                self.deleted_set.remove(&old);
             }
         }
     }
 
     /// Whether `id`, wanted as a predecessor by a record of `team`, is gone without a
-    /// deletion: expired (swept or not), or dropped for memory. A deleted record, or one of
-    /// another team, is not lost: the history starts after it.
+    /// deletion: expired (swept or not), dropped for memory, or never stored here. A deleted
+    /// record, or a live or expired one of another team, is not lost: the history starts
+    /// after it.
     fn is_lost(&self, id: &str, team: &str, now: Instant) -> bool {
         match self.by_id.get(id) {
             Some(entry) => entry.rec.team == team && entry.expires_at <= now,
-            None => self.lost_set.contains(id),
+            None => !self.deleted_set.contains(id),
         }
     }
 
@@ -566,8 +562,8 @@ impl MemoryStore {
                 evicted: 0,
                 children: HashMap::new(),
                 conversations: HashMap::new(),
-                lost_ids: VecDeque::new(),
-                lost_set: HashSet::new(),
+                deleted_ids: VecDeque::new(),
+                deleted_set: HashSet::new(),
             }),
             rates: Mutex::new(HashMap::new()),
             boards: Mutex::new(HashMap::new()),
@@ -784,6 +780,7 @@ impl Store for MemoryStore {
         }
         records.remove(id);
         records.children.remove(id);
+        records.remember_deleted(id.to_string());
         Ok(true)
     }
 
@@ -1223,6 +1220,22 @@ mod tests {
             matches!(&err, StoreError::Lost { id, missing } if id == "a2" && missing == "a1"),
             "{err}"
         );
+        // However many records went after it before the turn was written.
+        store.put(&record("t", "f1", None, 1_000)).await.unwrap();
+        for i in 0..5_000 {
+            store
+                .put(&record("t", &format!("y{i}"), None, 1_000))
+                .await
+                .unwrap();
+        }
+        store
+            .put(&record("t", "f2", Some("f1"), 1_000))
+            .await
+            .unwrap();
+        assert!(matches!(
+            store.history("t", "f2").await,
+            Err(StoreError::Lost { .. })
+        ));
         // A deleted predecessor is where the history starts, as before.
         store.put(&record("t", "d1", None, 1_000)).await.unwrap();
         assert!(store.delete("t", "d1").await.unwrap());
