@@ -982,14 +982,41 @@ impl Store for MemoryStore {
 
     async fn hold_run(&self, id: &str, ttl: Duration) -> Result<(), StoreError> {
         let now = Instant::now();
+        // A lapsed lease (given up, or its run vanished) is kept as long as its response, as
+        // Redis keeps its mark: it tells a lost run from one no lease was ever taken for. Once
+        // there are many, those whose response is gone are dropped, so the map stays as small
+        // as the store. (The records' lock is never taken while this one is held.)
+        let prune = {
+            let leases = self
+                .run_leases
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            (leases.len() >= 1024).then(|| {
+                leases
+                    .iter()
+                    .filter(|(_, expires_at)| **expires_at <= now)
+                    .map(|(id, _)| id.clone())
+                    .collect::<Vec<String>>()
+            })
+        };
+        let gone: Vec<String> = match prune {
+            Some(lapsed) => {
+                let records = self.lock();
+                lapsed
+                    .into_iter()
+                    .filter(|id| records.by_id.get(id).is_none_or(|e| e.expires_at <= now))
+                    .collect()
+            }
+            None => Vec::new(),
+        };
         let mut leases = self
             .run_leases
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        // Leases whose run vanished without giving them up expire; drop those once there are
-        // many, so the map stays as small as the runs.
-        if leases.len() >= 1024 {
-            leases.retain(|_, expires_at| *expires_at > now);
+        for id in gone {
+            if leases.get(&id).is_some_and(|expires_at| *expires_at <= now) {
+                leases.remove(&id);
+            }
         }
         leases.insert(id.to_string(), expiry_after(now, ttl));
         Ok(())
@@ -1006,8 +1033,7 @@ impl Store for MemoryStore {
     }
 
     async fn end_run(&self, id: &str) -> Result<(), StoreError> {
-        // Kept, lapsed, as Redis keeps its mark that a lease was taken; dropped with the
-        // other lapsed leases once there are many.
+        // Kept, lapsed, as Redis keeps its mark that a lease was taken (see `hold_run`).
         if let Some(expires_at) = self
             .run_leases
             .lock()
@@ -1199,6 +1225,27 @@ mod tests {
         assert_eq!(store.memory_bytes(), before - c1);
         let sum: u64 = store.lock().by_id.values().map(|e| e.bytes).sum();
         assert_eq!(store.memory_bytes(), sum);
+    }
+
+    #[tokio::test]
+    async fn a_lapsed_run_lease_is_kept_while_its_response_is() {
+        let store = MemoryStore::default();
+        store.put(&record("t", "kept", None, 10)).await.unwrap();
+        for id in ["kept", "gone"] {
+            store.hold_run(id, Duration::from_secs(30)).await.unwrap();
+            store.end_run(id).await.unwrap();
+        }
+        // Many runs later, the map is pruned: the lapsed lease of a stored response stays,
+        // that of a response the store does not hold goes.
+        for i in 0..1_100 {
+            store
+                .hold_run(&format!("run{i}"), Duration::from_secs(30))
+                .await
+                .unwrap();
+        }
+        assert_eq!(store.run_held("kept").await.unwrap(), Some(false));
+        assert_eq!(store.run_held("gone").await.unwrap(), None);
+        assert_eq!(store.run_held("run7").await.unwrap(), Some(true));
     }
 
     #[tokio::test]
