@@ -103,20 +103,28 @@ pub fn reading(summary: &RunSummary) -> String {
     let Some(first) = policies.first() else {
         return "No policy was run.".into();
     };
+    // Each row replays its own requests (closed-loop sessions send more turns where they are
+    // served faster), so each is set against its own ideal cache.
     let mut text = format!(
-        "An ideal single cache with the whole fleet's capacity would have served {} of the prompt \
-         tokens from cache ({} with unlimited capacity). ",
+        "An ideal single cache with the whole fleet's capacity, replaying each row's prompts, \
+         would have served {} of the prompt tokens from cache ({} with unlimited capacity)",
         pct(first.available_reuse_ratio),
         pct(first.infinite_reuse_ratio)
     );
+    text.push_str(if policies.len() > 1 {
+        " for the first row. "
+    } else {
+        ". "
+    });
     let captured: Vec<String> = policies
         .iter()
         .map(|p| {
             format!(
-                "{} hit {} ({:.0}% of that)",
+                "{} hit {} ({:.0}% of its ideal cache's {})",
                 p.label,
                 pct(p.cache_hit_ratio),
-                p.captured_reuse * 100.0
+                p.captured_reuse * 100.0,
+                pct(p.available_reuse_ratio)
             )
         })
         .collect();
