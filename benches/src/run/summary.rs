@@ -221,8 +221,9 @@ pub struct PolicySummary {
     pub shed: u64,
     /// Requests refused by rate limits.
     pub rate_limited: u64,
-    /// Refusals for which no saturation sample from before their send to after their answer
-    /// shows the gateways' pool saturated (see `run::flow`); null without flow control.
+    /// Refusals for load (shed, queue full, queue timeout; not rate limits) for which no
+    /// saturation sample from before their send to after their answer shows the gateways'
+    /// pool saturated (see `run::flow`); null without flow control.
     pub shed_unsaturated: Option<u64>,
     /// Fraction of the replay's saturation samples in which the pool was saturated; null
     /// without flow control.
@@ -533,7 +534,8 @@ impl PolicySummary {
         let shed_unsaturated = sampled.then(|| {
             records
                 .iter()
-                .filter(|r| r.outcome.is_refusal())
+                // Refusals for load (a rate limit is the team's budget, not the fleet's).
+                .filter(|r| matches!(r.outcome, Outcome::Shed(_)))
                 .filter(|r| {
                     let answered_s = r.sent_s + r.e2e_ms / 1000.0;
                     !flow::saturated_during(input.saturation, r.sent_s, answered_s)
