@@ -469,12 +469,15 @@ fn optional_percentile(sorted: &[f64], p: f64) -> Option<f64> {
     (!sorted.is_empty()).then(|| percentile(sorted, p))
 }
 
-/// Queue waits (sorted) and TTFTs (sorted) of the successful records.
+/// Queue waits (sorted) of the admitted records, whatever became of them after (their wait
+/// came with the response headers), and TTFTs (sorted) of the successful ones.
 fn waits_and_ttfts<'a>(records: impl Iterator<Item = &'a RequestRecord>) -> (Vec<f64>, Vec<f64>) {
     let (mut waits, mut ttfts) = (Vec::new(), Vec::new());
-    for r in records.filter(|r| r.outcome == Outcome::Success) {
+    for r in records {
         waits.extend(r.queue_wait_ms);
-        ttfts.extend(r.ttft_ms);
+        if r.outcome == Outcome::Success {
+            ttfts.extend(r.ttft_ms);
+        }
     }
     (sorted(waits), sorted(ttfts))
 }
@@ -554,7 +557,8 @@ where
     if saturation.is_empty() {
         return None;
     }
-    let admitted = |r: &&'a RequestRecord| r.outcome == Outcome::Success;
+    // Admitted: a queue wait came with the response headers, whatever became of it after.
+    let admitted = |r: &&'a RequestRecord| r.queue_wait_ms.is_some();
     let mut continuing: BTreeMap<&str, Vec<(f64, f64)>> = BTreeMap::new();
     for r in records.clone().filter(admitted).filter(|r| r.continuing) {
         if let Some(wait) = r.queue_wait_ms {
@@ -610,7 +614,7 @@ where
 /// The simulated interval a record spent in the gateway's queue, if it is known and not empty.
 fn queued_interval(record: &RequestRecord) -> Option<(f64, f64)> {
     let wait_ms = match &record.outcome {
-        Outcome::Success => record.queue_wait_ms?,
+        Outcome::Success | Outcome::Error(_) => record.queue_wait_ms?,
         Outcome::Shed(code) if code == "queue_timeout" => record.e2e_ms,
         _ => return None,
     };

@@ -422,12 +422,14 @@ impl Tally {
                         tally.ttft.push(ttft);
                     }
                     tally.e2e.push(record.e2e_ms);
-                    tally.queue_wait.extend(record.queue_wait_ms);
                 }
                 Outcome::Shed(_) => tally.shed += 1,
                 Outcome::RateLimited(_) => tally.rate_limited += 1,
                 Outcome::Error(_) => tally.errors += 1,
             }
+            // Admitted requests that failed afterwards (cut at the drain limit, broken
+            // mid-stream) waited too: their wait came with the response headers.
+            tally.queue_wait.extend(record.queue_wait_ms);
         }
         tally.ttft.sort_by(f64::total_cmp);
         tally.e2e.sort_by(f64::total_cmp);
