@@ -137,14 +137,15 @@ pub fn summarize(
     };
     let errors = records.iter().filter(|r| is_error(r)).count() as u64;
     let before = window(records, oracle, Fleet::Whole, (t - WINDOW_S).max(0.0), t);
-    let right_after = window(records, oracle, Fleet::Survivors, t, t + WINDOW_S);
-    let late = window(
-        records,
-        oracle,
-        Fleet::Survivors,
-        t + WINDOW_S,
-        f64::INFINITY,
-    );
+    // Against the survivors' cache once a replica is gone; the whole fleet's if the replay
+    // ended before the kill.
+    let after_fleet = if performed {
+        Fleet::Survivors
+    } else {
+        Fleet::Whole
+    };
+    let right_after = window(records, oracle, after_fleet, t, t + WINDOW_S);
+    let late = window(records, oracle, after_fleet, t + WINDOW_S, f64::INFINITY);
     KillSummary {
         at_s: scheduled_s,
         replica,
