@@ -89,7 +89,7 @@ pub const ROUTES: &[RouteDoc] = &[
         method: "post",
         path: "/v1/responses/input_tokens",
         summary: "Count the input tokens a create request would use.",
-        request: Some("CreateResponse"),
+        request: Some("CountInputTokens"),
         response: "InputTokens",
         errors: &[400, 401, 404, 413, 415, 502, 503],
         query: &[],
@@ -242,6 +242,22 @@ fn schema_ref(name: &str) -> Value {
 }
 
 fn components() -> Value {
+    let mut components = schemas();
+    // The body of a token count: a create body whose model may be left out (the first
+    // pool's is then counted with).
+    let mut count = components["schemas"]["CreateResponse"].clone();
+    if let Some(count) = count.as_object_mut() {
+        count.remove("required");
+        count.insert(
+            "description".into(),
+            json!("A create body to count the input tokens of; without `model`, the first pool's model counts them."),
+        );
+    }
+    components["schemas"]["CountInputTokens"] = count;
+    components
+}
+
+fn schemas() -> Value {
     let obj = |props: Value, required: &[&str]| json!({"type": "object", "properties": props, "required": required});
     json!({
         "schemas": {
@@ -270,7 +286,7 @@ fn components() -> Value {
                     },
                     "store": {"type": "boolean", "default": true},
                     "stream": {"type": "boolean", "default": false},
-                    "background": {"type": "boolean", "default": false},
+                    "background": {"type": "boolean", "default": false, "description": "needs store: true"},
                     "tools": {"type": "array", "items": {
                         "type": "object",
                         "required": ["type"],
@@ -291,6 +307,7 @@ fn components() -> Value {
                         "format": {
                             "type": "object",
                             "required": ["type"],
+                            "description": "json_schema needs name and schema",
                             "properties": {
                                 "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
                                 "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
@@ -299,16 +316,16 @@ fn components() -> Value {
                                 "strict": {"type": "boolean"}
                             }
                         },
-                        "verbosity": {"type": "string"}
+                        "verbosity": {"type": "string", "enum": ["low", "medium", "high"]}
                     }},
-                    "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 512}, "description": "at most 16 pairs, keys of at most 64 characters, values of at most 512"},
                     "prompt_cache_key": {"type": "string"},
                     "user": {"type": "string"},
                     "safety_identifier": {"type": "string"},
                     "include": {"type": "array", "items": {"type": "string"}, "description": "reasoning.encrypted_content (reasoning items carry it), message.output_text.logprobs (the answer's log probabilities, with top_logprobs alternatives); other values are accepted and ignored"},
                     "reasoning": {"type": "object", "properties": {
-                        "effort": {"type": "string"},
-                        "summary": {"type": "string"}
+                        "effort": {"type": "string", "enum": ["none", "minimal", "low", "medium", "high", "xhigh", "max"]},
+                        "summary": {"type": "string", "enum": ["auto", "concise", "detailed"]}
                     }},
                     "truncation": {"type": "string", "enum": ["auto", "disabled"]},
                     "max_tool_calls": {"type": "integer", "minimum": 0},
@@ -369,7 +386,7 @@ fn components() -> Value {
                 "metadata": {"type": "object", "additionalProperties": {"type": "string"}}
             }), &[]),
             "UpdateConversation": obj(json!({
-                "metadata": {"type": "object", "additionalProperties": {"type": "string"}}
+                "metadata": {"type": "object", "nullable": true, "additionalProperties": {"type": "string"}, "description": "replaces the conversation's metadata; null clears it"}
             }), &["metadata"]),
             "ConversationItems": obj(json!({
                 "items": {"type": "array", "minItems": 1, "maxItems": 20, "items": {"type": "object"}}
