@@ -413,6 +413,11 @@ impl<'a> MessageBuilder<'a> {
 
     fn push_message(&mut self, item: &Value, param: &str) -> Result<(), ApiError> {
         let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
+        if role != "assistant" {
+            // Reasoning that no assistant message of its turn took (a turn cut short while it
+            // reasoned) is not the next turn's.
+            self.pending_reasoning = None;
+        }
         match role {
             "system" | "developer" => {
                 let text = text_of_parts(item.get("content"));
@@ -420,6 +425,24 @@ impl<'a> MessageBuilder<'a> {
             }
             "assistant" => {
                 let text = text_of_parts(item.get("content"));
+                // Text written after this turn's tool calls joins their message: a message
+                // with tool calls must be followed by their results, not by more text.
+                if let Some(Value::Object(last)) = self.messages.last_mut() {
+                    let calls = last
+                        .get("tool_calls")
+                        .and_then(Value::as_array)
+                        .is_some_and(|calls| !calls.is_empty());
+                    if calls && last.get("role").and_then(Value::as_str) == Some("assistant") {
+                        let joined = match last.get("content").and_then(Value::as_str) {
+                            Some(before) if !before.is_empty() => format!("{before}\n\n{text}"),
+                            _ => text,
+                        };
+                        last.insert("content".into(), json!(joined));
+                        let pending = self.pending_reasoning.take();
+                        attach_reasoning(self.flavor, pending, last);
+                        return Ok(());
+                    }
+                }
                 let mut message = Map::new();
                 message.insert("role".into(), json!("assistant"));
                 message.insert("content".into(), json!(text));
@@ -558,8 +581,16 @@ fn user_content(content: Option<&Value>, param: &str) -> Result<Value, ApiError>
                 }
                 let mut image_url = Map::new();
                 image_url.insert("url".into(), json!(url));
-                if let Some(detail) = part.get("detail").filter(|d| d.is_string()) {
-                    image_url.insert("detail".into(), detail.clone());
+                // Chat Completions takes auto, low and high; the Responses API's `original`
+                // (full resolution) is the engines' `high`.
+                match part.get("detail").and_then(Value::as_str) {
+                    Some("original") => {
+                        image_url.insert("detail".into(), json!("high"));
+                    }
+                    Some(detail) => {
+                        image_url.insert("detail".into(), json!(detail));
+                    }
+                    None => {}
                 }
                 chat_parts.push(json!({"type": "image_url", "image_url": image_url}));
                 has_image = true;
@@ -591,7 +622,15 @@ fn output_text(output: Option<&Value>) -> String {
             .iter()
             .map(|part| match part.get("text").and_then(Value::as_str) {
                 Some(text) => text.to_string(),
-                None => "[image]".to_string(),
+                // A tool message holds text only: other parts are named, not sent.
+                None => match part.get("type").and_then(Value::as_str) {
+                    Some("input_file") => match part.get("filename").and_then(Value::as_str) {
+                        Some(name) => format!("[file {name}]"),
+                        None => "[file]".to_string(),
+                    },
+                    Some("input_image") | None => "[image]".to_string(),
+                    Some(other) => format!("[{other}]"),
+                },
             })
             .collect::<Vec<_>>()
             .join("\n"),
@@ -761,6 +800,43 @@ mod tests {
                 {"role": "user", "content": [
                     {"type": "text", "text": "look"},
                     {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}},
+                ]},
+            ])
+        );
+    }
+
+    #[test]
+    fn a_turns_text_after_its_tool_calls_stays_ahead_of_their_results() {
+        let history = normalize_input(&json!([
+            {"role": "user", "content": "fix it"},
+            // Cut short while reasoning: not the next turn's.
+            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "stale"}]},
+            {"role": "user", "content": "again"},
+            {"type": "function_call", "call_id": "call_a", "name": "shell", "arguments": "{}"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Running it.", "annotations": []}]},
+            {"type": "function_call_output", "call_id": "call_a",
+             "output": [{"type": "input_file", "filename": "r.pdf", "file_data": "x"}]},
+        ]))
+        .unwrap();
+        let input = normalize_input(&json!([{"role": "user", "content": [
+            {"type": "input_text", "text": "look"},
+            {"type": "input_image", "image_url": "https://x/y.png", "detail": "original"}]}]))
+        .unwrap();
+        let req = json!({"tools": [{"type": "function", "name": "shell"}]});
+        let plan = build_chat_request(&req, &history, &input, &vllm()).unwrap();
+        assert_eq!(
+            plan.body["messages"],
+            json!([
+                {"role": "user", "content": "fix it"},
+                {"role": "user", "content": "again"},
+                {"role": "assistant", "content": "Running it.", "tool_calls": [
+                    {"id": "call_a", "type": "function", "function": {"name": "shell", "arguments": "{}"}},
+                ]},
+                {"role": "tool", "tool_call_id": "call_a", "content": "[file r.pdf]"},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "look"},
+                    {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "high"}},
                 ]},
             ])
         );
