@@ -328,7 +328,12 @@ impl ResponseStream {
                 .and_then(Value::as_str)
                 .filter(|s| !s.is_empty())
             {
-                let mixed = reasoning.is_some() || delta.get("tool_calls").is_some();
+                // (SGLang sends `"tool_calls": null` in every chunk: not a tool call.)
+                let calls = delta
+                    .get("tool_calls")
+                    .and_then(Value::as_array)
+                    .is_some_and(|calls| !calls.is_empty());
+                let mixed = reasoning.is_some() || calls;
                 self.text_delta(text, content_logprobs(choice, text, mixed), &mut events);
             }
             if let Some(calls) = delta.get("tool_calls").and_then(Value::as_array) {
@@ -1436,6 +1441,25 @@ mod tests {
             .map(|l| &l["token"])
             .collect();
         assert_eq!(tokens, ["Yes", "!"]);
+
+        // A chunk whose token does not spell its text (a byte-fallback token of a character
+        // split over two tokens), with SGLang's `"tool_calls": null`: a plain text chunk, its
+        // logprobs kept.
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = run(
+            &mut stream,
+            &[
+                json!({"choices": [{"index": 0, "finish_reason": null,
+                    "delta": {"content": "é", "tool_calls": null},
+                    "logprobs": {"content": [entry("<0xC3>"), entry("<0xA9>")]}}]}),
+                chunk(json!({}), Some("stop")),
+            ],
+        );
+        let output = replay(&events);
+        assert_eq!(
+            output[0]["content"][0]["logprobs"].as_array().map(Vec::len),
+            Some(2)
+        );
         assert_eq!(
             part["logprobs"][1],
             json!({"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": [
