@@ -83,6 +83,7 @@ pub const ROUTES: &[RouteDoc] = &[
             ("limit", "1-100, default 20"),
             ("order", "asc or desc (default)"),
             ("after", "item id to start after"),
+            ("before", "item id to list the items just before"),
         ],
     },
     RouteDoc {

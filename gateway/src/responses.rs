@@ -1342,6 +1342,8 @@ pub struct ListQuery {
     limit: Option<String>,
     order: Option<String>,
     after: Option<String>,
+    /// The items just before this one, in the list's order (older clients page backwards).
+    before: Option<String>,
 }
 
 /// Item types whose listed form always carries a `status`.
@@ -1415,25 +1417,35 @@ pub fn item_page(items: Vec<Value>, q: &ListQuery, what: &str) -> Result<Value, 
     if descending {
         items.reverse();
     }
+    let position = |cursor: &str, param: &str| {
+        items
+            .iter()
+            .position(|it| it.get("id").and_then(Value::as_str) == Some(cursor))
+            .ok_or_else(|| {
+                HttpError::invalid(
+                    format!("Invalid '{param}': no item with id '{cursor}' in {what}."),
+                    Some(param),
+                    Some("invalid_value"),
+                )
+            })
+    };
     let start = match &q.after {
         None => 0,
-        Some(after) => {
-            let pos = items
-                .iter()
-                .position(|it| it.get("id").and_then(Value::as_str) == Some(after.as_str()))
-                .ok_or_else(|| {
-                    HttpError::invalid(
-                        format!("Invalid 'after': no item with id '{after}' in {what}."),
-                        Some("after"),
-                        Some("invalid_value"),
-                    )
-                })?;
-            pos + 1
-        }
+        Some(after) => position(after, "after")? + 1,
     };
-    let rest = items.get(start..).unwrap_or_default();
-    let page: Vec<Value> = rest.iter().take(limit).cloned().collect();
-    let has_more = rest.len() > page.len();
+    let end = match &q.before {
+        None => items.len(),
+        Some(before) => position(before, "before")?,
+    };
+    let window = items.get(start..end.max(start)).unwrap_or_default();
+    // Paging backwards (`before` alone), the page is the items just before the cursor, and
+    // more means more before them.
+    let backwards = q.before.is_some() && q.after.is_none();
+    let page: Vec<Value> = match backwards {
+        true => window[window.len().saturating_sub(limit)..].to_vec(),
+        false => window.iter().take(limit).cloned().collect(),
+    };
+    let has_more = window.len() > page.len();
     Ok(item_list(page, has_more))
 }
 

@@ -530,6 +530,27 @@ async fn input_items_paginate_over_the_whole_conversation() {
     assert_eq!(unique.len(), 7);
     let desc = get_json(&format!("{base}/v1/responses/{id}/input_items")).await;
     assert_eq!(desc["first_id"].as_str().unwrap(), seen[6]);
+    // Backwards from an item: the ones just before it, and whether there are more.
+    let back = get_json(&format!(
+        "{base}/v1/responses/{id}/input_items?order=asc&limit=2&before={}",
+        seen[5]
+    ))
+    .await;
+    let ids: Vec<&str> = back["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|it| it["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [seen[3].as_str(), seen[4].as_str()]);
+    assert_eq!(back["has_more"], true);
+    let between = get_json(&format!(
+        "{base}/v1/responses/{id}/input_items?order=asc&after={}&before={}",
+        seen[0], seen[3]
+    ))
+    .await;
+    assert_eq!(between["data"].as_array().unwrap().len(), 2);
+    assert_eq!(between["has_more"], false);
     let bad = client()
         .get(format!("{base}/v1/responses/{id}/input_items?limit=101"))
         .send()
