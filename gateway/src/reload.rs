@@ -6,14 +6,16 @@
 //! file as it was when the running configuration was read. A change is read once the file has
 //! kept the same stamp for a whole poll (and again if it changed while it was read), so a file
 //! written in place is read whole; a changed file that cannot be read yet is tried again at
-//! every poll. A changed file is read and validated whole; if it is valid, every pool's flow controller is reconfigured (queued requests stay
-//! queued, in arrival order, with their deadlines; see `FlowController::reconfigure`) and the
-//! key ring replaced. A file that does not parse or validate changes nothing: the reason is
-//! logged and `agentgate_config_reloads_total{result="error"}` counts it. Other sections, and
-//! `[flow] exchange_interval_ms` (the exchange task's period), take effect at the next start: a
-//! reload that changes one of them (say a pool's `endpoints`) applies the flow sections, warns
-//! naming the others and counts `result="restart_needed"`. Endpoints that come and go belong
-//! in a pool's watched `endpoints_file`.
+//! every poll. A changed file is read and validated whole; if it is valid, every pool's flow
+//! controller is reconfigured (queued requests stay queued, in arrival order, with their
+//! deadlines; see `FlowController::reconfigure`) and the key ring replaced. A file that does
+//! not parse or validate changes nothing: the reason is logged and
+//! `agentgate_config_reloads_total{result="error"}` counts it. Other sections, and `[flow]
+//! exchange_interval_ms` (the exchange task's period), take effect at the next start: a reload
+//! of a file whose other sections differ from the running ones (say a pool's `endpoints`)
+//! applies the flow sections, warns naming the others and counts `result="restart_needed"`,
+//! until the file matches again or the gateway restarts. Endpoints that come and go belong in a
+//! pool's watched `endpoints_file`.
 //! Replace the file atomically (write, then rename).
 
 use std::path::{Path, PathBuf};
@@ -43,23 +45,17 @@ pub fn apply(state: &AppState, config: &Config) -> Result<(), String> {
     Ok(())
 }
 
-/// Apply `text`, read from `path` when it had `stamp`; the outcome is logged and counted.
-/// `pending` holds the sections that wait for a restart as last read: a reload that changes
-/// them warns, naming them, and counts `result="restart_needed"`.
-fn reload(
-    state: &AppState,
-    path: &Path,
-    text: &str,
-    stamp: Option<FileStamp>,
-    pending: &mut toml::Table,
-) {
+/// Apply `text`, read from `path` when it had `stamp`; the outcome is logged and counted. A
+/// file whose sections only a restart applies differ from the running ones is applied, with a
+/// warning naming them, and counted `result="restart_needed"`.
+fn reload(state: &AppState, path: &Path, text: &str, stamp: Option<FileStamp>) {
     let outcome = Config::from_file_text(path, text, stamp)
         .map_err(|e| e.to_string())
         .and_then(|config| apply(state, &config).map(|()| config));
     match outcome {
         Ok(config) => {
-            let changed = changed_sections(pending, &config.restart_sections);
-            *pending = config.restart_sections.clone();
+            let changed =
+                changed_sections(&state.config.restart_sections, &config.restart_sections);
             tracing::info!(
                 file = %path.display(),
                 bands = config.flow_bands().len(),
@@ -136,7 +132,6 @@ async fn watch_loop(
 ) {
     let mut unreadable = None;
     let mut settling = None;
-    let mut pending = state.config.restart_sections.clone();
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
@@ -178,6 +173,6 @@ async fn watch_loop(
             continue;
         }
         seen = now;
-        reload(&state, &path, &text, now, &mut pending);
+        reload(&state, &path, &text, now);
     }
 }
