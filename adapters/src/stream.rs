@@ -656,10 +656,19 @@ impl ResponseStream {
             .get("index")
             .and_then(Value::as_u64)
             .unwrap_or(position);
-        if self.single_tool_call
-            && !self.call_by_index.is_empty()
-            && !self.call_by_index.contains_key(&index)
-        {
+        // A delta naming another call id at an index whose call is already under way starts a
+        // new call: some OpenAI-compatible servers send every call at index 0 (or none).
+        let id = call
+            .get("id")
+            .and_then(Value::as_str)
+            .filter(|id| !id.is_empty());
+        let known = self.call_by_index.get(&index).copied().filter(|&slot| {
+            let open = self.calls.get(slot);
+            !(id.is_some_and(|id| open.is_some_and(|o| o.call_id != id))
+                && open.is_some_and(|o| o.output_index.is_some()))
+        });
+        // With parallel_tool_calls false, only the first call is kept.
+        if known.is_none() && self.single_tool_call && !self.calls.is_empty() {
             tracing::debug!(
                 tool_call_index = index,
                 "parallel_tool_calls is false: dropping a tool call after the first"
@@ -678,13 +687,10 @@ impl ResponseStream {
             .and_then(|f| f.get("arguments"))
             .and_then(Value::as_str)
             .unwrap_or("");
-        let slot = match self.call_by_index.get(&index) {
-            Some(slot) => *slot,
+        let slot = match known {
+            Some(slot) => slot,
             None => {
-                let call_id = call
-                    .get("id")
-                    .and_then(Value::as_str)
-                    .filter(|id| !id.is_empty())
+                let call_id = id
                     .map(str::to_string)
                     .unwrap_or_else(|| new_item_id("call_"));
                 let item_id = self.next_item_id("fc_");
@@ -1624,6 +1630,44 @@ mod tests {
         assert_eq!(output[0]["name"], "a");
         assert_eq!(output[0]["arguments"], "{\"x\": 1}");
         assert_eq!(stream.response()["output"], json!(output));
+    }
+
+    #[test]
+    fn calls_sent_at_one_index_under_new_ids_are_separate_calls() {
+        let mut names = ToolNameMap::new();
+        names.insert(ToolName::plain("read"));
+        let call = |id: Option<&str>, name: Option<&str>, args: &str| {
+            let mut delta = json!({"index": 0, "function": {"arguments": args}});
+            if let Some(id) = id {
+                delta["id"] = json!(id);
+            }
+            if let Some(name) = name {
+                delta["function"]["name"] = json!(name);
+            }
+            chunk(json!({"tool_calls": [delta]}), None)
+        };
+        let chunks = [
+            call(Some("call_1"), Some("read"), "{\"path\":"),
+            call(None, None, "\"a\"}"),
+            call(Some("call_2"), Some("read"), "{\"path\":\"b\"}"),
+            chunk(json!({}), Some("tool_calls")),
+        ];
+        let mut stream = ResponseStream::new(skeleton(), names.clone());
+        let output = replay(&run(&mut stream, &chunks));
+        let calls: Vec<(&Value, &Value)> = output
+            .iter()
+            .map(|item| (&item["call_id"], &item["arguments"]))
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                (&json!("call_1"), &json!("{\"path\":\"a\"}")),
+                (&json!("call_2"), &json!("{\"path\":\"b\"}")),
+            ]
+        );
+        // Without parallel tool calls, the second is dropped.
+        let mut single = ResponseStream::new(skeleton(), names).with_single_tool_call(true);
+        assert_eq!(replay(&run(&mut single, &chunks)).len(), 1);
     }
 
     #[test]
