@@ -329,7 +329,9 @@ fn chat_function_tool(tool: &Value, engine_name: &str, flavor: Flavor) -> Value 
         _ => json!({"type": "object", "properties": {}}),
     };
     function.insert("parameters".into(), parameters);
-    if flavor == Flavor::Openai {
+    // vLLM's function definition has no `strict`; SGLang's turns on constrained decoding of
+    // the call's arguments with it, as OpenAI does.
+    if matches!(flavor, Flavor::Openai | Flavor::Sglang) {
         if let Some(strict) = tool.get("strict").filter(|s| s.is_boolean()) {
             function.insert("strict".into(), strict.clone());
         }
@@ -557,8 +559,10 @@ mod tests {
             out.names.resolve("mcp__docs__search"),
             ToolName::namespaced("mcp__docs", "search")
         );
-        let openai = translate_tools(Some(&tools), Flavor::Openai, HostedToolPolicy::Drop).unwrap();
-        assert_eq!(openai.chat_tools[0]["function"]["strict"], json!(false));
+        for flavor in [Flavor::Openai, Flavor::Sglang] {
+            let out = translate_tools(Some(&tools), flavor, HostedToolPolicy::Drop).unwrap();
+            assert_eq!(out.chat_tools[0]["function"]["strict"], json!(false));
+        }
     }
 
     #[test]
