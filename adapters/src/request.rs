@@ -351,7 +351,8 @@ impl<'a> MessageBuilder<'a> {
             }
             "custom_tool_call" => {
                 let call_id = str_field(item, "call_id");
-                let engine_name = self.names.engine_name(str_field(item, "name"), None);
+                let namespace = item.get("namespace").and_then(Value::as_str);
+                let engine_name = self.names.engine_name(str_field(item, "name"), namespace);
                 let arguments = json!({"input": str_field(item, "input")}).to_string();
                 self.push_tool_call(call_id, &engine_name, arguments);
                 Ok(())
@@ -839,6 +840,24 @@ mod tests {
                     {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "high"}},
                 ]},
             ])
+        );
+    }
+
+    #[test]
+    fn a_namespaced_custom_calls_history_keeps_its_namespace() {
+        let history = normalize_input(&json!([
+            {"role": "user", "content": "note it"},
+            {"type": "custom_tool_call", "call_id": "call_n", "name": "note", "namespace": "mcp__docs",
+             "input": "x"},
+            {"type": "custom_tool_call_output", "call_id": "call_n", "output": "ok"},
+        ]))
+        .unwrap();
+        let req = json!({"tools": [{"type": "namespace", "name": "mcp__docs",
+                                    "tools": [{"type": "custom", "name": "note"}]}]});
+        let plan = build_chat_request(&req, &history, &[], &vllm()).unwrap();
+        assert_eq!(
+            plan.body["messages"][1]["tool_calls"][0]["function"]["name"],
+            "mcp__docs__note"
         );
     }
 

@@ -6,8 +6,9 @@
 //! `{type: "namespace", name, description, tools: [{type: "function", name, ...}]}`) are flattened
 //! to one function per member named `<namespace>__<name>` (or `<namespace><name>` when the
 //! namespace already ends in `_`), with characters outside `[A-Za-z0-9_-]` replaced by `_` and a
-//! numeric suffix on collision. Output `function_call` items carry the original `name` and
-//! `namespace` again.
+//! numeric suffix on collision; the namespace's description opens each member's, and a custom
+//! member is a custom tool (below). Output `function_call` and `custom_tool_call` items carry
+//! the original `name` and `namespace` again.
 //!
 //! Custom (freeform) tools (`{type: "custom", name, description, format}`; Codex declares
 //! `apply_patch` this way for some models) take free text, not JSON. The engine sees a function
@@ -209,18 +210,38 @@ pub(crate) fn translate_tools(
                         format!("{param}.tools must be an array of function tools"),
                     )
                 })?;
+                // What the namespace says of its tools reaches the model with each of them.
+                let about = tool
+                    .get("description")
+                    .and_then(Value::as_str)
+                    .filter(|d| !d.trim().is_empty());
                 for (member_index, member) in members.iter().enumerate() {
                     let member_param = format!("{param}.tools[{member_index}]");
                     let member_kind = member.get("type").and_then(Value::as_str);
-                    if !matches!(member_kind, None | Some("function")) {
+                    let custom = member_kind == Some("custom");
+                    if !matches!(member_kind, None | Some("function") | Some("custom")) {
                         let label = format!("{namespace}.{}", member_kind.unwrap_or("unknown"));
                         handle_hosted(&label, &member_param, policy, &mut out.dropped)?;
                         continue;
                     }
                     let name = required_name(member, &member_param)?;
-                    let engine_name = out.names.insert(ToolName::namespaced(namespace, name));
+                    let tool_name = ToolName::namespaced(namespace, name);
+                    let (engine_name, mut function) = match custom {
+                        true => (
+                            out.names.insert_custom(tool_name),
+                            custom_as_function(member),
+                        ),
+                        false => (out.names.insert(tool_name), member.clone()),
+                    };
+                    if let (Some(about), Some(fields)) = (about, function.as_object_mut()) {
+                        let description = match fields.get("description").and_then(Value::as_str) {
+                            Some(own) if !own.is_empty() => format!("{about}\n\n{own}"),
+                            _ => about.to_string(),
+                        };
+                        fields.insert("description".into(), json!(description));
+                    }
                     out.chat_tools
-                        .push(chat_function_tool(member, &engine_name, flavor));
+                        .push(chat_function_tool(&function, &engine_name, flavor));
                 }
             }
             "custom" => {
@@ -543,22 +564,31 @@ mod tests {
              "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}},
             {"type": "namespace", "name": "mcp__docs", "description": "Docs server",
              "tools": [{"type": "function", "name": "search", "description": "find",
-                        "strict": false, "parameters": {"type": "object"}}]},
+                        "strict": false, "parameters": {"type": "object"}},
+                       {"type": "custom", "name": "note"}]},
         ]);
         let out = translate_tools(Some(&tools), Flavor::Vllm, HostedToolPolicy::Drop).unwrap();
+        assert_eq!(out.chat_tools.len(), 3);
         assert_eq!(
-            out.chat_tools,
+            out.chat_tools[..2],
             vec![
                 json!({"type": "function", "function": {"name": "shell", "description": "run",
                        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}),
-                json!({"type": "function", "function": {"name": "mcp__docs__search", "description": "find",
-                       "parameters": {"type": "object"}}}),
+                // The namespace's description goes with each of its tools.
+                json!({"type": "function", "function": {"name": "mcp__docs__search",
+                       "description": "Docs server\n\nfind", "parameters": {"type": "object"}}}),
             ]
         );
         assert_eq!(
             out.names.resolve("mcp__docs__search"),
             ToolName::namespaced("mcp__docs", "search")
         );
+        // A custom tool in a namespace is a custom tool, not a hosted one to drop.
+        let note = &out.chat_tools[2]["function"];
+        assert_eq!(note["name"], "mcp__docs__note");
+        assert_eq!(note["description"], "Docs server");
+        assert!(out.names.is_custom("mcp__docs__note"));
+        assert!(out.dropped.is_empty());
         for flavor in [Flavor::Openai, Flavor::Sglang] {
             let out = translate_tools(Some(&tools), flavor, HostedToolPolicy::Drop).unwrap();
             assert_eq!(out.chat_tools[0]["function"]["strict"], json!(false));
