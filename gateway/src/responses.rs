@@ -119,22 +119,45 @@ async fn load_record(
         .ok_or_else(|| response_not_found(id))
 }
 
-/// The items of the chain ending at `previous` (none without one, or when it is gone).
-async fn history_items(
+/// The items response `rec` was given: its chain's items up to and including its own input.
+/// Walked from the response itself, so a predecessor deleted through the API is where the
+/// list starts, and one the store lost is an error naming it (no parameter of a listing is at
+/// fault), never a list silently cut short.
+async fn input_items_of(
     state: &AppState,
     team: &Team,
-    previous: Option<&str>,
+    rec: ResponseRecord,
 ) -> Result<Vec<Value>, HttpError> {
-    let Some(previous) = previous else {
-        return Ok(Vec::new());
-    };
-    Ok(state
+    if rec.previous_response_id.is_none() {
+        return Ok(rec.input_items);
+    }
+    let history = state
         .store
-        .history(&team.0, previous)
+        .history(&team.0, &rec.id)
         .await
-        .map_err(store_error)?
-        .map(|h| h.items)
-        .unwrap_or_default())
+        .map_err(|e| match e {
+            StoreError::Lost { missing, .. } => HttpError::new(
+                404,
+                "invalid_request_error",
+                format!(
+                    "Response '{missing}', earlier in this response's chain, is no longer stored \
+                     (the store evicted or lost it), so the items this response was given \
+                     cannot be listed."
+                ),
+                None,
+                Some("previous_response_not_found"),
+            ),
+            e => store_error(e),
+        })?;
+    Ok(match history {
+        Some(history) => {
+            let mut items = history.items;
+            items.truncate(items.len().saturating_sub(rec.output_items.len()));
+            items
+        }
+        // Deleted meanwhile.
+        None => rec.input_items,
+    })
 }
 
 fn previous_not_found(id: &str) -> HttpError {
@@ -1476,8 +1499,7 @@ pub async fn input_items(
 ) -> Result<Json<Value>, HttpError> {
     let team = state.keys.authenticate(&headers)?;
     let rec = load_record(&state, &team, &id).await?;
-    let mut items = history_items(&state, &team, rec.previous_response_id.as_deref()).await?;
-    items.extend(rec.input_items);
+    let items = input_items_of(&state, &team, rec).await?;
     Ok(Json(item_page(items, &q, "this response's input")?))
 }
 

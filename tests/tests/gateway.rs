@@ -50,6 +50,16 @@ async fn a_chain_with_an_evicted_response_is_refused_not_cut_short() {
         e["error"]["message"].as_str().unwrap().contains(&ids[1]),
         "{e}"
     );
+    // Listing what the last response was given says the same, naming no parameter.
+    let listed = client()
+        .get(format!("{base}/v1/responses/{}/input_items", ids[2]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(listed.status(), 404);
+    let e: Value = listed.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "previous_response_not_found", "{e}");
+    assert_eq!(e["error"]["param"], Value::Null, "{e}");
     fleet.shutdown().await;
 }
 
