@@ -88,8 +88,8 @@
 //!
 //! **Turns wait for their endpoint.** A continuing turn whose session is pinned carries the
 //! pinned endpoint as its ticket's affinity (read from the store at admission), named by its
-//! engine's URL, so a turn queued while discovery renames the engine keeps waiting for it. In a band
-//! without a reserve it is dispatched only while that endpoint has room for it,
+//! engine's URL, so a turn queued while discovery renames the engine keeps waiting for it. In
+//! a band without a reserve it is dispatched only while that endpoint has room for it,
 //! `in_flight(e) + promised + floor(r * max_in_flight_per_endpoint) < max_in_flight_per_endpoint`
 //! (`r` the largest reserve above the band, `promised` what the same dispatch round already
 //! sent there), or, once it has been passed over for `[flow] pin_wait_s`, to move to an

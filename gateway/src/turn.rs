@@ -1090,11 +1090,12 @@ async fn open_split(
                 .pd_leg(&pool.name, "prefill", opened.prefill_latency);
             // (Its guard dropped, a prefill endpoint discovery removed meanwhile may have given
             // its slot to another engine: that one is not credited with this prompt.)
-            if !p.is_retired() {
+            let credited = !p.is_retired();
+            if credited {
                 pool.picker.routed(p.slot, &placement.prefix);
             }
             pool.picker.routed(d.slot, &placement.prefix);
-            if let Some(usage) = opened.prefill_usage.filter(|_| !p.is_retired()) {
+            if let Some(usage) = opened.prefill_usage.filter(|_| credited) {
                 pool.picker.completed(
                     p.slot,
                     &placement.prefix,

@@ -154,9 +154,7 @@ impl Saturation {
                 || (r.waiting > 0.0 && r.kv_usage.is_some_and(|u| u >= self.max_kv_usage))
         })
     }
-}
 
-impl Saturation {
     /// Whether metrics are expected (`staleness` set) and `report` is missing or older than
     /// `staleness` at `now`: the gateway cannot see into the engine.
     pub fn stale(&self, report: Option<&LoadReport>, now: Instant) -> bool {
