@@ -522,7 +522,7 @@ pub fn document() -> Value {
         };
         let streams = create || (r.path == "/v1/responses/{id}" && r.method == "get");
         if streams {
-            content["text/event-stream"] = json!({"schema": {"type": "string", "description": "Server-sent Responses events (event: TYPE, data: JSON) with gapless sequence_number"}});
+            content["text/event-stream"] = json!({"schema": {"type": "string", "description": "Server-sent Responses events (event: TYPE, data: JSON) with gapless sequence_number: response.created, response.queued (background), response.in_progress, response.output_item.added/.done, response.content_part.added/.done, response.output_text.delta/.done, response.function_call_arguments.delta/.done, response.custom_tool_call_input.delta/.done, response.reasoning_text.delta/.done, then one of response.completed, response.incomplete or response.failed (a cancelled background response's stream ends with response.failed carrying status cancelled). A followed background response (GET with stream=true) resumes after starting_after; the follow closes without a terminal event when the response is deleted, the gateway shuts down, or nothing happens for 15 minutes."}});
         }
         let mut ok = json!({"description": "OK", "content": content});
         if admitted {
