@@ -298,11 +298,6 @@ impl EngineClient {
 /// Rough prompt token estimate used when the engine cannot count: one token per 4 bytes of
 /// message text and tool definitions, plus 4 tokens of framing per message.
 pub fn estimate_prompt_tokens(chat_body: &Value) -> u64 {
-    estimate_prompt_tokens_at(chat_body, 4)
-}
-
-/// [`estimate_prompt_tokens`] at `bytes_per_token` bytes per token (at least 1).
-pub fn estimate_prompt_tokens_at(chat_body: &Value, bytes_per_token: u64) -> u64 {
     let messages = chat_body.get("messages").and_then(Value::as_array);
     let mut bytes = 0usize;
     let mut framing = 0u64;
@@ -322,7 +317,7 @@ pub fn estimate_prompt_tokens_at(chat_body: &Value, bytes_per_token: u64) -> u64
     if let Some(tools) = chat_body.get("tools") {
         bytes += tools.to_string().len();
     }
-    (bytes as u64).div_ceil(bytes_per_token.max(1)) + framing
+    (bytes as u64).div_ceil(4) + framing
 }
 
 /// An engine's API root: its base URL without a trailing `/` or `/v1` (where `/metrics`,
@@ -488,9 +483,6 @@ mod tests {
     fn estimate_counts_text_tools_and_framing() {
         let body = json!({"messages": [{"role": "user", "content": "abcdefgh"}]});
         assert_eq!(estimate_prompt_tokens(&body), 2 + 4);
-        // A pool whose tokenizer takes 2 bytes a token (mostly CJK text).
-        assert_eq!(estimate_prompt_tokens_at(&body, 2), 4 + 4);
-        assert_eq!(estimate_prompt_tokens_at(&body, 0), 8 + 4);
         let with_tools = json!({"messages": [{"role": "user", "content": "abcdefgh"}],
                                 "tools": [{"type": "function", "function": {"name": "f"}}]});
         assert!(estimate_prompt_tokens(&with_tools) > 6);

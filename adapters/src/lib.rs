@@ -19,10 +19,7 @@ pub mod sse;
 mod stream;
 mod tools;
 
-pub use client::{
-    estimate_prompt_tokens, estimate_prompt_tokens_at, root_url, ChunkStream, ClientOptions,
-    EngineClient,
-};
+pub use client::{estimate_prompt_tokens, root_url, ChunkStream, ClientOptions, EngineClient};
 pub use compaction::CompactionOptions;
 pub use disagg::{DisaggError, Disaggregated, PrefillTarget, PrefillUsage};
 pub use engine_metrics::{parse_metrics, EngineMetrics};

@@ -65,8 +65,6 @@ pub struct Pool {
     pub disaggregation: Disaggregation,
     /// Whether requests carry their band's priority to the engines (`engine_priority`).
     pub engine_priority: bool,
-    /// Prompt bytes per engine token (`prefix_bytes_per_token`): see [`Pool::prompt_tokens`].
-    bytes_per_token: u64,
     /// Held across one placement: see [`Pool::place`].
     placing: Mutex<()>,
     /// An engine of the pool has reported cached prompt tokens: see [`Pool::cached_tokens`].
@@ -119,13 +117,6 @@ pub fn host_port(base_url: &str) -> Option<(String, u16)> {
 }
 
 impl Pool {
-    /// The gateway's estimate of a chat request's prompt tokens, at the pool's
-    /// `prefix_bytes_per_token` (the same measure the prefix index and the engines' KV
-    /// capacities are read in).
-    pub fn prompt_tokens(&self, chat_body: &serde_json::Value) -> u64 {
-        agentgate_adapters::estimate_prompt_tokens_at(chat_body, self.bytes_per_token)
-    }
-
     /// The current endpoint list.
     pub fn endpoints(&self) -> Arc<Vec<Arc<Endpoint>>> {
         self.endpoints
@@ -429,7 +420,6 @@ impl Pools {
                 endpoints_file: pc.endpoints_file.clone(),
                 disaggregation,
                 engine_priority: pc.engine_priority,
-                bytes_per_token: pc.prefix_bytes_per_token.max(1) as u64,
                 placing: Mutex::new(()),
                 engines_report_cached: AtomicBool::new(false),
             });

@@ -735,7 +735,7 @@ async fn run_turn(
         pool: &turn.pool.name,
         headers,
         body: &req.body,
-        prompt_tokens: turn.pool.prompt_tokens(&turn.plan.body),
+        prompt_tokens: agentgate_adapters::estimate_prompt_tokens(&turn.plan.body),
         bytes: body_bytes,
         session: turn.session.clone(),
         continuing,

@@ -570,7 +570,7 @@ pub async fn open_upstream(
     avoid: &[usize],
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let endpoints = pool.endpoints();
-    let prompt_tokens = pool.prompt_tokens(body);
+    let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
     let prefix: Vec<u64> = match pool.picker.prefix_index() {
         Some(index) => index.chunk_hashes(&pool.model, &agentgate_adapters::prompt_text(body)),
         None => Vec::new(),
