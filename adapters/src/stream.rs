@@ -663,9 +663,10 @@ impl ResponseStream {
             .and_then(Value::as_str)
             .filter(|id| !id.is_empty());
         let known = self.call_by_index.get(&index).copied().filter(|&slot| {
-            let open = self.calls.get(slot);
-            !(id.is_some_and(|id| open.is_some_and(|o| o.call_id != id))
-                && open.is_some_and(|o| o.output_index.is_some()))
+            let another = self.calls.get(slot).is_some_and(|open| {
+                open.output_index.is_some() && id.is_some_and(|id| id != open.call_id)
+            });
+            !another
         });
         // With parallel_tool_calls false, only the first call is kept.
         if known.is_none() && self.single_tool_call && !self.calls.is_empty() {

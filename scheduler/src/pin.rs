@@ -117,6 +117,11 @@ impl PinRule {
         prompt_tokens as f64 * (pin.matched - alternative.matched)
     }
 
+    /// `wait(a) + recompute(a)`: what moving to `a` costs, in prefill tokens.
+    pub fn move_tokens(prompt_tokens: u64, pin: &PinCost, alternative: &PinCost) -> f64 {
+        alternative.wait_tokens + Self::recompute_tokens(prompt_tokens, pin, alternative)
+    }
+
     /// By how many prefill tokens moving beats staying, before the hysteresis:
     /// `wait(pin) - min_a (wait(a) + recompute(a))`. Negative infinity without alternatives.
     pub fn excess_tokens(
@@ -127,7 +132,7 @@ impl PinRule {
     ) -> f64 {
         let best = alternatives
             .into_iter()
-            .map(|a| a.wait_tokens + Self::recompute_tokens(prompt_tokens, pin, &a))
+            .map(|a| Self::move_tokens(prompt_tokens, pin, &a))
             .fold(f64::INFINITY, f64::min);
         pin.wait_tokens - best
     }

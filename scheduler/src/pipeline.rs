@@ -304,15 +304,13 @@ impl Pipeline {
                                 let stay = cost(k);
                                 let kept: Vec<usize> = (0..candidates.len())
                                     .filter(|&j| {
-                                        let a = cost(j);
+                                        let moving = PinRule::move_tokens(
+                                            request.prompt_tokens,
+                                            &stay,
+                                            &cost(j),
+                                        );
                                         j != k
-                                            && a.wait_tokens
-                                                + PinRule::recompute_tokens(
-                                                    request.prompt_tokens,
-                                                    &stay,
-                                                    &a,
-                                                )
-                                                + self.rule.hysteresis_tokens
+                                            && moving + self.rule.hysteresis_tokens
                                                 < stay.wait_tokens
                                     })
                                     .collect();
