@@ -407,7 +407,7 @@ impl Metrics {
             ),
             pin_moves: CounterVec::new(
                 "agentgate_session_pin_moves_total",
-                "Session pins moved to another endpoint, by cause.",
+                "Session pins moved to another endpoint, by cause (counted once the new endpoint produced output; a move whose endpoint failed before that is undone).",
                 ["pool", "cause"],
             ),
             discovery_reloads: CounterVec::new(

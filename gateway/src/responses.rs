@@ -414,10 +414,8 @@ fn session_key_of(
         header: state.config.routing.session_header.clone(),
         native_headers: state.config.routing.native_session_headers,
     };
-    let pairs: Vec<(&str, &str)> = headers
-        .iter()
-        .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str(), v)))
-        .collect();
+    let owned = turn::header_texts(headers);
+    let pairs: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_ref())).collect();
     agentgate_scheduler::session_key(&cfg, &pairs, body, chain_root)
         .map(|k| turn::team_session_key(team, k.value))
 }

@@ -162,11 +162,18 @@ pub fn lineage_of(
     headers: &HeaderMap,
     session: Option<&str>,
 ) -> Option<Lineage> {
-    let pairs: Vec<(&str, &str)> = headers
-        .iter()
-        .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str(), v)))
-        .collect();
+    let owned = header_texts(headers);
+    let pairs: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_ref())).collect();
     team_lineage(&pool.disaggregation.lineage, team, &pairs, session)
+}
+
+/// The request's headers as text, for the session key and lineage rules: a value that is not
+/// visible ASCII (UTF-8 an agent put in a session id) is read as UTF-8, invalid bytes replaced.
+pub fn header_texts(headers: &HeaderMap) -> Vec<(&str, std::borrow::Cow<'_, str>)> {
+    headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), String::from_utf8_lossy(v.as_bytes())))
+        .collect()
 }
 
 /// [`lineage_of`] from the pool's lineage settings and the request's headers.
@@ -483,6 +490,11 @@ pub struct Routed {
     /// Why the session's pin moved to this endpoint (`unavailable`, `saturated`, `wait`,
     /// `outscored`, `failed`), when it pointed elsewhere.
     pub pin_moved: Option<&'static str>,
+    /// The pins this turn pointed at its endpoints (the session's, and a split's prefill pin).
+    /// A move is counted once the endpoint produced output ([`Routed::count_moves`]), and
+    /// undone when the endpoint failed before that ([`Routed::undo_moves`]): the session's
+    /// cache never got there.
+    pub repins: Vec<Repin>,
     /// When the request was sent to the endpoint.
     pub sent: Instant,
     /// Pending prefill tokens queued ahead of it on the endpoint when it was sent.
@@ -506,6 +518,55 @@ impl Routed {
     pub fn endpoint(&self) -> &Arc<agentgate_scheduler::Endpoint> {
         self.in_flight.endpoint()
     }
+
+    /// Count the pin moves of this turn in the metrics, once (the endpoint produced output, or
+    /// the turn finished on it).
+    fn count_moves(&mut self, state: &AppState, pool: &str) {
+        for repin in &mut self.repins {
+            match repin.cause.take() {
+                Some(cause) if repin.prefill => state.metrics.pd_prefill_pin_moved(pool, cause),
+                Some(cause) => state.metrics.pin_moved(pool, cause),
+                None => {}
+            }
+        }
+    }
+
+    /// Point the pins this turn moved back where they were, unless another turn has moved them
+    /// since; the moves are not counted. A pin this turn created stays (the next turn finds its
+    /// endpoint failed or gone, or finds it well).
+    async fn undo_moves(&mut self, state: &AppState, pool: &str) {
+        for repin in self.repins.drain(..) {
+            let Some(from) = repin.from else { continue };
+            match pin_op(
+                state
+                    .store
+                    .swap_pin(pool, &repin.key, Some(&repin.to), &from),
+            )
+            .await
+            {
+                Ok(swap) if swap.applied => {
+                    tracing::info!(key = %repin.key, to = %from.endpoint, "session pin moved back: its new endpoint failed before any output");
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!("could not move the session pin back: {e}"),
+            }
+        }
+    }
+}
+
+/// A pin a turn pointed at its endpoint.
+#[derive(Debug)]
+pub struct Repin {
+    /// The pin's store key.
+    key: String,
+    /// The pin it replaced (None: the session had none).
+    from: Option<SessionPin>,
+    /// The pin it stored.
+    to: SessionPin,
+    /// Why it moved, until counted (None for a new pin).
+    cause: Option<&'static str>,
+    /// A split's prefill pin (counted apart).
+    prefill: bool,
 }
 
 /// Longest wait for the store on a pin read or write. Pins steer routing but are not needed
@@ -791,23 +852,24 @@ async fn open_local(
                 state
                     .metrics
                     .routing_decision(&pool.name, ep, pick.reason.as_str());
-                let mut pin_moved = None;
+                let mut repins = Vec::new();
                 if let Some(key) = placement.key.filter(|_| pool.policy.uses_pins()) {
                     let pin_failed = matches!(pinned, Pinned::At(i) if failed.contains(&i));
-                    pin_moved = repin(
-                        state,
-                        pool,
-                        key,
-                        placement.pin.as_ref(),
-                        ep,
-                        pick.pin,
-                        pin_failed,
-                    )
-                    .await;
-                    if let Some(cause) = pin_moved {
-                        state.metrics.pin_moved(&pool.name, cause);
-                    }
+                    repins.extend(
+                        repin(
+                            state,
+                            pool,
+                            key,
+                            placement.pin.as_ref(),
+                            ep,
+                            pick.pin,
+                            pin_failed,
+                            false,
+                        )
+                        .await,
+                    );
                 }
+                let pin_moved = repins.first().and_then(|r| r.cause);
                 tracing::debug!(
                     endpoint = %ep.name,
                     reason = pick.reason.as_str(),
@@ -824,6 +886,7 @@ async fn open_local(
                         prefix: placement.prefix,
                         reason: pick.reason.as_str(),
                         pin_moved,
+                        repins,
                         sent,
                         ahead,
                         prefill: None,
@@ -1110,9 +1173,10 @@ async fn open_split(
                 .metrics
                 .routing_decision(&pool.name, &d, decode.reason.as_str());
             let mut pin_moved = None;
+            let mut repins = Vec::new();
             if let Some(key) = key.filter(|_| pool.policy.uses_pins()) {
                 let pin_failed = matches!(pinned, Pinned::At(i) if avoided.contains(&i));
-                pin_moved = repin(
+                let session = repin(
                     state,
                     pool,
                     key,
@@ -1120,25 +1184,25 @@ async fn open_split(
                     &d,
                     decode.pin,
                     pin_failed,
-                )
-                .await;
-                if let Some(cause) = pin_moved {
-                    state.metrics.pin_moved(&pool.name, cause);
-                }
-                let prefill_key = prefill_pin_key(key);
-                if let Some(cause) = repin(
-                    state,
-                    pool,
-                    &prefill_key,
-                    own_prefill_pin.as_ref(),
-                    &p,
-                    prefill.pin,
                     false,
                 )
-                .await
-                {
-                    state.metrics.pd_prefill_pin_moved(&pool.name, cause);
-                }
+                .await;
+                pin_moved = session.as_ref().and_then(|r| r.cause);
+                repins.extend(session);
+                let prefill_key = prefill_pin_key(key);
+                repins.extend(
+                    repin(
+                        state,
+                        pool,
+                        &prefill_key,
+                        own_prefill_pin.as_ref(),
+                        &p,
+                        prefill.pin,
+                        false,
+                        true,
+                    )
+                    .await,
+                );
             }
             tracing::debug!(
                 prefill = %p.name,
@@ -1158,6 +1222,7 @@ async fn open_split(
                     prefix: placement.prefix,
                     reason: decode.reason.as_str(),
                     pin_moved,
+                    repins,
                     sent,
                     ahead: 0,
                     prefill: Some(PrefillLeg {
@@ -1231,10 +1296,11 @@ async fn open_whole_elsewhere(
 
 /// Point the pin under `key` at `ep` when it points elsewhere (or nowhere yet). (A pin that
 /// holds had its TTL refreshed when it was read for the turn, so it lasts `pin_ttl` after the
-/// session's last turn.) Returns the cause of the move when an existing pin moved, for the caller to
-/// count: `failed` when its endpoint failed this request (`pin_failed`), else why the pick broke
-/// it. A move another turn made first (the swap did not apply, even when it chose the same
-/// endpoint) or that could not be stored is not counted here.
+/// session's last turn.) Returns the pin stored, with the cause of the move when an existing
+/// pin moved, for the turn to count once its endpoint produced output: `failed` when the old
+/// endpoint failed this request (`pin_failed`), else why the pick broke it. A move another turn
+/// made first (the swap did not apply, even when it chose the same endpoint) or that could not
+/// be stored is not returned.
 async fn repin(
     state: &AppState,
     pool: &Pool,
@@ -1243,7 +1309,8 @@ async fn repin(
     ep: &Endpoint,
     outcome: PinOutcome,
     pin_failed: bool,
-) -> Option<&'static str> {
+    prefill: bool,
+) -> Option<Repin> {
     if let Some(p) = pin.filter(|p| pins_to(p, ep)) {
         // Reading it for this turn refreshed its TTL. A pin from before pins recorded their
         // endpoint's URL gets it now, and one whose endpoint was renamed the new name (not
@@ -1288,7 +1355,13 @@ async fn repin(
         _ => "failed",
     };
     tracing::info!(key, from = %old.endpoint, to = %ep.name, moves = new.moves, cause, "session re-pinned");
-    Some(cause)
+    Some(Repin {
+        key: key.to_string(),
+        from: Some(old.clone()),
+        to: new,
+        cause: Some(cause),
+        prefill,
+    })
 }
 
 /// The events of a streamed turn that failed before any endpoint ran it: `response.created`,
@@ -1556,6 +1629,7 @@ async fn drive_announced(
                 if first_token.is_none() && carries_output(&chunk) {
                     let now = Instant::now();
                     first_token = Some(now);
+                    routed.count_moves(&state, &turn.pool.name);
                     if let Some(leg) = &routed.prefill {
                         let decode = now.saturating_duration_since(leg.kv_ready);
                         state.metrics.pd_leg(&turn.pool.name, "decode", decode);
@@ -1590,7 +1664,9 @@ async fn drive_announced(
                     }
                     None => turn.failed_slots.push(routed.slot),
                 }
-                // The pin may have moved to the failed endpoint: read it again.
+                // A pin this turn moved to the failed endpoint goes back (the session's cache
+                // never got there), and is read again.
+                routed.undo_moves(&state, &turn.pool.name).await;
                 turn.admission_pin = None;
                 // The failed engine request is given up now, not once another endpoint has
                 // answered: its connection would keep it queued or prefilling there (and a
@@ -1627,6 +1703,9 @@ async fn drive_announced(
             }
             Some(Err(e)) => {
                 tracing::warn!(response = %turn.id, endpoint = %endpoint.name, "engine stream failed: {e}");
+                if first_token.is_none() {
+                    routed.undo_moves(&state, &turn.pool.name).await;
+                }
                 break rs.fail(
                     e.failure_code(),
                     &format!("The model backend failed while generating the response: {e}"),
@@ -1656,6 +1735,8 @@ async fn drive_announced(
     // engine that does not report it leaves the index as it is.
     let reported = turn.pool.cached_tokens(rs.engine_cached_tokens());
     if status == "completed" || status == "incomplete" {
+        // (A turn that ended without output tokens.)
+        routed.count_moves(&state, &turn.pool.name);
         if let Some(cached) = reported {
             turn.pool
                 .picker
@@ -2004,11 +2085,18 @@ pub async fn run_background(
     let mut sink = Sink::new(&state, &turn, tx, Some(stops.clone()));
     sink.send(&state, rs.queued(), false).await;
     let announced = Announced { rs, sink };
-    turn.background_slot = tokio::select! {
-        permit = state.background_slots.clone().acquire_owned() => permit.ok(),
-        stop = stops.stopped() => {
-            stop_queued(&state, &mut turn, announced, stop).await;
-            return;
+    turn.background_slot = match state.background_slots.clone().try_acquire_owned() {
+        Ok(permit) => Some(permit),
+        Err(_) => {
+            // Other turns of the session may move its pin meanwhile: read it again at routing.
+            turn.admission_pin = None;
+            tokio::select! {
+                permit = state.background_slots.clone().acquire_owned() => permit.ok(),
+                stop = stops.stopped() => {
+                    stop_queued(&state, &mut turn, announced, stop).await;
+                    return;
+                }
+            }
         }
     };
     if let Some(pending) = admission {

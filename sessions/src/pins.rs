@@ -12,12 +12,9 @@
 //! longer than [`MAX_KEY_PART_LEN`] is replaced by a readable head plus `#` and its 128-bit
 //! xxh3 hash, so a key's length is bounded whatever the client sends.
 //!
-//! Pins are not scoped by team. A session key is already specific to one client (agents
-//! generate a fresh UUID per session), and a pin carries no conversation data, only an endpoint
-//! name: if two clients ever sent the same session key (or two long keys hashed alike) the only
-//! effect would be that their turns share a replica and its cache, never that one sees the
-//! other's data. Scoping by team would buy no isolation and would keep the router from treating
-//! a session the same way whichever of its team's keys a turn arrives with.
+//! This module does not scope pins by team: the gateway does, by prefixing the session keys of
+//! each team (`agentgate::turn::team_session_key`), so one team's turns can neither move
+//! another's pin nor learn where it points.
 
 /// Where a session's turns go, and how often it has moved.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -2733,3 +2733,37 @@ async fn turns_cut_short_by_shutdown_end_as_failed() {
         assert_eq!(record.response["error"]["code"], "server_shutdown");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_header_in_utf8_keeps_its_session_on_one_replica() {
+    let fleet = Fleet::of(4).start().await;
+    let base = fleet.base_url();
+    let session = "sesión-42";
+    let value = reqwest::header::HeaderValue::from_bytes(session.as_bytes()).unwrap();
+    let mut turns = Vec::new();
+    for _ in 0..3 {
+        let resp = client()
+            .post(format!("{base}/v1/responses"))
+            .header("x-session-id", value.clone())
+            .json(&json!({"model": "sim-model", "input": "next step", "store": false}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        turns.push((
+            header(&resp, agentgate::responses::ENDPOINT_HEADER),
+            header(&resp, agentgate::responses::ROUTE_REASON_HEADER),
+        ));
+    }
+    assert!(turns.iter().all(|(e, _)| e == &turns[0].0), "{turns:?}");
+    assert!(turns[1..].iter().all(|(_, r)| r == "pin"), "{turns:?}");
+    let pin = fleet
+        .gateway()
+        .state()
+        .store
+        .get_pin("sim", &format!("h:{session}"))
+        .await
+        .unwrap();
+    assert_eq!(pin.map(|p| p.endpoint), Some(turns[0].0.clone()));
+    fleet.shutdown().await;
+}

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use agentgate::pools::{Endpoint, Pool};
+use agentgate_sessions::Store;
 use agentgate_tests::*;
 
 fn endpoint(pool: &Pool, name: &str) -> Option<Arc<Endpoint>> {
@@ -321,4 +322,71 @@ async fn the_kv_capacity_is_read_from_either_engines_metrics() {
         gw.shutdown().await;
         sim.shutdown().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pin_moved_to_an_endpoint_that_fails_before_output_moves_back() {
+    let fleet = Fleet::of(2).extra(FAST_PROBES).start().await;
+    let sims = fleet.sims();
+    let base = fleet.base_url();
+    let pool = fleet.pool();
+    let session_turn = || async {
+        let resp = reqwest::Client::new()
+            .post(format!("{base}/v1/responses"))
+            .header("x-session-id", "s-1")
+            .json(&json!({"model": "sim-model", "input": "next step", "store": false, "max_output_tokens": 16}))
+            .send()
+            .await
+            .unwrap();
+        let served = served_endpoint(&resp);
+        let body: Value = resp.json().await.unwrap();
+        // (Done: completed, or incomplete at its output limit.)
+        let done = matches!(body["status"].as_str(), Some("completed" | "incomplete"));
+        (done, served)
+    };
+    let store = &fleet.gateway().state().store;
+    let pin = || async { store.get_pin("sim", "h:s-1").await.unwrap().unwrap() };
+    let (done, home) = session_turn().await;
+    assert!(done);
+    let (home_i, other_i) = if home == "sim/0" { (0, 1) } else { (1, 0) };
+    assert_eq!((pin().await.endpoint, pin().await.moves), (home.clone(), 0));
+
+    // The pinned replica is taken out; the other one answers, then fails every request before
+    // its first token.
+    set_sim_fault(&sims[home_i], json!({"unhealthy": true})).await;
+    let home_ep = endpoint(&pool, &home).unwrap();
+    eventually("the pinned replica is taken out", || {
+        !home_ep.is_available()
+    })
+    .await;
+    set_sim_fault(&sims[other_i], json!({"cut_after": 0})).await;
+    let (done, _) = session_turn().await;
+    assert!(!done);
+    // The session never ran there: its pin is where it was, and no move is counted.
+    let held = pin().await;
+    assert_eq!((held.endpoint.as_str(), held.moves), (home.as_str(), 0));
+    let moves = || {
+        ["unavailable", "failed", "wait", "saturated", "outscored"]
+            .iter()
+            .map(|cause| {
+                fleet
+                    .gateway()
+                    .state()
+                    .metrics
+                    .pin_moves
+                    .get(["sim", cause])
+            })
+            .sum::<u64>()
+    };
+    assert_eq!(moves(), 0);
+
+    // Once the other replica serves, the session moves there: one move.
+    clear_sim_faults(&sims[other_i]).await;
+    let (done, served) = session_turn().await;
+    assert!(done);
+    assert_ne!(served, home);
+    let moved = pin().await;
+    assert_eq!((moved.endpoint.as_str(), moved.moves), (served.as_str(), 1));
+    assert_eq!(moves(), 1);
+    fleet.shutdown().await;
 }
