@@ -246,8 +246,11 @@ pub struct RoutingConfig {
     pub metrics_staleness_ms: Option<u64>,
     /// How often each endpoint's `/health` is probed, in milliseconds; 0 disables probing.
     pub health_interval_ms: u64,
-    /// Longest wait for one health probe or metrics scrape, in milliseconds.
+    /// Longest wait for one metrics scrape, in milliseconds.
     pub probe_timeout_ms: u64,
+    /// Longest wait for one health probe (`/health`, then `/v1/models`), in milliseconds.
+    /// SGLang's `/health` runs a one-token generation and answers a second or more later.
+    pub health_timeout_ms: u64,
     /// Consecutive failed probes after which an endpoint is taken out.
     pub unhealthy_after: u32,
     /// Consecutive good probes after which an unhealthy endpoint returns.
@@ -270,6 +273,7 @@ impl Default for RoutingConfig {
             metrics_staleness_ms: None,
             health_interval_ms: 2_000,
             probe_timeout_ms: 1_000,
+            health_timeout_ms: 5_000,
             unhealthy_after: 2,
             healthy_after: 1,
             saturation_queue_depth: saturation.max_waiting,
@@ -1064,6 +1068,9 @@ impl Config {
         }
         if r.probe_timeout_ms == 0 {
             return Err(err("routing.probe_timeout_ms", "must be at least 1"));
+        }
+        if r.health_timeout_ms == 0 {
+            return Err(err("routing.health_timeout_ms", "must be at least 1"));
         }
         if r.unhealthy_after == 0 {
             return Err(err("routing.unhealthy_after", "must be at least 1"));
@@ -1961,6 +1968,7 @@ endpoints = ["http://127.0.0.1:8000"]
             ("unhealthy_after = 0", "routing.unhealthy_after"),
             ("healthy_after = 0", "routing.healthy_after"),
             ("probe_timeout_ms = 0", "routing.probe_timeout_ms"),
+            ("health_timeout_ms = 0", "routing.health_timeout_ms"),
             (
                 "saturation_queue_depth = 0",
                 "routing.saturation_queue_depth",

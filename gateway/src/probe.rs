@@ -4,7 +4,8 @@
 //! - **Health.** Every `routing.health_interval_ms`, one loop probes every endpoint of every pool
 //!   at once (`GET /health`, then `GET /v1/models`, which must list the pool's model: a
 //!   replica serving another one would answer every request 404; the generic `openai` flavor
-//!   has no health route, only the second), each probe bounded by `routing.probe_timeout_ms`. A [`Streak`] per endpoint
+//!   has no health route, only the second), each probe bounded by `routing.health_timeout_ms`
+//!   (SGLang's `/health` generates a token and answers a second or more later). A [`Streak`] per endpoint
 //!   takes it out after `unhealthy_after` consecutive failures and returns it after
 //!   `healthy_after` consecutive passes, so one lost probe does not flap an endpoint. Taken out
 //!   is logged at warn, returned at info. Probes run beside requests and never hold them up:
@@ -187,7 +188,10 @@ struct Live {
     pools: Vec<Arc<Pool>>,
     engines: EngineClient,
     metrics: Arc<Metrics>,
+    /// Bound of one scrape.
     timeout: Duration,
+    /// Bound of one health probe.
+    health_timeout: Duration,
     unhealthy_after: u32,
     healthy_after: u32,
     record_load: bool,
@@ -239,7 +243,14 @@ impl Live {
         let targets = self.targets(|_| true);
         let probes = targets.iter().map(|(_, pool, e)| async {
             let start = Instant::now();
-            let result = health(&self.engines, pool.flavor, e, &pool.model, self.timeout).await;
+            let result = health(
+                &self.engines,
+                pool.flavor,
+                e,
+                &pool.model,
+                self.health_timeout,
+            )
+            .await;
             self.metrics
                 .probe_duration
                 .observe([&pool.name, "health"], start.elapsed().as_secs_f64());
@@ -460,6 +471,7 @@ impl LiveTasks {
             engines: engines.clone(),
             metrics: metrics.clone(),
             timeout: Duration::from_millis(routing.probe_timeout_ms.max(1)),
+            health_timeout: Duration::from_millis(routing.health_timeout_ms.max(1)),
             unhealthy_after: routing.unhealthy_after.max(1),
             healthy_after: routing.healthy_after.max(1),
             record_load: routing.scrape_interval().is_some(),

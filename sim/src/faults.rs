@@ -8,7 +8,9 @@
 //! - `abort_after=3` (streaming): after 3 SSE chunks end the request as vLLM ends one it aborts:
 //!   a chunk with `finish_reason: "abort"`, the usage chunk if asked for, `data: [DONE]`;
 //! - `slow=4`: run 4x slower (global: every engine step; per request: its token delivery);
-//! - `unhealthy=true` (global only): `/health` answers 503.
+//! - `unhealthy=true` (global only): `/health` answers 503;
+//! - `health_stall_ms=1500` (global only): `/health` answers this many wall milliseconds late
+//!   (SGLang's `/health` generates a token and answers a second or more later).
 
 use std::sync::RwLock;
 
@@ -36,6 +38,9 @@ pub struct FaultSpec {
     /// Report unhealthy on `/health`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unhealthy: bool,
+    /// Answer `/health` this many wall milliseconds late.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_stall_ms: Option<u64>,
 }
 
 impl FaultSpec {
@@ -75,6 +80,7 @@ impl FaultSpec {
             abort_after: request.abort_after.or(self.abort_after),
             slow: request.slow,
             unhealthy: self.unhealthy || request.unhealthy,
+            health_stall_ms: self.health_stall_ms,
         }
     }
 

@@ -1184,6 +1184,9 @@ async fn models(State(state): State<Shared>) -> Response {
 }
 
 async fn health(State(state): State<Shared>) -> Response {
+    if let Some(ms) = state.faults.global().health_stall_ms {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
     if state.faults.global().unhealthy {
         return error_response(
             state.config.flavor,
@@ -1299,7 +1302,7 @@ async fn set_faults(State(state): State<Shared>, body: Result<Bytes, BytesReject
         Err(e) => error_response(
             flavor,
             StatusCode::BAD_REQUEST,
-            &format!("fault spec not understood: {e}; fields: status, stall_ms, cut_after, abort_after, slow, unhealthy"),
+            &format!("fault spec not understood: {e}; fields: status, stall_ms, cut_after, abort_after, slow, unhealthy, health_stall_ms"),
             None,
         ),
     }

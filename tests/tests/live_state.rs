@@ -390,3 +390,28 @@ async fn a_pin_moved_to_an_endpoint_that_fails_before_output_moves_back() {
     assert_eq!(moves(), 1);
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_health_check_answers_late_stays_in() {
+    // SGLang's `/health` runs a one-token generation and answers a second or more later:
+    // longer than a metrics scrape may take (probe_timeout_ms, 1000 by default), within
+    // health_timeout_ms (5000 by default).
+    let fleet = Fleet::of(2).extra(FAST_PROBES).start().await;
+    let pool = fleet.pool();
+    let slow = endpoint(&pool, "sim/1").unwrap();
+    set_sim_fault(&fleet.sims()[1], json!({"health_stall_ms": 1200})).await;
+    let metrics = &fleet.gateway().state().metrics;
+    let before = metrics.probe_duration.count(["sim", "health"]);
+    // Three health rounds with the late answers (two probes each).
+    eventually("three health rounds", || {
+        metrics.probe_duration.count(["sim", "health"]) >= before + 8
+    })
+    .await;
+    assert!(slow.is_available() && slow.is_healthy());
+    assert_eq!(
+        metrics.probe_failures.get(["sim", "sim/1", "health"]),
+        0,
+        "no health probe of sim/1 failed"
+    );
+    fleet.shutdown().await;
+}
