@@ -431,8 +431,8 @@ impl std::fmt::Debug for Disaggregated {
 pub struct PrefillUsage {
     /// `usage.prompt_tokens`.
     pub prompt_tokens: u64,
-    /// `usage.prompt_tokens_details.cached_tokens` (0 when absent).
-    pub cached_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens`, when the engine reports it.
+    pub cached_tokens: Option<u64>,
 }
 
 impl PrefillUsage {
@@ -443,14 +443,14 @@ impl PrefillUsage {
             prompt_tokens: usage.get("prompt_tokens")?.as_u64()?,
             cached_tokens: usage
                 .pointer("/prompt_tokens_details/cached_tokens")
-                .and_then(Value::as_u64)
-                .unwrap_or(0),
+                .and_then(Value::as_u64),
         })
     }
 
     /// Prompt tokens the prefill engine computed.
     pub fn uncached_tokens(&self) -> u64 {
-        self.prompt_tokens.saturating_sub(self.cached_tokens)
+        self.prompt_tokens
+            .saturating_sub(self.cached_tokens.unwrap_or(0))
     }
 }
 

@@ -1158,13 +1158,18 @@ async fn open_split(
                 pool.picker.routed(p.slot, &placement.prefix);
             }
             pool.picker.routed(d.slot, &placement.prefix);
+            // (An engine that leaves out the cached count, as vLLM does unless started with
+            // `--enable-prompt-tokens-details`, told nothing about its cache.)
             if let Some(usage) = opened.prefill_usage.filter(|_| credited) {
-                pool.picker.completed(
-                    p.slot,
-                    &placement.prefix,
-                    prefill.matched_chunks,
-                    usage.cached_tokens,
-                );
+                if let Some(cached) = pool.cached_tokens(usage.cached_tokens) {
+                    pool.picker.completed(
+                        p.slot,
+                        &placement.prefix,
+                        prefill.matched_chunks,
+                        cached,
+                        usage.prompt_tokens,
+                    );
+                }
             }
             if let Some(window) = placement.room.spread_window {
                 d.note_reserved_turn(sent, window);
@@ -1733,14 +1738,26 @@ async fn drive_announced(
     );
     // What the engine served from cache corrects the prefix index and times its prefill; an
     // engine that does not report it leaves the index as it is.
-    let reported = turn.pool.cached_tokens(rs.engine_cached_tokens());
+    // (A stream that ended without its usage chunk reported nothing, not 0 cached.)
+    let reported = rs
+        .reports_usage()
+        .then(|| turn.pool.cached_tokens(rs.engine_cached_tokens()))
+        .flatten();
     if status == "completed" || status == "incomplete" {
         // (A turn that ended without output tokens.)
         routed.count_moves(&state, &turn.pool.name);
+        let input = response
+            .pointer("/usage/input_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
         if let Some(cached) = reported {
-            turn.pool
-                .picker
-                .completed(routed.slot, &routed.prefix, routed.matched_chunks, cached);
+            turn.pool.picker.completed(
+                routed.slot,
+                &routed.prefix,
+                routed.matched_chunks,
+                cached,
+                input,
+            );
         }
         // Unreported, the prefill is timed with what the index expected the engine to hold.
         let cached = reported.unwrap_or_else(|| {
@@ -1750,10 +1767,6 @@ async fn drive_announced(
         });
         // A request run whole: its first token came after its own prefill and the prefill
         // queued ahead of it.
-        let input = response
-            .pointer("/usage/input_tokens")
-            .and_then(Value::as_u64)
-            .unwrap_or(0);
         if let (None, Some(first)) = (&routed.prefill, first_token) {
             let work = routed.ahead.saturating_add(input.saturating_sub(cached));
             endpoint.observe_prefill(work, first.saturating_duration_since(routed.sent));

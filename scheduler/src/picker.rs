@@ -199,13 +199,15 @@ pub trait Picker: Send + Sync + std::fmt::Debug {
 
     /// The request with chunk hashes `prefix`, picked with [`Pick::matched_chunks`] =
     /// `matched_chunks` and sent to the endpoint in `slot`, completed; the engine served
-    /// `cached_tokens` of its prompt from cache. Lets the picker correct its prefix index.
+    /// `cached_tokens` of its `prompt_tokens` (0: not reported) from cache. Lets the picker
+    /// correct its prefix index.
     fn completed(
         &self,
         _slot: usize,
         _prefix: &[u64],
         _matched_chunks: usize,
         _cached_tokens: u64,
+        _prompt_tokens: u64,
     ) {
     }
 }
@@ -230,7 +232,9 @@ fn baseline(index: usize, reason: Reason, request: &PickRequest<'_>) -> Pick {
     }
 }
 
-/// Round robin over the endpoints that may take the request.
+/// Round robin over the endpoints that may take the request: the k-th pick goes to the
+/// (k mod m)-th of the m that may, so one that may not (unhealthy, excluded) leaves its share
+/// to all the others evenly, not to its next neighbour.
 #[derive(Debug, Default)]
 pub struct RoundRobin {
     next: AtomicUsize,
@@ -238,14 +242,15 @@ pub struct RoundRobin {
 
 impl Picker for RoundRobin {
     fn pick(&self, endpoints: &[Arc<Endpoint>], request: &PickRequest<'_>) -> Option<Pick> {
-        let n = endpoints.len();
-        if n == 0 {
+        let admitted = |&i: &usize| request.admits(&endpoints[i], i);
+        let m = (0..endpoints.len()).filter(admitted).count();
+        if m == 0 {
             return None;
         }
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        (0..n)
-            .map(|k| start.wrapping_add(k) % n)
-            .find(|&i| request.admits(&endpoints[i], i))
+        let k = self.next.fetch_add(1, Ordering::Relaxed) % m;
+        (0..endpoints.len())
+            .filter(admitted)
+            .nth(k)
             .map(|i| baseline(i, Reason::RoundRobin, request))
     }
 }
@@ -309,9 +314,12 @@ mod tests {
             .map(|_| index(rr.pick(&e, &PickRequest::default())).unwrap())
             .collect();
         assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+        // The endpoint left out leaves its share to the others evenly.
+        let mut counts = [0; 3];
         for _ in 0..6 {
-            assert_ne!(index(rr.pick(&e, &excluding(&[1]))), Some(1));
+            counts[index(rr.pick(&e, &excluding(&[1]))).unwrap()] += 1;
         }
+        assert_eq!(counts, [3, 0, 3]);
         assert_eq!(rr.pick(&e, &excluding(&[0, 1, 2])), None);
         assert_eq!(rr.pick(&[], &PickRequest::default()), None);
     }

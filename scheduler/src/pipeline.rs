@@ -435,9 +435,16 @@ impl Picker for Pipeline {
 
     /// The engine's cached-token report corrects the index when it predicted more than the
     /// engine had ([`PrefixIndex::correct`]).
-    fn completed(&self, slot: usize, prefix: &[u64], matched_chunks: usize, cached_tokens: u64) {
+    fn completed(
+        &self,
+        slot: usize,
+        prefix: &[u64],
+        matched_chunks: usize,
+        cached_tokens: u64,
+        prompt_tokens: u64,
+    ) {
         self.index
-            .correct(slot, prefix, matched_chunks, cached_tokens);
+            .correct(slot, prefix, matched_chunks, cached_tokens, prompt_tokens);
     }
 }
 
@@ -746,7 +753,7 @@ mod tests {
         let h = chunks(25);
         let first = p.pick(&e, &req(&h, 1600, Pinned::None)).unwrap();
         p.routed(e[first.index].slot, &h);
-        p.completed(e[first.index].slot, &h, first.matched_chunks, 0);
+        p.completed(e[first.index].slot, &h, first.matched_chunks, 0, 0);
         assert_eq!(
             p.pick(&e, &req(&h, 1600, Pinned::None)).unwrap().index,
             first.index
@@ -768,11 +775,12 @@ mod tests {
         let pick = p.pick(&e, &req(&h, 640, Pinned::None)).unwrap();
         assert_eq!((pick.index, pick.matched_chunks), (0, 10));
         p.routed(0, &h);
-        // The engine had only 2 chunks (128 tokens) of the 10 predicted: other traffic evicted
-        // 8, so the index forgets the 8 coldest, the tail of the other prompt.
-        p.completed(0, &h, pick.matched_chunks, 128);
+        // The engine had only 2 chunks (128 of the 640 tokens) of the 10 predicted: other
+        // traffic evicted 8, so the index forgets the coldest, the tail of the other prompt,
+        // all but a chunk of slack.
+        p.completed(0, &h, pick.matched_chunks, 128, 640);
         let index = p.prefix_index().unwrap();
-        assert_eq!(index.match_len(0, &other), 2);
+        assert_eq!(index.match_len(0, &other), 3);
         assert_eq!(index.match_len(0, &h), 10);
     }
 

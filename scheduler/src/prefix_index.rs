@@ -93,10 +93,18 @@
 //! of the slot's least recently used chunks, sparing the prompt just run (its most recent ones):
 //!
 //! ```text
-//! reported = floor(cached_tokens / tokens_per_chunk)
-//! over     = max(0, matched - reported)
+//! reported = floor(n * cached_tokens / prompt_tokens)      (the engine's own token counts)
+//! over     = max(0, matched - reported - slack)           slack = max(1, matched / 50)
 //! forget   min(over, held(e) - min(n, held(e)))  least recently used chunks of e
 //! ```
+//!
+//! `reported` converts the engine's cached tokens into chunks at this prompt's own ratio of
+//! tokens to chunks, so the correction holds whatever bytes a token of this model and traffic
+//! spans (a fixed ratio that is off by 15% would forget 15% of every match, every turn). The
+//! ratio is the prompt's average, and the cached head of a prompt need not tokenize as densely
+//! as its new tail: the slack (a chunk, or 2% of the match) keeps that from reading as
+//! eviction. Without the prompt's token count the configured ratio stands in
+//! (`floor(cached_tokens / tokens_per_chunk)`).
 //!
 //! The model then turns over at least as fast as the engine did; chunks forgotten in error are
 //! learnt again by the next [`PrefixIndex::record`], so a correction only ever errs towards a
@@ -440,19 +448,27 @@ impl PrefixIndex {
         s.publish(&lru);
     }
 
-    /// The engine reported `cached_tokens` for the prompt `hashes`, sent to the slot's endpoint
-    /// when the index believed it held `matched_chunks` leading chunks of it: forget as many of
-    /// the slot's least recently used chunks as the prediction over-counted, sparing the
-    /// prompt's own (see the module doc). Returns how many chunks were forgotten.
+    /// The engine reported `cached_tokens` of the `prompt_tokens` (0: not reported) of the
+    /// prompt `hashes`, sent to the slot's endpoint when the index believed it held
+    /// `matched_chunks` leading chunks of it: forget as many of the slot's least recently used
+    /// chunks as the prediction over-counted, sparing the prompt's own (see the module doc).
+    /// Returns how many chunks were forgotten.
     pub fn correct(
         &self,
         slot: usize,
         hashes: &[u64],
         matched_chunks: usize,
         cached_tokens: u64,
+        prompt_tokens: u64,
     ) -> usize {
-        let reported = usize::try_from(cached_tokens / self.tokens_per_chunk).unwrap_or(usize::MAX);
-        let over = matched_chunks.saturating_sub(reported);
+        let reported = if prompt_tokens > 0 {
+            let share = cached_tokens.min(prompt_tokens) as f64 / prompt_tokens as f64;
+            (hashes.len() as f64 * share).floor() as usize
+        } else {
+            usize::try_from(cached_tokens / self.tokens_per_chunk).unwrap_or(usize::MAX)
+        };
+        let slack = (matched_chunks / 50).max(1);
+        let over = matched_chunks.saturating_sub(reported.saturating_add(slack));
         if over == 0 {
             return 0;
         }
@@ -924,7 +940,7 @@ mod tests {
 
     #[test]
     fn corrections_forget_as_many_cold_chunks_as_were_over_predicted() {
-        // 4 tokens per chunk, 12 chunks per slot.
+        // 4 tokens per chunk configured, 12 chunks per slot.
         let index = PrefixIndex::new(2, config(16, 48));
         let old = [100, 101, 102, 103];
         let session = [1, 2, 3, 4, 5, 6];
@@ -933,24 +949,41 @@ mod tests {
         // The next turn was picked believing 4 chunks held; routing recorded all 6.
         index.record(0, &session);
         assert_eq!(index.held_chunks(0), 10);
-        // The engine had only 9 tokens = 2 chunks: 2 chunks over-predicted. The coldest go:
-        // the tail of the old prompt.
-        assert_eq!(index.correct(0, &session, 4, 9), 2);
+        // The engine had only 4 of the prompt's 24 tokens = 1 chunk: with a chunk of slack, 2
+        // chunks over-predicted. The coldest go: the tail of the old prompt.
+        assert_eq!(index.correct(0, &session, 4, 4, 24), 2);
         assert_eq!(index.match_len(0, &old), 2);
         assert_eq!(index.match_len(0, &session), 6, "the prompt just run stays");
-        // A prediction the engine met or beat changes nothing.
-        assert_eq!(index.correct(0, &session, 6, 24), 0);
-        assert_eq!(index.correct(0, &session, 0, 0), 0, "a cold first turn");
-        assert_eq!(index.correct(0, &session, 6, u64::MAX), 0);
+        // A prediction the engine met or beat changes nothing; nor does one a chunk short (the
+        // engine recomputes a prompt's last block).
+        assert_eq!(index.correct(0, &session, 6, 24, 24), 0);
+        assert_eq!(index.correct(0, &session, 6, 20, 24), 0);
+        assert_eq!(index.correct(0, &session, 0, 0, 24), 0, "a cold first turn");
+        assert_eq!(index.correct(0, &session, 6, u64::MAX, 24), 0);
         // Never more than the chunks outside the prompt just run.
-        assert_eq!(index.correct(0, &session, 1000, 0), 2);
+        assert_eq!(index.correct(0, &session, 1000, 0, 24), 2);
         assert_eq!(index.match_len(0, &old), 0);
         assert_eq!(index.match_len(0, &session), 6);
-        assert_eq!(index.correct(0, &session, 1000, 0), 0);
+        assert_eq!(index.correct(0, &session, 1000, 0, 24), 0);
         // Holder bits follow, and other slots are untouched.
         index.record(1, &old);
         assert_eq!(index.match_lens(&old, &[0, 1]), vec![0, 4]);
-        assert_eq!(index.correct(9, &session, 6, 0), 0, "unknown slot");
+        assert_eq!(index.correct(9, &session, 6, 0, 24), 0, "unknown slot");
+    }
+
+    #[test]
+    fn corrections_read_cached_tokens_at_the_prompts_own_ratio() {
+        // The index assumes 4 tokens per chunk; this model's tokens span twice the bytes: the
+        // 6-chunk prompt is 12 tokens, all but its last one cached.
+        let index = PrefixIndex::new(1, config(16, 48));
+        let old = [100, 101, 102, 103];
+        let session = [1, 2, 3, 4, 5, 6];
+        index.record(0, &old);
+        index.record(0, &session);
+        assert_eq!(index.correct(0, &session, 6, 11, 12), 0, "nothing was lost");
+        assert_eq!(index.match_len(0, &old), 4);
+        // Without the prompt's token count the configured ratio reads 11 tokens as 2 chunks.
+        assert_eq!(index.correct(0, &session, 6, 11, 0), 3);
     }
 
     #[test]
@@ -1021,7 +1054,7 @@ mod tests {
                         let _ = index.score(&hashes, slots);
                         let _ = index.occupancy(e);
                         if round % 5 == 0 {
-                            index.correct(e, &hashes[..10], 50, 40);
+                            index.correct(e, &hashes[..10], 50, 40, 0);
                         }
                     }
                 });
@@ -1092,7 +1125,7 @@ mod tests {
         assert_eq!(index.occupancy(0).idle, 0);
         assert_eq!(index.occupancy(1).idle, 2);
         // Corrections and clears update the figures too.
-        assert_eq!(index.correct(1, &[9], 3, 1), 2);
+        assert_eq!(index.correct(1, &[9], 4, 1, 0), 2);
         assert_eq!(index.occupancy(1).held_chunks, 2);
         index.clear(1);
         assert_eq!(
