@@ -2,7 +2,7 @@
 //!
 //! Every failure a handler can meet becomes an [`HttpError`] with the right status, a `param`
 //! naming the offending request field where there is one, a string `code`, and `Retry-After` on
-//! rejections a client should retry (Codex does not retry a 429/503 without it).
+//! rejections a client should retry (the OpenAI SDKs wait that long before they retry).
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};

@@ -39,7 +39,8 @@
 //! `rate_limit_exceeded_tokens`, `request_too_large`). Rate-limited answers carry OpenAI's
 //! `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers, and so do admitted ones
 //! when the team has limits; admitted answers also say the band ([`BAND_HEADER`]) and the
-//! queue wait ([`QUEUE_WAIT_HEADER`]).
+//! queue wait ([`QUEUE_WAIT_HEADER`]). A streamed Codex request gets a refusal with
+//! `Retry-After` in its stream instead (`crate::responses`), where Codex retries it.
 //!
 //! # Capacity
 //!

@@ -30,7 +30,7 @@ pub const ROUTES: &[RouteDoc] = &[
     RouteDoc {
         method: "post",
         path: "/v1/responses",
-        summary: "Create a model response (streaming when the body has \"stream\": true).",
+        summary: "Create a model response (streaming when the body has \"stream\": true). A streamed request from Codex (an originator: codex_* header) refused with Retry-After (429, or 503 queue_timeout) is answered 200 instead, its stream ending with response.failed, code rate_limit_exceeded, whose message ends \"Please try again in Ns.\".",
         request: Some("CreateResponse"),
         response: "Response",
         errors: &[400, 401, 403, 404, 413, 415, 429, 500, 502, 503, 504],

@@ -821,9 +821,16 @@ async fn run_turn(
     if let Some(pending) = admission {
         // Waits here while the pool is full; a client that leaves drops this future, which
         // takes the request out of the queue.
-        let permit = tokio::select! {
-            permit = pending.admit() => permit?,
+        let admitted = tokio::select! {
+            permit = pending.admit() => permit,
             Ok(_) = stopping.wait_for(|s| *s) => return Err(shut_down()),
+        };
+        let permit = match admitted {
+            Ok(permit) => permit,
+            Err(e) if req.stream && e.retry_after.is_some() && retries_only_in_stream(headers) => {
+                return Ok(Started::Answered(refused_in_stream(state, &turn, &e).await));
+            }
+            Err(e) => return Err(e),
         };
         flow_headers = flow::response_headers(&permit);
         turn.permit = Some(permit);
@@ -910,6 +917,41 @@ async fn run_turn(
         flow_headers,
         history,
     }))
+}
+
+/// Whether the client retries a refusal it should retry only when it comes in the stream:
+/// Codex (`originator: codex_*`) takes an HTTP 429 for final, but retries a stream that ends
+/// with `response.failed`, code `rate_limit_exceeded`, after the delay its message names
+/// ("Please try again in 2s").
+fn retries_only_in_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get("originator")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().to_ascii_lowercase().starts_with("codex"))
+}
+
+/// A streamed turn refused by flow control, for a client that retries only what fails in the
+/// stream ([`retries_only_in_stream`]): `response.created`, `response.in_progress`, then
+/// `response.failed` with code `rate_limit_exceeded` and the refusal's message and delay (its
+/// own code, `overloaded_shed`, `queue_full`, ..., stays in the log and the metrics). Nothing is
+/// stored, and it adds nothing to its conversation.
+async fn refused_in_stream(state: &AppState, turn: &turn::Turn, e: &HttpError) -> Response {
+    let secs = e.retry_after.unwrap_or(1);
+    let message = format!(
+        "{} Please try again in {secs}s.",
+        e.error.message.trim_end()
+    );
+    let events = turn::failed_at_start(state, turn, "rate_limit_exceeded", &message);
+    turn::release_conversation(turn).await;
+    let (tx, rx) = mpsc::channel(events.len().max(1));
+    for event in &events {
+        let _ = tx.try_send(Bytes::from(event.to_sse_frame()));
+    }
+    let mut resp = sse_response(rx, None, None);
+    if let Some(headers) = &e.headers {
+        resp = with_headers(resp, headers.as_ref().clone());
+    }
+    resp
 }
 
 fn with_reason(

@@ -7,7 +7,8 @@
 //! ```text
 //! T        = period / limit                     (ms per unit)
 //! tat'     = max(tat, now) + T * cost           (tat after this request)
-//! allow_at = tat' - period                      (the request fits if allow_at <= now)
+//! allow_at = tat' - period                      (the request fits if allow_at <= now + 1 µs:
+//!                                                float rounding of tat' - period is forgiven)
 //! remaining = floor((now - allow_at) / T)       (units left after it; before it when refused)
 //! reset_after = tat' - now                      (until the budget is full again)
 //! retry_after = allow_at - now                  (when refused: until it would fit)
@@ -59,6 +60,11 @@ impl RateDecision {
     }
 }
 
+/// How far past `now` a request's `allow_at` may fall and still fit: `tat' - period` is
+/// `now` for a full budget's last unit only up to float rounding (`now + 60000 - 60000` need
+/// not be `now` again), which must not refuse it.
+const ROUNDING_MS: f64 = 1e-3;
+
 /// Whole units in `span_ms` at `t` ms per unit, forgiving float rounding just below a unit.
 fn units_left(span_ms: f64, t: f64) -> u64 {
     (span_ms / t + 1e-6).floor().max(0.0) as u64
@@ -101,7 +107,7 @@ pub fn gcra_step(tat: Option<f64>, now_ms: f64, limit: &RateLimit) -> (RateDecis
     let new_tat = tat + t * limit.cost as f64;
     let allow_at = new_tat - period;
     let too_large = limit.cost > limit.limit;
-    if too_large || allow_at > now_ms {
+    if too_large || allow_at > now_ms + ROUNDING_MS {
         // Refused: nothing is charged, so the figures are those before this request.
         return (
             RateDecision {
@@ -156,6 +162,22 @@ mod tests {
         let (d, _) = gcra_step(tat, 1000.0, &limit);
         assert!(d.allowed());
         assert_eq!(d.remaining, 0);
+    }
+
+    #[test]
+    fn a_whole_budget_fits_at_any_instant_whatever_the_rounding() {
+        // A limit of 1 at a time whose sum with the period rounds up: 0.3 + 60000 - 60000 is
+        // 0.3000000000029104 in f64.
+        let (d, _) = gcra_step(None, 0.3, &rpm(1, 1));
+        assert!(d.allowed(), "{d:?}");
+        // Seven per minute, all at one instant: each interval (60000 / 7) is inexact.
+        let mut tat = None;
+        for i in 0..7 {
+            let (d, next) = gcra_step(tat, 123.456, &rpm(7, 1));
+            assert!(d.allowed(), "request {i}: {d:?}");
+            tat = Some(next);
+        }
+        assert!(!gcra_step(tat, 123.456, &rpm(7, 1)).0.allowed());
     }
 
     #[test]

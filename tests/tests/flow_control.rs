@@ -1459,3 +1459,64 @@ async fn exchange_working_sets_and_sessions(fleet: Fleet) {
     eventually("b forgets it", || on_b.peer_working_set_tokens() == 0).await;
     fleet.shutdown_gateways().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_gets_a_refusal_in_its_stream_where_it_retries_it() {
+    // Codex takes an HTTP 429 for final; a stream that fails with `rate_limit_exceeded` it
+    // retries after the delay the message names.
+    let extra = format!("{STILL}{}", team("limited", "requests_per_minute = 1"));
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let base = fleet.base_url();
+    let first = call(&base, Some("limited"), hello(), &[]).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let mut streamed = hello();
+    streamed["stream"] = json!(true);
+    let send = |originator: Option<&'static str>| {
+        let mut req = reqwest::Client::new()
+            .post(format!("{base}/v1/responses"))
+            .bearer_auth(key("limited"))
+            .json(&streamed);
+        if let Some(o) = originator {
+            req = req.header("originator", o);
+        }
+        req.send()
+    };
+    let resp = send(Some("codex_exec")).await.unwrap();
+    if resp.status() != 200 {
+        panic!("{}: {}", resp.status(), resp.text().await.unwrap());
+    }
+    assert_eq!(resp.headers()["x-ratelimit-remaining-requests"], "0");
+    let events = read_sse(resp).await;
+    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.failed"
+        ]
+    );
+    let error = &events[2].data["response"]["error"];
+    assert_eq!(error["code"], "rate_limit_exceeded");
+    let message = error["message"].as_str().unwrap();
+    let secs: u64 = message
+        .rsplit_once("try again in ")
+        .and_then(|(_, rest)| rest.strip_suffix("s."))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no delay in {message:?}"));
+    assert!((1..=60).contains(&secs), "{message}");
+    // Nothing was stored under the refused response's id.
+    let id = events[0].data["response"]["id"].as_str().unwrap();
+    let stored = reqwest::Client::new()
+        .get(format!("{base}/v1/responses/{id}"))
+        .bearer_auth(key("limited"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stored.status(), 404);
+    // Any other client gets the HTTP 429 with Retry-After.
+    let other = send(None).await.unwrap();
+    assert_eq!(other.status(), 429);
+    assert!(other.headers().get("retry-after").is_some());
+    fleet.shutdown().await;
+}

@@ -27,7 +27,8 @@ for i = 1, #KEYS do
     reset_after = tat - now
     retry_after = -1
     too_large = 1
-  elseif allow_at > now then
+  elseif allow_at > now + 0.001 then
+    -- (0.001: tat' - period is now for the budget's last unit only up to float rounding.)
     passed = 0
     remaining = math.floor((now - (tat - period)) / per + 1e-6)
     reset_after = tat - now
