@@ -5,8 +5,13 @@
 //! are skipped, label values may hold escaped quotes, commas and braces, values may be `NaN` or
 //! `±Inf` (such samples are dropped: they carry no usable reading), and a trailing timestamp is
 //! accepted. Malformed lines are skipped, never fatal. One metric may appear under several label
-//! sets (one per `model_name`, per data-parallel `engine`, per SGLang `cache_source`):
-//! counts and counters are summed over them, fractions are combined as stated per field.
+//! sets (one per `model_name`, per data-parallel `engine`, per SGLang `cache_source` or
+//! `dp_rank`): counts and counters are summed over them, fractions are combined as stated per
+//! field. SGLang's copies of one scheduler's figures are read once: with
+//! `--enable-metrics-for-all-schedulers` every tensor-, pipeline- and expert-parallel rank
+//! exports them, and only rank 0 (`tp_rank`, `pp_rank`, `moe_ep_rank`, `attn_tp_rank` absent
+//! or `"0"`) counts; with priority scheduling the per-priority breakdown (`priority="N"`) is
+//! skipped for the total (`priority=""`).
 //!
 //! Names read, newest first where an engine renamed a metric:
 //!
@@ -143,6 +148,27 @@ mod sglang {
         PD_QUEUES[2],
         PD_QUEUES[3],
     ];
+
+    /// Ranks whose schedulers all export the same figures when SGLang runs with
+    /// `--enable-metrics-for-all-schedulers`: only rank 0 of each counts (data-parallel ranks,
+    /// `dp_rank`, each have their own queue and KV pool, and add up).
+    const REPLICATED_RANKS: &[&str] = &["tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank"];
+
+    /// Whether a series counts: not another rank's copy of rank 0's figures, and not a
+    /// per-priority breakdown (with priority scheduling the total is the series with
+    /// `priority=""`).
+    pub fn counts(labels: &[(&str, String)]) -> bool {
+        labels.iter().all(|(name, value)| {
+            let value = value.trim();
+            if REPLICATED_RANKS.contains(name) {
+                value.is_empty() || value == "0"
+            } else if *name == "priority" {
+                value.is_empty()
+            } else {
+                true
+            }
+        })
+    }
 }
 
 /// Parse Prometheus text exposition for a flavor; sums over label sets (e.g. several model_name or
@@ -160,6 +186,9 @@ pub fn parse_metrics(flavor: Flavor, text: &str) -> EngineMetrics {
         };
         if flavor == Flavor::Vllm && sample.name == vllm::CACHE_CONFIG {
             collected.add_cache_config(&sample.labels);
+            continue;
+        }
+        if flavor == Flavor::Sglang && !sglang::counts(&sample.labels) {
             continue;
         }
         if flavor == Flavor::Sglang && sample.name == sglang::CACHE_CONFIG {
@@ -645,6 +674,28 @@ sglang:time_to_first_token_seconds_bucket{le="0.001",model_name="meta-llama/Llam
         assert_eq!(metrics.block_size, Some(64));
         let prefill = "sglang:num_prefill_bootstrap_queue_reqs 4\n";
         assert_eq!(parse_metrics(Flavor::Sglang, prefill).waiting, Some(4.0));
+    }
+
+    #[test]
+    fn sglang_ranks_count_once_per_data_parallel_rank_and_priorities_once() {
+        // Two data-parallel ranks of two tensor-parallel ranks each, all exporting
+        // (`--enable-metrics-for-all-schedulers`), with priority scheduling's breakdown.
+        let mut text = String::new();
+        for dp in 0..2 {
+            for tp in 0..2 {
+                let labels = format!("model_name=\"m\",engine_type=\"unified\",tp_rank=\"{tp}\",pp_rank=\"0\",moe_ep_rank=\"0\",dp_rank=\"{dp}\"");
+                text += &format!("sglang:num_running_reqs{{{labels},priority=\"\"}} 6\n");
+                text += &format!("sglang:num_running_reqs{{{labels},priority=\"0\"}} 4\n");
+                text += &format!("sglang:num_running_reqs{{{labels},priority=\"1\"}} 2\n");
+                text += &format!("sglang:num_queue_reqs{{{labels},priority=\"\"}} 10\n");
+                text += &format!("sglang:num_queue_reqs{{{labels},priority=\"5\"}} 10\n");
+                text += &format!("sglang:max_total_num_tokens{{{labels}}} 100000\n");
+            }
+        }
+        let metrics = parse_metrics(Flavor::Sglang, &text);
+        assert_eq!(metrics.running, Some(12.0));
+        assert_eq!(metrics.waiting, Some(20.0));
+        assert_eq!(metrics.max_total_tokens, Some(200_000));
     }
 
     #[test]
