@@ -579,7 +579,7 @@ pub struct DisaggregationConfig {
     /// Header naming the parent session of a sub-agent's call (its value: the parent's
     /// session id as the parent sends it in its session header).
     pub parent_header: String,
-    /// Also recognise sub-agents by Codex's and Claude Code's native headers.
+    /// Also recognise sub-agents by Codex's, Claude Code's and OpenCode's native headers.
     pub native_parent_headers: bool,
     /// Recognise sub-agents whose headers name no parent by the prefix their prompt shares
     /// with an active session (`agentgate_scheduler::prefix_lineage`).

@@ -61,7 +61,7 @@
 //! (`agentgate_pd_fallbacks_total{pool,cause}`, cause `prefill_failed` or `transfer_failed`),
 //! moves of the prefill half of session pins (`agentgate_pd_prefill_pin_moves_total{pool,cause}`),
 //! calls placed as a sub-agent's by where the parent came from
-//! (`agentgate_pd_sub_agent_calls_total{pool,source}`: `header`, `codex`, `claude_code`, or
+//! (`agentgate_pd_sub_agent_calls_total{pool,source}`: `header`, `codex`, `claude_code`, `opencode`, or
 //! `prefix` for a parent found by shared prefix, `agentgate_scheduler::prefix_lineage`)
 //! and the latency of each leg (`agentgate_pd_leg_duration_seconds{pool,leg}`: `prefill` until
 //! the KV cache is ready for decode, `decode` from then to the first token).
@@ -478,7 +478,7 @@ impl Metrics {
             ),
             pd_sub_agent_calls: CounterVec::new(
                 "agentgate_pd_sub_agent_calls_total",
-                "Calls of pools with prefill endpoints placed as a sub-agent's, by where the parent came from (header, codex, claude_code, or prefix: found by the prefix shared with an active session).",
+                "Calls of pools with prefill endpoints placed as a sub-agent's, by where the parent came from (header, codex, claude_code, opencode, or prefix: found by the prefix shared with an active session).",
                 ["pool", "source"],
             ),
             pd_leg_duration: HistogramVec::new(

@@ -22,6 +22,9 @@
 //!      `<session>/agent:<parent agent id>`, or the session itself when no parent agent is
 //!      named. A parent that never ran on its own agent id has no pins under that key; the
 //!      prefix index then finds its prefix.
+//!    - **OpenCode**: a child session's requests carry `x-parent-session-id` (the parent
+//!      session's id) beside its own `X-Session-Id`. Parent `h:<parent id>`, the key of the
+//!      parent's own requests; own: the request's session key.
 //!
 //! Header keys are built as [`crate::session_key()`] builds them (trimmed, `h:` prefix, long or
 //! unprintable values hashed), so a parent key equals the session key of the parent's own
@@ -45,13 +48,15 @@ pub const CODEX_THREAD_HEADER: &str = "thread-id";
 pub const CLAUDE_CODE_AGENT_HEADER: &str = "x-claude-code-agent-id";
 /// Claude Code: the agent that spawned this sub-agent.
 pub const CLAUDE_CODE_PARENT_AGENT_HEADER: &str = "x-claude-code-parent-agent-id";
+/// OpenCode: the session that spawned this one.
+pub const OPENCODE_PARENT_SESSION_HEADER: &str = "x-parent-session-id";
 
 /// Which lineage sources [`lineage`] reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LineageConfig {
     /// Header naming the parent's session id (matched case-insensitively; empty to read none).
     pub parent_header: String,
-    /// Whether Codex's and Claude Code's native sub-agent headers are read.
+    /// Whether Codex's, Claude Code's and OpenCode's native sub-agent headers are read.
     pub native_headers: bool,
 }
 
@@ -71,7 +76,7 @@ pub struct Lineage {
     pub parent: String,
     /// This sub-agent's own key, when the request names one apart from its parent's.
     pub own: Option<String>,
-    /// Where the lineage came from: `header`, `codex` or `claude_code`.
+    /// Where the lineage came from: `header`, `codex`, `claude_code` or `opencode`.
     pub source: &'static str,
 }
 
@@ -134,6 +139,16 @@ pub fn lineage(
             parent,
             own: Some(agent_key(agent)),
             source: "claude_code",
+        });
+    }
+    if let Some(parent) = header(headers, OPENCODE_PARENT_SESSION_HEADER)
+        .and_then(|v| header_key(OPENCODE_PARENT_SESSION_HEADER, v))
+    {
+        let own = session.filter(|s| *s != parent).map(str::to_string);
+        return Some(Lineage {
+            parent,
+            own,
+            source: "opencode",
         });
     }
     None
@@ -240,5 +255,21 @@ mod tests {
         assert!(own.starts_with("h:s1/agent#") && own.len() < 64, "{own}");
         // Without a session key there is nothing to hang the agent off.
         assert_eq!(of(&first[1..], None), None);
+    }
+
+    #[test]
+    fn opencode_child_sessions_name_their_parent_session() {
+        let child = [
+            ("X-Session-Id", "ses_child"),
+            ("x-session-affinity", "ses_child"),
+            ("x-parent-session-id", "ses_parent"),
+        ];
+        let l = of(&child, Some("h:ses_child")).unwrap();
+        assert_eq!(
+            (l.parent.as_str(), l.own.as_deref(), l.source),
+            ("h:ses_parent", Some("h:ses_child"), "opencode")
+        );
+        // The parent's own requests carry no parent header.
+        assert_eq!(of(&child[..2], Some("h:ses_parent")), None);
     }
 }
