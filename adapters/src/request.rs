@@ -214,7 +214,19 @@ pub fn build_chat_request(
     }
     if let Some(format) = req.get("text").and_then(|t| t.get("format")) {
         if let Some(response_format) = translate_text_format(format)? {
-            body.insert("response_format".into(), response_format);
+            // OpenAI holds the answer to the format, not the tool calls before it. An engine's
+            // `response_format` constrains every token it generates, so a turn that may call
+            // tools would never get to call one: the format is asked for in the instructions
+            // instead (the first system message, the same every turn, so the cached prefix
+            // holds). A compaction's summary is the gateway's and keeps its own form.
+            let may_call_tools = body.contains_key("tools")
+                && body.get("tool_choice").and_then(Value::as_str) != Some("none");
+            if compaction {
+            } else if may_call_tools {
+                ask_for_format(&mut body, &response_format);
+            } else {
+                body.insert("response_format".into(), response_format);
+            }
         }
     }
     if let Some(effort) = req
@@ -263,6 +275,36 @@ fn includes(req: &Value, value: &str) -> bool {
     req.get("include")
         .and_then(Value::as_array)
         .is_some_and(|include| include.iter().any(|entry| entry.as_str() == Some(value)))
+}
+
+/// Append to the first system message (or add one) the instruction to answer in `format` (a
+/// chat `response_format`) when answering rather than calling a tool.
+fn ask_for_format(body: &mut Map<String, Value>, format: &Value) {
+    let instruction = match format.get("json_schema") {
+        Some(spec) => format!(
+            "When you answer with a message rather than a tool call, the message must be only a \
+             JSON value that matches this JSON Schema (\"{}\"): {}",
+            spec.get("name").and_then(Value::as_str).unwrap_or("schema"),
+            spec.get("schema").unwrap_or(&Value::Null)
+        ),
+        None => "When you answer with a message rather than a tool call, the message must be \
+                 only a JSON object."
+            .to_string(),
+    };
+    let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) else {
+        return;
+    };
+    let system = messages
+        .first_mut()
+        .filter(|m| m.get("role").and_then(Value::as_str) == Some("system"));
+    match system.and_then(|m| m.get_mut("content")) {
+        Some(Value::String(text)) => {
+            text.push_str("\n\n");
+            text.push_str(&instruction);
+        }
+        Some(Value::Array(parts)) => parts.push(json!({"type": "text", "text": instruction})),
+        _ => messages.insert(0, json!({"role": "system", "content": instruction})),
+    }
 }
 
 fn translate_text_format(format: &Value) -> Result<Option<Value>, ApiError> {
@@ -920,10 +962,25 @@ mod tests {
         assert_eq!(body["temperature"], 0.2);
         assert_eq!(body["top_p"], 0.9);
         assert_eq!(body["user"], "u1");
+        // With tools to call, the format is asked for in the instructions: an engine's
+        // response_format would hold the tool calls to it too.
+        assert!(body.get("response_format").is_none());
+        assert_eq!(body["messages"][0]["role"], "system");
+        let system = body["messages"][0]["content"].as_str().unwrap();
+        assert!(
+            system.ends_with(r#"matches this JSON Schema ("answer"): {"type":"object"}"#),
+            "{system}"
+        );
+        // Without tools, the engine holds the answer to it.
+        let mut no_tools = req.clone();
+        no_tools.as_object_mut().unwrap().remove("tools");
+        no_tools.as_object_mut().unwrap().remove("tool_choice");
+        let plain = build_chat_request(&no_tools, &[], &input, &vllm()).unwrap();
         assert_eq!(
-            body["response_format"],
+            plain.body["response_format"],
             json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": true}})
         );
+        assert_eq!(plain.body["messages"][0]["role"], "user");
         assert_eq!(body["reasoning_effort"], "high");
         assert_eq!(body["tool_choice"], "required");
         assert_eq!(body["parallel_tool_calls"], false);
