@@ -1017,8 +1017,10 @@ pub fn carries_output(chunk: &Value) -> bool {
 
 /// The `error.code` of an error chunk (whose message is `message`) that reports a fault of the
 /// request rather than of the engine: `context_length_exceeded` for a prompt over the context
-/// window (as OpenAI codes it, and as Codex needs to compact), `invalid_request` for another
-/// error coded 4xx, the codes an engine's HTTP 400 gets; `None` for an engine failure.
+/// window (as OpenAI codes it, and as Codex needs to compact), `invalid_prompt` for another
+/// error coded 4xx (OpenAI's code for a request the model cannot run, which Codex does not
+/// send again; it retries a stream that fails with any code it does not know); `None` for an
+/// engine failure.
 fn request_fault_code(chunk: &Value, message: &str) -> Option<&'static str> {
     if is_context_overflow(message) {
         return Some("context_length_exceeded");
@@ -1033,7 +1035,7 @@ fn request_fault_code(chunk: &Value, message: &str) -> Option<&'static str> {
         .and_then(Value::as_u64);
     status
         .is_some_and(|c| (400..500).contains(&c))
-        .then_some("invalid_request")
+        .then_some("invalid_prompt")
 }
 
 /// Whether an engine error's message says the engine itself died, whatever the error's code:
@@ -1928,7 +1930,7 @@ mod tests {
     fn an_error_chunk_about_the_request_fails_with_its_code() {
         // A prompt over the context window reported in the stream gets OpenAI's code (Codex
         // compacts on it; `server_error` would have it resend the same prompt), another fault
-        // of the request (coded 4xx) the code of an engine's HTTP 400.
+        // of the request (coded 4xx) OpenAI's `invalid_prompt`, which Codex does not resend.
         for (chunk, code) in [
             (
                 json!({"error": {"message": "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens.", "code": 400}}),
@@ -1936,7 +1938,7 @@ mod tests {
             ),
             (
                 json!({"object": "error", "message": "invalid tool schema", "code": 400}),
-                "invalid_request",
+                "invalid_prompt",
             ),
         ] {
             let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());

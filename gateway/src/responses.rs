@@ -601,7 +601,9 @@ fn finished_or_error(response: Value) -> Result<Value, HttpError> {
         Some(CONTEXT_LENGTH_EXCEEDED) => {
             HttpError::invalid(message, Some("input"), Some(CONTEXT_LENGTH_EXCEEDED))
         }
-        Some(code @ "invalid_request") => HttpError::invalid(message, None, Some(code)),
+        // A fault of the request the engine reported in its stream: the 400 its HTTP answer
+        // would have been.
+        Some("invalid_prompt") => HttpError::invalid(message, None, Some("invalid_request")),
         _ => HttpError::server(502, message, "upstream_error").with_retry_after(1),
     })
 }
