@@ -284,9 +284,10 @@ impl Pool {
     }
 }
 
-/// A new endpoint takes `e.slot`: drop whatever the prefix index learnt for that slot.
+/// A new endpoint takes `e.slot`: drop whatever the prefix index learnt for that slot, and
+/// the capacity of the engine that had it.
 fn forget_slot(index: &PrefixIndex, e: &Endpoint) {
-    index.clear(e.slot);
+    index.reset(e.slot);
 }
 
 /// All pools, indexed by every model name and alias clients may use.

@@ -508,6 +508,22 @@ impl PrefixIndex {
         s.publish(&lru);
     }
 
+    /// Hand a slot to another endpoint: forget everything it holds and return it to the
+    /// default capacity, until the new endpoint's engine reports its own
+    /// ([`PrefixIndex::set_capacity`]); the old engine's size would be wrong for it.
+    pub fn reset(&self, slot: usize) {
+        self.clear(slot);
+        let table = self.read();
+        let Some(s) = table.slots.get(slot) else {
+            return;
+        };
+        let mut lru = lock(&s.lru);
+        let mut changes = Vec::new();
+        lru.set_capacity(self.default_capacity, &mut changes);
+        apply(&table, slot, &changes);
+        s.publish(&lru);
+    }
+
     /// Make sure `slot` exists (when below [`MAX_SLOTS`]).
     fn grow(&self, slot: usize) {
         if slot >= MAX_SLOTS || slot < self.read().slots.len() {
@@ -1014,6 +1030,22 @@ mod tests {
         index.clear(1);
         assert_eq!(index.held_chunks(1), 0);
         assert_eq!(index.score(&prompt, &[1, 0]), vec![0.0, 0.25]);
+    }
+
+    #[test]
+    fn a_slot_handed_to_another_endpoint_returns_to_the_default_capacity() {
+        let index = PrefixIndex::new(2, config(16, 48)); // 12 chunks by default
+        index.set_capacity(0, 16); // a small engine: 4 chunks
+        index.record(0, &[1, 2, 3]);
+        index.clear(0);
+        assert_eq!(
+            index.capacity_chunks(0),
+            4,
+            "a restart keeps the engine's size"
+        );
+        index.record(0, &[1, 2, 3]);
+        index.reset(0);
+        assert_eq!((index.held_chunks(0), index.capacity_chunks(0)), (0, 12));
     }
 
     #[test]
