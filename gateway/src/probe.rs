@@ -75,18 +75,22 @@ pub async fn scrape(
             peer_in_flight: endpoint.peer_in_flight(),
         });
     }
-    if let Some(queries) = metrics.prefix_cache_queries {
-        if endpoint.engine_restarted(queries) {
-            // Its cache is empty, whatever the index last knew of it.
-            if let Some(index) = pool
-                .picker
-                .prefix_index()
-                .filter(|_| !endpoint.is_retired())
-            {
-                index.clear(endpoint.slot);
-            }
-            tracing::info!(pool = %pool.name, endpoint = %endpoint.name, "engine restarted (its counters started over); its cache is empty");
+    // A counter that went back, or one that is gone (SGLang's appears only once a request
+    // finished), says the engine restarted.
+    let restarted = match metrics.prefix_cache_queries {
+        Some(queries) => endpoint.engine_restarted(queries),
+        None => endpoint.lifetime_counter_vanished(),
+    };
+    if restarted {
+        // Its cache is empty, whatever the index last knew of it.
+        if let Some(index) = pool
+            .picker
+            .prefix_index()
+            .filter(|_| !endpoint.is_retired())
+        {
+            index.clear(endpoint.slot);
         }
+        tracing::info!(pool = %pool.name, endpoint = %endpoint.name, "engine restarted (its counters started over); its cache is empty");
     }
     if let Some(tokens) = metrics.kv_capacity_tokens() {
         // An engine reporting an absurd capacity (a bug, a bad exporter) must not make its

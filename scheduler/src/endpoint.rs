@@ -442,6 +442,14 @@ impl Endpoint {
         last != u64::MAX && lifetime_counter < f64::from_bits(last)
     }
 
+    /// The engine's metrics came without the lifetime counter it reported before: whether it
+    /// had one, i.e. the engine restarted (SGLang exports its prompt-token counter only once a
+    /// request finished, so a restarted SGLang has none for a while). The next counter
+    /// reported starts over.
+    pub fn lifetime_counter_vanished(&self) -> bool {
+        self.live.lifetime_counter.swap(u64::MAX, Ordering::Relaxed) != u64::MAX
+    }
+
     /// Whether the engine reported a lifetime counter ([`Endpoint::engine_restarted`]), by
     /// which its restarts are told apart from failed probes.
     pub fn tells_restarts(&self) -> bool {
@@ -807,5 +815,11 @@ mod tests {
         assert!(!ep.engine_restarted(40.0));
         assert!(!ep.engine_restarted(f64::NAN), "no reading");
         assert!(!ep.engine_restarted(60.0));
+        // The counter is gone (a restarted SGLang has none until a request finishes): a
+        // restart, once; the next counter is a first reading again.
+        assert!(ep.lifetime_counter_vanished());
+        assert!(!ep.lifetime_counter_vanished());
+        assert!(!ep.engine_restarted(5.0));
+        assert!(ep.tells_restarts());
     }
 }
