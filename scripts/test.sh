@@ -3,8 +3,10 @@
 #   1. installs redis-server from Debian packages if it is missing, and starts one on a free
 #      loopback port (stopped again on exit);
 #   2. creates a Python venv in .venv with the official `openai` SDK and pytest, and installs
-#      the Codex CLI from npm into .tools/codex;
-#   3. runs the Rust tests (unit, integration, end-to-end) and the Python SDK tests.
+#      the Codex CLI from npm into .tools/codex (python3-venv and npm from Debian packages if
+#      they are missing);
+#   3. runs the Rust tests (unit, integration, end-to-end) and the Python SDK tests: every
+#      group, whatever failed before it; the script fails if any test did.
 # Usage: scripts/test.sh            (from anywhere; it works from the repository root)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -40,6 +42,11 @@ log "redis-server on 127.0.0.1:${redis_port}"
 
 # --- Python venv with the official SDK ---------------------------------------------------------
 if [ ! -x .venv/bin/python ]; then
+  if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    log "installing python3-venv (Debian package)"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+  fi
   log "creating .venv"
   python3 -m venv .venv
 fi
@@ -47,6 +54,11 @@ log "installing Python test requirements"
 .venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 
 # --- Codex CLI (from npm), for the client-compatibility test ---------------------------------
+if ! command -v npm >/dev/null 2>&1; then
+  log "installing npm (Debian package)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
+fi
 codex_version=0.171.0
 if [ ! -x .tools/codex/node_modules/.bin/codex ] || \
    ! grep -q "\"version\": \"$codex_version\"" .tools/codex/node_modules/@openai/codex/package.json 2>/dev/null; then
@@ -62,10 +74,18 @@ log "building"
 # cache; developers who run this repeatedly can set CARGO_INCREMENTAL=1.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 cargo build --workspace --all-targets --locked
+# Every group runs, whatever failed before it, and the script fails if any did.
+failed=()
 log "Rust tests"
-cargo test --workspace --locked
+cargo test --workspace --locked --no-fail-fast || failed+=("Rust tests")
 
 # --- Python -------------------------------------------------------------------------------------
 log "Python SDK tests"
 export AGENTGATE_BIN="$root/target/debug/agentgate"
-.venv/bin/python -m pytest tests/python -q
+.venv/bin/python -m pytest tests/python -q || failed+=("Python SDK tests")
+
+if [ "${#failed[@]}" -gt 0 ]; then
+  log "FAILED: ${failed[*]}"
+  exit 1
+fi
+log "every test passed"

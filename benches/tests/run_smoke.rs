@@ -567,6 +567,11 @@ async fn killing_a_replica_mid_run_loses_no_request_and_is_reported() {
         "nothing is served by a dead replica"
     );
     assert!(kill.requests_after > 0, "the replay went on after the kill");
+    assert_eq!(
+        kill.errors_after, 0,
+        "a request sent after the kill runs on the other replica (refused at connect, it is \
+         sent again): {kill:?}"
+    );
     assert!(
         kill.hit_ratio_after_60s.is_some(),
         "requests sent after the kill still succeed on the other replica: {kill:?}"

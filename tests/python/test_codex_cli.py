@@ -436,6 +436,7 @@ def test_codex_remote_compaction_round_trip(codex_bin, gateway, tmp_path):
     ctx = f"{_context(codex, second)}\nturns: {new}"
     assert [t.get("compaction") for t in new] == ["true", "false"], ctx
     assert all(t.get("status") == "completed" for t in new), ctx
+    assert after_first > before, f"the first run sent no turn\n{ctx}"
     assert all(t.get("compaction") == "false" for t in gateway.turns()[before:after_first]), ctx
 
     # Codex replaced the thread's history with its user messages and the gateway's item.

@@ -279,7 +279,12 @@ async fn conversation_items_and_responses_in_a_conversation() -> TestResult {
             _ => None,
         })
         .collect();
-    assert_eq!(roles.len(), 3, "{items:?}");
+    // Newest first: the answer, then the turn's input, then the conversation's first item.
+    assert_eq!(
+        roles,
+        [MessageRole::Assistant, MessageRole::User, MessageRole::User],
+        "{items:?}"
+    );
     let deleted = client.conversations().delete(&conversation.id).await?;
     assert!(deleted.deleted);
     gateway.shutdown().await;

@@ -1230,6 +1230,61 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
     fleet.shutdown().await;
 }
 
+/// SGLang starts a streaming request's stream and then reports the prompt over its context
+/// window in it: `truncation: auto` still drops the middle and runs the request again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncation_auto_applies_when_sglang_reports_the_overflow_in_its_stream() {
+    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+        flavor: agentgate_sim::Flavor::Sglang,
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        model: "sim-model".into(),
+        time_scale: 0.0,
+        max_model_len: Some(400),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let gw = start_gateway(&format!(
+        "[[pools]]\nname = \"p\"\nmodel = \"sim-model\"\nflavor = \"sglang\"\nendpoints = [\"{}\"]\n",
+        sim.base_url()
+    ))
+    .await;
+    let base = gw.base_url();
+    let words = "alpha beta gamma delta epsilon zeta eta theta iota kappa ".repeat(4);
+    let mut input = vec![json!({"role": "user", "content": "the task"})];
+    for n in 0..12 {
+        let call = format!("c{n}");
+        input.push(
+            json!({"type": "function_call", "call_id": call, "name": "shell", "arguments": "{}"}),
+        );
+        input.push(json!({"type": "function_call_output", "call_id": call, "output": words}));
+    }
+    input.push(json!({"role": "user", "content": "and now?"}));
+    let mut body = json!({"model": "sim-model", "input": input, "store": false, "max_output_tokens": 16,
+                          "tools": [{"type": "function", "name": "shell"}]});
+    let (s, r) = create(&base, body.clone()).await;
+    assert_eq!(s, 400, "{r}");
+    assert_eq!(r["error"]["code"], "context_length_exceeded", "{r}");
+    body["truncation"] = json!("auto");
+    let (s, r) = create(&base, body.clone()).await;
+    assert_eq!(s, 200, "{r}");
+    assert!(r["usage"]["input_tokens"].as_u64().unwrap() < 400);
+    body["stream"] = json!(true);
+    let events = read_sse(post_response(&base, &body).await).await;
+    assert_sequence_numbers(&events);
+    let last = events.last().unwrap();
+    assert!(
+        matches!(
+            last.event.as_str(),
+            "response.completed" | "response.incomplete"
+        ),
+        "{:?}",
+        event_kinds(&events)
+    );
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_policy_keeps_a_conversation_where_its_cache_is() {
     let fleet = Fleet::of(3).policy("prefix").start().await;
@@ -1548,20 +1603,18 @@ async fn a_pin_whose_endpoint_name_now_stands_for_another_engine_is_gone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pin_lives_its_ttl_after_the_sessions_last_turn_not_after_its_first() {
-    let fleet = Fleet::of(2)
-        .extra("[store]\npin_ttl_s = 1.5\n")
-        .start()
-        .await;
+    let fleet = Fleet::of(2).extra("[store]\npin_ttl_s = 6\n").start().await;
     let base = fleet.base_url();
     let turn = || async { session_turn(&base, "busy").await.1 };
     let store = fleet.gateway().state().store.clone();
     turn().await;
     let first = store.get_pin("sim", "h:busy").await.unwrap().unwrap();
-    // A turn a second later stays on the pin and refreshes it.
-    tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+    // A turn 4 s later stays on the pin and refreshes it.
+    tokio::time::sleep(std::time::Duration::from_millis(4000)).await;
     assert_eq!(turn().await, "pin");
-    // Past the TTL counted from the first turn, within it counted from the second.
-    tokio::time::sleep(std::time::Duration::from_millis(900)).await;
+    // Past the TTL counted from the first turn (7.5 s), well within it counted from the second
+    // (3.5 s, whatever the turn took).
+    tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
     let pin = store.get_pin("sim", "h:busy").await.unwrap();
     assert_eq!(
         pin,
@@ -2579,21 +2632,31 @@ async fn a_follow_closes_when_shutdown_starts_and_the_run_finishes() {
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     let follow = tokio::spawn(read_sse(resp));
+    let state = fleet.gateway().state().clone();
     let shutdown = tokio::spawn(fleet.shutdown());
     // The follow ends at the start of the shutdown, before the run's terminal event (it would
     // otherwise follow to the end: the grace is two minutes); the run still finishes.
     let events = follow.await.unwrap();
+    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(kinds.first(), Some(&"response.created"), "{kinds:?}");
     let terminal = [
         "response.completed",
         "response.incomplete",
         "response.failed",
     ];
-    assert!(
-        events.iter().all(|e| !terminal.contains(&e.event.as_str())),
-        "{:?}",
-        events.iter().map(|e| &e.event).collect::<Vec<_>>()
-    );
+    assert!(kinds.iter().all(|k| !terminal.contains(k)), "{kinds:?}");
     shutdown.await.unwrap();
+    let record = state
+        .store
+        .get(agentgate::auth::OPEN_TEAM, &id)
+        .await
+        .unwrap()
+        .expect("stored");
+    assert_eq!(
+        record.response["status"], "incomplete",
+        "the run went on to its token limit: {}",
+        record.response
+    );
 }
 
 /// The drain signal is raised even when nothing watches it yet: a follow whose task only starts

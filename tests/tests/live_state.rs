@@ -156,8 +156,13 @@ async fn a_replica_back_from_a_restart_is_indexed_as_holding_nothing() {
     eventually("the replica is taken out", || !served.is_available()).await;
     clear_sim_faults(&fleet.sims()[i]).await;
     eventually("the replica returns", || served.is_available()).await;
-    // (Scrapes after its return, which would tell a restart.)
-    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    // Two whole scrape rounds after its return, which would tell a restart.
+    let metrics = &fleet.gateway().state().metrics;
+    let scrapes = metrics.probe_duration.count(["sim", "metrics"]);
+    eventually("two more scrape rounds", || {
+        metrics.probe_duration.count(["sim", "metrics"]) >= scrapes + 6
+    })
+    .await;
     assert_eq!(index.held_chunks(served.slot), held);
 
     // It restarts: its cache is gone, and the index forgets it too.
@@ -402,7 +407,8 @@ async fn a_replica_whose_health_check_answers_late_stays_in() {
     set_sim_fault(&fleet.sims()[1], json!({"health_stall_ms": 1200})).await;
     let metrics = &fleet.gateway().state().metrics;
     let before = metrics.probe_duration.count(["sim", "health"]);
-    // Three health rounds with the late answers (two probes each).
+    // Three whole health rounds with the late answers (two probes a round, and the round under
+    // way when the fault was set may have missed it).
     eventually("three health rounds", || {
         metrics.probe_duration.count(["sim", "health"]) >= before + 8
     })
