@@ -31,7 +31,9 @@ pub use reasoning_blob::{decode_reasoning_blob, encode_reasoning_blob};
 pub use request::{
     build_chat_request, includes_encrypted_reasoning, ChatPlan, HostedToolPolicy, TranslateOptions,
 };
-pub use stream::{carries_output, failure_without_output, ResponseStream, SseEvent};
+pub use stream::{
+    carries_output, context_overflow_in_chunk, failure_without_output, ResponseStream, SseEvent,
+};
 pub use tools::{ToolName, ToolNameMap};
 
 /// Which engine dialect of Chat Completions an endpoint speaks.

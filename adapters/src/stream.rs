@@ -995,6 +995,12 @@ pub fn failure_without_output(chunk: &Value) -> Option<String> {
     ))
 }
 
+/// The message of an engine error chunk that reports the prompt over the context window
+/// (SGLang reports it so once a streaming request's stream started).
+pub fn context_overflow_in_chunk(chunk: &Value) -> Option<String> {
+    engine_error_message(chunk).filter(|message| is_context_overflow(message))
+}
+
 /// Whether an engine chunk carries output: text, reasoning or a tool call. vLLM's first chunk
 /// (the assistant role, empty content) does not; it comes just before the first token, and
 /// also before the `abort` of a request that never had one.

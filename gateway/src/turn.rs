@@ -381,7 +381,15 @@ pub async fn open_turn(
             known_pin,
             &turn.failed_slots,
         );
-        let routed = routed.await;
+        let mut routed = routed.await;
+        // SGLang reports a prompt over its context window in the stream it has started (200,
+        // then the error): read the first chunk first when a shorter prompt can be tried.
+        if (auto || turn.plan.compaction) && turn.pool.flavor == agentgate_adapters::Flavor::Sglang
+        {
+            if let Ok((stream, placed)) = routed {
+                routed = overflow_in_stream(stream, placed).await;
+            }
+        }
         // No truncation helps when the output budget alone fills the window (a compaction's
         // budget is the gateway's, and it summarizes less of the history instead).
         if let Some(err) = routed
@@ -446,6 +454,34 @@ pub async fn open_turn(
             other => return other,
         }
     }
+}
+
+/// The engine's answer, unless its first chunk reports the prompt over the context window:
+/// then the error its HTTP 400 would have been (`context_length_exceeded`), the request given
+/// up. The first chunk is put back otherwise.
+async fn overflow_in_stream(
+    mut stream: ChunkStream,
+    routed: Routed,
+) -> Result<(ChunkStream, Routed), HttpError> {
+    let first = stream.next().await;
+    if let Some(message) = first
+        .as_ref()
+        .and_then(|chunk| chunk.as_ref().ok())
+        .and_then(agentgate_adapters::context_overflow_in_chunk)
+    {
+        drop(stream);
+        drop(routed);
+        return Err(HttpError::invalid(
+            message,
+            Some("input"),
+            Some("context_length_exceeded"),
+        ));
+    }
+    let rest: ChunkStream = match first {
+        Some(first) => Box::pin(futures_util::stream::once(async move { first }).chain(stream)),
+        None => stream,
+    };
+    Ok((rest, routed))
 }
 
 /// The client's error when the engine refused a prompt as over its context window while the

@@ -160,6 +160,10 @@ struct ApiError {
     status: StatusCode,
     message: String,
     param: Option<&'static str>,
+    /// Reported in the stream: SGLang raises some errors once a streaming request's stream has
+    /// started (its tokenizer checks the prompt's length as the generation begins), so the
+    /// request gets 200, then the error as an SSE event (SGLang's shape) and `[DONE]`.
+    in_stream: bool,
 }
 
 impl ApiError {
@@ -168,6 +172,7 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             param: None,
+            in_stream: false,
         }
     }
     fn internal(message: impl Into<String>) -> Self {
@@ -175,9 +180,25 @@ impl ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             message: message.into(),
             param: None,
+            in_stream: false,
         }
     }
     fn into_response(self, flavor: Flavor) -> Response {
+        if self.in_stream {
+            let event = json!({
+                "object": "error",
+                "message": self.message,
+                "type": error_type(self.status),
+                "param": self.param,
+                "code": self.status.as_u16(),
+            });
+            let body = format!("data: {event}\n\ndata: [DONE]\n\n");
+            return (
+                [(axum::http::header::CONTENT_TYPE, "text/event-stream")],
+                body,
+            )
+                .into_response();
+        }
         error_response(flavor, self.status, &self.message, self.param)
     }
 }
@@ -192,6 +213,7 @@ fn parse_body(
             rejection.body_text()
         ),
         param: None,
+        in_stream: false,
     })?;
     match serde_json::from_slice::<Value>(&bytes) {
         Ok(Value::Object(map)) => Ok(map),
@@ -251,6 +273,7 @@ fn check_model(state: &AppState, body: &serde_json::Map<String, Value>) -> Resul
             status: StatusCode::NOT_FOUND,
             message: format!("The model `{model}` does not exist."),
             param: Some("model"),
+            in_stream: false,
         }),
         Some(_) => Err(ApiError::bad_request("`model` must be a string")),
     }
@@ -330,6 +353,7 @@ async fn serve(
             status,
             message: format!("simulated fault: status {}", status.as_u16()),
             param: None,
+            in_stream: false,
         });
     }
     let body = parse_body(body)?;
@@ -471,9 +495,17 @@ fn prepare(
     let max_model_len = state.config.effective_max_model_len();
     let prompt_len = tokens.len();
     if prompt_len >= max_model_len {
-        return Err(ApiError::bad_request(format!(
-            "This model's maximum context length is {max_model_len} tokens. However, your request has {prompt_len} input tokens. Please reduce the length of the input messages."
-        )));
+        return Err(match state.config.flavor {
+            Flavor::Vllm => ApiError::bad_request(format!(
+                "This model's maximum context length is {max_model_len} tokens. However, your request has {prompt_len} input tokens. Please reduce the length of the input messages."
+            )),
+            Flavor::Sglang => ApiError {
+                in_stream: body.get("stream").and_then(Value::as_bool) == Some(true),
+                ..ApiError::bad_request(format!(
+                    "The input ({prompt_len} tokens) is longer than the model's context length ({max_model_len} tokens)."
+                ))
+            },
+        });
     }
     let max_tokens = match as_count(body.get("max_completion_tokens"), "max_completion_tokens")? {
         Some(n) => Some(n),
@@ -805,6 +837,7 @@ async fn run_now(state: Shared, prepared: Prepared) -> Result<Response, ApiError
             status: StatusCode::SERVICE_UNAVAILABLE,
             message: "engine stopped".into(),
             param: None,
+            in_stream: false,
         })?;
     if prepared.stream {
         Ok(stream_response(state, prepared, events, handoff))
