@@ -142,13 +142,18 @@ pub fn build_chat_request(
     let tool_choice =
         translate_tool_choice(req.get("tool_choice"), &tools.names, opts.hosted_tools)?;
     let mut chat_tools = tools.chat_tools;
-    if let Some(allowed) = tool_choice.allowed.as_ref().filter(|_| !compaction) {
+    // (A compaction declares the tools its turns declared, so its prompt's prefix is theirs.)
+    if let Some(allowed) = tool_choice.allowed.as_ref() {
         chat_tools.retain(|tool| {
             tool["function"]["name"]
                 .as_str()
                 .is_some_and(|name| allowed.contains(name))
         });
     }
+    // Whether the turns of this request may call tools (a compaction's summary may not, but
+    // its prompt is rendered as theirs).
+    let may_call_tools = !chat_tools.is_empty()
+        && tool_choice.choice.as_ref().and_then(Value::as_str) != Some("none");
     if !chat_tools.is_empty() {
         body.insert("tools".into(), Value::Array(chat_tools));
         if compaction {
@@ -217,14 +222,12 @@ pub fn build_chat_request(
             // OpenAI holds the answer to the format, not the tool calls before it. An engine's
             // `response_format` constrains every token it generates, so a turn that may call
             // tools would never get to call one: the format is asked for in the instructions
-            // instead (the first system message, the same every turn, so the cached prefix
-            // holds). A compaction's summary is the gateway's and keeps its own form.
-            let may_call_tools = body.contains_key("tools")
-                && body.get("tool_choice").and_then(Value::as_str) != Some("none");
-            if compaction {
-            } else if may_call_tools {
+            // instead (the first system message, the same every turn and in a compaction, so
+            // the cached prefix holds). A compaction's summary is the gateway's and keeps its
+            // own form.
+            if may_call_tools {
                 ask_for_format(&mut body, &response_format);
-            } else {
+            } else if !compaction {
                 body.insert("response_format".into(), response_format);
             }
         }
@@ -1098,6 +1101,33 @@ mod tests {
         assert!(!plan.compaction);
         assert_eq!(plan.body["tool_choice"], "required");
         assert_eq!(plan.body["max_tokens"], 99999);
+    }
+
+    #[test]
+    fn a_compaction_renders_its_prompt_as_the_turns_before_it() {
+        // A text.format asked for in the instructions and a subset of allowed tools: the
+        // compaction's system message and tools are the turns', so its prefix is cached.
+        let req = json!({"instructions": "base",
+            "text": {"format": {"type": "json_object"}},
+            "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                            "tools": [{"type": "function", "name": "shell"}]},
+            "tools": [{"type": "function", "name": "shell", "parameters": {}},
+                      {"type": "function", "name": "edit", "parameters": {}}]});
+        let turn = normalize_input(&json!([{"role": "user", "content": "fix it"}])).unwrap();
+        let mut compact = turn.clone();
+        compact.extend(normalize_input(&json!([{"type": "compaction_trigger"}])).unwrap());
+        let normal = build_chat_request(&req, &[], &turn, &vllm()).unwrap().body;
+        let summary = build_chat_request(&req, &[], &compact, &vllm())
+            .unwrap()
+            .body;
+        assert_eq!(summary["messages"][0], normal["messages"][0]);
+        assert!(normal["messages"][0]["content"]
+            .as_str()
+            .unwrap()
+            .ends_with("only a JSON object."));
+        assert_eq!(summary["tools"], normal["tools"]);
+        assert_eq!(normal["tools"].as_array().map(Vec::len), Some(1));
+        assert!(summary.get("response_format").is_none());
     }
 
     #[test]
