@@ -160,9 +160,9 @@ struct ApiError {
     status: StatusCode,
     message: String,
     param: Option<&'static str>,
-    /// Reported in the stream: SGLang raises some errors once a streaming request's stream has
-    /// started (its tokenizer checks the prompt's length as the generation begins), so the
-    /// request gets 200, then the error as an SSE event (SGLang's shape) and `[DONE]`.
+    /// Reported in the stream: SGLang releases that check the prompt's length once a streaming
+    /// request's stream has started answer 200, then the error as an SSE event
+    /// (`{"error": {"object": "error", ...}}`) and `[DONE]` (newer ones answer 400 first).
     in_stream: bool,
 }
 
@@ -185,13 +185,13 @@ impl ApiError {
     }
     fn into_response(self, flavor: Flavor) -> Response {
         if self.in_stream {
-            let event = json!({
+            let event = json!({"error": {
                 "object": "error",
                 "message": self.message,
                 "type": error_type(self.status),
                 "param": self.param,
                 "code": self.status.as_u16(),
-            });
+            }});
             let body = format!("data: {event}\n\ndata: [DONE]\n\n");
             return (
                 [(axum::http::header::CONTENT_TYPE, "text/event-stream")],
@@ -846,14 +846,18 @@ async fn run_now(state: Shared, prepared: Prepared) -> Result<Response, ApiError
     }
 }
 
-/// Per-token delivery pacing and the first-token stall.
+/// Per-token delivery pacing and the first-token stall. A stall set globally ends early once
+/// the global faults no longer hold one (`DELETE /sim/faults`), so a test can hold requests
+/// as long as it needs and release them when it is done.
 struct Pacer {
     stall: Option<Duration>,
+    /// The replica, when the stall is the global one.
+    global: Option<Shared>,
     per_token: Duration,
 }
 
 impl Pacer {
-    fn new(state: &AppState, faults: &FaultSpec) -> Self {
+    fn new(state: &Shared, faults: &FaultSpec) -> Self {
         let slow = faults.slow.unwrap_or(1.0).max(1.0);
         let per_token = if state.config.time_scale > 0.0 {
             Duration::from_secs_f64(
@@ -862,15 +866,29 @@ impl Pacer {
         } else {
             Duration::ZERO
         };
+        let global = faults.stall_ms.is_some() && state.faults.global().stall_ms == faults.stall_ms;
         Pacer {
             stall: faults.stall_ms.map(Duration::from_millis),
+            global: global.then(|| Arc::clone(state)),
             per_token,
         }
     }
 
     async fn before(&mut self, count: usize) {
         if let Some(stall) = self.stall.take() {
-            tokio::time::sleep(stall).await;
+            let until = tokio::time::Instant::now() + stall;
+            match &self.global {
+                None => tokio::time::sleep_until(until).await,
+                Some(state) => {
+                    while state.faults.global().stall_ms.is_some() {
+                        let now = tokio::time::Instant::now();
+                        if now >= until {
+                            break;
+                        }
+                        tokio::time::sleep((until - now).min(Duration::from_millis(20))).await;
+                    }
+                }
+            }
         }
         if !self.per_token.is_zero() {
             tokio::time::sleep(self.per_token * count as u32).await;
