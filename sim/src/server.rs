@@ -846,9 +846,10 @@ async fn run_now(state: Shared, prepared: Prepared) -> Result<Response, ApiError
     }
 }
 
-/// Per-token delivery pacing and the first-token stall. A stall set globally ends early once
-/// the global faults no longer hold one (`DELETE /sim/faults`), so a test can hold requests
-/// as long as it needs and release them when it is done.
+/// Per-token delivery pacing and the first-token stall. A stall set globally follows the
+/// global faults while it lasts: it ends once they hold no stall (`DELETE /sim/faults`) or one
+/// already served, so a test can hold requests as long as it needs and release them when it is
+/// done.
 struct Pacer {
     stall: Option<Duration>,
     /// The replica, when the stall is the global one.
@@ -876,11 +877,12 @@ impl Pacer {
 
     async fn before(&mut self, count: usize) {
         if let Some(stall) = self.stall.take() {
-            let until = tokio::time::Instant::now() + stall;
+            let start = tokio::time::Instant::now();
             match &self.global {
-                None => tokio::time::sleep_until(until).await,
+                None => tokio::time::sleep(stall).await,
                 Some(state) => {
-                    while state.faults.global().stall_ms.is_some() {
+                    while let Some(ms) = state.faults.global().stall_ms {
+                        let until = start + Duration::from_millis(ms);
                         let now = tokio::time::Instant::now();
                         if now >= until {
                             break;

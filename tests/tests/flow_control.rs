@@ -521,8 +521,8 @@ async fn two_gateways_on_one_redis_hold_a_team_to_one_concurrency_cap() {
         .await;
     let (a, b) = (&fleet.gateways()[0], &fleet.gateways()[1]);
     let team_on = |gw: &Gateway| snapshot(gw).team("capped").unwrap().clone();
-    // Every first token is held back for 1.5 s: each request runs that long.
-    set_sim_fault(fleet.sim(), json!({"stall_ms": 1_500})).await;
+    // Every first token is held back, the first request's until the queues are checked.
+    set_sim_fault(fleet.sim(), json!({"stall_ms": 60_000})).await;
     let first = spawn_call(&a.base_url(), Some("capped"), hello(), &[]);
     eventually("b counts the team's request on a", || {
         team_on(b).peer_in_flight == 1
@@ -546,6 +546,8 @@ async fn two_gateways_on_one_redis_hold_a_team_to_one_concurrency_cap() {
     .await;
     let third = spawn_call(&a.base_url(), Some("capped"), hello(), &[]);
     eventually("the third request waits on a", || team_on(a).queued == 1).await;
+    // The first request goes on; the next ones are held 1.5 s.
+    set_sim_fault(fleet.sim(), json!({"stall_ms": 1_500})).await;
     assert_eq!(first.await.unwrap().status, 200);
     // The slot goes to the older request on b while the newer one on a still waits.
     eventually("the second request runs on b", || team_on(b).in_flight == 1).await;
@@ -1262,8 +1264,9 @@ async fn a_replica_whose_kv_working_set_is_full_takes_the_next_session_once_it_d
     let base = fleet.base_url();
     let endpoint = fleet.pool().endpoints()[0].clone();
     endpoint.set_kv_capacity_tokens(4_000);
-    // The first request holds its first token back for 10 s; what follows happens meanwhile.
-    set_sim_fault(fleet.sim(), json!({"stall_ms": 10_000})).await;
+    // The first request holds its first token back until the faults are cleared; what follows
+    // happens meanwhile.
+    set_sim_fault(fleet.sim(), json!({"stall_ms": 60_000})).await;
     // About 3,000 tokens of prompt: more than half the replica's KV.
     let long = json!({
         "model": "sim-model",
@@ -1362,7 +1365,8 @@ async fn gateways_listing_the_engines_in_another_order_exchange_about_the_same_e
             .to_vec()
     };
     for sim in &sims {
-        set_sim_fault(sim, json!({"stall_ms": 3_000})).await;
+        // (Held until the faults are cleared.)
+        set_sim_fault(sim, json!({"stall_ms": 60_000})).await;
     }
     let mut long = hello();
     long["input"] = json!("tell me about the weather in spring ".repeat(300));
@@ -1412,8 +1416,8 @@ async fn exchange_working_sets_and_sessions(fleet: Fleet) {
     let endpoint =
         |gw: &Gateway| gw.state().pools.for_model("sim-model").unwrap().endpoints()[0].clone();
     let (on_a, on_b) = (endpoint(a), endpoint(b));
-    // A turn held in flight on gateway a for a few seconds.
-    set_sim_fault(fleet.sim(), json!({"stall_ms": 3_000})).await;
+    // A turn held in flight on gateway a until the faults are cleared.
+    set_sim_fault(fleet.sim(), json!({"stall_ms": 60_000})).await;
     let session = [("x-session-id", "exchanged-session")];
     // A prompt of several prefix-index chunks (a chunk that is not full is not counted).
     let mut long = hello();
