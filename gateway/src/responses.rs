@@ -314,6 +314,12 @@ async fn prepare(
                 }
             }
             previous_answered(prev, &h.status)?;
+            // A response made in a conversation holds only its own turn: continued by its id,
+            // the conversation's earlier items would be silently left out. (Only a chain's
+            // root can be one: a continuation of it is refused here.)
+            if h.root_id == prev {
+                refuse_conversation_response(state, team, prev).await?;
+            }
             (h.items, Some(h.root_id))
         }
         (None, None) => (Vec::new(), None),
@@ -522,7 +528,12 @@ pub async fn compact(
         .and_then(|output| output.iter().find(|i| i["type"] == "compaction"))
         .cloned()
         .ok_or_else(|| {
-            HttpError::server(502, "The compaction produced no summary.", "upstream_error")
+            HttpError::server(
+                500,
+                "The compaction produced no summary.",
+                "compaction_failed",
+            )
+            .with_headers(vec![(SHOULD_RETRY_HEADER, "false".into())])
         })?;
     let mut output: Vec<Value> =
         agentgate_adapters::compaction::retained_user_messages(&done.history, &retained_input)
@@ -596,8 +607,10 @@ fn finished_or_error(response: Value) -> Result<Value, HttpError> {
         Some(code @ (turn::UNSTORED_CODE | turn::SHUTDOWN_CODE)) => {
             HttpError::server(503, message, code).with_retry_after(1)
         }
-        // The model wrote no summary: trying again the same way would do the same.
-        Some(code @ "compaction_failed") => HttpError::server(500, message, code),
+        // The model wrote no summary: trying again the same way would do the same (the
+        // OpenAI SDKs retry a 500 unless told not to).
+        Some(code @ "compaction_failed") => HttpError::server(500, message, code)
+            .with_headers(vec![(SHOULD_RETRY_HEADER, "false".into())]),
         Some(CONTEXT_LENGTH_EXCEEDED) => {
             HttpError::invalid(message, Some("input"), Some(CONTEXT_LENGTH_EXCEEDED))
         }
@@ -606,6 +619,37 @@ fn finished_or_error(response: Value) -> Result<Value, HttpError> {
         Some("invalid_prompt") => HttpError::invalid(message, None, Some("invalid_request")),
         _ => HttpError::server(502, message, "upstream_error").with_retry_after(1),
     })
+}
+
+/// The header by which the OpenAI SDKs are told whether to retry a failed request.
+const SHOULD_RETRY_HEADER: &str = "x-should-retry";
+
+/// 400 on `previous_response_id` when `prev` was created in a conversation, which holds the
+/// history it continues.
+async fn refuse_conversation_response(
+    state: &AppState,
+    team: &Team,
+    prev: &str,
+) -> Result<(), HttpError> {
+    let record = state.store.get(&team.0, prev).await.map_err(store_error)?;
+    let conversation = record.as_ref().and_then(|r| {
+        r.response
+            .pointer("/conversation/id")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    });
+    match conversation {
+        Some(conversation) => Err(HttpError::invalid(
+            format!(
+                "Response '{prev}' was created in conversation '{conversation}', which holds \
+                 the history it continues: send the next turn with 'conversation', not \
+                 'previous_response_id'."
+            ),
+            Some("previous_response_id"),
+            Some("invalid_value"),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Prepare, admit, place and run one Responses request from its parsed body.

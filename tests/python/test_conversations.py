@@ -37,6 +37,12 @@ def test_responses_in_a_conversation_read_and_extend_it(client):
     page = client.conversations.items.list(conv.id, limit=2)
     assert [i.id for i in page.data] == [i.id for i in reversed(items.data)][:2]
     assert page.has_more
+    # Continued by its id, a response made in the conversation would leave out the
+    # conversation's earlier items: refused, naming the way that keeps them.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="Once more?", previous_response_id=second.id)
+    assert err.value.param == "previous_response_id"
+    assert conv.id in err.value.message
 
 
 def test_a_response_without_input_answers_the_conversation_as_it_stands(client):
