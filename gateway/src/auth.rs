@@ -111,11 +111,19 @@ impl KeyRing {
                     "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.",
                 )
             })?;
+        // Only a bearer token with something in it is a key (any other scheme, or none, is
+        // not: it must never match the digest of the empty string).
         let key = value
-            .strip_prefix("Bearer ")
-            .or_else(|| value.strip_prefix("bearer "))
+            .get(..7)
+            .filter(|scheme| scheme.eq_ignore_ascii_case("bearer "))
+            .and_then(|_| value.get(7..))
             .map(str::trim)
-            .unwrap_or("");
+            .filter(|key| !key.is_empty())
+            .ok_or_else(|| {
+                unauthorized(
+                    "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.",
+                )
+            })?;
         let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
         by_digest
             .get(&digest)
@@ -162,6 +170,24 @@ mod tests {
                 .status,
             401
         );
+    }
+
+    #[test]
+    fn only_a_non_empty_bearer_token_is_a_key() {
+        // Even a ring that (unvalidated) holds the empty key's digest.
+        let empty = KeyRing::new(&[TeamConfig::new("empty", vec![hash_key("")])]);
+        for value in ["Basic abc", "Bearer", "Bearer   ", "bearer ", "sk-empty"] {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, value.parse().unwrap());
+            assert_eq!(
+                empty.authenticate(&h).unwrap_err().error.status,
+                401,
+                "{value}"
+            );
+        }
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, "BEARER sk-alpha".parse().unwrap());
+        assert_eq!(ring().authenticate(&h).unwrap().0, "alpha");
     }
 
     #[test]

@@ -727,6 +727,9 @@ impl Default for SimulateConfig {
     }
 }
 
+/// SHA-256 of the empty string: never a team's key.
+const EMPTY_KEY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
 /// `[[teams]]` entry.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1332,6 +1335,12 @@ impl Config {
                     return Err(err(
                         format!("teams[{i}].api_key_sha256[{j}]"),
                         "must be a 64-character hex SHA-256 digest (`agentgate hash-key KEY` prints one)",
+                    ));
+                }
+                if h.eq_ignore_ascii_case(EMPTY_KEY_SHA256) {
+                    return Err(err(
+                        format!("teams[{i}].api_key_sha256[{j}]"),
+                        "is the digest of an empty key (was the key's variable unset when it was hashed?)",
                     ));
                 }
                 let owner = key_owners.insert(h.to_ascii_lowercase(), &team.name);
