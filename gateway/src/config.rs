@@ -111,7 +111,7 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Largest request body accepted, in bytes; larger bodies get 413.
     pub max_body_bytes: usize,
-    /// How often the config file is checked for changes (modification time and length), in
+    /// How often the config file is checked for changes (its file stamp: modification and status-change times, length, inode), in
     /// milliseconds; a change reloads `[[bands]]`, `[[teams]]` and `[flow]`. 0 disables it.
     pub reload_interval_ms: u64,
     /// Send and receive buffer of every client connection, in bytes; 0 leaves the kernel's
@@ -259,7 +259,7 @@ pub struct RoutingConfig {
     pub saturation_queue_depth: f64,
     /// Engine KV-cache usage (0..=1) at which an endpoint with requests waiting is saturated.
     pub saturation_kv_usage: f64,
-    /// How often an `endpoints_file` is checked for changes (mtime and length), in milliseconds.
+    /// How often an `endpoints_file` is checked for changes (its file stamp: modification and status-change times, length, inode), in milliseconds.
     pub discovery_interval_ms: u64,
 }
 
@@ -862,7 +862,7 @@ pub struct FlowToml {
     /// always has a chunk for it; at 1 it shares each step with at most one lower-band chunk,
     /// so its steps take about twice as long as alone.
     pub max_prefilling_per_endpoint: u64,
-    /// Largest share of an engine's KV capacity (`vllm:cache_config_info`) the prompts this
+    /// Largest share of an engine's KV capacity (`vllm:cache_config_info`, `sglang:max_total_num_tokens`) the prompts this
     /// gateway has in flight there may span together, each shared prefix counted once (policies
     /// with a prefix index: `prefix`, `session`), for bands without a reserve of their own; 0:
     /// no limit. Past it the endpoint takes no
@@ -973,7 +973,15 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let mut config = Config::parse(text)?;
         if let Ok(mut table) = toml::from_str::<toml::Table>(text) {
+            // Of `[flow]`, the exchange interval is read at start only.
+            let interval = table
+                .get("flow")
+                .and_then(|flow| flow.get("exchange_interval_ms"))
+                .cloned();
             table.retain(|key, _| !RELOADED_SECTIONS.contains(&key));
+            if let Some(interval) = interval {
+                table.insert("flow.exchange_interval_ms".into(), interval);
+            }
             config.restart_sections = table;
         }
         config.source = Some(path.to_path_buf());
@@ -1008,7 +1016,14 @@ impl Config {
             return Err(err("server.max_body_bytes", "must be at least 1024"));
         }
         if let Some(url) = &self.store.url {
-            if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+            if url.starts_with("rediss://") {
+                return Err(err(
+                    "store.url",
+                    "rediss:// (Redis over TLS) is not supported by this build; use redis:// \
+                     (a TLS tunnel such as stunnel beside the gateway can carry it)",
+                ));
+            }
+            if !url.starts_with("redis://") {
                 return Err(err(
                     "store.url",
                     "must be a redis:// URL such as redis://127.0.0.1:6379/0 (omit it for the in-memory store)",
@@ -1763,6 +1778,24 @@ endpoints = ["http://127.0.0.1:8000"]
     }
 
     #[test]
+    fn only_the_sections_a_reload_cannot_apply_are_kept_apart() {
+        let at = |flow: &str| {
+            Config::from_file_text(
+                Path::new("c.toml"),
+                &format!("{MINIMAL}\n[flow]\n{flow}"),
+                None,
+            )
+            .unwrap()
+            .restart_sections
+        };
+        let base = at("retry_after_s = 1\n");
+        assert!(base.contains_key("pools") && !base.contains_key("flow"));
+        // The rest of [flow] reloads; its exchange interval is read at start only.
+        assert_eq!(at("retry_after_s = 2\n"), base);
+        assert_ne!(at("exchange_interval_ms = 500\n"), base);
+    }
+
+    #[test]
     fn unknown_key_names_the_key() {
         let e = Config::parse(&format!("{MINIMAL}\nlisten_port = 3\n")).unwrap_err();
         assert!(e.to_string().contains("listen_port"), "{e}");
@@ -1892,10 +1925,22 @@ endpoints = ["http://127.0.0.1:8000"]
                 "conversation_max_items = 19",
                 "store.conversation_max_items",
             ),
+            ("url = \"rediss://127.0.0.1:6380\"", "store.url"),
+            ("url = \"http://127.0.0.1:6379\"", "store.url"),
         ] {
             let e = Config::parse(&format!("[store]\n{line}\n{MINIMAL}")).unwrap_err();
             assert_eq!(e.key, key, "{line}");
         }
+    }
+
+    #[test]
+    fn the_empty_keys_digest_is_refused() {
+        let text = format!(
+            "{MINIMAL}\n[[teams]]\nname = \"a\"\napi_key_sha256 = [\"{}\"]\n",
+            crate::auth::hash_key("")
+        );
+        let e = Config::parse(&text).unwrap_err();
+        assert_eq!(e.key, "teams[0].api_key_sha256[0]", "{e}");
     }
 
     #[test]

@@ -138,7 +138,7 @@
 //! each one's room, each with the whole `w`: a fixed part each would leave room idle on one
 //! gateway while turns wait on another. Policies without a prefix index (`round_robin`,
 //! `least_loaded`) cannot tell shared prefixes apart and are not limited. `kv_capacity(e)` is
-//! the engine's `vllm:cache_config_info` (no limit while unknown). The rule applies to the
+//! the engine's `vllm:cache_config_info` or `sglang:max_total_num_tokens` (no limit while unknown). The rule applies to the
 //! `None` case above too: a request without a pin waits until some endpoint is below the line,
 //! and under a policy that pins sessions routing then places it on one below it
 //! (`PickRequest::kv_working_set_below`) rather than take the room a held turn waits for

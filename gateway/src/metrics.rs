@@ -44,7 +44,7 @@
 //! | `agentgate_endpoint_pending_prefill_tokens{pool,endpoint}` | uncached prompt tokens of those still before their first token |
 //! | `agentgate_endpoint_kv_working_set_tokens{pool,endpoint}` | KV their prompts span together, each shared prefix once (`[flow] max_kv_working_set`) |
 //! | `agentgate_endpoint_peer_kv_working_set_tokens{pool,endpoint}` | the same for the other gateways in front of the endpoint, summed, as last exchanged (`[flow] exchange_interval_ms`) |
-//! | `agentgate_endpoint_kv_capacity_tokens{pool,endpoint}` | the engine's KV capacity, from `vllm:cache_config_info` (absent while unknown) |
+//! | `agentgate_endpoint_kv_capacity_tokens{pool,endpoint}` | the engine's KV capacity, from `vllm:cache_config_info` or `sglang:max_total_num_tokens` (absent while unknown) |
 //! | `agentgate_endpoint_engine_waiting{pool,endpoint}` | the engine's queue depth, last scrape |
 //! | `agentgate_endpoint_engine_running{pool,endpoint}` | the engine's running requests, last scrape |
 //! | `agentgate_endpoint_kv_usage{pool,endpoint}` | the engine's KV-cache usage 0..1, last scrape (when reported) |

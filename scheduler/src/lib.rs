@@ -7,7 +7,8 @@
 //!
 //! Picking is a pipeline, as in llm-d's router: **filters** narrow the pool to the endpoints
 //! that may take the request, weighted **scorers** rate each one in [0, 1], and the highest
-//! total wins, random among ties. The pick says why ([`Reason`]: `pin`, `prefix`, `load`), how
+//! total wins, random among ties. The pick says why ([`Reason`]: `pin`, `prefix`, `load`, or
+//! `round_robin` for that policy), how
 //! much of the prompt the engine will probably have to prefill, and what became of the
 //! session's pin ([`PinOutcome`]).
 //!
