@@ -198,15 +198,35 @@ pub(crate) fn is_context_overflow(message: &str) -> bool {
 }
 
 impl fmt::Display for UpstreamError {
+    /// On one line: an engine's error text echoes request values, whose line breaks and other
+    /// control characters are written escaped (`\n`), so a log line cannot be forged with them.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            UpstreamError::Connect(m) => write!(f, "engine connection failed: {m}"),
-            UpstreamError::Timeout(m) => write!(f, "engine timed out: {m}"),
+            UpstreamError::Connect(m) => write!(f, "engine connection failed: {}", OneLine(m)),
+            UpstreamError::Timeout(m) => write!(f, "engine timed out: {}", OneLine(m)),
             UpstreamError::Status { status, body } => {
-                write!(f, "engine answered HTTP {status}: {body}")
+                write!(f, "engine answered HTTP {status}: {}", OneLine(body))
             }
-            UpstreamError::Protocol(m) => write!(f, "engine sent an unreadable answer: {m}"),
+            UpstreamError::Protocol(m) => {
+                write!(f, "engine sent an unreadable answer: {}", OneLine(m))
+            }
         }
+    }
+}
+
+/// Text written with its control characters escaped.
+struct OneLine<'a>(&'a str);
+
+impl fmt::Display for OneLine<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for c in self.0.chars() {
+            if c.is_control() {
+                write!(f, "{}", c.escape_default())?;
+            } else {
+                fmt::Write::write_char(f, c)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -229,6 +249,18 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn an_engine_error_is_written_on_one_line() {
+        let e = UpstreamError::Status {
+            status: 400,
+            body: "unknown tool `x`\nINFO forged line\r\u{1b}[31m".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "engine answered HTTP 400: unknown tool `x`\\nINFO forged line\\r\\u{1b}[31m"
+        );
+    }
 
     #[test]
     fn engine_errors_map_to_client_errors() {
