@@ -1081,8 +1081,9 @@ pub(crate) fn engine_error_message(chunk: &Value) -> Option<String> {
 }
 
 /// A custom tool's input from the arguments the engine wrote for its one-string function:
-/// `{"input": "..."}`; arguments that are not such an object (a model that wrote the text
-/// itself) are the input as they are.
+/// `{"input": "..."}`, or what there is of its string when the arguments were cut short
+/// (`{"input": "print(1` is `print(1`); arguments that are not such an object (a model that
+/// wrote the text itself) are the input as they are.
 fn custom_input(arguments: &str) -> String {
     match serde_json::from_str::<Value>(arguments) {
         Ok(Value::Object(object)) => match object.get("input") {
@@ -1090,7 +1091,31 @@ fn custom_input(arguments: &str) -> String {
             _ => arguments.to_string(),
         },
         Ok(Value::String(input)) => input,
-        _ => arguments.to_string(),
+        _ => cut_input(arguments).unwrap_or_else(|| arguments.to_string()),
+    }
+}
+
+/// The decoded start of the `input` string of arguments `{"input": "...` cut short.
+fn cut_input(arguments: &str) -> Option<String> {
+    let rest = arguments.trim_start().strip_prefix('{')?.trim_start();
+    let rest = rest.strip_prefix("\"input\"")?.trim_start();
+    let rest = rest.strip_prefix(':')?.trim_start();
+    let body = rest.strip_prefix('"')?;
+    // The string as written so far, closed: dropping a half-written escape at the cut.
+    let mut end = body.len();
+    loop {
+        let candidate = format!("\"{}\"", &body[..end]);
+        if let Ok(Value::String(text)) = serde_json::from_str::<Value>(&candidate) {
+            return Some(text);
+        }
+        // At most a `\uXXXX` (six bytes) is half-written; back off over it.
+        if body.len() - end >= 6 || end == 0 {
+            return None;
+        }
+        end -= 1;
+        while !body.is_char_boundary(end) {
+            end -= 1;
+        }
     }
 }
 
@@ -1568,6 +1593,14 @@ mod tests {
             "*** Begin Patch"
         );
         assert_eq!(custom_input(r#""quoted""#), "quoted");
+        // Cut short (the output limit, a failed stream): the string so far, decoded.
+        assert_eq!(
+            custom_input(r#"{"input": "print(1)\nx = "#),
+            "print(1)\nx = "
+        );
+        assert_eq!(custom_input(r#"{"input":"tab\"#), "tab");
+        assert_eq!(custom_input(r#"{"input":"caf\u00"#), "caf");
+        assert_eq!(custom_input(r#"{"input": "#), r#"{"input": "#);
         assert_eq!(custom_input("*** Begin Patch"), "*** Begin Patch");
         assert_eq!(custom_input(r#"{"other": 1}"#), r#"{"other": 1}"#);
     }
