@@ -27,8 +27,30 @@ pub fn normalize_input(input: &Value) -> Result<Vec<Value>, ApiError> {
         _ => Err(ApiError::invalid(
             "input",
             "`input` must be a string or an array of input items",
-        )),
+        )
+        .with_code("invalid_type")),
     }
+}
+
+/// The error for `field` of the wrong type: `missing_required_parameter` when it is absent (or
+/// null), `invalid_type` otherwise.
+fn wrong_type(value: Option<&Value>, param: String, message: String) -> ApiError {
+    let code = match value {
+        None | Some(Value::Null) => "missing_required_parameter",
+        Some(_) => "invalid_type",
+    };
+    ApiError::invalid(param, message).with_code(code)
+}
+
+/// Whether `kind` is an input item type that reaches no engine as such but is OpenAI's (a
+/// hosted tool's call or output, an MCP item, ...): kept in the history, left out of the
+/// prompt. Any other unknown type is refused: a misspelt type would otherwise be dropped from
+/// the prompt without a word.
+fn other_known_item(kind: &str) -> bool {
+    kind.ends_with("_call")
+        || kind.ends_with("_call_output")
+        || kind.ends_with("_output")
+        || kind.starts_with("mcp_")
 }
 
 fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
@@ -36,7 +58,8 @@ fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
         return Err(ApiError::invalid(
             param,
             format!("{param} must be an object (an input item such as a message or function_call_output)"),
-        ));
+        )
+        .with_code("invalid_type"));
     };
     let mut object = object.clone();
     let kind = match object.get("type") {
@@ -50,10 +73,11 @@ fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
             object.insert("type".into(), json!("item_reference"));
             "item_reference".to_string()
         }
-        _ => {
-            return Err(ApiError::invalid(
+        other => {
+            return Err(wrong_type(
+                other,
                 format!("{param}.type"),
-                format!("{param}.type is required: use \"message\", \"function_call\", \"function_call_output\" or \"reasoning\""),
+                format!("{param}.type is required and must be a string: use \"message\", \"function_call\", \"function_call_output\" or \"reasoning\""),
             ))
         }
     };
@@ -78,7 +102,8 @@ fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
                     return Err(ApiError::invalid(
                         format!("{param}.arguments"),
                         format!("{param}.arguments must be a JSON-encoded string"),
-                    ))
+                    )
+                    .with_code("invalid_type"))
                 }
             }
             "fc_"
@@ -87,8 +112,9 @@ fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
             require_string(&object, "call_id", param)?;
             match object.get("output") {
                 Some(Value::String(_)) | Some(Value::Array(_)) => {}
-                _ => {
-                    return Err(ApiError::invalid(
+                other => {
+                    return Err(wrong_type(
+                        other,
                         format!("{param}.output"),
                         format!("{param}.output must be a string or an array of content parts"),
                     ))
@@ -116,7 +142,8 @@ fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
                     return Err(ApiError::invalid(
                         format!("{param}.summary"),
                         format!("{param}.summary must be an array of summary_text parts"),
-                    ))
+                    )
+                    .with_code("invalid_type"))
                 }
             }
             "rs_"
@@ -159,7 +186,18 @@ fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
             )
             .with_code("invalid_value"));
         }
-        _ => "item_",
+        other if other_known_item(other) => "item_",
+        other => {
+            return Err(ApiError::invalid(
+                format!("{param}.type"),
+                format!(
+                    "Invalid value: '{other}'. {param}.type must be an input item type: \
+                     message, function_call, function_call_output, custom_tool_call, \
+                     custom_tool_call_output, reasoning, item_reference, compaction, or a hosted \
+                     tool's call or output."
+                ),
+            ))
+        }
     };
     let has_id = matches!(object.get("id"), Some(Value::String(id)) if !id.is_empty());
     if !has_id {
@@ -171,8 +209,9 @@ fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
 fn normalize_message(object: &mut Map<String, Value>, param: &str) -> Result<(), ApiError> {
     let role = match object.get("role") {
         Some(Value::String(role)) => role.clone(),
-        _ => {
-            return Err(ApiError::invalid(
+        other => {
+            return Err(wrong_type(
+                other,
                 format!("{param}.role"),
                 format!("{param}.role is required: one of user, assistant, system, developer"),
             ))
@@ -202,7 +241,8 @@ fn normalize_message(object: &mut Map<String, Value>, param: &str) -> Result<(),
             for (index, part) in parts.iter().enumerate() {
                 let part_param = format!("{param}.content[{index}]");
                 let kind = part.get("type").and_then(Value::as_str).ok_or_else(|| {
-                    ApiError::invalid(
+                    wrong_type(
+                        part.get("type"),
                         format!("{part_param}.type"),
                         format!("{part_param}.type is required (input_text, output_text, input_image, ...)"),
                     )
@@ -229,21 +269,24 @@ fn normalize_message(object: &mut Map<String, Value>, param: &str) -> Result<(),
                 if matches!(kind, "input_text" | "output_text" | "text" | "summary_text")
                     && !part.get("text").is_some_and(Value::is_string)
                 {
-                    return Err(ApiError::invalid(
+                    return Err(wrong_type(
+                        part.get("text"),
                         format!("{part_param}.text"),
                         format!("{part_param}.text must be a string"),
                     ));
                 }
                 if kind == "refusal" && !part.get("refusal").is_some_and(Value::is_string) {
-                    return Err(ApiError::invalid(
+                    return Err(wrong_type(
+                        part.get("refusal"),
                         format!("{part_param}.refusal"),
                         format!("{part_param}.refusal must be a string"),
                     ));
                 }
             }
         }
-        _ => {
-            return Err(ApiError::invalid(
+        other => {
+            return Err(wrong_type(
+                other,
                 format!("{param}.content"),
                 format!("{param}.content must be a string or an array of content parts"),
             ))
@@ -305,7 +348,7 @@ mod tests {
         let wrong = code(json!({"type": "function_call_output", "call_id": 7, "output": "ok"}));
         assert_eq!(wrong.code.as_deref(), Some("invalid_type"));
         let bad = code(json!({"type": "function_call_output", "call_id": "c", "output": 7}));
-        assert_eq!(bad.code.as_deref(), Some("invalid_value"));
+        assert_eq!(bad.code.as_deref(), Some("invalid_type"));
     }
 
     #[test]
@@ -353,5 +396,68 @@ mod tests {
 
         let err = normalize_input(&json!([7])).unwrap_err();
         assert_eq!(err.param.as_deref(), Some("input[0]"));
+    }
+
+    #[test]
+    fn errors_say_whether_a_field_is_missing_or_of_the_wrong_type() {
+        let code = |input: Value| {
+            let err = normalize_input(&input).unwrap_err();
+            (err.param.unwrap(), err.code.unwrap())
+        };
+        let at = |p: &str, c: &str| (p.to_string(), c.to_string());
+        assert_eq!(code(json!(42)), at("input", "invalid_type"));
+        assert_eq!(code(json!([7])), at("input[0]", "invalid_type"));
+        assert_eq!(
+            code(json!([{"type": 5, "role": "user", "content": "x"}])),
+            at("input[0].type", "invalid_type")
+        );
+        assert_eq!(
+            code(json!([{"content": "x"}])),
+            at("input[0].type", "missing_required_parameter")
+        );
+        assert_eq!(
+            code(json!([{"type": "message", "role": 7, "content": "x"}])),
+            at("input[0].role", "invalid_type")
+        );
+        assert_eq!(
+            code(json!([{"role": "user", "content": 5}])),
+            at("input[0].content", "invalid_type")
+        );
+        assert_eq!(
+            code(json!([{"role": "user"}])),
+            at("input[0].content", "missing_required_parameter")
+        );
+        assert_eq!(
+            code(json!([{"type": "function_call_output", "call_id": "c", "output": {}}])),
+            at("input[0].output", "invalid_type")
+        );
+        assert_eq!(
+            code(json!([{"type": "function_call", "call_id": "c", "name": "f", "arguments": 5}])),
+            at("input[0].arguments", "invalid_type")
+        );
+    }
+
+    #[test]
+    fn a_misspelt_item_type_is_refused_and_a_hosted_tools_item_kept() {
+        let err = normalize_input(&json!([{"type": "mesage", "role": "user", "content": "hi"}]))
+            .unwrap_err();
+        assert_eq!(
+            (err.param.as_deref(), err.code.as_deref()),
+            (Some("input[0].type"), Some("invalid_value"))
+        );
+        let err = normalize_input(&json!([
+            {"type": "function_call_ouput", "call_id": "c1", "output": "42"}
+        ]))
+        .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("input[0].type"));
+        for kind in [
+            "web_search_call",
+            "local_shell_call_output",
+            "mcp_list_tools",
+            "tool_search_output",
+        ] {
+            let items = normalize_input(&json!([{"type": kind, "id": "x_1"}])).unwrap();
+            assert_eq!(items[0]["type"], kind);
+        }
     }
 }
