@@ -577,8 +577,16 @@ async fn unreadable_pins_are_reported_and_replaced_by_the_next_swap() {
     let redis = TestRedis::start();
     let store = store(&redis, "pin_corrupt").await;
     let mut conn = raw(&redis).await;
-    // Not JSON, and JSON without a pin's fields.
-    for unreadable in ["{not json", r#"{"endpoint":"e9"}"#] {
+    // Not JSON, JSON without a pin's fields, and fields the gateway cannot read (a move count
+    // that is negative, fractional or past u32, a URL that is not a string).
+    for unreadable in [
+        "{not json",
+        r#"{"endpoint":"e9"}"#,
+        r#"{"endpoint":"e9","moves":-1}"#,
+        r#"{"endpoint":"e9","moves":1.5}"#,
+        r#"{"endpoint":"e9","moves":4294967296}"#,
+        r#"{"endpoint":"e9","moves":1,"url":7}"#,
+    ] {
         let _: () = redis::cmd("SET")
             .arg(store.pin_key("pool", "s"))
             .arg(unreadable)

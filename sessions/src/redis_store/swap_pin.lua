@@ -10,8 +10,11 @@ if current then
   local ok, pin = pcall(cjson.decode, current)
   -- A pin without both fields (another version's, a corrupted one) is unreadable to the
   -- gateway too: replaced, not kept alive.
+  -- (As the gateway reads a pin: moves a u32, url absent, null or a string.)
   if ok and type(pin) == 'table' and type(pin.endpoint) == 'string'
-      and type(pin.moves) == 'number' then
+      and type(pin.moves) == 'number' and pin.moves >= 0 and pin.moves < 4294967296
+      and pin.moves == math.floor(pin.moves)
+      and (pin.url == nil or pin.url == cjson.null or type(pin.url) == 'string') then
     local same = false
     if ARGV[1] ~= '' then
       local expected = cjson.decode(ARGV[1])
