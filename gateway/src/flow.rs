@@ -868,6 +868,27 @@ impl FlowControl {
         self.settings().enabled
     }
 
+    /// Charge one request (no tokens) to `team`'s requests-per-minute limit in `pool`, for a
+    /// call that generates nothing (`POST /v1/responses/input_tokens`); the rate-limit headers
+    /// to answer with, or the refusal (429 with `Retry-After`).
+    pub async fn charge_request(
+        &self,
+        pool: &str,
+        team: &str,
+    ) -> Result<Vec<(&'static str, String)>, HttpError> {
+        if !self.enabled() {
+            return Ok(Vec::new());
+        }
+        let Some(controller) = self.controller(pool) else {
+            return Ok(Vec::new());
+        };
+        let status = controller
+            .charge_request(team)
+            .await
+            .map_err(|rejection| refused(team, &rejection, None))?;
+        Ok(status.as_ref().map(RateStatus::headers).unwrap_or_default())
+    }
+
     /// The controller of `pool`.
     pub fn controller(&self, pool: &str) -> Option<&FlowController> {
         self.pools.get(pool).map(|p| &p.controller)

@@ -89,10 +89,10 @@ pub const ROUTES: &[RouteDoc] = &[
     RouteDoc {
         method: "post",
         path: "/v1/responses/input_tokens",
-        summary: "Count the input tokens a create request would use.",
+        summary: "Count the input tokens a create request would use (one request of the team's requests-per-minute budget, no tokens).",
         request: Some("CountInputTokens"),
         response: "InputTokens",
-        errors: &[400, 401, 404, 413, 415, 502, 503],
+        errors: &[400, 401, 404, 413, 415, 429, 502, 503],
         query: &[],
     },
     RouteDoc {

@@ -1594,7 +1594,7 @@ pub async fn input_tokens(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Json<Value>, HttpError> {
+) -> Result<Response, HttpError> {
     let team = state.keys.authenticate(&headers)?;
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
     let body = parse_json(&headers, &bytes)?;
@@ -1620,6 +1620,9 @@ pub async fn input_tokens(
     )
     .await?;
     let pool = &prepared.pool;
+    // It generates nothing, but asks an engine to tokenize the prompt: one request of the
+    // team's requests-per-minute budget.
+    let rate_headers = state.flow.charge_request(&pool.name, &team.0).await?;
     let endpoints = pool.endpoints();
     let ep = pool
         .picker
@@ -1640,7 +1643,8 @@ pub async fn input_tokens(
                 "upstream_error",
             )
         })?;
-    Ok(Json(
-        json!({"object": "response.input_tokens", "input_tokens": n}),
+    Ok(with_headers(
+        Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response(),
+        rate_headers,
     ))
 }

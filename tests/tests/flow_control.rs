@@ -1524,3 +1524,40 @@ async fn codex_gets_a_refusal_in_its_stream_where_it_retries_it() {
     assert!(other.headers().get("retry-after").is_some());
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counting_input_tokens_spends_the_teams_request_budget() {
+    // It generates nothing but has an engine tokenize the prompt: a request like any other for
+    // requests per minute (no tokens charged).
+    let extra = format!(
+        "{STILL}{}",
+        team(
+            "limited",
+            "requests_per_minute = 2\ntokens_per_minute = 100"
+        )
+    );
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let count = || async {
+        reqwest::Client::new()
+            .post(format!("{}/v1/responses/input_tokens", fleet.base_url()))
+            .bearer_auth(key("limited"))
+            .json(&json!({"model": "sim-model", "input": "count these words ".repeat(200)}))
+            .send()
+            .await
+            .unwrap()
+    };
+    let first = count().await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.headers()["x-ratelimit-remaining-requests"], "1");
+    assert!(
+        first.json::<Value>().await.unwrap()["input_tokens"]
+            .as_u64()
+            .unwrap()
+            > 100
+    );
+    assert_eq!(count().await.status(), 200);
+    let refused = count().await;
+    assert_eq!(refused.status(), 429);
+    assert!(refused.headers().get("retry-after").is_some());
+    fleet.shutdown().await;
+}

@@ -394,6 +394,33 @@ impl FlowController {
         self.charge_limits(ticket, limits, &band).await
     }
 
+    /// Charge one request, and no tokens, to `team`'s requests-per-minute limit: for a call
+    /// that runs no generation (counting a prompt's tokens) yet must stay within the team's
+    /// request budget. Nothing is shed or queued.
+    pub async fn charge_request(&self, team: &str) -> Result<Option<RateStatus>, Rejection> {
+        let limits = self.inner.lock().team_limits(team);
+        let limits = RateLimits {
+            rpm: limits.rpm,
+            tpm: None,
+        };
+        if limits.is_unlimited() {
+            return Ok(None);
+        }
+        let cost = RateCost {
+            requests: 1,
+            tokens: 0,
+        };
+        match self.inner.limiter.check(team, limits, cost).await {
+            Ok(status) => Ok(Some(status)),
+            Err(limited) => {
+                if let Some(t) = self.inner.lock().teams.get_mut(team) {
+                    t.rate_limited += 1;
+                }
+                Err(Rejection::RateLimited(limited))
+            }
+        }
+    }
+
     /// [`Self::admit`] for a ticket [`Self::charge`] charged already (`rate` is its answer):
     /// shed, queue-full check, queue.
     pub async fn admit_charged(
