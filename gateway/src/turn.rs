@@ -900,7 +900,6 @@ async fn open_local(
                             ep,
                             pick.pin,
                             pin_failed,
-                            false,
                         )
                         .await,
                     );
@@ -1225,7 +1224,6 @@ async fn open_split(
                     &d,
                     decode.pin,
                     pin_failed,
-                    false,
                 )
                 .await;
                 pin_moved = session.as_ref().and_then(|r| r.cause);
@@ -1240,9 +1238,12 @@ async fn open_split(
                         &p,
                         prefill.pin,
                         false,
-                        true,
                     )
-                    .await,
+                    .await
+                    .map(|repin| Repin {
+                        prefill: true,
+                        ..repin
+                    }),
                 );
             }
             tracing::debug!(
@@ -1350,7 +1351,6 @@ async fn repin(
     ep: &Endpoint,
     outcome: PinOutcome,
     pin_failed: bool,
-    prefill: bool,
 ) -> Option<Repin> {
     if let Some(p) = pin.filter(|p| pins_to(p, ep)) {
         // Reading it for this turn refreshed its TTL. A pin from before pins recorded their
@@ -1401,7 +1401,7 @@ async fn repin(
         from: Some(old.clone()),
         to: new,
         cause: Some(cause),
-        prefill,
+        prefill: false,
     })
 }
 
