@@ -527,8 +527,8 @@ pub struct Routed {
     /// `outscored`, `failed`), when it pointed elsewhere.
     pub pin_moved: Option<&'static str>,
     /// The pins this turn pointed at its endpoints (the session's, and a split's prefill pin).
-    /// A move is counted once the endpoint produced output ([`Routed::count_moves`]), and
-    /// undone when the endpoint failed before that ([`Routed::undo_moves`]): the session's
+    /// A move is counted once the endpoint produced output (`Routed::count_moves`), and
+    /// undone when the endpoint failed before that (`Routed::undo_moves`): the session's
     /// cache never got there.
     pub repins: Vec<Repin>,
     /// When the request was sent to the endpoint.
