@@ -1213,17 +1213,7 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
 
     // Sent whole as this turn's input (nothing stored, as Codex sends it): the middle goes all
     // the same, each tool call with its output.
-    let mut input = vec![json!({"role": "user", "content": "the task"})];
-    for n in 0..12 {
-        let call = format!("c{n}");
-        input.push(
-            json!({"type": "function_call", "call_id": call, "name": "shell", "arguments": "{}"}),
-        );
-        input.push(json!({"type": "function_call_output", "call_id": call, "output": words}));
-    }
-    input.push(json!({"role": "user", "content": "and now?"}));
-    let mut body = json!({"model": "sim-model", "input": input, "store": false, "max_output_tokens": 16,
-                          "tools": [{"type": "function", "name": "shell"}]});
+    let mut body = twelve_tool_calls(&words);
     let (s, r) = create(&base, body.clone()).await;
     assert_eq!(s, 400, "{r}");
     body["truncation"] = json!("auto");
@@ -1231,6 +1221,22 @@ async fn truncation_auto_drops_the_middle_of_a_conversation_that_outgrew_the_con
     assert_eq!(s, 200, "{r}");
     assert!(r["usage"]["input_tokens"].as_u64().unwrap() < 400);
     fleet.shutdown().await;
+}
+
+/// A stateless turn (nothing stored, as Codex sends it) whose input is a task, twelve shell
+/// calls each with `output` as its output, and a question.
+fn twelve_tool_calls(output: &str) -> Value {
+    let mut input = vec![json!({"role": "user", "content": "the task"})];
+    for n in 0..12 {
+        let call = format!("c{n}");
+        input.push(
+            json!({"type": "function_call", "call_id": call, "name": "shell", "arguments": "{}"}),
+        );
+        input.push(json!({"type": "function_call_output", "call_id": call, "output": output}));
+    }
+    input.push(json!({"role": "user", "content": "and now?"}));
+    json!({"model": "sim-model", "input": input, "store": false, "max_output_tokens": 16,
+           "tools": [{"type": "function", "name": "shell"}]})
 }
 
 /// SGLang starts a streaming request's stream and then reports the prompt over its context
@@ -1254,17 +1260,7 @@ async fn truncation_auto_applies_when_sglang_reports_the_overflow_in_its_stream(
     .await;
     let base = gw.base_url();
     let words = "alpha beta gamma delta epsilon zeta eta theta iota kappa ".repeat(4);
-    let mut input = vec![json!({"role": "user", "content": "the task"})];
-    for n in 0..12 {
-        let call = format!("c{n}");
-        input.push(
-            json!({"type": "function_call", "call_id": call, "name": "shell", "arguments": "{}"}),
-        );
-        input.push(json!({"type": "function_call_output", "call_id": call, "output": words}));
-    }
-    input.push(json!({"role": "user", "content": "and now?"}));
-    let mut body = json!({"model": "sim-model", "input": input, "store": false, "max_output_tokens": 16,
-                          "tools": [{"type": "function", "name": "shell"}]});
+    let mut body = twelve_tool_calls(&words);
     let (s, r) = create(&base, body.clone()).await;
     assert_eq!(s, 400, "{r}");
     assert_eq!(r["error"]["code"], "context_length_exceeded", "{r}");
