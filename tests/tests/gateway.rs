@@ -1239,16 +1239,17 @@ fn twelve_tool_calls(output: &str) -> Value {
            "tools": [{"type": "function", "name": "shell"}]})
 }
 
-/// SGLang starts a streaming request's stream and then reports the prompt over its context
-/// window in it: `truncation: auto` still drops the middle and runs the request again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn truncation_auto_applies_when_sglang_reports_the_overflow_in_its_stream() {
+/// A simulated SGLang replica (of context `max_model_len`, default its KV capacity) and a
+/// gateway whose one pool is it.
+async fn sglang_behind_a_gateway(
+    max_model_len: Option<usize>,
+) -> (agentgate_sim::SimHandle, agentgate::Gateway) {
     let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
         flavor: agentgate_sim::Flavor::Sglang,
         listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         model: "sim-model".into(),
         time_scale: 0.0,
-        max_model_len: Some(400),
+        max_model_len,
         ..Default::default()
     })
     .await
@@ -1258,6 +1259,14 @@ async fn truncation_auto_applies_when_sglang_reports_the_overflow_in_its_stream(
         sim.base_url()
     ))
     .await;
+    (sim, gw)
+}
+
+/// SGLang starts a streaming request's stream and then reports the prompt over its context
+/// window in it: `truncation: auto` still drops the middle and runs the request again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncation_auto_applies_when_sglang_reports_the_overflow_in_its_stream() {
+    let (sim, gw) = sglang_behind_a_gateway(Some(400)).await;
     let base = gw.base_url();
     let words = "alpha beta gamma delta epsilon zeta eta theta iota kappa ".repeat(4);
     let mut body = twelve_tool_calls(&words);
@@ -1902,20 +1911,7 @@ async fn the_in_memory_store_drops_its_least_recently_used_responses_past_its_bo
 /// keeps the prompt's prefix (its tools) cached.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_replays_cut_calls_and_compacts_on_a_cached_prefix() {
-    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
-        flavor: agentgate_sim::Flavor::Sglang,
-        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-        model: "sim-model".into(),
-        time_scale: 0.0,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let gw = start_gateway(&format!(
-        "[[pools]]\nname = \"p\"\nmodel = \"sim-model\"\nflavor = \"sglang\"\nendpoints = [\"{}\"]\n",
-        sim.base_url()
-    ))
-    .await;
+    let (sim, gw) = sglang_behind_a_gateway(None).await;
     let base = gw.base_url();
     let tools = json!([{"type": "function", "name": "shell", "description": "Run a command.",
                         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]);
