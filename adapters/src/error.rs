@@ -214,8 +214,9 @@ impl fmt::Display for UpstreamError {
     }
 }
 
-/// Text written with its control characters escaped.
-struct OneLine<'a>(&'a str);
+/// Text written with its control characters escaped (`\n`), for a log line that cannot be
+/// forged by what the text echoes.
+pub struct OneLine<'a>(pub &'a str);
 
 impl fmt::Display for OneLine<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -23,7 +23,7 @@ pub use client::{estimate_prompt_tokens, root_url, ChunkStream, ClientOptions, E
 pub use compaction::CompactionOptions;
 pub use disagg::{DisaggError, Disaggregated, PrefillTarget, PrefillUsage};
 pub use engine_metrics::{parse_metrics, EngineMetrics};
-pub use error::{context_window_in, ApiError, UpstreamError};
+pub use error::{context_window_in, ApiError, OneLine, UpstreamError};
 pub use ids::{new_item_id, output_item_id, response_of_item};
 pub use input::normalize_input;
 pub use prompt_text::prompt_text;

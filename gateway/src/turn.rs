@@ -935,7 +935,7 @@ async fn open_local(
                 },
             ) => {
                 let api = e.to_api_error();
-                tracing::info!(endpoint = %ep.name, "engine rejected the request: {}", api.message);
+                tracing::info!(endpoint = %ep.name, "engine rejected the request: {}", agentgate_adapters::OneLine(&api.message));
                 return Err(api.into());
             }
             Err(e) => {
@@ -1283,7 +1283,7 @@ async fn open_split(
     } = failure.upstream()
     {
         let api = failure.upstream().to_api_error();
-        tracing::info!(prefill = %p.name, decode = %d.name, "engine rejected the request: {}", api.message);
+        tracing::info!(prefill = %p.name, decode = %d.name, "engine rejected the request: {}", agentgate_adapters::OneLine(&api.message));
         return Err(api.into());
     }
     let whole = pool.runs_whole(&d);
@@ -1730,7 +1730,7 @@ async fn drive_announced(
                         endpoint = routed.endpoint().clone();
                     }
                     Err(err) => {
-                        tracing::warn!(response = %turn.id, "no endpoint could take the request again: {}", err.error.message);
+                        tracing::warn!(response = %turn.id, "no endpoint could take the request again: {}", agentgate_adapters::OneLine(&err.error.message));
                         break rs.fail(
                             e.failure_code(),
                             &format!(

@@ -699,6 +699,22 @@ pub async fn rate_suite<S: Store>(store: &S) {
     assert!(d[0].allowed());
     assert!(check!([]).is_empty());
 
+    // A whole budget in a burst, its interval inexact (a minute over 9, 13, 70): every unit fits
+    // however its times round, and one more does not.
+    for limit in [9, 13, 70] {
+        let unit = RateLimit {
+            key: format!("team:burst{limit}:requests"),
+            limit,
+            period: Duration::from_secs(60),
+            cost: 1,
+        };
+        for i in 0..limit {
+            let d = check!([unit.clone()]);
+            assert!(d[0].allowed(), "{limit}: unit {i}: {d:?}");
+        }
+        assert!(!check!([unit])[0].allowed(), "{limit}: one past the budget");
+    }
+
     // Usage found out after admission is charged whatever the budget, into debt.
     let used = |cost| RateLimit {
         key: "team:c:tokens".into(),

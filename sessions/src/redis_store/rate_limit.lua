@@ -27,8 +27,10 @@ for i = 1, #KEYS do
     reset_after = tat - now
     retry_after = -1
     too_large = 1
-  elseif allow_at > now + 0.001 then
-    -- (0.001: tat' - period is now for the budget's last unit only up to float rounding.)
+  elseif allow_at > now + 0.5 then
+    -- (Half a millisecond: tat' - period is now for the budget's last unit only up to rounding,
+    -- that of the floats and that of each tat stored to the microsecond, which adds up over a
+    -- burst; now itself is whole milliseconds.)
     passed = 0
     remaining = math.floor((now - (tat - period)) / per + 1e-6)
     reset_after = tat - now
