@@ -387,7 +387,11 @@ pub async fn open_turn(
         if (auto || turn.plan.compaction) && turn.pool.flavor == agentgate_adapters::Flavor::Sglang
         {
             if let Ok((stream, placed)) = routed {
-                routed = overflow_in_stream(stream, placed).await;
+                routed = overflow_in_stream(state, &turn.pool.name, stream, placed).await;
+                if routed.is_err() {
+                    // A pin it moved went back: read it again.
+                    turn.admission_pin = None;
+                }
             }
         }
         // No truncation helps when the output budget alone fills the window (a compaction's
@@ -458,10 +462,12 @@ pub async fn open_turn(
 
 /// The engine's answer, unless its first chunk reports the prompt over the context window:
 /// then the error its HTTP 400 would have been (`context_length_exceeded`), the request given
-/// up. The first chunk is put back otherwise.
+/// up and a pin it moved put back. The first chunk is put back otherwise.
 async fn overflow_in_stream(
+    state: &AppState,
+    pool: &str,
     mut stream: ChunkStream,
-    routed: Routed,
+    mut routed: Routed,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let first = stream.next().await;
     if let Some(message) = first
@@ -470,6 +476,8 @@ async fn overflow_in_stream(
         .and_then(agentgate_adapters::context_overflow_in_chunk)
     {
         drop(stream);
+        // The engine ran nothing of it: a pin moved there goes back.
+        routed.undo_moves(state, pool).await;
         drop(routed);
         return Err(HttpError::invalid(
             message,
@@ -568,11 +576,11 @@ impl Routed {
     }
 
     /// Point the pins this turn moved back where they were, unless another turn has moved them
-    /// since; the moves are not counted. A pin this turn created stays (the next turn finds its
-    /// endpoint failed or gone, or finds it well).
+    /// since; the moves are not counted. (A pin this turn created, where the session had none,
+    /// stays: the next turn finds its endpoint failed or gone, or finds it well.)
     async fn undo_moves(&mut self, state: &AppState, pool: &str) {
         for repin in self.repins.drain(..) {
-            let Some(from) = repin.from else { continue };
+            let from = repin.from;
             match pin_op(
                 state
                     .store
@@ -595,11 +603,11 @@ impl Routed {
 pub struct Repin {
     /// The pin's store key.
     key: String,
-    /// The pin it replaced (None: the session had none).
-    from: Option<SessionPin>,
+    /// The pin it replaced.
+    from: SessionPin,
     /// The pin it stored.
     to: SessionPin,
-    /// Why it moved, until counted (None for a new pin).
+    /// Why it moved, until counted.
     cause: Option<&'static str>,
     /// A split's prefill pin (counted apart).
     prefill: bool,
@@ -1398,7 +1406,7 @@ async fn repin(
     tracing::info!(key, from = %old.endpoint, to = %ep.name, moves = new.moves, cause, "session re-pinned");
     Some(Repin {
         key: key.to_string(),
-        from: Some(old.clone()),
+        from: old.clone(),
         to: new,
         cause: Some(cause),
         prefill: false,
@@ -1744,9 +1752,6 @@ async fn drive_announced(
             }
             Some(Err(e)) => {
                 tracing::warn!(response = %turn.id, endpoint = %endpoint.name, "engine stream failed: {e}");
-                if first_token.is_none() {
-                    routed.undo_moves(&state, &turn.pool.name).await;
-                }
                 break rs.fail(
                     e.failure_code(),
                     &format!("The model backend failed while generating the response: {e}"),
@@ -1779,9 +1784,16 @@ async fn drive_announced(
         .reports_usage()
         .then(|| turn.pool.cached_tokens(rs.engine_cached_tokens()))
         .flatten();
+    // The pin moves this turn made: counted once the endpoint produced output (or finished
+    // without any); moved back when it ended otherwise before its first token (the engine
+    // failed, refused the request in its stream, or the turn was stopped): the session's
+    // cache never got there.
     if status == "completed" || status == "incomplete" {
-        // (A turn that ended without output tokens.)
         routed.count_moves(&state, &turn.pool.name);
+    } else if first_token.is_none() {
+        routed.undo_moves(&state, &turn.pool.name).await;
+    }
+    if status == "completed" || status == "incomplete" {
         let input = response
             .pointer("/usage/input_tokens")
             .and_then(Value::as_u64)
