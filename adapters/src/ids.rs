@@ -10,10 +10,23 @@
 pub fn new_item_id(prefix: &str) -> String {
     let mut id = String::with_capacity(prefix.len() + 48);
     id.push_str(prefix);
-    for _ in 0..3 {
-        id.push_str(&format!("{:016x}", fastrand::u64(..)));
-    }
+    push_random_hex(&mut id);
     id
+}
+
+/// Append 48 hex digits from the operating system's random source: ids must not be guessable
+/// from others (a fast generator's are: its state shows in what it returns), since on a
+/// gateway without keys an id is all that guards a stored response or conversation.
+pub fn push_random_hex(out: &mut String) {
+    let mut bytes = [0u8; 24];
+    if getrandom::fill(&mut bytes).is_err() {
+        // (No OS source: never on the platforms the gateway runs on.)
+        bytes.iter_mut().for_each(|b| *b = fastrand::u8(..));
+    }
+    for b in bytes {
+        out.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
+        out.push(char::from(b"0123456789abcdef"[usize::from(b & 15)]));
+    }
 }
 
 /// Hex digits of a response id (`resp_` + 48 hex digits).

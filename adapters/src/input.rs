@@ -42,15 +42,33 @@ fn wrong_type(value: Option<&Value>, param: String, message: String) -> ApiError
     ApiError::invalid(param, message).with_code(code)
 }
 
-/// Whether `kind` is an input item type that reaches no engine as such but is OpenAI's (a
-/// hosted tool's call or output, an MCP item, ...): kept in the history, left out of the
-/// prompt. Any other unknown type is refused: a misspelt type would otherwise be dropped from
-/// the prompt without a word.
+/// OpenAI's input item types that reach no engine as such (hosted tools' calls and outputs,
+/// MCP items): kept in the history, left out of the prompt.
+const HOSTED_ITEM_TYPES: &[&str] = &[
+    "web_search_call",
+    "file_search_call",
+    "computer_call",
+    "computer_call_output",
+    "code_interpreter_call",
+    "image_generation_call",
+    "local_shell_call",
+    "local_shell_call_output",
+    "shell_call",
+    "shell_call_output",
+    "apply_patch_call",
+    "apply_patch_call_output",
+    "tool_search_call",
+    "tool_search_output",
+    "mcp_list_tools",
+    "mcp_approval_request",
+    "mcp_approval_response",
+    "mcp_call",
+];
+
+/// Whether `kind` is one of [`HOSTED_ITEM_TYPES`]. Any other unknown type is refused: a
+/// misspelt type would otherwise be dropped from the prompt without a word.
 fn other_known_item(kind: &str) -> bool {
-    kind.ends_with("_call")
-        || kind.ends_with("_call_output")
-        || kind.ends_with("_output")
-        || kind.starts_with("mcp_")
+    HOSTED_ITEM_TYPES.contains(&kind)
 }
 
 fn normalize_item(item: &Value, param: &str) -> Result<Value, ApiError> {
@@ -445,11 +463,18 @@ mod tests {
             (err.param.as_deref(), err.code.as_deref()),
             (Some("input[0].type"), Some("invalid_value"))
         );
-        let err = normalize_input(&json!([
-            {"type": "function_call_ouput", "call_id": "c1", "output": "42"}
-        ]))
-        .unwrap_err();
-        assert_eq!(err.param.as_deref(), Some("input[0].type"));
+        for misspelt in [
+            "function_call_ouput",
+            "fuction_call",
+            "Function_call",
+            "custom_tool_cal_output",
+        ] {
+            let err = normalize_input(&json!([
+                {"type": misspelt, "call_id": "c1", "name": "f", "output": "42"}
+            ]))
+            .unwrap_err();
+            assert_eq!(err.param.as_deref(), Some("input[0].type"), "{misspelt}");
+        }
         for kind in [
             "web_search_call",
             "local_shell_call_output",

@@ -24,7 +24,7 @@ pub use compaction::CompactionOptions;
 pub use disagg::{DisaggError, Disaggregated, PrefillTarget, PrefillUsage};
 pub use engine_metrics::{parse_metrics, EngineMetrics};
 pub use error::{context_window_in, ApiError, OneLine, UpstreamError};
-pub use ids::{new_item_id, output_item_id, response_of_item};
+pub use ids::{new_item_id, output_item_id, push_random_hex, response_of_item};
 pub use input::normalize_input;
 pub use prompt_text::prompt_text;
 pub use reasoning_blob::{decode_reasoning_blob, encode_reasoning_blob};

@@ -225,7 +225,9 @@ pub fn build_chat_request(
             // instead (the first system message, the same every turn and in a compaction, so
             // the cached prefix holds). A compaction's summary is the gateway's and keeps its
             // own form.
-            if may_call_tools {
+            // (An `openai`-flavor server holds only the answer to its `response_format`, as
+            // OpenAI does.)
+            if may_call_tools && opts.flavor != Flavor::Openai {
                 ask_for_format(&mut body, &response_format);
             } else if !compaction {
                 body.insert("response_format".into(), response_format);
@@ -984,6 +986,12 @@ mod tests {
             json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": true}})
         );
         assert_eq!(plain.body["messages"][0]["role"], "user");
+        // An OpenAI-compatible server holds only the answer to it, as OpenAI does.
+        let mut openai = vllm();
+        openai.flavor = Flavor::Openai;
+        let generic = build_chat_request(&req, &[], &input, &openai).unwrap().body;
+        assert_eq!(generic["response_format"]["type"], "json_schema");
+        assert_eq!(generic["messages"][0]["role"], "user");
         assert_eq!(body["reasoning_effort"], "high");
         assert_eq!(body["tool_choice"], "required");
         assert_eq!(body["parallel_tool_calls"], false);

@@ -69,7 +69,7 @@ fn reload(state: &AppState, path: &Path, text: &str, stamp: Option<FileStamp>) {
                 state.metrics.config_reloads.inc(["restart_needed"]);
                 tracing::warn!(
                     file = %path.display(),
-                    "config sections {} changed: only [[bands]], [[teams]] and [flow] are reloaded; restart the gateway to apply the others",
+                    "config settings read at start only changed ({}): a reload applies [[bands]], [[teams]] and [flow] (but for flow.exchange_interval_ms); restart the gateway to apply the others",
                     changed.join(", ")
                 );
             }
@@ -81,7 +81,8 @@ fn reload(state: &AppState, path: &Path, text: &str, stamp: Option<FileStamp>) {
     }
 }
 
-/// The top-level sections that differ between `before` and `after`, as `[name]`.
+/// The top-level sections (and `flow.exchange_interval_ms`) that differ between `before` and
+/// `after`, as `[name]`.
 fn changed_sections(before: &toml::Table, after: &toml::Table) -> Vec<String> {
     let mut names: Vec<&String> = before.keys().chain(after.keys()).collect();
     names.sort();

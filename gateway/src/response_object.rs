@@ -7,21 +7,12 @@
 use serde_json::{json, Map, Value};
 
 /// A new random id with an OpenAI-style prefix (`resp`, `msg`, ...): prefix, `_`, 48 hex digits
-/// from the operating system's random source. On a gateway without keys an id is all that
-/// stands between a stored response or conversation and any client, so it must not be
-/// guessable from others (a fast generator's ids are: its state shows in what it returns).
+/// from the operating system's random source (`agentgate_adapters::push_random_hex`).
 pub fn new_id(prefix: &str) -> String {
-    let mut bytes = [0u8; 24];
-    if getrandom::fill(&mut bytes).is_err() {
-        // (No OS source: never on the platforms the gateway runs on.)
-        bytes.iter_mut().for_each(|b| *b = fastrand::u8(..));
-    }
     let mut s = String::with_capacity(prefix.len() + 49);
     s.push_str(prefix);
     s.push('_');
-    for b in bytes {
-        s.push_str(&format!("{b:02x}"));
-    }
+    agentgate_adapters::push_random_hex(&mut s);
     s
 }
 

@@ -168,11 +168,24 @@ pub fn lineage_of(
 }
 
 /// The request's headers as text, for the session key and lineage rules: a value that is not
-/// visible ASCII (UTF-8 an agent put in a session id) is read as UTF-8, invalid bytes replaced.
+/// visible ASCII (UTF-8 an agent put in a session id) is read as UTF-8; one that is not UTF-8
+/// either is written as its bytes in hex (`0x...`), so two such values stay two keys.
 pub fn header_texts(headers: &HeaderMap) -> Vec<(&str, std::borrow::Cow<'_, str>)> {
     headers
         .iter()
-        .map(|(k, v)| (k.as_str(), String::from_utf8_lossy(v.as_bytes())))
+        .map(|(k, v)| {
+            let text = match std::str::from_utf8(v.as_bytes()) {
+                Ok(text) => std::borrow::Cow::Borrowed(text),
+                Err(_) => std::borrow::Cow::Owned(v.as_bytes().iter().fold(
+                    String::from("0x"),
+                    |mut hex, b| {
+                        hex.push_str(&format!("{b:02x}"));
+                        hex
+                    },
+                )),
+            };
+            (k.as_str(), text)
+        })
         .collect()
 }
 
@@ -2514,6 +2527,29 @@ impl Drop for RunRegistration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn header_values_in_any_bytes_read_as_distinct_texts() {
+        let mut headers = HeaderMap::new();
+        let value = |bytes: &[u8]| axum::http::HeaderValue::from_bytes(bytes).unwrap();
+        headers.insert("x-session-id", value("sesión".as_bytes()));
+        headers.insert("x-a", value(b"caf\xe9"));
+        headers.insert("x-b", value(b"caf\xe8"));
+        let texts = header_texts(&headers);
+        let of = |name: &str| {
+            texts
+                .iter()
+                .find(|(k, _)| *k == name)
+                .unwrap()
+                .1
+                .to_string()
+        };
+        assert_eq!(of("x-session-id"), "sesión");
+        assert_eq!(
+            (of("x-a"), of("x-b")),
+            ("0x636166e9".into(), "0x636166e8".into())
+        );
+    }
     use serde_json::json;
 
     fn item(kind: &str, n: usize) -> Value {

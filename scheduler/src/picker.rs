@@ -242,16 +242,15 @@ pub struct RoundRobin {
 
 impl Picker for RoundRobin {
     fn pick(&self, endpoints: &[Arc<Endpoint>], request: &PickRequest<'_>) -> Option<Pick> {
-        let admitted = |&i: &usize| request.admits(&endpoints[i], i);
-        let m = (0..endpoints.len()).filter(admitted).count();
-        if m == 0 {
+        // (One reading of which may: a probe may take one out meanwhile.)
+        let admitted: Vec<usize> = (0..endpoints.len())
+            .filter(|&i| request.admits(&endpoints[i], i))
+            .collect();
+        if admitted.is_empty() {
             return None;
         }
-        let k = self.next.fetch_add(1, Ordering::Relaxed) % m;
-        (0..endpoints.len())
-            .filter(admitted)
-            .nth(k)
-            .map(|i| baseline(i, Reason::RoundRobin, request))
+        let k = self.next.fetch_add(1, Ordering::Relaxed) % admitted.len();
+        Some(baseline(admitted[k], Reason::RoundRobin, request))
     }
 }
 

@@ -702,17 +702,17 @@ pub async fn rate_suite<S: Store>(store: &S) {
     // A whole budget in a burst, its interval inexact (a minute over 9, 13, 70): every unit fits
     // however its times round, and one more does not.
     for limit in [9, 13, 70] {
-        let unit = RateLimit {
+        let unit = [RateLimit {
             key: format!("team:burst{limit}:requests"),
             limit,
             period: Duration::from_secs(60),
             cost: 1,
-        };
+        }];
         for i in 0..limit {
-            let d = check!([unit.clone()]);
+            let d = check!(unit);
             assert!(d[0].allowed(), "{limit}: unit {i}: {d:?}");
         }
-        assert!(!check!([unit])[0].allowed(), "{limit}: one past the budget");
+        assert!(!check!(unit)[0].allowed(), "{limit}: one past the budget");
     }
 
     // Usage found out after admission is charged whatever the budget, into debt.

@@ -41,6 +41,10 @@ pub struct FaultSpec {
     /// Answer `/health` this many wall milliseconds late.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health_stall_ms: Option<u64>,
+    /// Whether `stall_ms` is the global one (set by [`FaultSpec::merged_with`]): such a stall
+    /// follows the global faults while it lasts.
+    #[serde(skip)]
+    pub stall_is_global: bool,
 }
 
 impl FaultSpec {
@@ -81,6 +85,7 @@ impl FaultSpec {
             slow: request.slow,
             unhealthy: self.unhealthy || request.unhealthy,
             health_stall_ms: self.health_stall_ms,
+            stall_is_global: request.stall_ms.is_none() && self.stall_ms.is_some(),
         }
     }
 

@@ -867,7 +867,7 @@ impl Pacer {
         } else {
             Duration::ZERO
         };
-        let global = faults.stall_ms.is_some() && state.faults.global().stall_ms == faults.stall_ms;
+        let global = faults.stall_is_global;
         Pacer {
             stall: faults.stall_ms.map(Duration::from_millis),
             global: global.then(|| Arc::clone(state)),
