@@ -219,14 +219,13 @@ pub fn build_chat_request(
     }
     if let Some(format) = req.get("text").and_then(|t| t.get("format")) {
         if let Some(response_format) = translate_text_format(format)? {
-            // OpenAI holds the answer to the format, not the tool calls before it. An engine's
-            // `response_format` constrains every token it generates, so a turn that may call
-            // tools would never get to call one: the format is asked for in the instructions
-            // instead (the first system message, the same every turn and in a compaction, so
-            // the cached prefix holds). A compaction's summary is the gateway's and keeps its
-            // own form.
-            // (An `openai`-flavor server holds only the answer to its `response_format`, as
-            // OpenAI does.)
+            // OpenAI holds the answer to the format, not the tool calls before it. vLLM's and
+            // SGLang's `response_format` constrains every token they generate, so a turn that
+            // may call tools would never get to call one: for them the format is asked for in
+            // the instructions instead (the first system message, the same every turn and in a
+            // compaction, so the cached prefix holds). An `openai`-flavor server holds only
+            // the answer to it, as OpenAI does. A compaction's summary is the gateway's and
+            // keeps its own form.
             if may_call_tools && opts.flavor != Flavor::Openai {
                 ask_for_format(&mut body, &response_format);
             } else if !compaction {

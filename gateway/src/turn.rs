@@ -593,16 +593,10 @@ impl Routed {
     /// stays: the next turn finds its endpoint failed or gone, or finds it well.)
     async fn undo_moves(&mut self, state: &AppState, pool: &str) {
         for repin in self.repins.drain(..) {
-            let from = repin.from;
-            match pin_op(
-                state
-                    .store
-                    .swap_pin(pool, &repin.key, Some(&repin.to), &from),
-            )
-            .await
-            {
+            let (key, from, to) = (repin.key, repin.from, repin.to);
+            match pin_op(state.store.swap_pin(pool, &key, Some(&to), &from)).await {
                 Ok(swap) if swap.applied => {
-                    tracing::info!(key = %repin.key, to = %from.endpoint, "session pin moved back: its new endpoint failed before any output");
+                    tracing::info!(%key, to = %from.endpoint, "session pin moved back: its new endpoint failed before any output");
                 }
                 Ok(_) => {}
                 Err(e) => tracing::warn!("could not move the session pin back: {e}"),
