@@ -891,18 +891,9 @@ async fn run_turn(
         // is created, then fails with `context_length_exceeded`. Codex compacts its history on
         // that event; an HTTP 400 it takes for a request it cannot send at all.
         Err(e) if req.stream && e.error.code.as_deref() == Some(CONTEXT_LENGTH_EXCEEDED) => {
-            let events =
-                turn::failed_at_start(state, &turn, CONTEXT_LENGTH_EXCEEDED, &e.error.message);
-            // It adds nothing to its conversation.
-            turn::release_conversation(&turn).await;
-            let (tx, rx) = mpsc::channel(events.len().max(1));
-            for event in &events {
-                let _ = tx.try_send(Bytes::from(event.to_sse_frame()));
-            }
-            return Ok(Started::Answered(with_headers(
-                sse_response(rx, None, None),
-                flow_headers,
-            )));
+            let failed =
+                failed_in_stream(state, &turn, CONTEXT_LENGTH_EXCEEDED, &e.error.message).await;
+            return Ok(Started::Answered(with_headers(failed, flow_headers)));
         }
         Err(e) => return Err(e),
     };
@@ -987,17 +978,28 @@ async fn refused_in_stream(state: &AppState, turn: &turn::Turn, e: &HttpError) -
         "{} Please try again in {secs}s.",
         e.error.message.trim_end()
     );
-    let events = turn::failed_at_start(state, turn, "rate_limit_exceeded", &message);
+    let resp = failed_in_stream(state, turn, "rate_limit_exceeded", &message).await;
+    match &e.headers {
+        Some(headers) => with_headers(resp, headers.as_ref().clone()),
+        None => resp,
+    }
+}
+
+/// The stream of a turn that failed before any engine ran it ([`turn::failed_at_start`]):
+/// nothing stored, and nothing added to its conversation, whose lock goes.
+async fn failed_in_stream(
+    state: &AppState,
+    turn: &turn::Turn,
+    code: &str,
+    message: &str,
+) -> Response {
+    let events = turn::failed_at_start(state, turn, code, message);
     turn::release_conversation(turn).await;
     let (tx, rx) = mpsc::channel(events.len().max(1));
     for event in &events {
         let _ = tx.try_send(Bytes::from(event.to_sse_frame()));
     }
-    let mut resp = sse_response(rx, None, None);
-    if let Some(headers) = &e.headers {
-        resp = with_headers(resp, headers.as_ref().clone());
-    }
-    resp
+    sse_response(rx, None, None)
 }
 
 fn with_reason(

@@ -1795,12 +1795,12 @@ async fn drive_announced(
     // without any); moved back when it ended otherwise before its first token (the engine
     // failed, refused the request in its stream, or the turn was stopped): the session's
     // cache never got there.
-    if status == "completed" || status == "incomplete" {
-        routed.count_moves(&state, &turn.pool.name);
-    } else if first_token.is_none() {
+    let finished = status == "completed" || status == "incomplete";
+    if !finished && first_token.is_none() {
         routed.undo_moves(&state, &turn.pool.name).await;
     }
-    if status == "completed" || status == "incomplete" {
+    if finished {
+        routed.count_moves(&state, &turn.pool.name);
         let input = response
             .pointer("/usage/input_tokens")
             .and_then(Value::as_u64)

@@ -59,6 +59,14 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// What admitting it charges to its team's rate limits: one request and its estimate.
+    fn rate_cost(&self) -> RateCost {
+        RateCost {
+            requests: 1,
+            tokens: self.cost_tokens,
+        }
+    }
+
     /// A new-session request of `team` in its default band.
     pub fn new(team: impl Into<String>, cost_tokens: u64) -> Self {
         Ticket {
@@ -380,7 +388,9 @@ impl FlowController {
     /// runtime with the time driver enabled (the TTL is a Tokio timer).
     pub async fn admit(&self, ticket: Ticket) -> Result<Permit, Rejection> {
         let (limits, band) = self.check_room(&ticket)?;
-        let rate = self.charge_limits(&ticket, limits, &band).await?;
+        let rate = self
+            .charge_limits(&ticket.team, limits, ticket.rate_cost(), Some(&band))
+            .await?;
         self.queue(ticket, rate).await
     }
 
@@ -391,7 +401,8 @@ impl FlowController {
     /// later has spent its charge.
     pub async fn charge(&self, ticket: &Ticket) -> Result<Option<RateStatus>, Rejection> {
         let (limits, band) = self.check_room(ticket)?;
-        self.charge_limits(ticket, limits, &band).await
+        self.charge_limits(&ticket.team, limits, ticket.rate_cost(), Some(&band))
+            .await
     }
 
     /// Charge one request, and no tokens, to `team`'s requests-per-minute limit: for a call
@@ -403,22 +414,11 @@ impl FlowController {
             rpm: limits.rpm,
             tpm: None,
         };
-        if limits.is_unlimited() {
-            return Ok(None);
-        }
         let cost = RateCost {
             requests: 1,
             tokens: 0,
         };
-        match self.inner.limiter.check(team, limits, cost).await {
-            Ok(status) => Ok(Some(status)),
-            Err(limited) => {
-                if let Some(t) = self.inner.lock().teams.get_mut(team) {
-                    t.rate_limited += 1;
-                }
-                Err(Rejection::RateLimited(limited))
-            }
-        }
+        self.charge_limits(team, limits, cost, None).await
     }
 
     /// [`Self::admit`] for a ticket [`Self::charge`] charged already (`rate` is its answer):
@@ -455,29 +455,27 @@ impl FlowController {
         Ok((limits, band_name))
     }
 
-    /// Charge the team's rate limits (none: nothing to charge); a refusal is counted.
+    /// Charge `cost` to `team`'s rate limits (none: nothing to charge); a refusal is counted
+    /// for the team and, when given, the band.
     async fn charge_limits(
         &self,
-        ticket: &Ticket,
+        team: &str,
         limits: RateLimits,
-        band_name: &str,
+        cost: RateCost,
+        band_name: Option<&str>,
     ) -> Result<Option<RateStatus>, Rejection> {
         if limits.is_unlimited() {
             return Ok(None);
         }
         let inner = &self.inner;
-        let cost = RateCost {
-            requests: 1,
-            tokens: ticket.cost_tokens,
-        };
-        match inner.limiter.check(&ticket.team, limits, cost).await {
+        match inner.limiter.check(team, limits, cost).await {
             Ok(status) => Ok(Some(status)),
             Err(limited) => {
                 let mut state = inner.lock();
-                if let Some(team) = state.teams.get_mut(&ticket.team) {
-                    team.rate_limited += 1;
+                if let Some(t) = state.teams.get_mut(team) {
+                    t.rate_limited += 1;
                 }
-                if let Some(&b) = state.band_index.get(band_name) {
+                if let Some(&b) = band_name.and_then(|name| state.band_index.get(name)) {
                     state.bands[b].counters.rate_limited += 1;
                 }
                 Err(Rejection::RateLimited(limited))
