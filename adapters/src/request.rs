@@ -17,7 +17,10 @@
 //!   still, so the prompt's prefix stays cached); SGLang would render none, so there the choice
 //!   is left out.
 //! - `function_call_output` / `custom_tool_call_output` -> a `tool` message with `tool_call_id`
-//!   (array outputs are flattened to their text; images become `[image]`).
+//!   (array outputs are flattened to their text, files named `[file NAME]`; an output with
+//!   images goes to vLLM and SGLang as text and `image_url` parts, to an `openai`-flavor
+//!   server, whose tool messages hold text only, with each image named `[image]`).
+//! - `system` / `developer` messages hold text: an image, file or audio part in one is refused.
 //! - `reasoning` items: for vLLM / SGLang the reasoning text (from `content`, else from this
 //!   gateway's `encrypted_content` blob, else from `summary`) is attached to the next assistant
 //!   message (as `reasoning_content` for SGLang; as `reasoning` and `reasoning_content` for vLLM,
@@ -213,8 +216,10 @@ pub fn build_chat_request(
         body.insert("user".into(), user.clone());
     }
     if opts.flavor == Flavor::Openai {
-        if let Some(key) = req.get("prompt_cache_key").filter(|k| k.is_string()) {
-            body.insert("prompt_cache_key".into(), key.clone());
+        for key in ["prompt_cache_key", "safety_identifier"] {
+            if let Some(value) = req.get(key).filter(|v| v.is_string()) {
+                body.insert(key.into(), value.clone());
+            }
         }
     }
     if let Some(format) = req.get("text").and_then(|t| t.get("format")) {
@@ -404,7 +409,7 @@ impl<'a> MessageBuilder<'a> {
                 Ok(())
             }
             "function_call_output" | "custom_tool_call_output" => {
-                let content = output_text(item.get("output"));
+                let content = tool_output(item.get("output"), self.flavor);
                 self.messages.push(json!({
                     "role": "tool",
                     "tool_call_id": str_field(item, "call_id"),
@@ -467,6 +472,19 @@ impl<'a> MessageBuilder<'a> {
         }
         match role {
             "system" | "developer" => {
+                // Instructions are text: an image or a file in them would be dropped without a
+                // word, so it is refused, as a file in a user message is.
+                if let Some(Value::Array(parts)) = item.get("content") {
+                    for (index, part) in parts.iter().enumerate() {
+                        let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+                        if matches!(kind, "input_image" | "input_file" | "input_audio") {
+                            return Err(ApiError::invalid(
+                                format!("{param}.content[{index}].type"),
+                                format!("{param}: a {role} message holds text only; send the {kind} in a user message"),
+                            ));
+                        }
+                    }
+                }
                 let text = text_of_parts(item.get("content"));
                 self.push_system(text);
             }
@@ -611,35 +629,13 @@ fn user_content(content: Option<&Value>, param: &str) -> Result<Value, ApiError>
                 chat_parts.push(json!({"type": "text", "text": str_field(part, "text")}));
             }
             "input_image" => {
-                let url = match part.get("image_url") {
-                    Some(Value::String(url)) => url.clone(),
-                    Some(Value::Object(obj)) => obj
-                        .get("url")
-                        .and_then(Value::as_str)
-                        .unwrap_or("")
-                        .to_string(),
-                    _ => String::new(),
-                };
-                if url.is_empty() {
+                let Some(image) = chat_image(part) else {
                     return Err(ApiError::invalid(
                         format!("{part_param}.image_url"),
                         format!("{part_param}: images must be given as image_url (an http(s) or data: URL); file_id images are not supported"),
                     ));
-                }
-                let mut image_url = Map::new();
-                image_url.insert("url".into(), json!(url));
-                // Chat Completions takes auto, low and high; the Responses API's `original`
-                // (full resolution) is the engines' `high`.
-                match part.get("detail").and_then(Value::as_str) {
-                    Some("original") => {
-                        image_url.insert("detail".into(), json!("high"));
-                    }
-                    Some(detail) => {
-                        image_url.insert("detail".into(), json!(detail));
-                    }
-                    None => {}
-                }
-                chat_parts.push(json!({"type": "image_url", "image_url": image_url}));
+                };
+                chat_parts.push(image);
                 has_image = true;
             }
             "input_file" | "input_audio" => {
@@ -660,6 +656,56 @@ fn user_content(content: Option<&Value>, param: &str) -> Result<Value, ApiError>
         .collect::<Vec<_>>()
         .join("\n");
     Ok(json!(text))
+}
+
+/// A tool message's content. vLLM and SGLang take content parts in any message, so a tool
+/// output that holds images (a screenshot tool, Codex's `view_image`) reaches a vision model
+/// as text and `image_url` parts; otherwise (and for an `openai`-flavor server, whose tool
+/// messages hold text only) it is text, with other parts named.
+fn tool_output(output: Option<&Value>, flavor: Flavor) -> Value {
+    let Some(Value::Array(parts)) = output.filter(|_| flavor.is_self_hosted()) else {
+        return json!(output_text(output));
+    };
+    if !parts.iter().any(|part| chat_image(part).is_some()) {
+        return json!(output_text(output));
+    }
+    let chat_parts: Vec<Value> = parts
+        .iter()
+        .map(|part| {
+            chat_image(part).unwrap_or_else(
+                || json!({"type": "text", "text": output_text(Some(&json!([part])))}),
+            )
+        })
+        .collect();
+    Value::Array(chat_parts)
+}
+
+/// The Chat Completions `image_url` part for an `input_image` part that gives a URL (a
+/// string or `{url}`); `None` for any other part.
+fn chat_image(part: &Value) -> Option<Value> {
+    if part.get("type").and_then(Value::as_str) != Some("input_image") {
+        return None;
+    }
+    let url = match part.get("image_url") {
+        Some(Value::String(url)) => Some(url.as_str()),
+        Some(Value::Object(obj)) => obj.get("url").and_then(Value::as_str),
+        _ => None,
+    }
+    .filter(|url| !url.is_empty())?;
+    let mut image_url = Map::new();
+    image_url.insert("url".into(), json!(url));
+    // Chat Completions takes auto, low and high; the Responses API's `original` (full
+    // resolution) is the engines' `high`.
+    match part.get("detail").and_then(Value::as_str) {
+        Some("original") => {
+            image_url.insert("detail".into(), json!("high"));
+        }
+        Some(detail) => {
+            image_url.insert("detail".into(), json!(detail));
+        }
+        None => {}
+    }
+    Some(json!({"type": "image_url", "image_url": image_url}))
 }
 
 fn output_text(output: Option<&Value>) -> String {
@@ -838,7 +884,10 @@ mod tests {
                     {"id": "call_b", "type": "function", "function": {"name": "mcp__docs__search", "arguments": "{}"}},
                  ]},
                 {"role": "tool", "tool_call_id": "call_a", "content": "a.txt"},
-                {"role": "tool", "tool_call_id": "call_b", "content": "doc\n[image]"},
+                {"role": "tool", "tool_call_id": "call_b", "content": [
+                    {"type": "text", "text": "doc"},
+                    {"type": "image_url", "image_url": {"url": "data:x"}},
+                ]},
                 {"role": "assistant", "content": "", "reasoning": "raw thought", "reasoning_content": "raw thought", "tool_calls": [
                     {"id": "call_c", "type": "function",
                      "function": {"name": "apply_patch", "arguments": "{\"input\":\"*** Begin\"}"}},
@@ -915,7 +964,8 @@ mod tests {
             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         ]))
         .unwrap();
-        let req = json!({"max_output_tokens": 64, "prompt_cache_key": "thread-1"});
+        let req = json!({"max_output_tokens": 64, "prompt_cache_key": "thread-1",
+                         "safety_identifier": "user-7"});
         let plan =
             build_chat_request(&req, &[], &input, &TranslateOptions::new(Flavor::Openai)).unwrap();
         assert_eq!(
@@ -925,10 +975,59 @@ mod tests {
         );
         assert_eq!(plan.body["max_completion_tokens"], 64);
         assert_eq!(plan.body["prompt_cache_key"], "thread-1");
+        assert_eq!(plan.body["safety_identifier"], "user-7");
         assert!(plan.body.get("max_tokens").is_none());
         let plan = build_chat_request(&req, &[], &input, &vllm()).unwrap();
         assert_eq!(plan.body["max_tokens"], 64);
         assert!(plan.body.get("prompt_cache_key").is_none());
+        assert!(plan.body.get("safety_identifier").is_none());
+    }
+
+    #[test]
+    fn images_in_tool_outputs_reach_self_hosted_engines_and_are_named_for_openai() {
+        let input = normalize_input(&json!([
+            {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [
+                {"type": "input_text", "text": "screenshot:"},
+                {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "original"}]},
+        ]))
+        .unwrap();
+        let tool_message = |opts: &TranslateOptions| {
+            build_chat_request(&json!({}), &[], &input, opts)
+                .unwrap()
+                .body["messages"][1]
+                .clone()
+        };
+        let parts = json!([
+            {"type": "text", "text": "screenshot:"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "high"}},
+        ]);
+        assert_eq!(tool_message(&vllm())["content"], parts);
+        assert_eq!(
+            tool_message(&TranslateOptions::new(Flavor::Sglang))["content"],
+            parts
+        );
+        assert_eq!(
+            tool_message(&TranslateOptions::new(Flavor::Openai))["content"],
+            "screenshot:\n[image]"
+        );
+    }
+
+    #[test]
+    fn an_image_in_instructions_is_refused_not_dropped() {
+        let input = normalize_input(&json!([
+            {"role": "user", "content": "hi"},
+            {"role": "developer", "content": [
+                {"type": "input_text", "text": "style guide"},
+                {"type": "input_image", "image_url": "https://x/y.png"}]},
+        ]))
+        .unwrap();
+        let err = build_chat_request(&json!({}), &[], &input, &vllm()).unwrap_err();
+        assert_eq!(
+            err.param.as_deref(),
+            Some("input[1].content[1].type"),
+            "{err:?}"
+        );
     }
 
     #[test]

@@ -391,10 +391,16 @@ impl ResponseStream {
         } else {
             "completed"
         };
-        // An answer of whitespace alone is still the answer.
+        // An answer of whitespace alone is still the answer, reasoning or not (whitespace
+        // around tool calls is not one).
         let held = std::mem::take(&mut self.held_whitespace);
         let held_logprobs = std::mem::take(&mut self.held_logprobs);
-        if !held.is_empty() && self.output.is_empty() {
+        let answered = self.output.iter().any(|item| {
+            item.get("type")
+                .and_then(Value::as_str)
+                .is_some_and(|kind| kind != "reasoning")
+        });
+        if !held.is_empty() && !answered {
             self.append_text(&held, held_logprobs, &mut events);
         }
         self.close_all(item_status, &mut events);
@@ -676,6 +682,14 @@ impl ResponseStream {
             );
             return;
         }
+        if known.is_some_and(|slot| self.calls.get(slot).is_some_and(|open| open.closed)) {
+            // (Before anything is closed: the message written since goes on as one item.)
+            tracing::warn!(
+                tool_call_index = index,
+                "engine sent tool-call arguments after the call was closed; ignoring them"
+            );
+            return;
+        }
         self.held_whitespace.clear();
         self.held_logprobs.clear();
         self.close_current("completed", events);
@@ -711,13 +725,6 @@ impl ResponseStream {
         let Some(open) = self.calls.get_mut(slot) else {
             return;
         };
-        if open.closed {
-            tracing::warn!(
-                tool_call_index = index,
-                "engine sent tool-call arguments after the call was closed; ignoring them"
-            );
-            return;
-        }
         if let Some(name) = name {
             if open.engine_name.is_empty() {
                 open.engine_name = name.to_string();
@@ -1641,6 +1648,47 @@ mod tests {
         let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
         let events = run(&mut stream, &[chunk(json!({"content": " "}), Some("stop"))]);
         assert_eq!(replay(&events)[0]["content"][0]["text"], " ");
+        // After reasoning too.
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = run(
+            &mut stream,
+            &[
+                chunk(json!({"reasoning_content": "Nothing to say."}), None),
+                chunk(json!({"content": "\n"}), Some("stop")),
+            ],
+        );
+        let output = replay(&events);
+        let kinds: Vec<&str> = output.iter().map(|i| i["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds, ["reasoning", "message"]);
+        assert_eq!(output[1]["content"][0]["text"], "\n");
+    }
+
+    #[test]
+    fn arguments_for_a_closed_call_leave_the_message_after_it_whole() {
+        let mut names = ToolNameMap::new();
+        names.insert(ToolName::plain("f"));
+        let mut stream = ResponseStream::new(skeleton(), names);
+        let events = run(
+            &mut stream,
+            &[
+                chunk(
+                    json!({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                           "function": {"name": "f", "arguments": "{}"}}]}),
+                    None,
+                ),
+                chunk(json!({"content": "Done."}), None),
+                chunk(
+                    json!({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}),
+                    None,
+                ),
+                chunk(json!({"content": " More."}), Some("stop")),
+            ],
+        );
+        let output = replay(&events);
+        let kinds: Vec<&str> = output.iter().map(|i| i["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds, ["function_call", "message"], "{output:?}");
+        assert_eq!(output[0]["arguments"], "{}");
+        assert_eq!(output[1]["content"][0]["text"], "Done. More.");
     }
 
     #[test]

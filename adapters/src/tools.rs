@@ -5,8 +5,9 @@
 //! Function tools pass through. `namespace` groups (Codex sends MCP tools this way:
 //! `{type: "namespace", name, description, tools: [{type: "function", name, ...}]}`) are flattened
 //! to one function per member named `<namespace>__<name>` (or `<namespace><name>` when the
-//! namespace already ends in `_`), with characters outside `[A-Za-z0-9_-]` replaced by `_` and a
-//! numeric suffix on collision; the namespace's description opens each member's, and a custom
+//! namespace already ends in `_`), with characters outside `[A-Za-z0-9_-]` replaced by `_`, a
+//! hash in place of the end of a name longer than OpenAI's 64 characters, and a numeric suffix
+//! on collision; the namespace's description opens each member's, and a custom
 //! member is a custom tool (below). Output `function_call` and `custom_tool_call` items carry
 //! the original `name` and `namespace` again.
 //!
@@ -89,7 +90,9 @@ impl ToolNameMap {
         if self.by_engine_name.contains_key(&candidate) {
             let suffix = self.next_suffix.entry(base.clone()).or_insert(2);
             loop {
-                candidate = format!("{base}_{suffix}");
+                let tail = format!("_{suffix}");
+                let stem = prefix_within(&base, MAX_NAME_LEN.saturating_sub(tail.len()));
+                candidate = format!("{stem}{tail}");
                 *suffix += 1;
                 if !self.by_engine_name.contains_key(&candidate) {
                     break;
@@ -154,13 +157,29 @@ impl ToolNameMap {
     }
 }
 
+/// Longest function name OpenAI's Chat Completions API takes (`^[a-zA-Z0-9_-]{1,64}$`).
+const MAX_NAME_LEN: usize = 64;
+
+/// `name`'s longest prefix of at most `max` bytes that ends on a character boundary.
+fn prefix_within(name: &str, max: usize) -> &str {
+    let mut end = name.len().min(max);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
+}
+
+/// A namespace member's engine name: `<namespace>__<name>` with characters outside
+/// `[A-Za-z0-9_-]` replaced by `_`; one longer than 64 characters keeps its first 47 and ends
+/// in `_` and 16 hex digits of a hash of the whole name, the same every turn (so the rendered
+/// tool list, and with it the cached prefix, does not change).
 fn flattened_name(tool: &ToolName) -> String {
     let joined = match &tool.namespace {
         None => return tool.name.clone(),
         Some(ns) if ns.ends_with('_') => format!("{ns}{}", tool.name),
         Some(ns) => format!("{ns}__{}", tool.name),
     };
-    joined
+    let flat: String = joined
         .chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
@@ -169,7 +188,16 @@ fn flattened_name(tool: &ToolName) -> String {
                 '_'
             }
         })
-        .collect()
+        .collect();
+    if flat.len() <= MAX_NAME_LEN {
+        return flat;
+    }
+    // FNV-1a over the name as written (before `_` replaced anything), so two long names that
+    // differ only past the cut, or only in replaced characters, stay apart.
+    let hash = joined.bytes().fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{}_{hash:016x}", prefix_within(&flat, MAX_NAME_LEN - 17))
 }
 
 /// The result of translating a request's `tools`.
@@ -529,6 +557,40 @@ mod tests {
         let clash = map.insert(ToolName::namespaced("ns", "x?3"));
         assert_eq!(clash, "ns__x_3_2", "a plain name already holds `ns__x_3`");
         assert_eq!(map.resolve("ns____4"), ToolName::namespaced("ns", "ñ"));
+    }
+
+    #[test]
+    fn long_namespaced_names_fit_in_64_characters() {
+        let mut map = ToolNameMap::new();
+        let ns = "mcp__github_enterprise_server";
+        let long = map.insert(ToolName::namespaced(
+            ns,
+            "list_pull_request_review_comments",
+        ));
+        let other = map.insert(ToolName::namespaced(
+            ns,
+            "list_pull_request_review_threads_",
+        ));
+        assert_eq!(long.len(), 64, "{long}");
+        assert!(
+            long.starts_with("mcp__github_enterprise_server__list_"),
+            "{long}"
+        );
+        assert_ne!(long, other, "names that differ past the cut stay apart");
+        // The same every turn, and resolvable from the calls of earlier turns.
+        assert_eq!(
+            ToolNameMap::new().engine_name("list_pull_request_review_comments", Some(ns)),
+            long
+        );
+        assert_eq!(
+            map.resolve(&long),
+            ToolName::namespaced(ns, "list_pull_request_review_comments")
+        );
+        // A clash suffix keeps the name within the limit too.
+        let clash = map.insert(ToolName::plain(long.clone()));
+        assert!(clash.len() <= 64 && clash != long, "{clash}");
+        // Short names are as before.
+        assert_eq!(map.insert(ToolName::namespaced("ns", "x")), "ns__x");
     }
 
     #[test]
