@@ -826,7 +826,7 @@ async fn run_turn(
             Some(pending) => pending.charge().await?,
             None => Vec::new(),
         };
-        registered.hold_lease().await;
+        registered.hold_lease().await.map_err(store_error)?;
         state
             .store
             .put(&turn::queued_record(&turn))
@@ -1193,16 +1193,18 @@ async fn stream_stored(
                 .elapsed()
                 >= FOLLOW_TERMINAL_GRACE
             {
-                // A terminal event in the log before `starting_after`: the client has seen the
-                // end already, nothing more to send.
-                if next > 0 {
-                    if let Ok(log) = state.store.events(&id, 0).await {
-                        if log
-                            .iter()
-                            .any(|f| TERMINAL_EVENTS.contains(&frame_kind(f).0.as_str()))
-                        {
-                            return;
-                        }
+                // The run's last events may have landed since this pass read none: send
+                // them first. A terminal event in the log before `starting_after`: the
+                // client has seen the end already, nothing more to send.
+                if let Ok(log) = state.store.events(&id, 0).await {
+                    if log.len() > next {
+                        continue;
+                    }
+                    if log
+                        .iter()
+                        .any(|f| TERMINAL_EVENTS.contains(&frame_kind(f).0.as_str()))
+                    {
+                        return;
                     }
                 }
                 // The terminal event never reached the log: end with the stored record.
@@ -1431,20 +1433,10 @@ pub async fn cancel(
         crate::conversations::release_for(&state, &team.0, &rec.response, &id).await;
         return Ok(Json(cancelled));
     }
-    let current = load_record(&state, &team, &id).await?;
-    let status = current
-        .response
-        .get("status")
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    if status == "cancelled" {
-        return Ok(Json(current.response));
-    }
-    Err(HttpError::invalid(
-        format!("Cannot cancel a response with status '{status}'."),
-        None,
-        Some("not_cancellable"),
-    ))
+    // Already final (cancelled before, or it finished first): cancelling again changes
+    // nothing and answers with the response as it ended, as OpenAI does, so a client that
+    // cancels on a timeout does not fail when the run wins the race.
+    Ok(Json(load_record(&state, &team, &id).await?.response))
 }
 
 /// Query of a paginated item list (`GET /v1/responses/{id}/input_items`, a conversation's items).

@@ -2475,14 +2475,14 @@ impl RunRegistration {
 
     /// Take the run's lease in the store (before the response is stored, so no reader finds it
     /// queued without one) and renew it every third of `background.orphaned_after_s` until
-    /// the registration is dropped, which gives it up. A lease the store could not take is
-    /// taken by the next renewal; a reader gives a run that long before it counts as lost.
-    pub async fn hold_lease(&mut self) {
+    /// the registration is dropped, which gives it up. A lease the store cannot take refuses
+    /// the run: a response stored without one would read as a run of a gateway from before
+    /// leases, never settled as lost if this gateway died. A renewal that fails is retried by
+    /// the next; a reader gives a run that long before it counts as lost.
+    pub async fn hold_lease(&mut self) -> Result<(), agentgate_sessions::StoreError> {
         let ttl = self.state.config.background.orphaned_after();
         let (store, id) = (self.state.store.clone(), self.id.clone());
-        if let Err(e) = store.hold_run(&id, ttl).await {
-            tracing::warn!(response = %id, "could not take the background run's lease: {e}");
-        }
+        store.hold_run(&id, ttl).await?;
         self.lease = Some(tokio::spawn(async move {
             loop {
                 tokio::time::sleep(ttl / 3).await;
@@ -2491,6 +2491,7 @@ impl RunRegistration {
                 }
             }
         }));
+        Ok(())
     }
 }
 
