@@ -362,6 +362,10 @@ pub struct UpstreamConfig {
     /// Longest silence between two streamed events, in seconds (keep-alive comments and chunks
     /// without choices, usage or an error do not break it).
     pub idle_timeout_s: f64,
+    /// The environment variable holding the bearer key sent to every engine (vLLM and SGLang
+    /// started with `--api-key`, an OpenAI-compatible service); read at start, so the key
+    /// stays out of the file. None: no key is sent.
+    pub api_key_env: Option<String>,
 }
 
 impl Default for UpstreamConfig {
@@ -370,6 +374,27 @@ impl Default for UpstreamConfig {
             connect_timeout_ms: 2_000,
             first_byte_timeout_s: 600.0,
             idle_timeout_s: 120.0,
+            api_key_env: None,
+        }
+    }
+}
+
+impl UpstreamConfig {
+    /// The engines' key, from the variable `api_key_env` names (None when it names none).
+    fn api_key(&self) -> Result<Option<String>, ConfigError> {
+        let Some(name) = &self.api_key_env else {
+            return Ok(None);
+        };
+        match std::env::var(name) {
+            Ok(key) if !key.trim().is_empty() => Ok(Some(key.trim().to_string())),
+            Ok(_) => Err(err(
+                "upstream.api_key_env",
+                format!("the environment variable {name} is empty"),
+            )),
+            Err(_) => Err(err(
+                "upstream.api_key_env",
+                format!("the environment variable {name} is not set (or not UTF-8)"),
+            )),
         }
     }
 }
@@ -1081,6 +1106,7 @@ impl Config {
                 }
             }
         }
+        self.upstream.api_key()?;
         if self.upstream.connect_timeout_ms == 0 {
             return Err(err("upstream.connect_timeout_ms", "must be at least 1"));
         }
@@ -1391,6 +1417,8 @@ impl Config {
             connect_timeout: Duration::from_millis(self.upstream.connect_timeout_ms),
             first_byte_timeout: seconds(self.upstream.first_byte_timeout_s),
             idle_timeout: seconds(self.upstream.idle_timeout_s),
+            // (Checked by `validate`: a variable gone since reads as no key.)
+            api_key: self.upstream.api_key().ok().flatten(),
             ..agentgate_adapters::ClientOptions::default()
         }
     }
@@ -1856,6 +1884,15 @@ endpoints = ["http://127.0.0.1:8000"]
         let e =
             Config::parse(&format!("[upstream]\nconnect_timeout_ms = 0\n{MINIMAL}")).unwrap_err();
         assert_eq!(e.key, "upstream.connect_timeout_ms");
+        let e = Config::parse(&format!(
+            "[upstream]\napi_key_env = \"AGENTGATE_UNSET_VARIABLE_FOR_TESTS\"\n{MINIMAL}"
+        ))
+        .unwrap_err();
+        assert_eq!(e.key, "upstream.api_key_env");
+        assert!(
+            e.reason.contains("AGENTGATE_UNSET_VARIABLE_FOR_TESTS"),
+            "{e}"
+        );
         let e = Config::parse(&format!(
             "[background]\nmax_concurrent = 9223372036854775807\n{MINIMAL}"
         ))

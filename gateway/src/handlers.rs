@@ -56,7 +56,10 @@ pub async fn live() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-/// `GET /health/ready`: the store answers and every pool has endpoints.
+/// `GET /health/ready`: the store answers and some pool has an available endpoint. A pool
+/// without any (its endpoints file emptied, every replica failing its probe) is named in
+/// `pools_without_endpoints` but does not take the replica out of service: its requests
+/// get 503 `upstream_unavailable` while every other model is still served.
 pub async fn ready(State(state): State<Arc<AppState>>) -> Result<Json<Value>, HttpError> {
     state
         .store
@@ -66,18 +69,21 @@ pub async fn ready(State(state): State<Arc<AppState>>) -> Result<Json<Value>, Ht
             HttpError::server(503, format!("store unavailable: {e}"), "store_unavailable")
                 .with_retry_after(1)
         })?;
-    if let Some(pool) = state
-        .pools
-        .all()
+    let pools = state.pools.all();
+    let empty: Vec<&str> = pools
         .iter()
-        .find(|p| !p.endpoints().iter().any(|e| e.is_available()))
-    {
+        .filter(|p| !p.endpoints().iter().any(|e| e.is_available()))
+        .map(|p| p.name.as_str())
+        .collect();
+    if empty.len() == pools.len() {
         return Err(HttpError::server(
             503,
-            format!("pool '{}' has no available endpoints", pool.name),
+            format!("no pool has an available endpoint ({})", empty.join(", ")),
             "no_endpoints",
         )
         .with_retry_after(1));
     }
-    Ok(Json(json!({"status": "ready"})))
+    Ok(Json(
+        json!({"status": "ready", "pools_without_endpoints": empty}),
+    ))
 }

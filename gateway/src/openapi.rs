@@ -210,7 +210,7 @@ pub const ROUTES: &[RouteDoc] = &[
     RouteDoc {
         method: "get",
         path: "/health/ready",
-        summary: "Readiness: the store answers and every pool has endpoints.",
+        summary: "Readiness: the store answers and some pool has an available endpoint (pools without one are listed in pools_without_endpoints).",
         request: None,
         response: "Health",
         errors: &[503],

@@ -352,20 +352,34 @@ impl Pools {
                 role,
                 labels: pc.labels.clone(),
             };
+            // A file that cannot be used now (unreadable, invalid, naming an engine twice) is
+            // refused as it would be at run time: the pool starts with its fixed endpoints, and
+            // the file's watcher takes the first version that can be used. One pool's bad file
+            // does not keep the gateway, and every other model, from starting.
             let discovered = match &pc.endpoints_file {
                 None => Vec::new(),
-                Some(path) => match FileDiscovery::read(path).map_err(invalid)? {
-                    Some(list) => {
-                        let diff = discovery::diff(&pc.name, &fixed, &[], &list, &defaults, &[])
-                            .map_err(|e| invalid(format!("{}: {e}", path.display())))?;
-                        tracing::info!(pool = %pc.name, file = %path.display(), endpoints = diff.endpoints.len(), "endpoints file read");
-                        diff.endpoints
+                Some(path) => {
+                    let read = FileDiscovery::read(path).and_then(|list| match list {
+                        Some(list) => discovery::diff(&pc.name, &fixed, &[], &list, &defaults, &[])
+                            .map(|diff| Some(diff.endpoints))
+                            .map_err(|e| format!("{}: {e}", path.display())),
+                        None => Ok(None),
+                    });
+                    match read {
+                        Ok(Some(endpoints)) => {
+                            tracing::info!(pool = %pc.name, file = %path.display(), endpoints = endpoints.len(), "endpoints file read");
+                            endpoints
+                        }
+                        Ok(None) => {
+                            tracing::warn!(pool = %pc.name, file = %path.display(), "endpoints file not found; watching for it");
+                            Vec::new()
+                        }
+                        Err(e) => {
+                            tracing::warn!(pool = %pc.name, "endpoints file refused, starting with the pool's fixed endpoints and watching for a change: {e}");
+                            Vec::new()
+                        }
                     }
-                    None => {
-                        tracing::warn!(pool = %pc.name, file = %path.display(), "endpoints file not found; watching for it");
-                        Vec::new()
-                    }
-                },
+                }
             };
             let fixed_count = fixed.len();
             let mut endpoints = fixed;

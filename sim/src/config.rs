@@ -108,6 +108,11 @@ pub struct SimConfig {
     /// Largest accepted request body in bytes; larger bodies get 413.
     #[arg(long, default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Require this bearer key on every `/v1/*` request, as vLLM and SGLang started with
+    /// `--api-key` do (401 `{"error": "Unauthorized"}` without it; health, metrics and the
+    /// rest stay open).
+    #[arg(long)]
+    pub api_key: Option<String>,
     /// Simulated KV transfer bandwidth between P/D replicas, in GB/s.
     #[arg(long, default_value_t = 25.0)]
     pub kv_transfer_gbps: f64,

@@ -112,7 +112,33 @@ pub fn router(state: Shared) -> Router {
         .route("/sim/kv/pull", post(kv_pull))
         .route("/sim/bootstrap/{room}", get(bootstrap_room))
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ))
         .with_state(state)
+}
+
+/// `--api-key`: the engines' authentication middleware, which guards the `/v1` routes only.
+async fn require_api_key(
+    State(state): State<Shared>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(key) = &state.config.api_key {
+        let given = request
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        if request.uri().path().starts_with("/v1") && given != Some(&format!("Bearer {key}")) {
+            return (
+                StatusCode::UNAUTHORIZED,
+                axum::Json(json!({"error": "Unauthorized"})),
+            )
+                .into_response();
+        }
+    }
+    next.run(request).await
 }
 
 // ----- errors ---------------------------------------------------------------------------------

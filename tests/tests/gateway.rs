@@ -487,6 +487,36 @@ async fn store_false_is_not_retrievable_or_chainable() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_started_with_an_api_key_get_it_from_the_environment() {
+    let sim = agentgate_sim::spawn(agentgate_sim::SimConfig {
+        api_key: Some("engine-secret".into()),
+        ..slow_sim_config(1.0)
+    })
+    .await
+    .unwrap();
+    // Without the key the engine refuses the gateway.
+    let refused = client()
+        .post(format!("{}/v1/chat/completions", sim.base_url()))
+        .json(&json!({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401);
+    std::env::set_var("AGENTGATE_TEST_ENGINE_KEY", "engine-secret");
+    let gw = start_gateway(&config_toml(
+        &[sim.base_url()],
+        None,
+        "[upstream]\napi_key_env = \"AGENTGATE_TEST_ENGINE_KEY\"\n",
+    ))
+    .await;
+    let (s, r) = create(&gw.base_url(), json!({"model": "sim-model", "input": "hi"})).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["status"], "completed");
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_engine_is_503_with_retry_after() {
     let (_closed, port) = closed_port();
     let gw = start_gateway(&config_toml(

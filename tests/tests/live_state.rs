@@ -421,3 +421,57 @@ async fn a_replica_whose_health_check_answers_late_stays_in() {
     );
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_endpoints_file_is_refused_at_start_leaves_the_others_serving() {
+    let sim = start_sim("sim-model").await;
+    let other = start_sim("other-model").await;
+    let dir = std::env::temp_dir().join(unique_prefix("agentgate-bad-file").replace(':', "-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("endpoints.yaml");
+    // One engine listed twice: refused.
+    let port = other.addr().port();
+    write_atomically(
+        &file,
+        &format!(
+            "endpoints:\n- {{name: a, address: 127.0.0.1, port: {port}}}\n\
+             - {{name: b, address: 127.0.0.1, port: {port}}}\n"
+        ),
+    );
+    let gw = start_gateway(&format!(
+        "{}\n[[pools]]\nname = \"other\"\nmodel = \"other-model\"\nendpoints_file = \"{}\"\n",
+        config_toml(&[sim.base_url()], None, FAST_PROBES),
+        file.display()
+    ))
+    .await;
+    let base = gw.base_url();
+    let ready = reqwest::get(format!("{base}/health/ready")).await.unwrap();
+    assert_eq!(ready.status().as_u16(), 200, "sim-model is still served");
+    let body: Value = ready.json().await.unwrap();
+    assert_eq!(body["pools_without_endpoints"], json!(["other"]));
+    assert_eq!(turn(&base).await.0, 200);
+    let refused = post_response(&base, &json!({"model": "other-model", "input": "hi"})).await;
+    assert_eq!(refused.status().as_u16(), 503);
+
+    // Fixed, the file is taken up.
+    write_atomically(
+        &file,
+        &format!("endpoints:\n- {{name: a, address: 127.0.0.1, port: {port}}}\n"),
+    );
+    let pool = gw.state().pools.for_model("other-model").unwrap();
+    eventually("the fixed file is read", || {
+        pool.endpoints().iter().any(|e| e.is_available())
+    })
+    .await;
+    let served = post_response(&base, &json!({"model": "other-model", "input": "hi"})).await;
+    assert_eq!(served.status().as_u16(), 200);
+    let body: Value = reqwest::get(format!("{base}/health/ready"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(body["pools_without_endpoints"], json!([]));
+    gw.shutdown().await;
+    std::fs::remove_dir_all(&dir).ok();
+}
