@@ -499,6 +499,24 @@ pub struct PoolConfig {
 /// may set it; a config table's `bootstrap_port` sets it).
 pub const BOOTSTRAP_PORT_LABEL: &str = "agentgate.io/bootstrap-port";
 
+/// Labels an endpoint may carry: names not empty, and a [`BOOTSTRAP_PORT_LABEL`] that is a
+/// port number (a bad one would send every split request's decode leg to the wrong port).
+pub fn check_labels<'a>(
+    labels: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> Result<(), String> {
+    for (name, value) in labels {
+        if name.trim().is_empty() {
+            return Err("label names must not be empty".into());
+        }
+        if name == BOOTSTRAP_PORT_LABEL && !value.trim().parse::<u16>().is_ok_and(|p| p > 0) {
+            return Err(format!(
+                "{BOOTSTRAP_PORT_LABEL} must be a port number (1-65535), not `{value}`"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// One entry of a pool's `endpoints`: a base URL, or a table naming its role and more.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EndpointEntry {
@@ -1241,8 +1259,21 @@ impl Config {
                 .picker(agentgate_scheduler::PrefixIndexConfig::default(), &scoring)
                 .map_err(|reason| err(at("scoring"), reason))?;
             Role::parse(&pool.role).map_err(|reason| err(at("role"), reason))?;
-            if pool.labels.keys().any(|k| k.trim().is_empty()) {
-                return Err(err(at("labels"), "label names must not be empty"));
+            if pool.engine_priority && pool.flavor == Flavor::Openai {
+                return Err(err(
+                    at("engine_priority"),
+                    "only vLLM and SGLang take a request priority: use flavor \"vllm\" or \"sglang\" for an engine started with priority scheduling",
+                ));
+            }
+            check_labels(&pool.labels).map_err(|reason| err(at("labels"), reason))?;
+            if pool.labels.contains_key(crate::discovery::ROLE_LABEL) {
+                return Err(err(
+                    at("labels"),
+                    format!(
+                        "{} is read from each endpoint's own labels; set the pool's `role` instead",
+                        crate::discovery::ROLE_LABEL
+                    ),
+                ));
             }
             if let Some(file) = &pool.endpoints_file {
                 if file.as_os_str().is_empty() {
@@ -1275,9 +1306,7 @@ impl Config {
                             "must be a port number (1-65535)",
                         ));
                     }
-                    if t.labels.keys().any(|k| k.trim().is_empty()) {
-                        return Err(err(key("labels"), "label names must not be empty"));
-                    }
+                    check_labels(&t.labels).map_err(|reason| err(key("labels"), reason))?;
                 }
                 if ep.starts_with("https://") && !cfg!(feature = "upstream-tls") {
                     return Err(err(
@@ -1636,6 +1665,12 @@ impl Config {
                         "must be at least 0 and below 1 (a share of the pool's request slots), got {}",
                         band.reserve
                     ),
+                ));
+            }
+            if band.reserve > 0.0 && self.flow.max_in_flight_per_endpoint == 0 {
+                return Err(err(
+                    at("reserve"),
+                    "is a share of the pool's request slots, and flow.max_in_flight_per_endpoint = 0 sets none: set a cap per endpoint, or no reserve",
                 ));
             }
         }
@@ -2311,6 +2346,57 @@ endpoints = ["http://127.0.0.1:8000"]
             e.reason.contains("ranks above the team's default band"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn settings_an_engine_or_the_flow_would_silently_ignore_are_refused() {
+        let refused = |text: String, key: &str| {
+            let e = Config::parse(&text).unwrap_err();
+            assert!(e.key.starts_with(key), "{key}: {e}");
+        };
+        // A bootstrap port label that is no port, in a pool's labels or an endpoint's.
+        refused(
+            MINIMAL.replace(
+                "endpoints = [",
+                "labels = { \"agentgate.io/bootstrap-port\" = \"89980\" }\nendpoints = [",
+            ),
+            "pools[0].labels",
+        );
+        refused(
+            MINIMAL.replace(
+                "endpoints = [\"http://127.0.0.1:8000\"]",
+                "endpoints = [{ url = \"http://127.0.0.1:8000\", labels = { \"agentgate.io/bootstrap-port\" = \"abc\" } }]",
+            ),
+            "pools[0].endpoints[0].labels",
+        );
+        // The role label belongs to endpoints; the pool has `role`.
+        refused(
+            MINIMAL.replace(
+                "endpoints = [",
+                "labels = { \"llm-d.ai/role\" = \"decode\" }\nendpoints = [",
+            ),
+            "pools[0].labels",
+        );
+        // Priorities only vLLM and SGLang take.
+        refused(
+            MINIMAL.replace(
+                "endpoints = [",
+                "flavor = \"openai\"\nengine_priority = true\nendpoints = [",
+            ),
+            "pools[0].engine_priority",
+        );
+        // A reserve of request slots there are none of.
+        refused(
+            format!(
+                "[flow]\nmax_in_flight_per_endpoint = 0\n[[bands]]\nname = \"i\"\npriority = 1\nreserve = 0.25\n{MINIMAL}"
+            ),
+            "bands[0].reserve",
+        );
+        assert!(Config::parse(&MINIMAL.replace(
+            "endpoints = [",
+            "labels = { \"agentgate.io/bootstrap-port\" = \"8998\" }\nendpoints = [",
+        ))
+        .is_ok());
     }
 
     #[test]

@@ -421,9 +421,7 @@ pub fn parse_endpoints(text: &str) -> Result<Vec<DiscoveredEndpoint>, String> {
             .into_iter()
             .map(|(k, v)| (k, v.into_string()))
             .collect();
-        if labels.keys().any(|k| k.trim().is_empty()) {
-            return Err(format!("{at}.labels: label names must not be empty"));
-        }
+        crate::config::check_labels(&labels).map_err(|reason| format!("{at}.labels: {reason}"))?;
         let endpoint = DiscoveredEndpoint {
             name,
             address,
@@ -738,6 +736,10 @@ mod tests {
             (
                 "endpoints:\n  - {name: a, address: x, port: 1, labels: {llm-d.ai/role: mixed}}\n",
                 "unknown role",
+            ),
+            (
+                "endpoints:\n  - {name: a, address: x, port: 1, labels: {agentgate.io/bootstrap-port: 89980}}\n",
+                "must be a port number",
             ),
             ("endpoints: [{name: a, address: x, port: 1}", "flow"),
             ("{\"endpoints\": [", ""),
