@@ -62,6 +62,10 @@ struct Entry {
     /// Its predecessor was gone without a deletion (dropped for memory, or expired) when it
     /// was written (while its turn ran): its history cannot be rebuilt whole.
     parent_lost: bool,
+    /// Its predecessor was deleted (before or after it was written): its history starts here,
+    /// for as long as it lives, however many deletions came since (as the Redis store's
+    /// deletion marker, which lives as long as the chain).
+    parent_deleted: bool,
 }
 
 /// A conversation, its items, and when it stops being visible.
@@ -122,8 +126,11 @@ struct Records {
     /// Ids of the last [`DELETED_REMEMBERED`] records deleted, oldest first, and the same as a
     /// set: a history walk reaching one starts there; reaching any other record that is gone
     /// (dropped for memory, expired, never stored) it answers `Lost`, as the Redis store
-    /// answers a predecessor gone without a deletion marker. Past the bound, an old deletion
-    /// reads as a loss: an error, never a history silently cut short.
+    /// answers a predecessor gone without a deletion marker. The records continuing a deleted
+    /// one carry the deletion themselves ([`Entry::parent_deleted`]), so the bound only
+    /// limits how long after a deletion a turn that continues the deleted record may still
+    /// be written and read as cut there: past it, as a loss (an error, never a history
+    /// silently cut short).
     deleted_ids: VecDeque<String>,
     deleted_set: HashSet<String>,
 }
@@ -293,6 +300,10 @@ impl Records {
             .previous_response_id
             .as_ref()
             .is_some_and(|parent| self.is_lost(parent, &rec.team, now));
+        let parent_deleted = rec
+            .previous_response_id
+            .as_ref()
+            .is_some_and(|parent| self.deleted_set.contains(parent));
         // Written again under an id once deleted: present now.
         if self.deleted_set.remove(&id) {
             self.deleted_ids.retain(|deleted| *deleted != id);
@@ -316,6 +327,7 @@ impl Records {
             used: self.tick,
             events,
             parent_lost,
+            parent_deleted,
         };
         if let Some(old) = self.by_id.insert(id.clone(), entry) {
             self.bytes -= old.bytes;
@@ -700,6 +712,7 @@ impl Store for MemoryStore {
         let mut chain = Vec::new();
         let mut status = String::new();
         let mut parent_lost = false;
+        let mut parent_deleted = false;
         while let Some(current) = next.take() {
             let Some(entry) = records.live_mut(team, &current, now) else {
                 if walked == 0 {
@@ -707,7 +720,9 @@ impl Store for MemoryStore {
                 }
                 // As the Redis store answers a predecessor gone without a deletion marker.
                 let gone = !records.by_id.contains_key(&current);
-                if (parent_lost && gone) || records.is_lost(&current, team, now) {
+                if !(parent_deleted && gone)
+                    && ((parent_lost && gone) || records.is_lost(&current, team, now))
+                {
                     return Err(StoreError::Lost {
                         id: id.to_string(),
                         missing: current,
@@ -716,6 +731,7 @@ impl Store for MemoryStore {
                 break;
             };
             parent_lost = entry.parent_lost;
+            parent_deleted = entry.parent_deleted;
             walked += 1;
             root_id.clone_from(&current);
             if walked > MAX_CHAIN_LEN {
@@ -779,7 +795,13 @@ impl Store for MemoryStore {
             return Ok(false);
         }
         records.remove(id);
-        records.children.remove(id);
+        if let Some(children) = records.children.remove(id) {
+            for child in children {
+                if let Some(entry) = records.by_id.get_mut(&child) {
+                    entry.parent_deleted = true;
+                }
+            }
+        }
         records.remember_deleted(id.to_string());
         Ok(true)
     }
@@ -1225,6 +1247,30 @@ mod tests {
         assert_eq!(store.memory_bytes(), before - c1);
         let sum: u64 = store.lock().by_id.values().map(|e| e.bytes).sum();
         assert_eq!(store.memory_bytes(), sum);
+    }
+
+    #[tokio::test]
+    async fn a_chain_cut_by_a_deletion_stays_cut_after_many_other_deletions() {
+        let store = MemoryStore::default();
+        store.put(&record("a", "r1", None, 10)).await.unwrap();
+        store.put(&record("a", "r2", Some("r1"), 10)).await.unwrap();
+        store.put(&record("a", "r3", Some("r2"), 10)).await.unwrap();
+        assert!(store.delete("a", "r2").await.unwrap());
+        // Continued after the deletion, from the deleted record (a turn that ran meanwhile).
+        store.put(&record("a", "s3", Some("r2"), 10)).await.unwrap();
+        // Another team deletes more records than the store remembers deletions of.
+        for i in 0..=DELETED_REMEMBERED {
+            let id = format!("x{i}");
+            store.put(&record("b", &id, None, 10)).await.unwrap();
+            assert!(store.delete("b", &id).await.unwrap());
+        }
+        for tip in ["r3", "s3"] {
+            let history = store.history("a", tip).await.unwrap().unwrap();
+            assert_eq!(
+                history.root_id, tip,
+                "the history starts after the deleted r2"
+            );
+        }
     }
 
     #[tokio::test]

@@ -182,6 +182,24 @@ async fn every_key_gets_the_ttl_and_history_refreshes_it() {
     store.history("t", &chain[2].id).await.expect("history");
     assert!(pttl(&mut conn, &root_key).await > 10_000);
     assert!(pttl(&mut conn, &root_log).await > 10_000);
+    // A key set again within the last 64th of the TTL is left as it is (no write per turn);
+    // one set longer ago is set again.
+    let ttl = TEST_TTL.as_millis() as i64;
+    for (age, refreshed) in [(10_000, false), (ttl / 64 + 10_000, true)] {
+        let _: () = redis::cmd("PEXPIRE")
+            .arg(&root_key)
+            .arg(ttl - age)
+            .query_async(&mut conn)
+            .await
+            .expect("PEXPIRE");
+        store.history("t", &chain[2].id).await.expect("history");
+        let left = pttl(&mut conn, &root_key).await;
+        assert_eq!(
+            left > ttl - 5_000,
+            refreshed,
+            "set {age} ms ago: PTTL {left}"
+        );
+    }
 
     expire_in_10s(&mut conn, &store.response_key(&chain[2].id)).await;
     let mut running = chain[2].response.clone();

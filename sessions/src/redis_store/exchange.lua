@@ -6,6 +6,9 @@
 -- state. Ages use Redis's clock only, so the gateways' clocks need not agree. A state ten
 -- minutes old (its gateway is gone: intervals are at most a minute) is removed; the hash
 -- expires when no gateway has written for ten minutes.
+-- Redis before 5 refuses writes after TIME unless the script replicates its effects (a
+-- no-op from Redis 5 on).
+if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local stale = tonumber(ARGV[3])

@@ -2,7 +2,7 @@
 -- KEYS[1]: hash of the newest response
 -- ARGV[1]: team that must own every response walked
 -- ARGV[2]: key prefix of response hashes (predecessor key = ARGV[2] .. prev)
--- ARGV[3]: TTL in milliseconds, refreshed on every response walked
+-- ARGV[3]: TTL in milliseconds, refreshed on every response walked (see `refresh`)
 -- ARGV[4]: longest chain accepted; longer means a cycle
 -- ARGV[5]: id of the newest response (KEYS[1] without the prefix)
 -- ARGV[6]: key prefix of deletion markers (marker key = ARGV[6] .. id; see delete.lua)
@@ -21,6 +21,22 @@ local max_len = tonumber(ARGV[4])
 local deleted_prefix = ARGV[6]
 local events_prefix = ARGV[7]
 
+-- A key's TTL is set again only when more than a 64th of it has passed since it was last set: a
+-- session's turns, seconds apart, rewrite each key of the chain once, not once per turn (each
+-- PEXPIRE that changes a TTL is a write that goes to the replicas and the AOF), and a chain
+-- still lives at least 63/64 of the TTL after its last use. Answers whether the key exists.
+local fresh = tonumber(ttl) - math.floor(tonumber(ttl) / 64)
+local function refresh(k)
+  local left = redis.call('PTTL', k)
+  if left == -2 then
+    return false
+  end
+  if left == -1 or left < fresh then
+    redis.call('PEXPIRE', k, ttl)
+  end
+  return true
+end
+
 local key = KEYS[1]
 local root = ARGV[5]
 local fields = redis.call('HMGET', key, 'team', 'prev', 'input', 'output', 'status')
@@ -38,8 +54,8 @@ while true do
   end
   reversed[#reversed + 1] = fields[4]
   reversed[#reversed + 1] = fields[3]
-  redis.call('PEXPIRE', key, ttl)
-  redis.call('PEXPIRE', events_prefix .. root, ttl)
+  refresh(key)
+  refresh(events_prefix .. root)
   local prev = fields[2]
   if not prev or prev == '' then
     break
@@ -49,7 +65,7 @@ while true do
   if not fields[1] then
     -- A deleted predecessor is where the history starts for as long as the chain lives: its
     -- marker is refreshed with the chain.
-    if redis.call('PEXPIRE', deleted_prefix .. prev, ttl) == 0 then
+    if not refresh(deleted_prefix .. prev) then
       return {'!lost', prev}
     end
     break

@@ -7,6 +7,12 @@
 //! sets the TTL. Reads that need several keys or a check-then-write run as Lua scripts, sent with
 //! EVALSHA and falling back to EVAL when the server does not have the script cached.
 //!
+//! A history walk (`history.lua`) refreshes the TTL of every key it reads only once more than
+//! a 64th of the TTL has passed since it was last set: an agent session's turns, seconds
+//! apart, rewrite each key of its chain once, not once per turn (each PEXPIRE that changes a
+//! TTL is a write the replicas and the AOF get), and a chain still lives at least 63/64 of the
+//! TTL after its last use.
+//!
 //! Deleting a response leaves a marker `{prefix}deleted:{id}` for as long as the response would
 //! have lived: the history walk of a response continuing it stops there (the deleted turn's
 //! items are not used), while a predecessor missing without a marker was lost (evicted under

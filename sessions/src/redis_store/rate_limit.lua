@@ -5,6 +5,9 @@
 -- admission; a budget may go into debt).
 -- Returns {passed, then per limit: remaining, reset_after_ms, retry_after_ms (-1: none),
 -- too_large (0/1)}. The server's clock is used, so every gateway agrees on "now".
+-- Redis before 5 refuses writes after TIME unless the script replicates its effects (a
+-- no-op from Redis 5 on).
+if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local passed = 1
