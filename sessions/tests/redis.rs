@@ -943,3 +943,34 @@ async fn a_reconnect_refused_by_the_server_does_not_break_the_store_for_good() {
         .expect("get after the server takes the credentials again")
         .is_some());
 }
+
+#[tokio::test]
+async fn a_server_refusing_writes_keeps_its_connection() {
+    let redis = TestRedis::start_private();
+    let mut admin = raw(&redis).await;
+    let store = store(&redis, "oom").await;
+    store
+        .put(&record("t", "before", None, 10))
+        .await
+        .expect("put");
+    // Out of memory with nothing to evict: every write is refused, over a working connection.
+    for (key, value) in [("maxmemory-policy", "noeviction"), ("maxmemory", "1")] {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(key)
+            .arg(value)
+            .query_async::<()>(&mut admin)
+            .await
+            .expect("CONFIG SET");
+    }
+    for i in 0..6 {
+        let err = store
+            .put(&record("t", &format!("r{i}"), None, 10))
+            .await
+            .expect_err("refused");
+        assert!(err.to_string().contains("OOM"), "{err}");
+    }
+    assert_eq!(store.connections_replaced(), 0);
+    // Reads still go through on it.
+    assert!(store.get("t", "before").await.expect("get").is_some());
+}

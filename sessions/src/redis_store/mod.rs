@@ -42,9 +42,12 @@
 //! state, and the gateway's packets go nowhere. Then every reply times out and nothing reports
 //! a loss, so two things replace it:
 //!
-//! - a call whose reply times out (`RESPONSE_TIMEOUT`, 5 s) opens a new connection, one at a
-//!   time; calls made meanwhile wait for it (calls already sent on the old one finish or time
-//!   out there), and if it cannot be opened they go on with the old one;
+//! - a call whose reply times out (`RESPONSE_TIMEOUT`, 5 s; 7 s in all for a call that also
+//!   waited for a reconnection) opens a new connection, one at a time; calls made meanwhile
+//!   wait for it (calls already sent on the old one finish or time out there), and if it
+//!   cannot be opened they go on with the old one; so do several calls in a row failing on
+//!   the link itself (I/O errors, or `READONLY` from a primary that became a replica), while a
+//!   server's refusal (out of memory, busy) leaves a working connection alone;
 //! - the socket has TCP keep-alive (an idle dead peer is noticed within about a minute) and, on
 //!   Linux, `TCP_USER_TIMEOUT` (data unacknowledged for [`TCP_USER_TIMEOUT`] closes it).
 //!
@@ -177,6 +180,16 @@ impl Link {
             self.replace("redis replies timed out");
             return;
         }
+        // A server's refusal of the call (out of memory, busy with a script, a script it does
+        // not have) came over a working connection, which a new one would not change. The
+        // rest count: failures of the link itself, a refused reconnection, and a primary that
+        // became a replica (`READONLY`).
+        let refused_call = matches!(err.kind(), ErrorKind::Server(kind) if kind != ServerErrorKind::ReadOnly)
+            || matches!(err.code(), Some("OOM" | "BUSY"));
+        if refused_call {
+            self.failures.store(0, Ordering::Relaxed);
+            return;
+        }
         let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
         let now = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
         let last = self.replace_started_ms.load(Ordering::Relaxed);
@@ -249,6 +262,24 @@ pub struct RedisStore {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long to wait for a reply; generous because a long history is one large reply.
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest a call may take in all: a call made while the connection reconnects waits for the
+/// reconnection, which no reply timeout covers.
+const CALL_DEADLINE: Duration = Duration::from_secs(7);
+
+/// `call`, or a timeout error once [`CALL_DEADLINE`] has passed.
+async fn within_deadline<T>(
+    call: impl std::future::Future<Output = RedisResult<T>>,
+) -> RedisResult<T> {
+    tokio::time::timeout(CALL_DEADLINE, call)
+        .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no reply from Redis within the call deadline",
+            )
+            .into())
+        })
+}
 /// Connection attempts after a connection loss before a request fails (the next request tries
 /// again), so requests fail within a few seconds while Redis is down instead of hanging.
 const RECONNECT_ATTEMPTS: usize = 3;
@@ -424,7 +455,7 @@ impl RedisStore {
     async fn send_cmd<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
         self.count_round_trip();
         let (mut conn, generation) = self.link.conn().await?;
-        let result = cmd.query_async(&mut conn).await;
+        let result = within_deadline(cmd.query_async(&mut conn)).await;
         self.link.observe(generation, &result);
         result
     }
@@ -433,7 +464,7 @@ impl RedisStore {
     async fn send_pipe(&self, pipe: &Pipeline) -> RedisResult<()> {
         self.count_round_trip();
         let (mut conn, generation) = self.link.conn().await?;
-        let result = pipe.query_async(&mut conn).await;
+        let result = within_deadline(pipe.query_async(&mut conn)).await;
         self.link.observe(generation, &result);
         result
     }
