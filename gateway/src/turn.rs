@@ -2164,6 +2164,10 @@ pub async fn run_background(
                     stop_queued(&state, &mut turn, announced, stop).await;
                     return;
                 }
+                () = ended_in_store(&state, &turn.team, &turn.id) => {
+                    stop_queued(&state, &mut turn, announced, Stop::Cancelled).await;
+                    return;
+                }
             }
         }
     };
@@ -2172,6 +2176,10 @@ pub async fn run_background(
             admitted = pending.admit() => admitted,
             stop = stops.stopped() => {
                 stop_queued(&state, &mut turn, announced, stop).await;
+                return;
+            }
+            () = ended_in_store(&state, &turn.team, &turn.id) => {
+                stop_queued(&state, &mut turn, announced, Stop::Cancelled).await;
                 return;
             }
         };
@@ -2202,10 +2210,15 @@ pub async fn run_background(
     turn.skeleton = in_progress;
     // Opening waits for the engine's first byte (queueing and prefill there): a cancel or the
     // shutdown stops that wait too, and dropping it drops the engine request.
+    let (team, id) = (turn.team.clone(), turn.id.clone());
     let opened = tokio::select! {
         opened = open_turn(&state, &mut turn) => opened,
         stop = stops.stopped() => {
             stop_queued(&state, &mut turn, announced, stop).await;
+            return;
+        }
+        () = ended_in_store(&state, &team, &id) => {
+            stop_queued(&state, &mut turn, announced, Stop::Cancelled).await;
             return;
         }
     };
@@ -2214,6 +2227,24 @@ pub async fn run_background(
             drive_announced(state.clone(), turn, chunks, ep, announced, Some(stops)).await;
         }
         Err(err) => fail_background(&state, &mut turn, announced, &err).await,
+    }
+}
+
+/// How often a background run waiting for a run slot, for admission or for its engine's first
+/// byte reads its stored status: a cancel or a delete sent to another gateway replica reaches
+/// it only through the store.
+const QUEUED_STATUS_POLL: Duration = Duration::from_secs(1);
+
+/// Resolves once the stored response is no longer queued or in progress (cancelled or
+/// deleted through any gateway replica); a store that cannot be read keeps the run waiting.
+async fn ended_in_store(state: &AppState, team: &str, id: &str) {
+    loop {
+        tokio::time::sleep(QUEUED_STATUS_POLL).await;
+        match state.store.status(team, id).await {
+            Ok(Some(status)) if matches!(status.as_str(), "queued" | "in_progress") => {}
+            Ok(_) => return,
+            Err(e) => tracing::debug!(response = %id, "cannot read the run's status: {e}"),
+        }
     }
 }
 

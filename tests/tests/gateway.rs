@@ -1001,6 +1001,41 @@ async fn a_run_cancelled_through_another_gateway_ends_its_stream_as_cancelled() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_run_cancelled_through_another_gateway_gives_back_its_place() {
+    // Every first token is held back for a minute: the first run keeps the one run slot of
+    // gateway `a`, and the next waits for it.
+    let sim = start_sim("sim-model").await;
+    set_sim_fault(&sim, json!({"stall_ms": 60_000})).await;
+    let fleet = Fleet::over(vec![sim])
+        .shared_memory()
+        .extra("[server]\nshutdown_grace_s = 0.2\n[background]\nmax_concurrent = 1\n")
+        .gateways(2)
+        .start()
+        .await;
+    let (a, b) = two_base_urls(&fleet);
+    let job = json!({"model": "sim-model", "input": "job", "background": true});
+    let (_, running) = create(&a, job.clone()).await;
+    let (_, waiting) = create(&a, job.clone()).await;
+    let runs = || {
+        fleet.gateways()[0]
+            .state()
+            .background
+            .lock()
+            .map_or(0, |runs| runs.len())
+    };
+    assert_eq!(runs(), 2);
+    // Cancelled through `b`, which does not run it: `a` learns it from the store, while its
+    // slot is still held, and the waiting run leaves.
+    let id = waiting["id"].as_str().unwrap();
+    assert_eq!(cancel(&b, id).await["status"], "cancelled");
+    eventually("the waiting run on `a` stops", || runs() == 1).await;
+    assert_eq!(retrieve(&a, id).await["status"], "cancelled");
+    let id = running["id"].as_str().unwrap();
+    assert_eq!(retrieve(&a, id).await["status"], "in_progress");
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_background_response_is_announced_while_it_waits_and_ends_when_cancelled() {
     // The first run holds the only background slot: its first token never comes.
     let (sim, gw) = one_stalled_background_slot("", None).await;
