@@ -419,6 +419,10 @@ pub struct BackgroundConfig {
     /// stored `failed` (code `server_error`) by the next read of it on any gateway; the
     /// running gateway renews the lease every third of it.
     pub orphaned_after_s: f64,
+    /// A background response's event log (every streamed event, which a client resumes a
+    /// stream from) is kept this long once the response has ended, at most `store.ttl_days`;
+    /// a stream resumed later ends with the stored response.
+    pub event_log_ttl_s: f64,
 }
 
 impl BackgroundConfig {
@@ -435,6 +439,7 @@ impl Default for BackgroundConfig {
             max_queued: 1024,
             max_per_team: 0,
             orphaned_after_s: 30.0,
+            event_log_ttl_s: 3600.0,
         }
     }
 }
@@ -1205,6 +1210,10 @@ impl Config {
                 "background.orphaned_after_s",
                 self.background.orphaned_after_s,
             ),
+            (
+                "background.event_log_ttl_s",
+                self.background.event_log_ttl_s,
+            ),
         ] {
             if !(value.is_finite() && value > 0.0 && value <= MAX_SECONDS) {
                 return Err(err(
@@ -1437,6 +1446,7 @@ impl Config {
             key_prefix: self.store.key_prefix.clone(),
             max_memory_bytes: self.store.memory_max_mb.saturating_mul(1 << 20),
             pin_ttl: seconds(self.store.pin_ttl_s),
+            ended_log_ttl: seconds(self.background.event_log_ttl_s),
         }
     }
 

@@ -59,6 +59,9 @@ struct Entry {
     used: u64,
     /// Its event log ([`Store::append_events`]); its bytes count in `bytes`.
     events: Vec<String>,
+    /// Once the response has ended: when its event log goes
+    /// ([`StoreOptions::ended_log_ttl`]).
+    log_until: Option<Instant>,
     /// Its predecessor was gone without a deletion (dropped for memory, or expired) when it
     /// was written (while its turn ran): its history cannot be rebuilt whole.
     parent_lost: bool,
@@ -108,6 +111,8 @@ struct Records {
     /// Pins dropped for memory.
     pins_dropped: u64,
     next_sweep: Instant,
+    /// [`StoreOptions::ended_log_ttl`].
+    ended_log_ttl: Duration,
     /// Record ids by use, oldest first. A record is pushed again on each use; only the
     /// occurrence whose tick equals its entry's `used` counts, the others are skipped.
     lru: VecDeque<(u64, String)>,
@@ -269,6 +274,12 @@ impl Records {
                 let live = e.expires_at > now;
                 if !live {
                     *bytes -= e.bytes;
+                } else if e.log_until.is_some_and(|until| until <= now) {
+                    let freed = events_bytes(&e.events);
+                    e.events = Vec::new();
+                    e.log_until = None;
+                    e.bytes -= freed;
+                    *bytes -= freed;
                 }
                 live
             });
@@ -320,11 +331,15 @@ impl Records {
             .map(|old| std::mem::take(&mut old.events))
             .unwrap_or_default();
         let bytes = bytes + events_bytes(&events);
+        // A log carried over to an ended response goes once a client can no longer resume.
+        let log_until = (!events.is_empty() && !is_active_status(response_status(&rec.response)))
+            .then(|| expiry_after(now, self.ended_log_ttl));
         let entry = Entry {
             rec,
             expires_at,
             bytes,
             used: self.tick,
+            log_until,
             events,
             parent_lost,
             parent_deleted,
@@ -567,6 +582,7 @@ impl MemoryStore {
                 pin_bytes: 0,
                 pins_dropped: 0,
                 next_sweep: Instant::now() + SWEEP_INTERVAL,
+                ended_log_ttl: opts.ended_log_ttl.min(opts.ttl),
                 lru: VecDeque::new(),
                 tick: 0,
                 bytes: 0,
@@ -773,6 +789,7 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let expires_at = self.expiry_from(now);
         let mut records = self.lock();
+        let ended_log_ttl = records.ended_log_ttl;
         let Some(entry) = records.live_mut(team, id, now) else {
             return Ok(false);
         };
@@ -782,6 +799,9 @@ impl Store for MemoryStore {
         entry.rec.response = response.clone();
         entry.rec.output_items = output_items.to_vec();
         entry.expires_at = expires_at;
+        if !is_active_status(response_status(response)) {
+            entry.log_until = Some(expiry_after(now, ended_log_ttl));
+        }
         records.resize(id);
         records.mark_used(id);
         records.evict();
@@ -810,12 +830,14 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let expires_at = self.expiry_from(now);
         let mut records = self.lock();
+        let ended_log_ttl = records.ended_log_ttl;
         let Some(entry) = records.by_id.get_mut(id).filter(|e| e.expires_at > now) else {
             return Ok(false);
         };
         entry.events.extend_from_slice(events);
         entry.expires_at = expires_at;
         let active = is_active_status(response_status(&entry.rec.response));
+        entry.log_until = (!active).then(|| expiry_after(now, ended_log_ttl));
         records.resize(id);
         records.evict();
         Ok(active)
@@ -827,7 +849,7 @@ impl Store for MemoryStore {
         Ok(records
             .by_id
             .get(id)
-            .filter(|e| e.expires_at > now)
+            .filter(|e| e.expires_at > now && e.log_until.is_none_or(|until| until > now))
             .and_then(|e| e.events.get(from..))
             .map(<[String]>::to_vec)
             .unwrap_or_default())
@@ -1247,6 +1269,38 @@ mod tests {
         assert_eq!(store.memory_bytes(), before - c1);
         let sum: u64 = store.lock().by_id.values().map(|e| e.bytes).sum();
         assert_eq!(store.memory_bytes(), sum);
+    }
+
+    #[tokio::test]
+    async fn an_ended_responses_event_log_goes_after_its_own_ttl() {
+        let store = MemoryStore::new(StoreOptions {
+            ended_log_ttl: Duration::from_millis(50),
+            ..StoreOptions::default()
+        });
+        let mut rec = record("t", "bg", None, 10);
+        rec.response["status"] = json!("in_progress");
+        store.put(&rec).await.unwrap();
+        let frames = ["event: a\n\n".to_string(), "event: b\n\n".to_string()];
+        assert!(store.append_events("bg", &frames).await.unwrap());
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert_eq!(
+            store.events("bg", 0).await.unwrap(),
+            frames,
+            "kept while it runs"
+        );
+        let mut done = rec.response.clone();
+        done["status"] = json!("completed");
+        assert!(store
+            .update_if_active("t", "bg", &done, &rec.output_items)
+            .await
+            .unwrap());
+        assert_eq!(store.events("bg", 1).await.unwrap(), frames[1..]);
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert!(store.events("bg", 0).await.unwrap().is_empty());
+        assert!(
+            store.get("t", "bg").await.unwrap().is_some(),
+            "the response stays"
+        );
     }
 
     #[tokio::test]

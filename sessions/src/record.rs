@@ -78,6 +78,10 @@ pub struct StoreOptions {
     /// [`crate::MemoryStore`]); past it the least recently used records are dropped. 0: no
     /// limit. Redis bounds its memory with its own `maxmemory`.
     pub max_memory_bytes: u64,
+    /// How long a response's event log is kept once the response has ended (at most `ttl`):
+    /// long enough for a client to resume a stream it lost, not the response's whole life (a
+    /// log holds every streamed delta, many times the response's size).
+    pub ended_log_ttl: Duration,
 }
 
 /// Default time a stored response is kept: 30 days.
@@ -85,6 +89,9 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 
 /// Default time a session pin is kept after its last use: 1 hour.
 pub const DEFAULT_PIN_TTL: Duration = Duration::from_secs(60 * 60);
+
+/// Default time an ended response's event log is kept: 1 hour.
+pub const DEFAULT_ENDED_LOG_TTL: Duration = Duration::from_secs(60 * 60);
 
 /// Default memory bound of the in-memory backend's records: 1 GiB.
 pub const DEFAULT_MAX_MEMORY_BYTES: u64 = 1 << 30;
@@ -96,6 +103,7 @@ impl Default for StoreOptions {
             key_prefix: "agentgate:".to_string(),
             pin_ttl: DEFAULT_PIN_TTL,
             max_memory_bytes: DEFAULT_MAX_MEMORY_BYTES,
+            ended_log_ttl: DEFAULT_ENDED_LOG_TTL,
         }
     }
 }

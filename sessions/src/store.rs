@@ -65,7 +65,9 @@ pub trait Store: Send + Sync + 'static {
         -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Append streamed events (SSE frames, in sequence order) to the event log of response
-    /// `id`, which lives as long as the response (the TTL is refreshed). Background responses
+    /// `id`, which lives as long as the response while it runs (the TTL is refreshed), and
+    /// [`StoreOptions::ended_log_ttl`](crate::StoreOptions::ended_log_ttl) once it has ended
+    /// (appended to, or updated by [`Store::update_if_active`], as ended). Background responses
     /// log theirs, so `GET /v1/responses/{id}?stream=true` can replay and follow them from any
     /// gateway replica. One round trip; the caller has checked the response is its team's.
     /// Returns whether the response is still queued or in progress: `false` when it was

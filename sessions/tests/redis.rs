@@ -161,7 +161,16 @@ async fn a_lost_predecessor_is_an_error_a_deleted_one_a_cut() {
 #[tokio::test]
 async fn every_key_gets_the_ttl_and_history_refreshes_it() {
     let redis = TestRedis::start();
-    let store = store(&redis, "ttl").await;
+    let store = connect(
+        &redis,
+        StoreOptions {
+            ttl: TEST_TTL,
+            ended_log_ttl: Duration::from_secs(60),
+            key_prefix: unique_prefix("ttl"),
+            ..StoreOptions::default()
+        },
+    )
+    .await;
     let mut conn = raw(&redis).await;
     let chain = put_chain(&store, "t", "resp", 3, 10).await;
     for rec in &chain {
@@ -169,19 +178,24 @@ async fn every_key_gets_the_ttl_and_history_refreshes_it() {
         assert!(left > 0 && left <= 3_600_000, "PTTL {left}");
     }
 
-    // A history walk refreshes every response it reads, and their event logs with them (a
-    // background response's log is replayed as long as the response can be read).
+    // A history walk refreshes every response it reads, but not an ended response's event
+    // log, which is kept only while a client may resume its stream.
     let root_key = store.response_key(&chain[0].id);
     let root_log = store.events_key(&chain[0].id);
     store
         .append_events(&chain[0].id, &["event: a\n\n".to_string()])
         .await
         .expect("append");
+    let left = pttl(&mut conn, &root_log).await;
+    assert!(
+        left > 10_000 && left <= 60_000,
+        "an ended response's log: {left}"
+    );
     expire_in_10s(&mut conn, &root_key).await;
     expire_in_10s(&mut conn, &root_log).await;
     store.history("t", &chain[2].id).await.expect("history");
     assert!(pttl(&mut conn, &root_key).await > 10_000);
-    assert!(pttl(&mut conn, &root_log).await > 10_000);
+    assert!(pttl(&mut conn, &root_log).await <= 10_000);
     // A key set again within the last 64th of the TTL is left as it is (no write per turn);
     // one set longer ago is set again.
     let ttl = TEST_TTL.as_millis() as i64;
@@ -214,7 +228,7 @@ async fn every_key_gets_the_ttl_and_history_refreshes_it() {
     assert!(pttl(&mut conn, &store.response_key(&chain[2].id)).await > 10_000);
 
     // A running response and its event log live as long as each other: appending events
-    // refreshes the response, finishing it refreshes the log.
+    // refreshes both; finishing it leaves the log the ended-log TTL.
     let (resp_key, log_key) = (
         store.response_key(&chain[2].id),
         store.events_key(&chain[2].id),
@@ -224,19 +238,22 @@ async fn every_key_gets_the_ttl_and_history_refreshes_it() {
         .await
         .expect("append");
     expire_in_10s(&mut conn, &resp_key).await;
+    expire_in_10s(&mut conn, &log_key).await;
     store
         .append_events(&chain[2].id, &["event: b\n\n".to_string()])
         .await
         .expect("append");
-    assert!(pttl(&mut conn, &resp_key).await > 10_000);
-    expire_in_10s(&mut conn, &log_key).await;
+    assert!(pttl(&mut conn, &resp_key).await > 3_000_000);
+    assert!(pttl(&mut conn, &log_key).await > 3_000_000);
     let mut done = running;
     done["status"] = "completed".into();
     assert!(store
         .update_if_active("t", &chain[2].id, &done, &chain[2].output_items)
         .await
         .expect("update"));
-    assert!(pttl(&mut conn, &log_key).await > 10_000);
+    let left = pttl(&mut conn, &log_key).await;
+    assert!(left > 10_000 && left <= 60_000, "{left}");
+    assert!(pttl(&mut conn, &resp_key).await > 3_000_000);
 }
 
 #[tokio::test]

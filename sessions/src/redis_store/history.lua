@@ -6,7 +6,6 @@
 -- ARGV[4]: longest chain accepted; longer means a cycle
 -- ARGV[5]: id of the newest response (KEYS[1] without the prefix)
 -- ARGV[6]: key prefix of deletion markers (marker key = ARGV[6] .. id; see delete.lua)
--- ARGV[7]: key prefix of event logs (a background response's log lives as long as it does)
 -- Returns nil if KEYS[1] is missing or another team's; otherwise the id of the oldest response
 -- walked (the chain's root), the status of KEYS[1]'s response, then the JSON blobs [input_1,
 -- output_1, ..., input_n, output_n]. The walk stops at the first predecessor that was deleted
@@ -19,7 +18,6 @@ local prefix = ARGV[2]
 local ttl = ARGV[3]
 local max_len = tonumber(ARGV[4])
 local deleted_prefix = ARGV[6]
-local events_prefix = ARGV[7]
 
 -- A key's TTL is set again only when more than a 64th of it has passed since it was last set: a
 -- session's turns, seconds apart, rewrite each key of the chain once, not once per turn (each
@@ -55,7 +53,6 @@ while true do
   reversed[#reversed + 1] = fields[4]
   reversed[#reversed + 1] = fields[3]
   refresh(key)
-  refresh(events_prefix .. root)
   local prev = fields[2]
   if not prev or prev == '' then
     break

@@ -20,7 +20,8 @@
 //! [`StoreError::Lost`] rather than a history silently cut short.
 //!
 //! A background response's event log is a list `{prefix}events:{id}` of SSE frames, one per
-//! event in sequence order, with the response's TTL: appended by a script that pushes only
+//! event in sequence order, with the response's TTL while the response runs and
+//! [`StoreOptions::ended_log_ttl`] once it has ended: appended by a script that pushes only
 //! while the response exists, read with LRANGE, deleted with the response.
 //!
 //! A conversation (Conversations API) is a hash `{prefix}conv:{id}` (`team`, `created_at`,
@@ -242,6 +243,8 @@ impl Link {
 pub struct RedisStore {
     link: Arc<Link>,
     ttl_ms: u64,
+    /// [`StoreOptions::ended_log_ttl`], at most `ttl_ms`.
+    ended_log_ttl_ms: u64,
     pin_ttl_ms: u64,
     key_prefix: String,
     resp_prefix: String,
@@ -313,6 +316,7 @@ impl RedisStore {
         let store = RedisStore {
             link: Arc::new(link),
             ttl_ms: millis(opts.ttl),
+            ended_log_ttl_ms: millis(opts.ended_log_ttl.min(opts.ttl)),
             pin_ttl_ms: millis(opts.pin_ttl),
             resp_prefix: format!("{}resp:", opts.key_prefix),
             key_prefix: opts.key_prefix,
@@ -661,7 +665,6 @@ impl Store for RedisStore {
         let ttl = self.ttl_ms.to_string();
         let max_len = MAX_CHAIN_LEN.to_string();
         let deleted_prefix = self.deleted_key("");
-        let events_prefix = self.events_key("");
         let blobs: Option<Vec<Vec<u8>>> = self
             .run_script(
                 &self.history_script,
@@ -673,7 +676,6 @@ impl Store for RedisStore {
                     max_len.as_bytes(),
                     id.as_bytes(),
                     deleted_prefix.as_bytes(),
-                    events_prefix.as_bytes(),
                 ],
             )
             .await?;
@@ -725,6 +727,7 @@ impl Store for RedisStore {
         let (packed, shared) = pack_response(response, output_items)?;
         let output = to_json(&output_items)?;
         let ttl = self.ttl_ms.to_string();
+        let ended_log_ttl = self.ended_log_ttl_ms.to_string();
         let applied: i64 = self
             .run_script_keys(
                 &self.update_script,
@@ -736,6 +739,7 @@ impl Store for RedisStore {
                     response_status(response).as_bytes(),
                     if shared { b"1" } else { b"0" },
                     ttl.as_bytes(),
+                    ended_log_ttl.as_bytes(),
                 ],
             )
             .await?;
@@ -760,8 +764,10 @@ impl Store for RedisStore {
 
     async fn append_events(&self, id: &str, events: &[String]) -> Result<bool, StoreError> {
         let ttl = self.ttl_ms.to_string();
-        let mut args: Vec<&[u8]> = Vec::with_capacity(events.len() + 1);
+        let ended_log_ttl = self.ended_log_ttl_ms.to_string();
+        let mut args: Vec<&[u8]> = Vec::with_capacity(events.len() + 2);
         args.push(ttl.as_bytes());
+        args.push(ended_log_ttl.as_bytes());
         args.extend(events.iter().map(|e| e.as_bytes()));
         let state: i64 = self
             .run_script_keys(
