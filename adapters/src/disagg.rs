@@ -353,19 +353,26 @@ impl EngineClient {
                 let params = prefilled
                     .get("kv_transfer_params")
                     .filter(|p| p.is_object())
-                    .cloned()
-                    .ok_or_else(|| {
-                        DisaggError::Prefill(UpstreamError::Protocol(format!(
+                    .cloned();
+                // vLLM hands over no blocks when the prefill leg's one token ended the answer
+                // (a stop token: the request finished rather than being cut at its length):
+                // the decode engine then runs the request itself, as vLLM's proxy sends it.
+                let stopped = prefilled
+                    .pointer("/choices/0/finish_reason")
+                    .and_then(Value::as_str)
+                    .is_some_and(|reason| reason != "length");
+                let decode_body = match params {
+                    Some(params) => vllm_decode_leg(body, params),
+                    None if stopped => body.clone(),
+                    None => {
+                        return Err(DisaggError::Prefill(UpstreamError::Protocol(format!(
                             "prefill endpoint {} returned no kv_transfer_params (is its KV connector configured?)",
                             prefill.base_url
-                        )))
-                    })?;
+                        ))))
+                    }
+                };
                 let stream = self
-                    .chat_stream_as(
-                        decode_url,
-                        &vllm_decode_leg(body, params),
-                        Some(&request_id),
-                    )
+                    .chat_stream_as(decode_url, &decode_body, Some(&request_id))
                     .await
                     .map_err(DisaggError::Decode)?;
                 Ok(Disaggregated {
@@ -446,12 +453,6 @@ impl PrefillUsage {
                 .and_then(Value::as_u64),
         })
     }
-
-    /// Prompt tokens the prefill engine computed.
-    pub fn uncached_tokens(&self) -> u64 {
-        self.prompt_tokens
-            .saturating_sub(self.cached_tokens.unwrap_or(0))
-    }
 }
 
 #[cfg(test)]
@@ -491,11 +492,11 @@ mod tests {
         let body = json!({"usage": {"prompt_tokens": 900, "completion_tokens": 1,
             "prompt_tokens_details": {"cached_tokens": 640}}});
         let usage = PrefillUsage::from_response(&body).unwrap();
-        assert_eq!((usage.prompt_tokens, usage.uncached_tokens()), (900, 260));
+        assert_eq!((usage.prompt_tokens, usage.cached_tokens), (900, Some(640)));
         let bare = json!({"usage": {"prompt_tokens": 10}});
         // No cached count (vLLM without `--enable-prompt-tokens-details`): unknown, not 0.
         let bare = PrefillUsage::from_response(&bare).unwrap();
-        assert_eq!((bare.cached_tokens, bare.uncached_tokens()), (None, 10));
+        assert_eq!((bare.prompt_tokens, bare.cached_tokens), (10, None));
         assert_eq!(PrefillUsage::from_response(&json!({"choices": []})), None);
     }
 
@@ -578,7 +579,7 @@ mod tests {
             .unwrap();
         let usage = again.prefill_usage.unwrap();
         assert!(
-            usage.uncached_tokens() < 16,
+            usage.prompt_tokens - usage.cached_tokens.unwrap() < 16,
             "the prefill engine kept the prompt cached: {usage:?}"
         );
         prefill.shutdown().await;

@@ -222,6 +222,12 @@ impl Pool {
         let port = labelled
             .or(self.disaggregation.bootstrap_port)
             .unwrap_or(SGLANG_BOOTSTRAP_PORT);
+        // SGLang joins host and port as `{host}:{port}`: an IPv6 address goes in brackets,
+        // as SGLang's own router sends it.
+        let host = match host.contains(':') {
+            true => format!("[{host}]"),
+            false => host,
+        };
         Some((host, port))
     }
 
@@ -676,7 +682,8 @@ mod tests {
              [pools.disaggregation]\nbootstrap_port = 7000\nthreshold_tokens = 10\n\
              [[pools]]\nname = \"plain\"\nmodel = \"m2\"\nflavor = \"sglang\"\n\
              endpoints = [{ url = \"http://127.0.0.1:12\", role = \"prefill\" }, \
-               { url = \"http://127.0.0.1:13\", role = \"decode\" }]\n",
+               { url = \"http://127.0.0.1:13\", role = \"decode\" }, \
+               { url = \"http://[::1]:14\", role = \"prefill\" }]\n",
         )
         .unwrap();
         let engines = agentgate_adapters::EngineClient::new(Default::default());
@@ -707,6 +714,11 @@ mod tests {
         assert_eq!(
             plain.bootstrap(&plain.endpoints()[0]),
             Some(("127.0.0.1".into(), SGLANG_BOOTSTRAP_PORT))
+        );
+        // SGLang joins `{host}:{port}`: an IPv6 host goes in brackets.
+        assert_eq!(
+            plain.bootstrap(&plain.endpoints()[2]),
+            Some(("[::1]".into(), SGLANG_BOOTSTRAP_PORT))
         );
         assert_eq!(pool.bootstrap(&eps[2]), Some(("127.0.0.1".into(), 7000)));
         let sim_port = host_port(&eps[3].base_url).unwrap().1;

@@ -767,6 +767,7 @@ async fn run_turn(
         lineage: None,
         admission_pin: None,
         failed_slots: Vec::new(),
+        transfer_failed: false,
         background_slot: None,
         conversation: req.conversation.clone(),
         conversation_lock,

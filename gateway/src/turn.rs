@@ -127,6 +127,9 @@ pub struct Turn {
     /// Slots of the endpoints this turn failed on before its first token: its next attempt
     /// goes elsewhere.
     pub failed_slots: Vec<usize>,
+    /// A split of this turn lost its KV transfer (its decode leg failed before its first
+    /// token): the next attempt runs without disaggregation.
+    pub transfer_failed: bool,
     /// A background run's slot (`[background] max_concurrent`), released with the engine.
     pub background_slot: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The conversation the turn runs in (`conversation`): its items were the history, and
@@ -393,6 +396,7 @@ pub async fn open_turn(
             room,
             known_pin,
             &turn.failed_slots,
+            !turn.transfer_failed,
         );
         let mut routed = routed.await;
         // SGLang reports a prompt over its context window in the stream it has started (200,
@@ -668,7 +672,8 @@ pub async fn session_pin(
 /// its headers name it, and `named` whether `session` names more than this one request (a
 /// request whose key does not may not be found a parent by prefix). `known_pin` is the
 /// session's pin when it was just read (at admission); otherwise it is read from the store.
-/// The endpoints in slots `avoid` (where the request failed before) are not picked to run it.
+/// The endpoints in slots `avoid` (where the request failed before) are not picked to run it;
+/// `may_split` false (a split of it lost its KV transfer) runs it without disaggregation.
 #[allow(clippy::too_many_arguments)]
 pub async fn open_upstream(
     state: &AppState,
@@ -680,6 +685,7 @@ pub async fn open_upstream(
     room: Room,
     known_pin: Option<Option<SessionPin>>,
     avoid: &[usize],
+    may_split: bool,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     let endpoints = pool.endpoints();
     let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(body);
@@ -716,6 +722,7 @@ pub async fn open_upstream(
         lineage,
         room,
         avoid,
+        may_split,
     )
     .await
 }
@@ -1013,6 +1020,7 @@ async fn open_split(
     lineage: &mut Option<Lineage>,
     room: Room,
     avoid: &[usize],
+    may_split: bool,
 ) -> Result<(ChunkStream, Routed), HttpError> {
     // A sub-agent's own pins live under its own key; without one it is placed afresh.
     let own_key = lineage.as_ref().map(|l| l.own.clone());
@@ -1102,10 +1110,16 @@ async fn open_split(
         let d = &decode_view[decode.index];
         let pays_off =
             remote_prefill_pays_off(decode.uncached_tokens_estimate, settings.threshold_tokens);
-        let split = (pays_off && pool.receives_kv(d)) || !pool.runs_whole(d);
+        // After a lost KV transfer the request runs whole, once (a decode endpoint that
+        // cannot prefill still splits: see below).
+        let split = !pool.runs_whole(d) || (may_split && pays_off && pool.receives_kv(d));
         Some(match split {
             false => {
-                let why = if pays_off { "runs_whole" } else { "cached" };
+                let why = match (may_split, pays_off) {
+                    (false, _) => "transfer_failed",
+                    (true, true) => "runs_whole",
+                    (true, false) => "cached",
+                };
                 DecodeLeg::Local(count_local(pool, &decode_view, &placement, decode), why)
             }
             true => {
@@ -1127,6 +1141,16 @@ async fn open_split(
         Some(DecodeLeg::Split(decode, guard)) => (decode, guard),
     };
     let d = decode_view[decode.index].clone();
+    // A decode endpoint that cannot prefill, for a request whose split lost its transfer:
+    // an endpoint that runs requests whole takes it, if the pool has one; else it is split
+    // again.
+    if !may_split && decode_view.iter().any(|e| pool.runs_whole(e)) {
+        drop(decode_guard);
+        state
+            .metrics
+            .pd_decision(&pool.name, "local", "transfer_failed");
+        return open_whole_elsewhere(state, pool, &decode_view, placement, None).await;
+    }
     let prefill_key = key.map(prefill_pin_key);
     let own_prefill_pin = session_pin(state, pool, prefill_key.as_deref()).await;
     let prefill_pin = match (&own_prefill_pin, lineage) {
@@ -1191,9 +1215,16 @@ async fn open_split(
     let failure = match opened {
         Ok(opened) => {
             let kv_ready = sent + opened.prefill_latency;
+            // What the prefill engine computed, when it says what it had cached (one that
+            // leaves the count out, as vLLM does without `--enable-prompt-tokens-details`,
+            // would read as having computed the whole prompt, and look that much faster).
             let computed = opened
                 .prefill_usage
-                .map_or(prefill.uncached_tokens_estimate, |u| u.uncached_tokens());
+                .and_then(|u| {
+                    pool.cached_tokens(u.cached_tokens)
+                        .map(|cached| u.prompt_tokens.saturating_sub(cached))
+                })
+                .unwrap_or(prefill.uncached_tokens_estimate);
             p.observe_prefill(
                 prefill_ahead.saturating_add(computed),
                 opened.prefill_latency,
@@ -1708,15 +1739,29 @@ async fn drive_announced(
                 // (The failed request still counts on its endpoint while another is picked.)
                 // A split's decode leg that fails before its first token most likely lost its
                 // KV transfer (vLLM's decode engine answers with its headers before it pulls
-                // the blocks): counted as one, and the prefill endpoint is avoided next, so the
-                // decode endpoint prefills the prompt itself unless another prefill endpoint
-                // can (should the decode endpoint fail again, that try avoids it too).
+                // the blocks): counted as one, and retried once without disaggregation, as a
+                // transfer that fails when the legs open is (the decode endpoint prefills the
+                // prompt itself; one that cannot hands it to an endpoint that runs requests
+                // whole, or, with none, splits it again with another prefill endpoint).
+                // The next attempt runs without disaggregation (once: should it fail too, the
+                // decode endpoint is avoided as any other).
                 match &routed.prefill {
+                    Some(leg) if !turn.transfer_failed => {
+                        state
+                            .metrics
+                            .pd_transfer_failed(&turn.pool.name, &leg.endpoint, &endpoint);
+                        state
+                            .metrics
+                            .pd_fallback(&turn.pool.name, "transfer_failed");
+                        turn.failed_slots.push(leg.endpoint.slot);
+                        turn.transfer_failed = true;
+                    }
                     Some(leg) => {
                         state
                             .metrics
                             .pd_transfer_failed(&turn.pool.name, &leg.endpoint, &endpoint);
                         turn.failed_slots.push(leg.endpoint.slot);
+                        turn.failed_slots.push(routed.slot);
                     }
                     None => turn.failed_slots.push(routed.slot),
                 }

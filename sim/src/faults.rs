@@ -10,7 +10,9 @@
 //! - `slow=4`: run 4x slower (global: every engine step; per request: its token delivery);
 //! - `unhealthy=true` (global only): `/health` answers 503;
 //! - `health_stall_ms=1500` (global only): `/health` answers this many wall milliseconds late
-//!   (SGLang's `/health` generates a token and answers a second or more later).
+//!   (SGLang's `/health` generates a token and answers a second or more later);
+//! - `times=1` (global only): the request faults apply to the next request only (or the next
+//!   N), then the global set is cleared.
 
 use std::sync::RwLock;
 
@@ -41,6 +43,9 @@ pub struct FaultSpec {
     /// Answer `/health` this many wall milliseconds late.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health_stall_ms: Option<u64>,
+    /// Global only: apply to the next this many requests, then clear the global set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub times: Option<u32>,
     /// Whether `stall_ms` is the global one (set by [`FaultSpec::merged_with`]): such a stall
     /// follows the global faults while it lasts.
     #[serde(skip)]
@@ -85,6 +90,7 @@ impl FaultSpec {
             slow: request.slow,
             unhealthy: self.unhealthy || request.unhealthy,
             health_stall_ms: self.health_stall_ms,
+            times: None,
             stall_is_global: request.stall_ms.is_none() && self.stall_ms.is_some(),
         }
     }
@@ -110,6 +116,22 @@ impl FaultState {
             .unwrap_or_default()
     }
 
+    /// The global faults a new request gets: with `times` set, one of those uses is spent
+    /// (the last clears the set).
+    pub fn for_request(&self) -> FaultSpec {
+        let Ok(mut global) = self.global.write() else {
+            return FaultSpec::default();
+        };
+        let spec = global.clone();
+        match global.times {
+            Some(0) => return FaultSpec::default(),
+            Some(1) => *global = FaultSpec::default(),
+            Some(n) => global.times = Some(n - 1),
+            None => {}
+        }
+        spec
+    }
+
     /// Replace the global faults.
     pub fn set(&self, spec: FaultSpec) {
         if let Ok(mut global) = self.global.write() {
@@ -131,6 +153,28 @@ impl FaultState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_counted_global_set_applies_that_many_times() {
+        let state = FaultState::default();
+        state.set(FaultSpec {
+            abort_after: Some(0),
+            times: Some(2),
+            ..FaultSpec::default()
+        });
+        assert_eq!(state.for_request().abort_after, Some(0));
+        assert_eq!(state.for_request().abort_after, Some(0));
+        assert!(state.for_request().is_empty());
+        assert!(state.global().is_empty(), "cleared once spent");
+        // Without a count it stays.
+        state.set(FaultSpec {
+            status: Some(503),
+            ..FaultSpec::default()
+        });
+        for _ in 0..3 {
+            assert_eq!(state.for_request().status, Some(503));
+        }
+    }
 
     #[test]
     fn header_specs_parse_and_merge() {

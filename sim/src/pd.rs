@@ -105,7 +105,11 @@ pub async fn pull_blocks(
     port: u16,
     block_ids: &[u32],
 ) -> Result<Vec<u64>, String> {
-    let url = format!("http://{host}:{port}/sim/kv/pull");
+    // vLLM reports `remote_host` as a bare IP address: an IPv6 one goes in brackets in a URL.
+    let url = match host.contains(':') && !host.starts_with('[') {
+        true => format!("http://[{host}]:{port}/sim/kv/pull"),
+        false => format!("http://{host}:{port}/sim/kv/pull"),
+    };
     let response = client
         .post(&url)
         .json(&serde_json::json!({ "block_ids": block_ids }))

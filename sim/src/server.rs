@@ -288,7 +288,7 @@ fn request_faults(state: &AppState, headers: &HeaderMap) -> Result<FaultSpec, Ap
         Some(Err(_)) => return Err(ApiError::bad_request("x-sim-fault header is not ASCII")),
         None => FaultSpec::default(),
     };
-    Ok(state.faults.global().merged_with(&request))
+    Ok(state.faults.for_request().merged_with(&request))
 }
 
 fn check_model(state: &AppState, body: &serde_json::Map<String, Value>) -> Result<(), ApiError> {

@@ -447,10 +447,27 @@ async fn sglang_failing_prefill_replica_falls_back_to_an_endpoint_that_runs_it_w
 /// A vLLM prefill engine whose KV connector hands out blocks nobody can fetch: every prefill
 /// leg answers with `kv_transfer_params` pointing at `dead_port`, where nothing listens. Anything else gets 404.
 async fn lost_transfer_prefill_engine(dead_port: u16) -> String {
+    fake_prefill_engine(json!({
+        "id": "chatcmpl-lost", "object": "chat.completion", "model": "sim-model",
+        "choices": [{"index": 0, "finish_reason": "length",
+            "message": {"role": "assistant", "content": "x"}}],
+        "usage": {"prompt_tokens": 4000, "completion_tokens": 1, "total_tokens": 4001},
+        "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false,
+            "remote_engine_id": "gone", "remote_block_ids": [1, 2, 3],
+            "remote_host": "127.0.0.1", "remote_port": dead_port, "tp_size": 1}
+    }))
+    .await
+}
+
+/// An engine that answers every `POST /v1/chat/completions` with `answer` (anything else gets
+/// 404).
+async fn fake_prefill_engine(answer: Value) -> String {
+    let answer = answer.to_string();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((mut socket, _)) = listener.accept().await {
+            let answer = answer.clone();
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut chunk = [0u8; 65536];
@@ -481,16 +498,7 @@ async fn lost_transfer_prefill_engine(dead_port: u16) -> String {
                 }
                 let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
                 let (status, body) = if head.starts_with("POST /v1/chat/completions") {
-                    let body = json!({
-                        "id": "chatcmpl-lost", "object": "chat.completion", "model": "sim-model",
-                        "choices": [{"index": 0, "finish_reason": "length",
-                            "message": {"role": "assistant", "content": "x"}}],
-                        "usage": {"prompt_tokens": 4000, "completion_tokens": 1, "total_tokens": 4001},
-                        "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false,
-                            "remote_engine_id": "gone", "remote_block_ids": [1, 2, 3],
-                            "remote_host": "127.0.0.1", "remote_port": dead_port, "tp_size": 1}
-                    });
-                    ("200 OK", body.to_string())
+                    ("200 OK", answer)
                 } else {
                     ("404 Not Found", "{}".to_string())
                 };
@@ -537,6 +545,103 @@ async fn vllm_lost_kv_transfer_is_retried_once_without_disaggregation() {
     .await;
     let m = two_turns_survive(&gw.base_url(), &decode, "pd/1").await;
     assert_transfer_retried(&m);
+    gw.shutdown().await;
+    decode.shutdown().await;
+}
+
+/// A decode leg that fails in its stream before its first token (vLLM with
+/// `kv_load_failure_policy: fail` ends a request whose blocks it could not load) lost its KV
+/// transfer: the request is retried once without disaggregation, on the decode replica, not
+/// split again with another prefill replica. (The simulated leg fails after its blocks
+/// arrived, so the retry finds them cached.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_lost_in_the_decode_stream_is_retried_once_without_disaggregation() {
+    let prefills = [
+        sim(Flavor::Vllm, Role::Prefill, 0.0).await,
+        sim(Flavor::Vllm, Role::Prefill, 0.0).await,
+    ];
+    let decode = sim(Flavor::Vllm, Role::Decode, 0.0).await;
+    let gw = start_gateway(&pd_config(
+        Flavor::Vllm,
+        &[
+            entry(&prefills[0], "prefill"),
+            entry(&prefills[1], "prefill"),
+            entry(&decode, "decode"),
+        ],
+        "",
+    ))
+    .await;
+    // The decode replica's first request (the split's decode leg) ends before its first token.
+    set_sim_fault(&decode, json!({"abort_after": 0, "times": 1})).await;
+    let (response, served) = create(
+        &gw.base_url(),
+        json!({"model": "sim-model", "input": long_text("t", 6000), "max_output_tokens": 16}),
+        &[("x-session-id", "lost-in-stream")],
+    )
+    .await;
+    assert_eq!(response["error"], Value::Null, "{response}");
+    assert_eq!(served, "pd/2");
+    let prompt = input_tokens(&response) as f64;
+    let on_prefill = computed(&prefills[0]).await + computed(&prefills[1]).await;
+    assert!(
+        on_prefill < 1.5 * prompt,
+        "prefilled once remotely, not split again: {on_prefill} of {prompt}"
+    );
+    let m = metrics_text(&gw.base_url()).await;
+    assert_series(
+        &m,
+        "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"transfer_failed\"}",
+        1.0,
+    );
+    assert_series(
+        &m,
+        "agentgate_pd_decisions_total{pool=\"pd\",decision=\"local\",reason=\"transfer_failed\"}",
+        1.0,
+    );
+    gw.shutdown().await;
+    for sim in prefills {
+        sim.shutdown().await;
+    }
+    decode.shutdown().await;
+}
+
+/// A prefill leg whose one token ended the answer (a stop token) hands over no blocks, as vLLM
+/// does (`kv_transfer_params: null`): the decode replica runs the request itself, and nothing
+/// failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_leg_that_finished_the_answer_hands_the_request_to_the_decode_replica() {
+    let prefill = fake_prefill_engine(json!({
+        "id": "chatcmpl-stop", "object": "chat.completion", "model": "sim-model",
+        "choices": [{"index": 0, "finish_reason": "stop",
+            "message": {"role": "assistant", "content": ""}}],
+        "usage": {"prompt_tokens": 6000, "completion_tokens": 1, "total_tokens": 6001},
+        "kv_transfer_params": null
+    }))
+    .await;
+    let decode = sim(Flavor::Vllm, Role::Decode, 0.0).await;
+    let gw = start_gateway(&pd_config(
+        Flavor::Vllm,
+        &[
+            (prefill, "prefill", String::new()),
+            entry(&decode, "decode"),
+        ],
+        "",
+    ))
+    .await;
+    let (response, served) = create(
+        &gw.base_url(),
+        json!({"model": "sim-model", "input": long_text("s", 6000), "max_output_tokens": 16}),
+        &[],
+    )
+    .await;
+    assert_eq!(response["error"], Value::Null, "{response}");
+    assert_eq!(served, "pd/1");
+    let m = metrics_text(&gw.base_url()).await;
+    assert_series(
+        &m,
+        "agentgate_pd_fallbacks_total{pool=\"pd\",cause=\"prefill_failed\"}",
+        0.0,
+    );
     gw.shutdown().await;
     decode.shutdown().await;
 }
