@@ -70,8 +70,9 @@
 //! (`--max-running-requests` for SGLang) or a little under, lower for long contexts.
 //!
 //! **Reserves.** A band's `reserve` is a share of this capacity that lower bands leave free:
-//! a band dispatches only while `in_flight + ceil(r * capacity) < capacity`, `r` the largest
-//! reserve of the bands above it. A request of a band with a reserve then asks routing for an
+//! a band dispatches only while `in_flight + min(ceil(r * capacity), capacity - 1) <
+//! capacity`, `r` the largest reserve of the bands above it (lower bands keep at least one
+//! slot). A request of a band with a reserve then asks routing for an
 //! endpoint where this gateway has fewer than `max_in_flight_per_endpoint` requests in flight
 //! (`PickRequest::free_slot_below`), so it starts in a free batch slot at once instead of
 //! waiting in an engine whose batch is full. With `engine_priority` on a pool, requests also

@@ -1220,7 +1220,8 @@ impl State {
             let mut held = false;
             if let Some(entry) = self.entries.get(&pick.id) {
                 held = entry.held_since.get().is_some();
-                if let Some(endpoint) = &entry.affinity {
+                // (One moving off its endpoint is routed elsewhere: it takes no place there.)
+                if let Some(endpoint) = entry.affinity.as_ref().filter(|_| !pick.moving) {
                     *promised.entry(endpoint.clone()).or_default() += 1;
                 }
             }
@@ -1229,7 +1230,11 @@ impl State {
             }
             if share > 0.0 {
                 if let Some(capacity) = inner.capacity.capacity() {
-                    let reserved = (share * capacity as f64).ceil() as u64;
+                    // Rounded up, but never the whole pool: the lower bands keep a slot (a
+                    // pool of one slot, or one whose endpoints are mostly down, still serves
+                    // them, as an endpoint of one slot does).
+                    let reserved =
+                        ((share * capacity as f64).ceil() as u64).min(capacity.saturating_sub(1));
                     if self.in_flight.saturating_add(reserved) >= capacity {
                         // every band below `b` holds back at least as much
                         break;

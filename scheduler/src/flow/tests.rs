@@ -1087,6 +1087,19 @@ async fn a_reserve_keeps_slots_free_for_higher_bands() {
     assert_eq!(flow.snapshot().in_flight, 6);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_reserve_never_takes_a_pools_last_slot_from_lower_bands() {
+    let mut config = config();
+    // ceil(0.6 * 1) = 1 would hold the one slot there is
+    config.bands[0].reserve = 0.6;
+    let (flow, _capacity) = controller(config, 1);
+    let batch = poll_once(flow.admit(Ticket::new("bulk", 1))).await;
+    assert!(
+        batch.is_some_and(|p| p.is_ok()),
+        "a pool of one slot serves the lower band"
+    );
+}
+
 #[test]
 fn reserves_outside_zero_to_one_are_refused() {
     let mut config = config();
