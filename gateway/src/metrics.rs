@@ -21,8 +21,9 @@
 //! - **events**, counted as they happen through [`Metrics`]' methods: responses by how they
 //!   ended (`agentgate_responses_total{pool,status,code}`: `completed`, `incomplete`,
 //!   `cancelled` or `failed`, with a failure's error code: the engine failure's,
-//!   `store_unavailable`, `compaction_failed`, `server_shutdown`, or `client_disconnected` for
-//!   a turn nobody could read later whose client left; empty otherwise), routing decisions and
+//!   `store_unavailable`, `compaction_failed`, `server_shutdown`, `rate_limit_exceeded` (a
+//!   Codex refusal in the stream), or `client_disconnected` for a turn nobody could read later
+//!   whose client left; empty otherwise), routing decisions and
 //!   their reason, session pin moves and their cause, discovery reloads, endpoint health
 //!   transitions, probe failures and probe latency, config reloads, response writes the store
 //!   refused (`agentgate_store_write_errors_total`, each try), rate-limit store errors. The
@@ -210,7 +211,9 @@ impl<const N: usize> CounterVec<N> {
     /// Append the family in the text format.
     pub fn encode(&self, out: &mut String) {
         header(self.name, self.help, "counter", out);
-        for (values, v) in lock(&self.values).iter() {
+        // A copy, so requests that count meanwhile do not wait for the formatting.
+        let values = lock(&self.values).clone();
+        for (values, v) in &values {
             out.push_str(self.name);
             labels(&self.label_names, values, None, out);
             let _ = writeln!(out, " {v}");
@@ -251,7 +254,8 @@ impl<const N: usize> GaugeVec<N> {
     /// Append the family in the text format.
     pub fn encode(&self, out: &mut String) {
         header(self.name, self.help, "gauge", out);
-        for (values, v) in lock(&self.values).iter() {
+        let values = lock(&self.values).clone();
+        for (values, v) in &values {
             out.push_str(self.name);
             labels(&self.label_names, values, None, out);
             let _ = writeln!(out, " {}", number(*v));
@@ -325,7 +329,8 @@ impl<const N: usize> HistogramVec<N> {
     /// Append the family in the text format (cumulative `_bucket`s, `_sum`, `_count`).
     pub fn encode(&self, out: &mut String) {
         header(self.name, self.help, "histogram", out);
-        for (values, h) in lock(&self.values).iter() {
+        let values = lock(&self.values).clone();
+        for (values, h) in &values {
             let mut cumulative = 0;
             let bounds = self.bounds.iter().map(|b| number(*b));
             for (le, c) in bounds
@@ -399,7 +404,7 @@ impl Default for Metrics {
 impl Metrics {
     /// An empty registry.
     pub fn new() -> Self {
-        Metrics {
+        let metrics = Metrics {
             routing_decisions: CounterVec::new(
                 "agentgate_routing_decisions_total",
                 "Requests routed to an endpoint, by the reason that decided it.",
@@ -438,7 +443,7 @@ impl Metrics {
             ),
             store_write_errors: CounterVec::new(
                 "agentgate_store_write_errors_total",
-                "Writes of a response the store refused or could not be reached for; each retry counts.",
+                "Writes of a finished response (or of its items to its conversation) the store refused or could not be reached for; each retry counts.",
                 [],
             ),
             rate_limit_store_errors: CounterVec::new(
@@ -498,7 +503,15 @@ impl Metrics {
                 ["route", "method"],
                 HTTP_BUCKETS,
             ),
+        };
+        // Counters of rare events show 0 from the start, so the first one is an increase
+        // (`rate()` and `increase()` read a series' first sample as its start).
+        metrics.store_write_errors.inc_by([], 0);
+        metrics.rate_limit_store_errors.inc_by([], 0);
+        for result in ["ok", "error", "restart_needed"] {
+            metrics.config_reloads.inc_by([result], 0);
         }
+        metrics
     }
 
     /// A request of a pool with prefill endpoints was placed: `decision` is `disaggregated`
@@ -686,10 +699,13 @@ impl HttpAnswer {
         metrics
             .http_requests
             .inc([&self.route, self.method, status, code]);
-        metrics.http_duration.observe(
-            [&self.route, self.method],
-            self.started.elapsed().as_secs_f64(),
-        );
+        // A client that left got no answer head: its wait is not a latency of one.
+        if status != "499" {
+            metrics.http_duration.observe(
+                [&self.route, self.method],
+                self.started.elapsed().as_secs_f64(),
+            );
+        }
     }
 }
 
@@ -729,7 +745,7 @@ fn encode_waits(
 ///
 /// | series | meaning |
 /// |---|---|
-/// | `agentgate_flow_capacity_requests{pool}` | requests the pool may have in flight now (absent while no endpoint is available) |
+/// | `agentgate_flow_capacity_requests{pool}` | requests the pool may have in flight now (0 while no endpoint is available) |
 /// | `agentgate_flow_in_flight_requests{pool}` | requests admitted and not finished |
 /// | `agentgate_flow_queued_requests{pool,band}`, `agentgate_flow_queued_bytes{pool,band}` | waiting now |
 /// | `agentgate_flow_band_requests_total{pool,band,outcome}` | `dispatched`, `shed`, `rate_limited`, `queue_full`, `timed_out`, `cancelled` |
@@ -809,9 +825,9 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
     let mut turn_waits = Vec::new();
     for (pool, s) in &snapshots {
         let p = pool.as_str();
-        if let Some(c) = flow.capacity(p) {
-            capacity.set([p], c as f64);
-        }
+        // (No endpoint available: nothing may be in flight, and the series says 0, so an
+        // alert on it fires.)
+        capacity.set([p], flow.capacity(p).unwrap_or(0) as f64);
         in_flight.set([p], s.in_flight as f64);
         for b in &s.bands {
             let l = [p, b.name.as_str()];
@@ -1032,7 +1048,7 @@ fn memory_store_state(store: &agentgate_sessions::AnyStore, out: &mut String) {
         );
         header(
             "agentgate_store_evictions_total",
-            "Responses the in-memory store dropped, least recently used first, to stay within store.memory_max_mb.",
+            "Records (responses and conversations) the in-memory store dropped, least recently used first, to stay within store.memory_max_mb.",
             "counter",
             out,
         );
@@ -1076,6 +1092,22 @@ mod tests {
              t_total{a=\"a\",b=\"b\"} 1\n\
              t_total{a=\"x\",b=\"q\\\"uo\\\\te\\nd\"} 3\n"
         );
+    }
+
+    #[test]
+    fn counters_of_rare_events_show_zero_from_the_start() {
+        let m = Metrics::new();
+        let mut out = String::new();
+        m.store_write_errors.encode(&mut out);
+        m.rate_limit_store_errors.encode(&mut out);
+        m.config_reloads.encode(&mut out);
+        for line in [
+            "agentgate_store_write_errors_total 0",
+            "agentgate_flow_rate_limit_store_errors_total 0",
+            "agentgate_config_reloads_total{result=\"restart_needed\"} 0",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
+        }
     }
 
     #[test]

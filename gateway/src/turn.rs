@@ -1458,13 +1458,17 @@ pub fn failed_at_start(state: &AppState, turn: &Turn, code: &str, message: &str)
     let mut rs = new_stream(turn);
     let mut events = rs.start();
     events.extend(rs.fail(code, message));
-    state.metrics.response_ended(&turn.pool.name, rs.response());
-    if turn.plan.compaction {
-        state
-            .metrics
-            .compaction_ended(&turn.pool.name, rs.response());
-    }
+    turn_ended(state, turn, rs.response());
     events
+}
+
+/// Count a turn that ended as `response` says: among responses, and among compactions when it
+/// was one.
+fn turn_ended(state: &AppState, turn: &Turn, response: &Value) {
+    state.metrics.response_ended(&turn.pool.name, response);
+    if turn.plan.compaction {
+        state.metrics.compaction_ended(&turn.pool.name, response);
+    }
 }
 
 fn new_stream(turn: &Turn) -> ResponseStream {
@@ -1923,10 +1927,7 @@ async fn drive_announced(
         }
         _ => {}
     }
-    state.metrics.response_ended(&turn.pool.name, &response);
-    if turn.plan.compaction {
-        state.metrics.compaction_ended(&turn.pool.name, &response);
-    }
+    turn_ended(&state, &turn, &response);
     sink.send(&state, terminal, true).await;
     Served {
         response,
@@ -2440,9 +2441,7 @@ async fn stop_queued(state: &AppState, turn: &mut Turn, mut announced: Announced
         // The record says `cancelled` already; the stream and the log end saying so too.
         Stop::Cancelled => {
             let events = stop.end(&mut announced.rs);
-            state
-                .metrics
-                .response_ended(&turn.pool.name, announced.rs.response());
+            turn_ended(state, turn, announced.rs.response());
             release_conversation(turn).await;
             announced.end(state, events).await;
         }
@@ -2470,9 +2469,7 @@ async fn fail_background(
         announced.rs.output_items(),
     )
     .await;
-    state
-        .metrics
-        .response_ended(&turn.pool.name, announced.rs.response());
+    turn_ended(state, turn, announced.rs.response());
     release_conversation(turn).await;
     announced.end(state, events).await;
 }
