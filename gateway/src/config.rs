@@ -983,7 +983,8 @@ impl Default for FlowToml {
 /// A configuration problem: the key it concerns and what is wrong.
 #[derive(Debug)]
 pub struct ConfigError {
-    /// Dotted path of the offending key (`pools[0].endpoints[1]`), or the file.
+    /// Dotted path of the offending key (`pools[0].endpoints[1]`); empty for the file as a
+    /// whole (it cannot be read).
     pub key: String,
     /// What is wrong and how to fix it.
     pub reason: String,
@@ -991,7 +992,11 @@ pub struct ConfigError {
 
 impl std::fmt::Display for ConfigError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "config key `{}`: {}", self.key, self.reason)
+        match self.key.is_empty() {
+            // (The file as a whole: the caller names it.)
+            true => f.write_str(&self.reason),
+            false => write!(f, "config key `{}`: {}", self.key, self.reason),
+        }
     }
 }
 
@@ -1008,8 +1013,8 @@ impl Config {
     /// Read, parse and validate a configuration file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let stamp = FileStamp::of(path);
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| err(path.display().to_string(), format!("cannot read file: {e}")))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| err("", format!("cannot read file: {e}")))?;
         Config::from_file_text(path, &text, stamp)
     }
 

@@ -25,8 +25,9 @@ enum Command {
         /// Configuration file (TOML); see examples/quickstart.toml.
         #[arg(long)]
         config: PathBuf,
-        /// Listen address, overriding `[server] listen`.
-        #[arg(long)]
+        /// Listen address (an IP address and port, such as 127.0.0.1:8080; `localhost:PORT`
+        /// is 127.0.0.1), overriding `[server] listen`.
+        #[arg(long, value_parser = parse_listen)]
         listen: Option<SocketAddr>,
         /// Store URL (`redis://host:port/db`), overriding `[store] url`.
         #[arg(long)]
@@ -178,6 +179,43 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+/// `--listen`: an IP address and port; `localhost:PORT` is the IPv4 loopback (the gateway
+/// does not resolve names).
+fn parse_listen(value: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = value.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    if let Some(port) = value.strip_prefix("localhost:") {
+        if let Ok(port) = port.parse::<u16>() {
+            return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+        }
+    }
+    Err(format!(
+        "`{value}` is not an IP address and port; use one such as 127.0.0.1:8080 (or 0.0.0.0:8080 for every interface)"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_listen;
+
+    #[test]
+    fn listen_takes_an_address_and_port_or_localhost() {
+        assert_eq!(parse_listen("0.0.0.0:9").unwrap().to_string(), "0.0.0.0:9");
+        assert_eq!(parse_listen("[::1]:9").unwrap().to_string(), "[::1]:9");
+        assert_eq!(
+            parse_listen("localhost:8081").unwrap().to_string(),
+            "127.0.0.1:8081"
+        );
+        for bad in ["8081", "localhost", "example.com:80", "localhost:x"] {
+            assert!(
+                parse_listen(bad).unwrap_err().contains("127.0.0.1:8080"),
+                "{bad}"
+            );
         }
     }
 }
