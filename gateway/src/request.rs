@@ -378,8 +378,42 @@ pub fn parse_json(headers: &axum::http::HeaderMap, bytes: &[u8]) -> Result<Value
     Ok(body)
 }
 
+/// Chat Completions parameters the Responses API does not take, and what takes their place.
+/// A client moved over from Chat Completions sends them; ignored, they would silently do
+/// nothing (an answer without its token limit or its JSON format), so they are refused, as
+/// OpenAI refuses them. Other unknown top-level parameters are ignored.
+const CHAT_ONLY_PARAMETERS: [(&str, &str); 9] = [
+    ("max_tokens", "'max_output_tokens'"),
+    ("max_completion_tokens", "'max_output_tokens'"),
+    ("response_format", "'text.format'"),
+    ("messages", "'input'"),
+    ("functions", "'tools'"),
+    ("function_call", "'tool_choice'"),
+    (
+        "logprobs",
+        "'top_logprobs' with include: ['message.output_text.logprobs']",
+    ),
+    ("stop", "nothing: the Responses API has no stop sequences"),
+    ("n", "nothing: a response holds one answer"),
+];
+
 /// Check the fields shared by `POST /v1/responses` and `POST /v1/responses/input_tokens`.
 pub fn validate_common(body: &Value) -> Result<(), HttpError> {
+    for (name, instead) in CHAT_ONLY_PARAMETERS {
+        // (What asks for nothing, `n: 1` or no stop sequences, changes nothing.)
+        let asks = match body.get(name) {
+            None | Some(Value::Null) => false,
+            Some(Value::Array(items)) => !items.is_empty(),
+            Some(v) => !(name == "n" && v.as_u64() == Some(1)),
+        };
+        if asks {
+            return Err(HttpError::invalid(
+                format!("Unsupported parameter: '{name}'. In the Responses API, use {instead}."),
+                Some(name),
+                Some("unsupported_parameter"),
+            ));
+        }
+    }
     match body.get("input") {
         None | Some(Value::Null) | Some(Value::String(_)) | Some(Value::Array(_)) => {}
         Some(_) => return Err(invalid_type("input", "a string or an array of input items")),
@@ -516,6 +550,32 @@ impl CreateRequest {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn chat_completions_parameters_are_refused_with_their_replacement() {
+        let refused = |body: serde_json::Value| super::validate_common(&body).unwrap_err();
+        let e = refused(serde_json::json!({"input": "hi", "max_tokens": 16}));
+        assert_eq!(e.error.param.as_deref(), Some("max_tokens"));
+        assert_eq!(e.error.code.as_deref(), Some("unsupported_parameter"));
+        assert!(
+            e.error.message.contains("'max_output_tokens'"),
+            "{}",
+            e.error.message
+        );
+        let e =
+            refused(serde_json::json!({"input": "hi", "response_format": {"type": "json_object"}}));
+        assert!(
+            e.error.message.contains("'text.format'"),
+            "{}",
+            e.error.message
+        );
+        for harmless in [
+            serde_json::json!({"input": "hi", "n": 1, "stop": [], "max_tokens": null}),
+            serde_json::json!({"input": "hi", "frobnicate": 1}),
+        ] {
+            assert!(super::validate_common(&harmless).is_ok(), "{harmless}");
+        }
+    }
+
     #[test]
     fn json_values_are_bounded_from_above_without_parsing() {
         let count = |text: &str| json_values_at_most(text.as_bytes());
