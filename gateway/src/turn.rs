@@ -596,6 +596,16 @@ impl Routed {
     /// since; the moves are not counted. (A pin this turn created, where the session had none,
     /// stays: the next turn finds its endpoint failed or gone, or finds it well.)
     async fn undo_moves(&mut self, state: &AppState, pool: &str) {
+        // A split whose prefill leg ran left the prompt's KV on its prefill endpoint, whatever
+        // became of the decode leg: that half of the session's pin stays, and its move counts.
+        if self.prefill.is_some() {
+            for repin in self.repins.iter_mut().filter(|r| r.prefill) {
+                if let Some(cause) = repin.cause.take() {
+                    state.metrics.pd_prefill_pin_moved(pool, cause);
+                }
+            }
+            self.repins.retain(|r| !r.prefill);
+        }
         for repin in self.repins.drain(..) {
             let (key, from, to) = (repin.key, repin.from, repin.to);
             match pin_op(state.store.swap_pin(pool, &key, Some(&to), &from)).await {
@@ -1160,12 +1170,15 @@ async fn open_split(
     // Not an endpoint this request failed on; with prefill endpoints only, `d` is one of
     // them: it does not prefill for itself.
     let mut excluded = placement.avoided_in(&prefill_view);
+    let pinned_prefill = pinned_in(&prefill_view, prefill_pin.as_ref());
+    // (A prefill pin on an endpoint this request failed on breaks because it failed.)
+    let prefill_pin_failed = matches!(pinned_prefill, Pinned::At(i) if excluded.contains(&i));
     excluded.extend(prefill_view.iter().position(|e| Arc::ptr_eq(e, &d)));
     let prefill_request = PrefillRequest {
         exclude: &excluded,
         prefix: &placement.prefix,
         prompt_tokens,
-        pinned: pinned_in(&prefill_view, prefill_pin.as_ref()),
+        pinned: pinned_prefill,
     };
     let picked = pool.place(|| {
         let prefill =
@@ -1283,7 +1296,7 @@ async fn open_split(
                         own_prefill_pin.as_ref(),
                         &p,
                         prefill.pin,
-                        false,
+                        prefill_pin_failed,
                     )
                     .await
                     .map(|repin| Repin {
