@@ -177,25 +177,23 @@ impl EngineClient {
             .map_err(|e| UpstreamError::Protocol(format!("{url}: unreadable JSON body: {e}")))
     }
 
-    /// POST a chat completion and read its answer (JSON or SSE) to the end, discarding it; a
-    /// silence longer than the idle timeout fails it.
+    /// Stream a chat completion to its end, discarding it (an SGLang prefill leg): the
+    /// client's first-byte and idle timeouts apply, and an error the engine reports inside its
+    /// stream (SGLang answers 200, then an error chunk or an `abort`) fails it, as a failed
+    /// status does.
     pub async fn chat_discard(&self, base_url: &str, body: &Value) -> Result<(), UpstreamError> {
-        let (url, response) = self.post_chat(base_url, body, None).await?;
-        let limit = self.options().idle_timeout;
-        let mut body = response.bytes_stream();
-        loop {
-            match tokio::time::timeout(limit, body.next()).await {
-                Err(_) => {
-                    return Err(UpstreamError::Timeout(format!(
-                        "{url}: nothing received for {limit:?}"
-                    )))
-                }
-                Ok(None) => return Ok(()),
-                Ok(Some(chunk)) => {
-                    chunk.map_err(|e| crate::client::send_error(&url, e))?;
-                }
+        let mut stream = self.chat_stream(base_url, body).await?;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk?;
+            let failure = crate::stream::engine_error_message(&chunk)
+                .or_else(|| crate::stream::failure_without_output(&chunk));
+            if let Some(message) = failure {
+                return Err(UpstreamError::Protocol(format!(
+                    "{base_url}: the prefill leg failed: {message}"
+                )));
             }
         }
+        Ok(())
     }
 
     /// Run `body` (a streaming chat request) disaggregated: prefill on `prefill`, decode

@@ -374,12 +374,23 @@ async fn create_failing(gw: &str, body: Value) -> (u16, Value) {
 /// the failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_failing_prefill_replica_falls_back_to_an_endpoint_that_runs_it_whole() {
+    // The prefill engine refuses every leg; the decode engine, waiting in the bootstrap room,
+    // is abandoned rather than left to time out.
+    sglang_prefill_failing_with(json!({"status": 503}), "503").await;
+}
+
+/// The same when the prefill engine reports its failure inside the stream it started (200,
+/// then an abort with nothing in it), as SGLang does for a request it aborts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_prefill_leg_failing_in_its_stream_falls_back_too() {
+    sglang_prefill_failing_with(json!({"abort_after": 0}), "prefill leg failed").await;
+}
+
+async fn sglang_prefill_failing_with(fault: Value, reported: &str) {
     let prefill = sim(Flavor::Sglang, Role::Prefill, 0.0).await;
     let decode = sim(Flavor::Sglang, Role::Decode, 0.0).await;
     let whole = sim(Flavor::Sglang, Role::Both, 0.0).await;
-    // The prefill engine refuses every leg; the decode engine, waiting in the bootstrap room,
-    // is abandoned rather than left to time out.
-    set_sim_fault(&prefill, json!({"status": 503})).await;
+    set_sim_fault(&prefill, fault).await;
     let gw = start_gateway(&pd_config(
         Flavor::Sglang,
         &[
@@ -414,7 +425,9 @@ async fn sglang_failing_prefill_replica_falls_back_to_an_endpoint_that_runs_it_w
         "agentgate_pd_decisions_total{pool=\"pd\",decision=\"local\",reason=\"runs_whole\"}",
         1.0,
     );
-    assert_eq!(computed(&prefill).await, 0.0);
+    if reported == "503" {
+        assert_eq!(computed(&prefill).await, 0.0, "refused before it ran");
+    }
     assert_eq!(
         computed(&decode).await,
         0.0,
@@ -433,7 +446,7 @@ async fn sglang_failing_prefill_replica_falls_back_to_an_endpoint_that_runs_it_w
     let (status, error) = create_failing(&gw.base_url(), body).await;
     assert_eq!(status, 502, "{error}");
     assert!(
-        error["message"].as_str().unwrap().contains("503"),
+        error["message"].as_str().unwrap().contains(reported),
         "{error}"
     );
     assert_eq!(computed(&decode).await, 0.0);
