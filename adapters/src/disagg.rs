@@ -180,11 +180,22 @@ impl EngineClient {
     /// Stream a chat completion to its end, discarding it (an SGLang prefill leg): the
     /// client's first-byte and idle timeouts apply, and an error the engine reports inside its
     /// stream (SGLang answers 200, then an error chunk or an `abort`) fails it, as a failed
-    /// status does.
+    /// status does (a fault of the request, such as a prompt over the context window, as a
+    /// 400 would).
     pub async fn chat_discard(&self, base_url: &str, body: &Value) -> Result<(), UpstreamError> {
         let mut stream = self.chat_stream(base_url, body).await?;
         while let Some(chunk) = stream.next().await {
             let chunk = chunk?;
+            if let Some(message) = crate::stream::engine_error_message(&chunk) {
+                // A fault of the request itself (a prompt over the context window) is the
+                // request's answer, as the same error at open would be.
+                if crate::stream::request_fault_code(&chunk, &message).is_some() {
+                    return Err(UpstreamError::Status {
+                        status: 400,
+                        body: chunk.to_string(),
+                    });
+                }
+            }
             let failure = crate::stream::engine_error_message(&chunk)
                 .or_else(|| crate::stream::failure_without_output(&chunk));
             if let Some(message) = failure {
@@ -306,6 +317,17 @@ impl EngineClient {
                 };
                 let head = match first {
                     Some(Ok(chunk)) => match crate::stream::engine_error_message(&chunk) {
+                        // A fault of the request itself (a prompt over the context window),
+                        // which SGLang reports in the stream it started: the request's answer,
+                        // as the same error at open would be, not a lost transfer.
+                        Some(message)
+                            if crate::stream::request_fault_code(&chunk, &message).is_some() =>
+                        {
+                            return Err(DisaggError::Decode(UpstreamError::Status {
+                                status: 400,
+                                body: chunk.to_string(),
+                            }));
+                        }
                         Some(message) => Err(failed(format!("failed ({message})"))),
                         None => Ok(chunk),
                     },

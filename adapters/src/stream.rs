@@ -1034,7 +1034,7 @@ pub fn carries_output(chunk: &Value) -> bool {
 /// error coded 4xx (OpenAI's code for a request the model cannot run, which Codex does not
 /// send again; it retries a stream that fails with any code it does not know); `None` for an
 /// engine failure.
-fn request_fault_code(chunk: &Value, message: &str) -> Option<&'static str> {
+pub(crate) fn request_fault_code(chunk: &Value, message: &str) -> Option<&'static str> {
     if is_context_overflow(message) {
         return Some("context_length_exceeded");
     }

@@ -369,6 +369,56 @@ async fn create_failing(gw: &str, body: Value) -> (u16, Value) {
     (status, value["error"].clone())
 }
 
+/// A prompt over the engines' context window, which SGLang reports inside the streams it
+/// started, is the client's `context_length_exceeded` (so `truncation: auto` can shorten it),
+/// not a lost KV transfer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_split_over_the_context_window_is_context_length_exceeded() {
+    let small = |role| {
+        agentgate_sim::spawn(SimConfig {
+            flavor: Flavor::Sglang,
+            role,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            model: "sim-model".into(),
+            time_scale: 0.0,
+            max_model_len: Some(3000),
+            ..Default::default()
+        })
+    };
+    let prefill = small(Role::Prefill).await.unwrap();
+    let decode = small(Role::Decode).await.unwrap();
+    let gw = start_gateway(&pd_config(
+        Flavor::Sglang,
+        &[entry(&prefill, "prefill"), entry(&decode, "decode")],
+        "",
+    ))
+    .await;
+    let body =
+        json!({"model": "sim-model", "input": long_text("o", 4000), "max_output_tokens": 16});
+    let (status, error) = create_failing(&gw.base_url(), body.clone()).await;
+    assert_eq!(status, 400, "{error}");
+    assert_eq!(error["code"], "context_length_exceeded", "{error}");
+    let m = metrics_text(&gw.base_url()).await;
+    assert_series(
+        &m,
+        "agentgate_pd_transfer_failures_total{pool=\"pd\",prefill=\"pd/0\",decode=\"pd/1\"}",
+        0.0,
+    );
+    // With `truncation: auto` the history is cut to fit instead.
+    let mut body = body;
+    body["input"] = json!([
+        {"role": "user", "content": long_text("a", 2000)},
+        {"role": "assistant", "content": long_text("b", 2000)},
+        {"role": "user", "content": "and now?"},
+    ]);
+    body["truncation"] = json!("auto");
+    let (response, _) = create(&gw.base_url(), body, &[]).await;
+    assert_eq!(response["error"], Value::Null, "{response}");
+    gw.shutdown().await;
+    prefill.shutdown().await;
+    decode.shutdown().await;
+}
+
 /// An SGLang decode server cannot prefill: when the prefill leg fails, the turn runs whole on
 /// an endpoint that can (role `both`), never on the decode server; with none, the client gets
 /// the failure.
