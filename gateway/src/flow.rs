@@ -620,6 +620,43 @@ impl RateLimiter for StoreRateLimiter {
             self.local.charge_tokens(team, tpm, tokens).await
         })
     }
+
+    fn refund<'a>(&'a self, team: &'a str, limits: RateLimits, cost: RateCost) -> RateCharge<'a> {
+        Box::pin(async move {
+            if !self.use_store() {
+                return self.local.refund(team, limits, cost).await;
+            }
+            let (rpm_key, tpm_key) = Self::keys(team);
+            let mut back = Vec::new();
+            if let Some(limit) = limits.rpm {
+                back.push(RateLimit {
+                    key: rpm_key,
+                    limit,
+                    period: RATE_PERIOD,
+                    cost: cost.requests,
+                });
+            }
+            if let Some(limit) = limits.tpm {
+                back.push(RateLimit {
+                    key: tpm_key,
+                    limit,
+                    period: RATE_PERIOD,
+                    cost: cost.tokens,
+                });
+            }
+            // (A refund the store does not take is lost: the team paid for a refusal, as
+            // before refunds. It is not worth failing anything over.)
+            match tokio::time::timeout(RATE_LIMIT_TIMEOUT, self.store.rate_refund(&back)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(team = %team, "could not give back a refused request's rate-limit charge: {e}")
+                }
+                Err(_) => {
+                    tracing::warn!(team = %team, "could not give back a refused request's rate-limit charge: no answer within {}", format_reset(RATE_LIMIT_TIMEOUT))
+                }
+            }
+        })
+    }
 }
 
 /// The `service_tier` a Response reports, as OpenAI reports the processing mode used rather
@@ -757,6 +794,14 @@ impl Pending {
         let headers = status.as_ref().map(RateStatus::headers).unwrap_or_default();
         self.charged = Some(status);
         Ok(headers)
+    }
+
+    /// Give back what [`Pending::charge`] charged, for a request that was not created after
+    /// all (the store refused its record).
+    pub async fn refund(&mut self) {
+        if self.charged.take().is_some() {
+            self.controller.refund(&self.ticket).await;
+        }
     }
 
     /// Wait for a slot (see [`FlowController::admit`]); a refusal comes back as the error to

@@ -827,12 +827,17 @@ async fn run_turn(
             Some(pending) => pending.charge().await?,
             None => Vec::new(),
         };
-        registered.hold_lease().await.map_err(store_error)?;
-        state
-            .store
-            .put(&turn::queued_record(&turn))
-            .await
-            .map_err(store_error)?;
+        let created = match registered.hold_lease().await {
+            Ok(()) => state.store.put(&turn::queued_record(&turn)).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = created {
+            // Not created: the request costs the team nothing (a retry pays once).
+            if let Some(pending) = admission.as_mut() {
+                pending.refund().await;
+            }
+            return Err(store_error(e));
+        }
         let queued = turn.skeleton.clone();
         let (tx, rx) = if req.stream {
             let (tx, rx) = mpsc::channel(256);

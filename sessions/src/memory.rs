@@ -1183,6 +1183,18 @@ impl Store for MemoryStore {
         Ok(())
     }
 
+    async fn rate_refund(&self, limits: &[RateLimit]) -> Result<(), StoreError> {
+        let now = self.epoch.elapsed().as_secs_f64() * 1000.0;
+        let mut rates = self.rates.lock().unwrap_or_else(PoisonError::into_inner);
+        for limit in limits {
+            match crate::rate::refunded_tat(rates.get(&limit.key).copied(), now, limit) {
+                Some(tat) => rates.insert(limit.key.clone(), tat),
+                None => rates.remove(&limit.key),
+            };
+        }
+        Ok(())
+    }
+
     async fn exchange(
         &self,
         pool: &str,

@@ -97,6 +97,15 @@ pub fn charged_tat(tat: Option<f64>, now_ms: f64, limit: &RateLimit) -> f64 {
     tat.unwrap_or(now_ms).max(now_ms) + t * limit.cost as f64
 }
 
+/// The `tat` once `limit.cost` charged earlier is given back at `now_ms` (a request refused
+/// after it was charged): never below `now_ms`, an empty bucket. None: nothing to keep (no
+/// key, or a bucket full again).
+pub fn refunded_tat(tat: Option<f64>, now_ms: f64, limit: &RateLimit) -> Option<f64> {
+    let period = limit.period.as_secs_f64() * 1000.0;
+    let t = period / limit.limit.max(1) as f64;
+    Some(tat? - t * limit.cost as f64).filter(|tat| *tat > now_ms)
+}
+
 /// One GCRA step for `limit` at time `now_ms` over the stored `tat` (None: no key). Returns the
 /// decision and the new `tat` to store if every limit of the check passes.
 pub fn gcra_step(tat: Option<f64>, now_ms: f64, limit: &RateLimit) -> (RateDecision, f64) {

@@ -244,6 +244,14 @@ pub trait Store: Send + Sync + 'static {
         limits: &[RateLimit],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Give back every limit's cost, charged earlier by [`Store::rate_limit`] for a request
+    /// refused after it was charged (see [`crate::rate::refunded_tat`]); a budget never
+    /// grows past full. One round trip.
+    fn rate_refund(
+        &self,
+        limits: &[RateLimit],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Publish `state`, gateway `gateway`'s view of `pool`, on the pool's exchange board and
     /// return the other gateways' states published within `fresh` (see [`crate::exchange`]),
     /// each with its age. Older states are not returned (and are deleted once
@@ -534,6 +542,13 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.rate_charge(limits).await,
             AnyStore::Redis(s) => s.rate_charge(limits).await,
+        }
+    }
+
+    async fn rate_refund(&self, limits: &[RateLimit]) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.rate_refund(limits).await,
+            AnyStore::Redis(s) => s.rate_refund(limits).await,
         }
     }
 

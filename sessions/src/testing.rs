@@ -734,6 +734,30 @@ pub async fn rate_suite<S: Store>(store: &S) {
         retry > Duration::from_secs(1440) && retry <= Duration::from_millis(1_443_600),
         "{retry:?}"
     );
+
+    // A request refused after it was charged gets its units back, but a budget never grows
+    // past full.
+    let back = |cost| RateLimit {
+        key: "team:d:requests".into(),
+        ..rpm(cost)
+    };
+    for _ in 0..3 {
+        assert!(check!([back(1)])[0].allowed());
+    }
+    assert!(!check!([back(1)])[0].allowed(), "spent");
+    at_most_one_round_trip(store, "rate_refund", store.rate_refund(&[back(1)]))
+        .await
+        .unwrap_or_else(|e| panic!("rate_refund failed: {e}"));
+    let d = check!([back(1)]);
+    assert!(d[0].allowed(), "the unit given back is spent again: {d:?}");
+    store.rate_refund(&[back(3), back(5)]).await.unwrap();
+    for i in 0..3 {
+        assert!(check!([back(1)])[0].allowed(), "unit {i} of a full budget");
+    }
+    assert!(
+        !check!([back(1)])[0].allowed(),
+        "no more than a full budget"
+    );
 }
 
 /// Session pins: get, compare-and-set swaps, a race of two swaps, touch, and session keys that

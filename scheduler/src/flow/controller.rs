@@ -421,6 +421,20 @@ impl FlowController {
         self.charge_limits(team, limits, cost, None).await
     }
 
+    /// Give back what [`Self::charge`] charged `ticket` (a background response that could not
+    /// be created after all: the store refused it).
+    pub async fn refund(&self, ticket: &Ticket) {
+        self.refund_limits(&ticket.team, ticket.rate_cost()).await;
+    }
+
+    /// Give back `cost` charged to `team` under its current limits.
+    async fn refund_limits(&self, team: &str, cost: RateCost) {
+        let limits = self.inner.lock().team_limits(team);
+        if !limits.is_unlimited() {
+            self.inner.limiter.refund(team, limits, cost).await;
+        }
+    }
+
     /// [`Self::admit`] for a ticket [`Self::charge`] charged already (`rate` is its answer):
     /// shed, queue-full check, queue.
     pub async fn admit_charged(
@@ -491,6 +505,10 @@ impl FlowController {
         rate: Option<RateStatus>,
     ) -> Result<Permit, Rejection> {
         let inner = &self.inner;
+        // What to give back should it be refused once queued (charged: its limits answered).
+        let charged = rate
+            .is_some()
+            .then(|| (ticket.team.clone(), ticket.rate_cost()));
         // Rate limits judge the estimate as asked (over the budget is `request_too_large`);
         // fairness and in-flight counts take at most MAX_REQUEST_TOKENS of it.
         ticket.cost_tokens = ticket.cost_tokens.min(MAX_REQUEST_TOKENS);
@@ -498,13 +516,24 @@ impl FlowController {
         let mut out = VecDeque::new();
         let queued = inner.lock().enqueue(inner, ticket, rate, reply, &mut out);
         deliver(inner, out);
+        let queued = match queued {
+            Ok(queued) => queued,
+            Err(refused) => {
+                // Refused when queued (its band's queue full, its team or band removed by a
+                // reload): it costs its team nothing, as a refusal before the charge does.
+                if let Some((team, cost)) = charged {
+                    self.refund_limits(&team, cost).await;
+                }
+                return Err(refused);
+            }
+        };
         let Queued {
             id,
             band,
             enqueued_at,
             deadline,
             pin_wait,
-        } = queued?;
+        } = queued;
         let mut guard = QueuedGuard {
             inner: Arc::clone(inner),
             id: Some(id),

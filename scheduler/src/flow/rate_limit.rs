@@ -197,6 +197,11 @@ pub trait RateLimiter: Send + Sync {
     /// what a finished request used beyond the estimate it was admitted with. The bucket may
     /// go into debt; later requests wait until it refills.
     fn charge_tokens<'a>(&'a self, team: &'a str, tpm: u64, tokens: u64) -> RateCharge<'a>;
+
+    /// Give back `cost`, which a [`RateLimiter::check`] charged under `limits`, for a request
+    /// refused after it was charged (its queue was full): the buckets move back, never past
+    /// full.
+    fn refund<'a>(&'a self, team: &'a str, limits: RateLimits, cost: RateCost) -> RateCharge<'a>;
 }
 
 /// The future of [`RateLimiter::charge_tokens`].
@@ -365,6 +370,23 @@ impl RateLimiter for LocalRateLimiter {
         let entry = buckets.tats.entry(team.to_string()).or_default();
         let step = gcra_step(entry.1, now, tpm.max(1), tokens, period);
         entry.1 = Some(step.new_tat);
+        Box::pin(std::future::ready(()))
+    }
+
+    fn refund<'a>(&'a self, team: &'a str, limits: RateLimits, cost: RateCost) -> RateCharge<'a> {
+        let now = Instant::now().duration_since(self.base).as_secs_f64() * 1000.0;
+        let period = RATE_PERIOD.as_secs_f64() * 1000.0;
+        let back = |tat: Option<f64>, limit: Option<u64>, units: u64| match limit {
+            Some(limit) => tat
+                .map(|tat| tat - period / limit.max(1) as f64 * units as f64)
+                .filter(|tat| *tat > now),
+            None => tat,
+        };
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = buckets.tats.get_mut(team) {
+            entry.0 = back(entry.0, limits.rpm, cost.requests);
+            entry.1 = back(entry.1, limits.tpm, cost.tokens);
+        }
         Box::pin(std::future::ready(()))
     }
 }

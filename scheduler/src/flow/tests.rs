@@ -679,6 +679,38 @@ async fn a_request_refused_for_a_full_queue_costs_its_team_nothing() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_refused_for_a_full_queue_after_its_charge_gets_it_back() {
+    let mut config = config();
+    let mut direct = BandSpec::new("direct", -1);
+    direct.max_queued = 0;
+    config.bands.push(direct);
+    config.teams[1].rpm = Some(2);
+    config.teams[1].max_concurrent = Some(1);
+    config.teams[1].allowed_bands = vec!["batch".into(), "direct".into()];
+    // The pool has room: the queue is judged after the charge, once the team's cap holds the
+    // request back.
+    let (flow, _capacity) = controller(config, 10);
+    let running = flow.admit(Ticket::new("bulk", 10)).await.unwrap();
+    for _ in 0..3 {
+        let refused = flow
+            .admit(Ticket::new("bulk", 10).band("direct"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(refused, Rejection::QueueFull { .. }),
+            "{refused:?}"
+        );
+    }
+    drop(running);
+    let second = flow.admit(Ticket::new("bulk", 10)).await.unwrap();
+    assert_eq!(
+        second.rate_status().unwrap().requests.unwrap().remaining,
+        0,
+        "the refusals spent none of the minute's two requests"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_team_may_downgrade_its_band_but_not_upgrade_it() {
     let (flow, _capacity) = controller(config(), 10);
     let permit = flow

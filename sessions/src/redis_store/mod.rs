@@ -401,7 +401,7 @@ impl RedisStore {
     async fn run_rate_script(
         &self,
         limits: &[RateLimit],
-        force: bool,
+        mode: Option<&str>,
     ) -> Result<Vec<i64>, StoreError> {
         let keys: Vec<String> = limits
             .iter()
@@ -418,8 +418,8 @@ impl RedisStore {
                 ]
             })
             .collect();
-        if force {
-            args.push("force".into());
+        if let Some(mode) = mode {
+            args.push(mode.into());
         }
         let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
         self.run_script_keys(&self.rate_script, &keys, &args).await
@@ -1044,7 +1044,7 @@ impl Store for RedisStore {
         if limits.is_empty() {
             return Ok(Vec::new());
         }
-        let reply = self.run_rate_script(limits, false).await?;
+        let reply = self.run_rate_script(limits, None).await?;
         if reply.len() != 1 + 4 * limits.len() {
             return Err(StoreError::Backend(format!(
                 "rate limit script returned {} values for {} limits",
@@ -1068,7 +1068,14 @@ impl Store for RedisStore {
 
     async fn rate_charge(&self, limits: &[RateLimit]) -> Result<(), StoreError> {
         if !limits.is_empty() {
-            self.run_rate_script(limits, true).await?;
+            self.run_rate_script(limits, Some("force")).await?;
+        }
+        Ok(())
+    }
+
+    async fn rate_refund(&self, limits: &[RateLimit]) -> Result<(), StoreError> {
+        if !limits.is_empty() {
+            self.run_rate_script(limits, Some("refund")).await?;
         }
         Ok(())
     }

@@ -2,7 +2,8 @@
 -- KEYS[i]: the counter of limit i (holds its theoretical arrival time, ms)
 -- ARGV[3i-2], ARGV[3i-1], ARGV[3i]: period in ms, units per period, cost of limit i
 -- ARGV[3n+1] (optional): "force" charges every limit whatever its budget (usage found out after
--- admission; a budget may go into debt).
+-- admission; a budget may go into debt); "refund" gives every limit its cost back (a request
+-- refused after it was charged), never past a full budget, and returns {1}.
 -- Returns {passed, then per limit: remaining, reset_after_ms, retry_after_ms (-1: none),
 -- too_large (0/1)}. The server's clock is used, so every gateway agrees on "now".
 -- Redis before 5 refuses writes after TIME unless the script replicates its effects (a
@@ -10,6 +11,21 @@
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[3 * #KEYS + 1] == 'refund' then
+  for i = 1, #KEYS do
+    local per = tonumber(ARGV[3 * i - 2]) / math.max(tonumber(ARGV[3 * i - 1]), 1)
+    local tat = tonumber(redis.call('GET', KEYS[i]))
+    if tat then
+      local back = tat - per * tonumber(ARGV[3 * i])
+      if back > now then
+        redis.call('SET', KEYS[i], string.format('%.3f', back), 'PX', math.ceil(back - now))
+      else
+        redis.call('DEL', KEYS[i])
+      end
+    end
+  end
+  return {1}
+end
 local passed = 1
 local out = {}
 local new_tats = {}
