@@ -35,7 +35,10 @@
 //! prefill), each block is hashed and cached ([`KvCache::promote`]) once its KV is computed: a
 //! prompt's blocks chunk by chunk, generated tokens' blocks as they fill. A request admitted while
 //! another is still prefilling the same prefix hits only the blocks computed so far, and the
-//! computed blocks of a sequence that is cancelled or preempted stay cached. At `time_scale == 0`
+//! computed blocks of a sequence that is cancelled or preempted stay cached. (vLLM caches a
+//! chunk's blocks when it schedules them, so a request admitted later in the same step shares
+//! them too; the simulator does not yet, which charges a burst of requests on one prefix up to
+//! one chunk each more than vLLM would.) At `time_scale == 0`
 //! a sequence's blocks are cached when it finishes, in one pass.
 
 use std::collections::{HashMap, VecDeque};
@@ -390,9 +393,11 @@ impl Core {
         let context = prompt_len + seq.generated;
         seq.stored = shared;
         let hit_tokens = (shared * block_size).min(context);
-        self.stats.prefix_queries += prompt_len as u64;
-        self.stats.prefix_hits += (acquired.hit_blocks * block_size).min(prompt_len) as u64;
         if !seq.counted_prompt {
+            // (A preempted sequence admitted again finds its own blocks: vLLM counts those
+            // lookups apart, not in `vllm:prefix_cache_queries` and `_hits`.)
+            self.stats.prefix_queries += prompt_len as u64;
+            self.stats.prefix_hits += (acquired.hit_blocks * block_size).min(prompt_len) as u64;
             seq.counted_prompt = true;
             seq.cached_tokens = Some(hit_tokens.min(prompt_len));
             self.stats.prompt_tokens += prompt_len as u64;
