@@ -18,8 +18,9 @@
 //!   is left out.
 //! - `function_call_output` / `custom_tool_call_output` -> a `tool` message with `tool_call_id`
 //!   (array outputs are flattened to their text, files named `[file NAME]`; an output with
-//!   images goes to vLLM and SGLang as text and `image_url` parts, to an `openai`-flavor
-//!   server, whose tool messages hold text only, with each image named `[image]`).
+//!   images goes to vLLM and SGLang as text and `image_url` parts when the pool's model takes
+//!   images (`vision`), else, and to an `openai`-flavor server, whose tool messages hold text
+//!   only, with each image named `[image]`).
 //! - `system` / `developer` messages hold text: an image, file or audio part in one is refused.
 //! - `reasoning` items: for vLLM / SGLang the reasoning text (from `content`, else from this
 //!   gateway's `encrypted_content` blob, else from `summary`) is attached to the next assistant
@@ -60,15 +61,20 @@ pub struct TranslateOptions {
     pub hosted_tools: HostedToolPolicy,
     /// How a compaction turn asks for its summary ([`crate::compaction`]).
     pub compaction: CompactionOptions,
+    /// The model takes images: images in tool outputs go to vLLM and SGLang as image parts
+    /// (else each is named `[image]`).
+    pub vision: bool,
 }
 
 impl TranslateOptions {
-    /// Options for `flavor` with the default hosted-tool policy (drop) and compaction prompt.
+    /// Options for `flavor` with the default hosted-tool policy (drop) and compaction prompt,
+    /// for a text-only model.
     pub fn new(flavor: Flavor) -> Self {
         TranslateOptions {
             flavor,
             hosted_tools: HostedToolPolicy::Drop,
             compaction: CompactionOptions::default(),
+            vision: false,
         }
     }
 }
@@ -99,6 +105,7 @@ pub fn build_chat_request(
 ) -> Result<ChatPlan, ApiError> {
     let tools = translate_tools(req.get("tools"), opts.flavor, opts.hosted_tools)?;
     let mut builder = MessageBuilder::new(opts.flavor, &tools.names);
+    builder.vision = opts.vision;
     match req.get("instructions") {
         None | Some(Value::Null) => {}
         Some(Value::String(text)) => builder.push_system(text.clone()),
@@ -348,6 +355,8 @@ fn translate_text_format(format: &Value) -> Result<Option<Value>, ApiError> {
 /// Accumulates chat messages from Responses items.
 struct MessageBuilder<'a> {
     flavor: Flavor,
+    /// [`TranslateOptions::vision`].
+    vision: bool,
     names: &'a ToolNameMap,
     leading_system: Vec<String>,
     messages: Vec<Value>,
@@ -358,6 +367,7 @@ impl<'a> MessageBuilder<'a> {
     fn new(flavor: Flavor, names: &'a ToolNameMap) -> Self {
         MessageBuilder {
             flavor,
+            vision: false,
             names,
             leading_system: Vec::new(),
             messages: Vec::new(),
@@ -409,7 +419,7 @@ impl<'a> MessageBuilder<'a> {
                 Ok(())
             }
             "function_call_output" | "custom_tool_call_output" => {
-                let content = tool_output(item.get("output"), self.flavor);
+                let content = tool_output(item.get("output"), self.flavor, self.vision);
                 self.messages.push(json!({
                     "role": "tool",
                     "tool_call_id": str_field(item, "call_id"),
@@ -659,11 +669,12 @@ fn user_content(content: Option<&Value>, param: &str) -> Result<Value, ApiError>
 }
 
 /// A tool message's content. vLLM and SGLang take content parts in any message, so a tool
-/// output that holds images (a screenshot tool, Codex's `view_image`) reaches a vision model
-/// as text and `image_url` parts; otherwise (and for an `openai`-flavor server, whose tool
-/// messages hold text only) it is text, with other parts named.
-fn tool_output(output: Option<&Value>, flavor: Flavor) -> Value {
-    let Some(Value::Array(parts)) = output.filter(|_| flavor.is_self_hosted()) else {
+/// output that holds images (a screenshot tool, Codex's `view_image`) reaches a model that
+/// takes images (`vision`) as text and `image_url` parts; otherwise (a text-only model would
+/// refuse the request, and an `openai`-flavor server's tool messages hold text only) it is
+/// text, with other parts named.
+fn tool_output(output: Option<&Value>, flavor: Flavor, vision: bool) -> Value {
+    let Some(Value::Array(parts)) = output.filter(|_| vision && flavor.is_self_hosted()) else {
         return json!(output_text(output));
     };
     if !parts.iter().any(|part| chat_image(part).is_some()) {
@@ -884,10 +895,7 @@ mod tests {
                     {"id": "call_b", "type": "function", "function": {"name": "mcp__docs__search", "arguments": "{}"}},
                  ]},
                 {"role": "tool", "tool_call_id": "call_a", "content": "a.txt"},
-                {"role": "tool", "tool_call_id": "call_b", "content": [
-                    {"type": "text", "text": "doc"},
-                    {"type": "image_url", "image_url": {"url": "data:x"}},
-                ]},
+                {"role": "tool", "tool_call_id": "call_b", "content": "doc\n[image]"},
                 {"role": "assistant", "content": "", "reasoning": "raw thought", "reasoning_content": "raw thought", "tool_calls": [
                     {"id": "call_c", "type": "function",
                      "function": {"name": "apply_patch", "arguments": "{\"input\":\"*** Begin\"}"}},
@@ -984,7 +992,7 @@ mod tests {
     }
 
     #[test]
-    fn images_in_tool_outputs_reach_self_hosted_engines_and_are_named_for_openai() {
+    fn images_in_tool_outputs_reach_vision_models_and_are_named_for_the_others() {
         let input = normalize_input(&json!([
             {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": [
@@ -1002,15 +1010,17 @@ mod tests {
             {"type": "text", "text": "screenshot:"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "high"}},
         ]);
-        assert_eq!(tool_message(&vllm())["content"], parts);
-        assert_eq!(
-            tool_message(&TranslateOptions::new(Flavor::Sglang))["content"],
-            parts
-        );
-        assert_eq!(
-            tool_message(&TranslateOptions::new(Flavor::Openai))["content"],
-            "screenshot:\n[image]"
-        );
+        let vision = |flavor| TranslateOptions {
+            vision: true,
+            ..TranslateOptions::new(flavor)
+        };
+        assert_eq!(tool_message(&vision(Flavor::Vllm))["content"], parts);
+        assert_eq!(tool_message(&vision(Flavor::Sglang))["content"], parts);
+        // A text-only model, or an `openai`-flavor server (tool messages hold text), reads
+        // that there was an image.
+        for opts in [vllm(), vision(Flavor::Openai)] {
+            assert_eq!(tool_message(&opts)["content"], "screenshot:\n[image]");
+        }
     }
 
     #[test]

@@ -185,12 +185,13 @@ impl AppState {
 }
 
 impl AppState {
-    /// How to translate a turn for an engine of `flavor`.
-    pub fn translate_options(&self, flavor: agentgate_adapters::Flavor) -> TranslateOptions {
+    /// How to translate a turn for `pool`'s engines.
+    pub fn translate_options(&self, pool: &crate::pools::Pool) -> TranslateOptions {
         TranslateOptions {
-            flavor,
+            flavor: pool.flavor,
             hosted_tools: self.hosted_tools,
             compaction: self.compaction.clone(),
+            vision: pool.vision,
         }
     }
 }

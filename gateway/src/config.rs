@@ -498,6 +498,12 @@ pub struct PoolConfig {
     /// vLLM refuses a non-zero priority without that flag, so this is off by default.
     #[serde(default)]
     pub engine_priority: bool,
+    /// The model takes images: an image a tool returns (a screenshot tool, Codex's
+    /// `view_image`) is sent to it as an image (vLLM and SGLang). Off, a text-only model is
+    /// told `[image]` instead, which it can read; images a user sends go to the engine either
+    /// way.
+    #[serde(default)]
+    pub vision: bool,
 }
 
 /// The label carrying an SGLang prefill endpoint's bootstrap port (an endpoints-file entry

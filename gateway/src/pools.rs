@@ -65,6 +65,8 @@ pub struct Pool {
     pub disaggregation: Disaggregation,
     /// Whether requests carry their band's priority to the engines (`engine_priority`).
     pub engine_priority: bool,
+    /// `[[pools]] vision`: images in tool outputs are sent as images.
+    pub vision: bool,
     /// Held across one placement: see [`Pool::place`].
     placing: Mutex<()>,
     /// An engine of the pool has reported cached prompt tokens: see [`Pool::cached_tokens`].
@@ -441,6 +443,7 @@ impl Pools {
                 endpoints_file: pc.endpoints_file.clone(),
                 disaggregation,
                 engine_priority: pc.engine_priority,
+                vision: pc.vision,
                 placing: Mutex::new(()),
                 engines_report_cached: AtomicBool::new(false),
             });

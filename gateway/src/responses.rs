@@ -333,7 +333,7 @@ async fn prepare(
             Some("empty_input"),
         ));
     }
-    let opts = state.translate_options(pool.flavor);
+    let opts = state.translate_options(&pool);
     let mut plan = build_chat_request(body, &history, &input_items, &opts).map_err(|mut e| {
         // The history came from the conversation, not from a previous response.
         if let Some(rest) = conversation

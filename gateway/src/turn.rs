@@ -437,7 +437,7 @@ pub async fn open_turn(
                 }
                 rounds += 1;
                 tracing::info!(response = %turn.id, items = turn.history.len() + input.len(), "context too long for the compaction; summarizing less of it");
-                let opts = state.translate_options(turn.pool.flavor);
+                let opts = state.translate_options(&turn.pool);
                 let mut plan = agentgate_adapters::build_chat_request(
                     &turn.request,
                     &turn.history,
@@ -461,7 +461,7 @@ pub async fn open_turn(
                 }
                 rounds += 1;
                 tracing::info!(response = %turn.id, remaining = turn.history.len() + input.len(), "context too long; truncating the conversation's middle");
-                let opts = state.translate_options(turn.pool.flavor);
+                let opts = state.translate_options(&turn.pool);
                 let mut plan = agentgate_adapters::build_chat_request(
                     &turn.request,
                     &turn.history,
