@@ -380,7 +380,7 @@ impl EngineClient {
                 let stopped = prefilled
                     .pointer("/choices/0/finish_reason")
                     .and_then(Value::as_str)
-                    .is_some_and(|reason| reason != "length");
+                    .is_some_and(|reason| matches!(reason, "stop" | "tool_calls"));
                 let decode_body = match params {
                     Some(params) => vllm_decode_leg(body, params),
                     None if stopped => body.clone(),

@@ -563,29 +563,28 @@ mod tests {
     fn long_namespaced_names_fit_in_64_characters() {
         let mut map = ToolNameMap::new();
         let ns = "mcp__github_enterprise_server";
-        let long = map.insert(ToolName::namespaced(
-            ns,
-            "list_pull_request_review_comments",
-        ));
-        let other = map.insert(ToolName::namespaced(
-            ns,
-            "list_pull_request_review_threads_",
-        ));
-        assert_eq!(long.len(), 64, "{long}");
-        assert!(
-            long.starts_with("mcp__github_enterprise_server__list_"),
-            "{long}"
+        // 74 and 73 characters flattened, alike in their first 47.
+        let (a, b) = (
+            "list_pull_request_review_comments_for_a_repo",
+            "list_pull_request_review_comments_for_an_org",
         );
+        let long = map.insert(ToolName::namespaced(ns, a));
+        let other = map.insert(ToolName::namespaced(ns, b));
+        for name in [&long, &other] {
+            assert_eq!(name.len(), 64, "{name}");
+            let (head, hash) = name.split_at(47);
+            assert!(format!("{ns}__{a}").starts_with(head), "{name}");
+            assert!(
+                hash.len() == 17
+                    && hash.starts_with('_')
+                    && hash[1..].chars().all(|c| c.is_ascii_hexdigit()),
+                "{name}"
+            );
+        }
         assert_ne!(long, other, "names that differ past the cut stay apart");
         // The same every turn, and resolvable from the calls of earlier turns.
-        assert_eq!(
-            ToolNameMap::new().engine_name("list_pull_request_review_comments", Some(ns)),
-            long
-        );
-        assert_eq!(
-            map.resolve(&long),
-            ToolName::namespaced(ns, "list_pull_request_review_comments")
-        );
+        assert_eq!(ToolNameMap::new().engine_name(a, Some(ns)), long);
+        assert_eq!(map.resolve(&long), ToolName::namespaced(ns, a));
         // A clash suffix keeps the name within the limit too.
         let clash = map.insert(ToolName::plain(long.clone()));
         assert!(clash.len() <= 64 && clash != long, "{clash}");

@@ -1688,12 +1688,6 @@ impl Config {
                     ),
                 ));
             }
-            if band.reserve > 0.0 && self.flow.max_in_flight_per_endpoint == 0 {
-                return Err(err(
-                    at("reserve"),
-                    "is a share of the pool's request slots, and flow.max_in_flight_per_endpoint = 0 sets none: set a cap per endpoint, or no reserve",
-                ));
-            }
         }
         let bands = self.flow_bands();
         let band = |name: &str| bands.iter().find(|b| b.name == name);
@@ -2405,13 +2399,6 @@ endpoints = ["http://127.0.0.1:8000"]
                 "flavor = \"openai\"\nengine_priority = true\nendpoints = [",
             ),
             "pools[0].engine_priority",
-        );
-        // A reserve of request slots there are none of.
-        refused(
-            format!(
-                "[flow]\nmax_in_flight_per_endpoint = 0\n[[bands]]\nname = \"i\"\npriority = 1\nreserve = 0.25\n{MINIMAL}"
-            ),
-            "bands[0].reserve",
         );
         assert!(Config::parse(&MINIMAL.replace(
             "endpoints = [",

@@ -57,7 +57,8 @@
 //! (`agentgate_pd_decisions_total{pool,decision,reason}`: `disaggregated` for `uncached`,
 //! `sub_agent` or `decode_only_endpoint` (an SGLang decode server, which cannot prefill),
 //! `local` for `cached`, `runs_whole` (an SGLang server of role `both`, which cannot receive
-//! KV) or `no_prefill_endpoint`), failed KV transfers
+//! KV), `no_prefill_endpoint` or `transfer_failed` (the retry of a split whose KV transfer
+//! was lost)), failed KV transfers
 //! (`agentgate_pd_transfer_failures_total{pool,prefill,decode}`), fallbacks to a local prefill
 //! (`agentgate_pd_fallbacks_total{pool,cause}`, cause `prefill_failed` or `transfer_failed`),
 //! moves of the prefill half of session pins (`agentgate_pd_prefill_pin_moves_total{pool,cause}`),

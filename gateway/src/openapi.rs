@@ -405,7 +405,10 @@ fn schemas() -> Value {
             "InputTokens": obj(json!({"object": {"type": "string"}, "input_tokens": {"type": "integer"}}), &["object", "input_tokens"]),
             "Model": obj(json!({"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"}, "owned_by": {"type": "string"}}), &["id", "object"]),
             "ModelList": obj(json!({"object": {"type": "string"}, "data": {"type": "array", "items": schema_ref("Model")}}), &["object", "data"]),
-            "Health": obj(json!({"status": {"type": "string"}}), &["status"])
+            "Health": obj(json!({
+                "status": {"type": "string"},
+                "pools_without_endpoints": {"type": "array", "items": {"type": "string"}, "description": "GET /health/ready: pools with no available endpoint (their requests get 503 upstream_unavailable)."},
+            }), &["status"])
         },
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}
     })

@@ -400,11 +400,17 @@ const CHAT_ONLY_PARAMETERS: [(&str, &str); 9] = [
 /// Check the fields shared by `POST /v1/responses` and `POST /v1/responses/input_tokens`.
 pub fn validate_common(body: &Value) -> Result<(), HttpError> {
     for (name, instead) in CHAT_ONLY_PARAMETERS {
-        // (What asks for nothing, `n: 1` or no stop sequences, changes nothing.)
+        // (What asks for nothing changes nothing: `n: 1`, `logprobs: false`, no stop
+        // sequences, a `text` response format.)
         let asks = match body.get(name) {
-            None | Some(Value::Null) => false,
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
             Some(Value::Array(items)) => !items.is_empty(),
-            Some(v) => !(name == "n" && v.as_u64() == Some(1)),
+            Some(Value::String(text)) => !text.is_empty(),
+            Some(v) if name == "n" => v.as_u64() != Some(1),
+            Some(v) if name == "response_format" => {
+                v.get("type").and_then(Value::as_str) != Some("text")
+            }
+            Some(_) => true,
         };
         if asks {
             return Err(HttpError::invalid(
@@ -569,7 +575,8 @@ mod tests {
             e.error.message
         );
         for harmless in [
-            serde_json::json!({"input": "hi", "n": 1, "stop": [], "max_tokens": null}),
+            serde_json::json!({"input": "hi", "n": 1, "stop": [], "max_tokens": null,
+                               "logprobs": false, "response_format": {"type": "text"}}),
             serde_json::json!({"input": "hi", "frobnicate": 1}),
         ] {
             assert!(super::validate_common(&harmless).is_ok(), "{harmless}");

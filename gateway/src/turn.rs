@@ -50,7 +50,8 @@
 //! SGLang servers are bound to their disaggregation mode ([`Pool::runs_whole`],
 //! [`Pool::receives_kv`]): one in `decode` mode never prefills, so every request placed there
 //! is split whatever the threshold, and its fallbacks run whole on an endpoint of role `both`
-//! (or fail, with none); one of role `both` cannot receive KV, so it always runs whole.
+//! (with none: a failed prefill fails the request, a transfer lost in the decode stream is
+//! split once more); one of role `both` cannot receive KV, so it always runs whole.
 //!
 //! Every prefill the gateway can time feeds the endpoint's measured throughput: the prefill
 //! leg of a split request (vLLM reports the tokens it computed), and the first token of a
@@ -1359,6 +1360,10 @@ async fn open_split(
             tracing::warn!(prefill = %p.name, decode = %d.name, "decode leg failed after the prefill ({e}); retrying once without disaggregation, {instead}");
             state.metrics.pd_transfer_failed(&pool.name, &p, &d);
             state.metrics.pd_fallback(&pool.name, "transfer_failed");
+            // (The retry's decision, as when the transfer is lost in the decode stream.)
+            state
+                .metrics
+                .pd_decision(&pool.name, "local", "transfer_failed");
         }
     }
     if !whole {

@@ -1283,7 +1283,7 @@ mod tests {
         assert_eq!(store.memory_bytes(), sum);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn an_ended_responses_event_log_goes_after_its_own_ttl() {
         let store = MemoryStore::new(StoreOptions {
             ended_log_ttl: Duration::from_millis(50),

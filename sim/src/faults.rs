@@ -91,7 +91,10 @@ impl FaultSpec {
             unhealthy: self.unhealthy || request.unhealthy,
             health_stall_ms: self.health_stall_ms,
             times: None,
-            stall_is_global: request.stall_ms.is_none() && self.stall_ms.is_some(),
+            // (A counted set's stall is the request's own: the set is cleared once handed out.)
+            stall_is_global: request.stall_ms.is_none()
+                && self.stall_ms.is_some()
+                && self.times.is_none(),
         }
     }
 
