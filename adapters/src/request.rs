@@ -483,8 +483,10 @@ impl<'a> MessageBuilder<'a> {
         match role {
             "system" | "developer" => {
                 // Instructions are text: an image or a file in them would be dropped without a
-                // word, so it is refused, as a file in a user message is.
-                if let Some(Value::Array(parts)) = item.get("content") {
+                // word, so it is refused, as a file in a user message is. (One stored in a
+                // chain before it was refused stays dropped: the client cannot take it back.)
+                let stored = param == "previous_response_id";
+                if let Some(Value::Array(parts)) = item.get("content").filter(|_| !stored) {
                     for (index, part) in parts.iter().enumerate() {
                         let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
                         if matches!(kind, "input_image" | "input_file" | "input_audio") {
@@ -1038,6 +1040,9 @@ mod tests {
             Some("input[1].content[1].type"),
             "{err:?}"
         );
+        // Stored in a chain before it was refused: its text still goes, and the chain goes on.
+        let plan = build_chat_request(&json!({}), &input, &[], &vllm()).unwrap();
+        assert_eq!(plan.body["messages"][1]["content"], "style guide");
     }
 
     #[test]
