@@ -63,13 +63,11 @@ pub struct Config {
     #[serde(skip)]
     pub source_stamp: Option<FileStamp>,
     /// The sections of the file a reload does not apply (all but `[[bands]]`, `[[teams]]` and
-    /// `[flow]`), as read: a reload that changes them says they wait for the next start.
+    /// `[flow]`, whose `exchange_interval_ms` is read at start only), as parsed: a reload that
+    /// changes them says they wait for the next start.
     #[serde(skip)]
     pub restart_sections: toml::Table,
 }
-
-/// The top-level sections a reload applies.
-pub const RELOADED_SECTIONS: [&str; 3] = ["bands", "teams", "flow"];
 
 /// What identifies a version of a watched file without reading it: its modification time and
 /// length and, on Unix, its inode and status-change time (so a file renamed over it, or a
@@ -1031,18 +1029,7 @@ impl Config {
         stamp: Option<FileStamp>,
     ) -> Result<Config, ConfigError> {
         let mut config = Config::parse(text)?;
-        if let Ok(mut table) = toml::from_str::<toml::Table>(text) {
-            // Of `[flow]`, the exchange interval is read at start only.
-            let interval = table
-                .get("flow")
-                .and_then(|flow| flow.get("exchange_interval_ms"))
-                .cloned();
-            table.retain(|key, _| !RELOADED_SECTIONS.contains(&key));
-            if let Some(interval) = interval {
-                table.insert("flow.exchange_interval_ms".into(), interval);
-            }
-            config.restart_sections = table;
-        }
+        config.restart_sections = config.restart_signature();
         config.source = Some(path.to_path_buf());
         config.source_stamp = stamp;
         let base = path.parent().unwrap_or(Path::new(""));
@@ -1054,6 +1041,31 @@ impl Config {
             }
         }
         Ok(config)
+    }
+
+    /// The settings a reload cannot apply, as parsed (defaults filled in), one entry per
+    /// section (`[server]`, `[[pools]]`, ...) and `flow.exchange_interval_ms`: two files that
+    /// say the same thing differently (`30` and `30.0`, a default written out) compare equal.
+    fn restart_signature(&self) -> toml::Table {
+        let sections: [(&str, String); 8] = [
+            ("server", format!("{:?}", self.server)),
+            ("store", format!("{:?}", self.store)),
+            ("tools", format!("{:?}", self.tools)),
+            ("compaction", format!("{:?}", self.compaction)),
+            ("routing", format!("{:?}", self.routing)),
+            ("upstream", format!("{:?}", self.upstream)),
+            ("background", format!("{:?}", self.background)),
+            ("pools", format!("{:?}", self.pools)),
+        ];
+        let mut table: toml::Table = sections
+            .into_iter()
+            .map(|(name, parsed)| (name.to_string(), toml::Value::String(parsed)))
+            .collect();
+        table.insert(
+            "flow.exchange_interval_ms".into(),
+            toml::Value::Integer(i64::try_from(self.flow.exchange_interval_ms).unwrap_or(i64::MAX)),
+        );
+        table
     }
 
     /// Parse and validate configuration text.
@@ -1871,6 +1883,18 @@ endpoints = ["http://127.0.0.1:8000"]
         // The rest of [flow] reloads; its exchange interval is read at start only.
         assert_eq!(at("retry_after_s = 2\n"), base);
         assert_ne!(at("exchange_interval_ms = 500\n"), base);
+        // The same settings written differently are no change: a default written out, a
+        // float for an integer-valued one.
+        let same = |extra: &str| {
+            Config::from_file_text(Path::new("c.toml"), &format!("{extra}{MINIMAL}"), None)
+                .unwrap()
+                .restart_sections
+        };
+        assert_eq!(
+            same("[store]\nttl_days = 30.0\n[server]\nreload_interval_ms = 1000\n"),
+            same("")
+        );
+        assert_ne!(same("[store]\nttl_days = 7\n"), same(""));
     }
 
     #[test]
