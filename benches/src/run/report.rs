@@ -140,13 +140,31 @@ pub fn reading(summary: &RunSummary) -> String {
             .map(|p| (p.label.clone(), key(p)))
     };
     if policies.len() > 1 {
+        // Latencies count answered requests only: a row that failed or refused more of them
+        // dropped its slowest, so only the rows that lost the fewest are ranked on them.
+        let lost = |p: &PolicySummary| p.errors + p.shed + p.rate_limited;
+        let fewest = policies.iter().map(lost).min().unwrap_or(0);
+        let ranked: Vec<&PolicySummary> = policies
+            .iter()
+            .filter(|p| lost(p) == fewest && p.successes > 0)
+            .collect();
+        let fastest = |key: fn(&PolicySummary) -> f64| {
+            ranked
+                .iter()
+                .min_by(|a, b| key(a).total_cmp(&key(b)))
+                .map(|p| (p.label.clone(), key(p)))
+        };
         if let (Some((best50, v50)), Some((best99, v99))) =
-            (by(|p| p.ttft_p50_ms), by(|p| p.ttft_p99_ms))
+            (fastest(|p| p.ttft_p50_ms), fastest(|p| p.ttft_p99_ms))
         {
+            let among = match ranked.len() < policies.len() {
+                true => " (among the rows that lost the fewest requests)",
+                false => "",
+            };
             let _ = write!(
                 text,
                 "Median time to first token is lowest with {best50} ({} ms) and the 99th \
-                 percentile with {best99} ({} ms). ",
+                 percentile with {best99} ({} ms){among}. ",
                 ms(v50),
                 ms(v99)
             );
