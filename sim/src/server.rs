@@ -1107,6 +1107,14 @@ fn reasoning_field(flavor: Flavor) -> &'static str {
 
 /// The chunk choice revealing piece `index`; `None` for a hidden piece that does not end the
 /// output.
+/// Whether this stream is SGLang's chat stream (its own shape: see [`piece_choice`]).
+fn sglang_chat(state: &AppState, prepared: &Prepared) -> bool {
+    state.config.flavor == Flavor::Sglang && prepared.api == Api::Chat
+}
+
+/// One streamed piece as a choice. SGLang's chat deltas carry `tool_calls: null` beside text
+/// (the gateway must not read it as a call), and SGLang ends its stream with a chunk of its
+/// own for the finish reason (the caller sends it: `finish` is None then).
 fn piece_choice(
     flavor: Flavor,
     prepared: &Prepared,
@@ -1122,7 +1130,13 @@ fn piece_choice(
     let delta = match channel {
         Channel::Markup if finish.is_none() => return None,
         Channel::Markup => json!({}),
+        Channel::Reasoning if flavor == Flavor::Sglang => {
+            json!({"content": null, "reasoning_content": text, "tool_calls": null})
+        }
         Channel::Reasoning => json!({reasoning_field(flavor): text}),
+        Channel::Content if flavor == Flavor::Sglang => {
+            json!({"content": text, "tool_calls": null})
+        }
         Channel::Content => json!({"content": text}),
         Channel::ToolHeader => {
             let (id, name) = prepared
@@ -1193,15 +1207,23 @@ fn stream_response(
                         let Some((channel, text)) = prepared.plan.pieces.get(index) else {
                             break;
                         };
-                        let finish =
-                            (index + 1 == total).then(|| prepared.plan.finish_reason_after(total));
+                        let last = index + 1 == total;
+                        let finish = last.then(|| prepared.plan.finish_reason_after(total));
+                        // SGLang ends a chat stream with a chunk of its own: an empty delta,
+                        // the finish reason and `matched_stop`.
+                        let own_chunk = sglang_chat(&state, &prepared);
                         if let Some(choice) = piece_choice(
                             state.config.flavor,
                             &prepared,
                             index,
                             (*channel, text),
-                            finish,
+                            finish.filter(|_| !own_chunk),
                         ) {
+                            send!(chunk(&prepared, prepared.created, choice));
+                        }
+                        if let Some(reason) = finish.filter(|_| own_chunk) {
+                            let choice = json!({"index": 0, "delta": {}, "logprobs": null,
+                                "finish_reason": reason, "matched_stop": null});
                             send!(chunk(&prepared, prepared.created, choice));
                         }
                     }

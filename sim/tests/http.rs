@@ -177,6 +177,50 @@ async fn streaming_follows_vllm_framing() {
 }
 
 #[tokio::test]
+async fn sglang_streams_end_with_a_finish_chunk_of_their_own() {
+    let client = reqwest::Client::new();
+    let sim = start(SimConfig {
+        flavor: Flavor::Sglang,
+        time_scale: 0.001,
+        ..config()
+    })
+    .await;
+    let mut body = chat("stream please");
+    body["stream"] = json!(true);
+    body["max_tokens"] = json!(3);
+    body["ignore_eos"] = json!(true);
+    let events = post_streamed(&client, &sim, &body).await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("json chunk"))
+        .collect();
+    let choices: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]).collect();
+    let last = choices.last().expect("chunks");
+    assert_eq!(last["delta"], json!({}));
+    assert_eq!(last["finish_reason"], "length");
+    assert!(last.get("matched_stop").is_some(), "{last}");
+    let text: Vec<&&Value> = choices
+        .iter()
+        .filter(|c| {
+            c["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+        })
+        .collect();
+    assert_eq!(text.len(), 3, "one chunk per token");
+    for choice in text {
+        assert!(choice["finish_reason"].is_null(), "{choice}");
+        assert!(choice["delta"]["tool_calls"].is_null(), "{choice}");
+        assert!(
+            choice["delta"].get("tool_calls").is_some(),
+            "sent as null: {choice}"
+        );
+    }
+    sim.shutdown().await;
+}
+
+#[tokio::test]
 async fn log_probabilities_come_when_asked() {
     let client = reqwest::Client::new();
     let sim = start(config()).await;
