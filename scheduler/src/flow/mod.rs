@@ -60,7 +60,8 @@
 //!   While teams `i` and `j` both stay backlogged, `|T_i / w_i - T_j / w_j|` (tokens dispatched
 //!   since) stays below `c_max,i / w_i + c_max,j / w_j`: dispatched tokens split by weight,
 //!   whatever each team offers, and a team that sends ten times more only queues more. A team
-//!   that was idle starts at `V` (no saved-up credit).
+//!   that was idle starts at `V` (no saved-up credit), and so does one whose requests waited
+//!   only because its own `max_concurrent` held them back while others were served.
 //! - **Within a team, turn-first with aging.** At arrival a request is a *continuing* turn or
 //!   a *new* session ([`TurnKind`]): if the controller has seen its session, it is continuing
 //!   iff that session had a request in flight within `turn_window` (in flight now, or finished

@@ -59,6 +59,10 @@ pub(super) struct Flow {
     new: VecDeque<u64>,
     /// Emptied by [`BandQueue::clear`] while backlogged: re-queued, it keeps its virtual time.
     was_backlogged: bool,
+    /// Passed over by [`BandQueue::pick`] while it had requests, because its team may not
+    /// take more (its own cap): like idle time, that earns no credit, so once eligible it
+    /// starts no earlier than the band's virtual time.
+    held_back: std::cell::Cell<bool>,
 }
 
 impl Flow {
@@ -347,9 +351,17 @@ impl BandQueue {
                 .or(moving)
         };
         for (team, flow) in &self.flows {
-            if flow.is_empty() || !eligible(team) {
+            if flow.is_empty() {
                 continue;
             }
+            if !eligible(team) {
+                flow.held_back.set(true);
+                continue;
+            }
+            let start = match flow.held_back.get() {
+                true => flow.finish.max(self.vtime),
+                false => flow.finish,
+            };
             // Continuing turns are ordered as if they had arrived `aging` earlier: a new
             // session goes first only when it arrived at least `aging` before the oldest
             // continuing turn, so it never waits more than `aging` behind arrival order. That
@@ -377,7 +389,7 @@ impl BandQueue {
             };
             let better = best
                 .as_ref()
-                .is_none_or(|(finish, first, _)| (flow.finish, id) < (*finish, *first));
+                .is_none_or(|(finish, first, _)| (start, id) < (*finish, *first));
             if better {
                 let pick = Pick {
                     team: team.clone(),
@@ -386,7 +398,7 @@ impl BandQueue {
                     promoted,
                     moving,
                 };
-                best = Some((flow.finish, id, pick));
+                best = Some((start, id, pick));
             }
         }
         best.map(|(_, _, pick)| pick)
@@ -403,7 +415,10 @@ impl BandQueue {
             return false;
         };
         queue.remove(position);
-        let start = flow.finish;
+        let start = match flow.held_back.take() {
+            true => flow.finish.max(self.vtime),
+            false => flow.finish,
+        };
         flow.finish = start + cost as f64 / weight;
         self.vtime = self.vtime.max(start);
         self.queued = self.queued.saturating_sub(1);

@@ -755,6 +755,41 @@ async fn max_concurrent_caps_a_team_without_holding_back_others() {
     assert_eq!(flow.snapshot().team("agents").unwrap().in_flight, 1);
 }
 
+#[tokio::test(start_paused = true)]
+async fn time_a_team_spends_held_back_by_its_own_cap_earns_it_no_credit() {
+    let mut config = config();
+    config.teams[1].max_concurrent = Some(1);
+    config.teams.push(TeamSpec::new("other", "batch"));
+    let (flow, _capacity) = controller(config, 2);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    for i in 0..8 {
+        spawn_admit(&flow, Ticket::new("bulk", 10), format!("bulk{i}"), &tx);
+    }
+    wait_queued(&flow, 7).await;
+    for i in 0..40 {
+        spawn_admit(&flow, Ticket::new("other", 10), format!("other{i}"), &tx);
+    }
+    wait_queued(&flow, 46).await;
+    // `bulk` holds its one slot; `other` is served twenty times meanwhile.
+    let mut held = Vec::new();
+    let order = drain_in_order(&mut rx, 21, |label, permit| {
+        if label.starts_with("bulk") {
+            held.push(permit);
+        }
+    })
+    .await;
+    assert_eq!(order.iter().filter(|l| l.starts_with("bulk")).count(), 1);
+    // Its cap lifted, `bulk` shares the band from now on: it does not take every slot until
+    // it has caught up on the twenty.
+    let mut lifted = flow.config();
+    lifted.teams[1].max_concurrent = None;
+    flow.reconfigure(lifted).unwrap();
+    drop(held);
+    let order = drain_in_order(&mut rx, 8, |_, _| {}).await;
+    let others = order.iter().filter(|l| l.starts_with("other")).count();
+    assert!((3..=5).contains(&others), "{order:?}");
+}
+
 /// The team's requests in flight at the other gateways count toward its `max_concurrent`
 /// here; when they finish (the next exchange says so), a waiting request goes.
 #[tokio::test(start_paused = true)]
