@@ -394,6 +394,10 @@ impl Records {
             return;
         }
         let mut kept = Vec::new();
+        // Records found to lead to a protected one this call: kept without walking their
+        // continuations again (a long chain ending in a running background response would
+        // otherwise cost its length squared on every write).
+        let mut leads_to_protected: HashSet<String> = HashSet::new();
         while self.bytes > self.max_bytes {
             let Some((used, id)) = self.lru.pop_front() else {
                 break;
@@ -409,8 +413,23 @@ impl Records {
                 }
                 continue;
             }
+            if leads_to_protected.contains(&id) {
+                kept.push((used, id));
+                continue;
+            }
             let family = self.descendants(&id);
-            if family.iter().any(|member| self.protected(member)) {
+            if let Some(protected) = family.iter().find(|member| self.protected(member)) {
+                // The records from it back up to `id` all lead to it.
+                let mut at = Some(protected.clone());
+                while let Some(member) = at.take() {
+                    if !leads_to_protected.insert(member.clone()) || member == id {
+                        break;
+                    }
+                    at = self
+                        .by_id
+                        .get(&member)
+                        .and_then(|e| e.rec.previous_response_id.clone());
+                }
                 kept.push((used, id));
                 continue;
             }
