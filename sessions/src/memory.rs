@@ -584,6 +584,9 @@ pub struct MemoryStore {
     conversation_locks: Mutex<HashMap<(String, String), (String, Instant)>>,
     /// Background runs' leases: response id -> when the lease expires.
     run_leases: Mutex<HashMap<String, Instant>>,
+    /// `run_leases` is pruned once it holds this many (twice what the last prune left), so
+    /// pruning costs each lease O(1) over time rather than a scan of them all per renewal.
+    prune_leases_at: std::sync::atomic::AtomicUsize,
     epoch: Instant,
     ttl: Duration,
     pin_ttl: Duration,
@@ -616,6 +619,7 @@ impl MemoryStore {
             boards: Mutex::new(HashMap::new()),
             conversation_locks: Mutex::new(HashMap::new()),
             run_leases: Mutex::new(HashMap::new()),
+            prune_leases_at: std::sync::atomic::AtomicUsize::new(1024),
             epoch: Instant::now(),
             ttl: opts.ttl,
             pin_ttl: opts.pin_ttl,
@@ -857,7 +861,11 @@ impl Store for MemoryStore {
         entry.expires_at = expires_at;
         let active = is_active_status(response_status(&entry.rec.response));
         entry.log_until = (!active).then(|| expiry_after(now, ended_log_ttl));
-        records.resize(id);
+        // Only the appended events are measured (a run appends every 100 ms: measuring its
+        // whole record and log each time would grow with both).
+        let added = events_bytes(events);
+        entry.bytes += added;
+        records.bytes += added;
         records.evict();
         Ok(active)
     }
@@ -1054,7 +1062,10 @@ impl Store for MemoryStore {
                 .run_leases
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            (leases.len() >= 1024).then(|| {
+            let due = self
+                .prune_leases_at
+                .load(std::sync::atomic::Ordering::Relaxed);
+            (leases.len() >= due).then(|| {
                 leases
                     .iter()
                     .filter(|(_, expires_at)| **expires_at <= now)
@@ -1062,6 +1073,7 @@ impl Store for MemoryStore {
                     .collect::<Vec<String>>()
             })
         };
+        let pruned = prune.is_some();
         let gone: Vec<String> = match prune {
             Some(lapsed) => {
                 let records = self.lock();
@@ -1076,10 +1088,16 @@ impl Store for MemoryStore {
             .run_leases
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        for id in gone {
-            if leases.get(&id).is_some_and(|expires_at| *expires_at <= now) {
-                leases.remove(&id);
+        if pruned {
+            for id in gone {
+                if leases.get(&id).is_some_and(|expires_at| *expires_at <= now) {
+                    leases.remove(&id);
+                }
             }
+            self.prune_leases_at.store(
+                (2 * leases.len()).max(1024),
+                std::sync::atomic::Ordering::Relaxed,
+            );
         }
         leases.insert(id.to_string(), expiry_after(now, ttl));
         Ok(())
