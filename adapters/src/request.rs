@@ -64,6 +64,10 @@ pub struct TranslateOptions {
     /// The model takes images: images in tool outputs go to vLLM and SGLang as image parts
     /// (else each is named `[image]`).
     pub vision: bool,
+    /// Images may be given by `http(s)` URL, which the engine fetches; false: `data:` URLs
+    /// only (a user's other image is refused, a tool's is named `[image]`), so clients cannot
+    /// make the engines fetch addresses inside their network.
+    pub remote_images: bool,
 }
 
 impl TranslateOptions {
@@ -75,6 +79,7 @@ impl TranslateOptions {
             hosted_tools: HostedToolPolicy::Drop,
             compaction: CompactionOptions::default(),
             vision: false,
+            remote_images: true,
         }
     }
 }
@@ -106,6 +111,7 @@ pub fn build_chat_request(
     let tools = translate_tools(req.get("tools"), opts.flavor, opts.hosted_tools)?;
     let mut builder = MessageBuilder::new(opts.flavor, &tools.names);
     builder.vision = opts.vision;
+    builder.remote_images = opts.remote_images;
     match req.get("instructions") {
         None | Some(Value::Null) => {}
         Some(Value::String(text)) => builder.push_system(text.clone()),
@@ -357,6 +363,8 @@ struct MessageBuilder<'a> {
     flavor: Flavor,
     /// [`TranslateOptions::vision`].
     vision: bool,
+    /// [`TranslateOptions::remote_images`].
+    remote_images: bool,
     names: &'a ToolNameMap,
     leading_system: Vec<String>,
     messages: Vec<Value>,
@@ -368,6 +376,7 @@ impl<'a> MessageBuilder<'a> {
         MessageBuilder {
             flavor,
             vision: false,
+            remote_images: true,
             names,
             leading_system: Vec::new(),
             messages: Vec::new(),
@@ -419,7 +428,12 @@ impl<'a> MessageBuilder<'a> {
                 Ok(())
             }
             "function_call_output" | "custom_tool_call_output" => {
-                let content = tool_output(item.get("output"), self.flavor, self.vision);
+                let content = tool_output(
+                    item.get("output"),
+                    self.flavor,
+                    self.vision,
+                    self.remote_images,
+                );
                 self.messages.push(json!({
                     "role": "tool",
                     "tool_call_id": str_field(item, "call_id"),
@@ -510,11 +524,17 @@ impl<'a> MessageBuilder<'a> {
                         .and_then(Value::as_array)
                         .is_some_and(|calls| !calls.is_empty());
                     if calls && last.get("role").and_then(Value::as_str) == Some("assistant") {
-                        let joined = match last.get("content").and_then(Value::as_str) {
-                            Some(before) if !before.is_empty() => format!("{before}\n\n{text}"),
-                            _ => text,
-                        };
-                        last.insert("content".into(), json!(joined));
+                        // Appended in place: a long run of such messages costs its length,
+                        // not its length squared.
+                        match last.get_mut("content") {
+                            Some(Value::String(before)) if !before.is_empty() => {
+                                before.push_str("\n\n");
+                                before.push_str(&text);
+                            }
+                            _ => {
+                                last.insert("content".into(), json!(text));
+                            }
+                        }
                         let pending = self.pending_reasoning.take();
                         attach_reasoning(self.flavor, pending, last);
                         return Ok(());
@@ -527,7 +547,7 @@ impl<'a> MessageBuilder<'a> {
                 self.messages.push(Value::Object(message));
             }
             _ => {
-                let content = user_content(item.get("content"), param)?;
+                let content = user_content(item.get("content"), param, self.remote_images)?;
                 self.messages
                     .push(json!({"role": "user", "content": content}));
             }
@@ -626,7 +646,11 @@ fn text_of_parts(content: Option<&Value>) -> String {
     }
 }
 
-fn user_content(content: Option<&Value>, param: &str) -> Result<Value, ApiError> {
+fn user_content(
+    content: Option<&Value>,
+    param: &str,
+    remote_images: bool,
+) -> Result<Value, ApiError> {
     let parts = match content {
         Some(Value::String(text)) => return Ok(json!(text)),
         Some(Value::Array(parts)) => parts,
@@ -647,6 +671,17 @@ fn user_content(content: Option<&Value>, param: &str) -> Result<Value, ApiError>
                         format!("{part_param}: images must be given as image_url (an http(s) or data: URL); file_id images are not supported"),
                     ));
                 };
+                if !remote_images && !is_data_url(part) {
+                    // (One stored in a chain before the pool refused them is named instead.)
+                    if param == "previous_response_id" {
+                        chat_parts.push(json!({"type": "text", "text": "[image]"}));
+                        continue;
+                    }
+                    return Err(ApiError::invalid(
+                        format!("{part_param}.image_url"),
+                        format!("{part_param}: this model takes images inline only, as data: URLs (base64); it does not fetch URLs"),
+                    ));
+                }
                 chat_parts.push(image);
                 has_image = true;
             }
@@ -675,22 +710,34 @@ fn user_content(content: Option<&Value>, param: &str) -> Result<Value, ApiError>
 /// takes images (`vision`) as text and `image_url` parts; otherwise (a text-only model would
 /// refuse the request, and an `openai`-flavor server's tool messages hold text only) it is
 /// text, with other parts named.
-fn tool_output(output: Option<&Value>, flavor: Flavor, vision: bool) -> Value {
+fn tool_output(output: Option<&Value>, flavor: Flavor, vision: bool, remote_images: bool) -> Value {
     let Some(Value::Array(parts)) = output.filter(|_| vision && flavor.is_self_hosted()) else {
         return json!(output_text(output));
     };
-    if !parts.iter().any(|part| chat_image(part).is_some()) {
+    // (An image the engine may not fetch is named, as for a text-only model.)
+    let image = |part: &Value| chat_image(part).filter(|_| remote_images || is_data_url(part));
+    if !parts.iter().any(|part| image(part).is_some()) {
         return json!(output_text(output));
     }
     let chat_parts: Vec<Value> = parts
         .iter()
         .map(|part| {
-            chat_image(part).unwrap_or_else(
+            image(part).unwrap_or_else(
                 || json!({"type": "text", "text": output_text(Some(&json!([part])))}),
             )
         })
         .collect();
     Value::Array(chat_parts)
+}
+
+/// Whether an `input_image` part gives its image inline, as a `data:` URL.
+fn is_data_url(part: &Value) -> bool {
+    let url = match part.get("image_url") {
+        Some(Value::String(url)) => Some(url.as_str()),
+        Some(Value::Object(obj)) => obj.get("url").and_then(Value::as_str),
+        _ => None,
+    };
+    url.is_some_and(|url| url.trim_start().to_ascii_lowercase().starts_with("data:"))
 }
 
 /// The Chat Completions `image_url` part for an `input_image` part that gives a URL (a
@@ -1023,6 +1070,30 @@ mod tests {
         for opts in [vllm(), vision(Flavor::Openai)] {
             assert_eq!(tool_message(&opts)["content"], "screenshot:\n[image]");
         }
+    }
+
+    #[test]
+    fn a_pool_without_remote_images_takes_inline_ones_only() {
+        let inline = "data:image/png;base64,AAAA";
+        let input = |url: &str| {
+            normalize_input(&json!([{"role": "user", "content": [
+                {"type": "input_text", "text": "look"},
+                {"type": "input_image", "image_url": url}]}]))
+            .unwrap()
+        };
+        let local = TranslateOptions {
+            remote_images: false,
+            ..vllm()
+        };
+        let err = build_chat_request(&json!({}), &[], &input("http://169.254.169.254/x"), &local)
+            .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("input[0].content[1].image_url"));
+        assert!(build_chat_request(&json!({}), &[], &input(inline), &local).is_ok());
+        // By default the engine may fetch it.
+        assert!(build_chat_request(&json!({}), &[], &input("https://x/y.png"), &vllm()).is_ok());
+        // One stored in a chain before is named, not refused.
+        let plan = build_chat_request(&json!({}), &input("https://x/y.png"), &[], &local).unwrap();
+        assert_eq!(plan.body["messages"][0]["content"], "look\n[image]");
     }
 
     #[test]

@@ -200,6 +200,11 @@ fn flattened_name(tool: &ToolName) -> String {
     format!("{}_{hash:016x}", prefix_within(&flat, MAX_NAME_LEN - 17))
 }
 
+/// Most tools one `namespace` groups.
+pub const MAX_NAMESPACE_MEMBERS: usize = 1024;
+/// Most bytes of namespace description its members carry together (each carries a copy).
+pub const MAX_NAMESPACE_DESCRIPTION_COPIES: usize = 4 << 20;
+
 /// The result of translating a request's `tools`.
 #[derive(Debug, Default)]
 pub(crate) struct TranslatedTools {
@@ -238,11 +243,25 @@ pub(crate) fn translate_tools(
                         format!("{param}.tools must be an array of function tools"),
                     )
                 })?;
-                // What the namespace says of its tools reaches the model with each of them.
+                // What the namespace says of its tools reaches the model with each of them: as
+                // many copies as members, so their total is bounded.
                 let about = tool
                     .get("description")
                     .and_then(Value::as_str)
                     .filter(|d| !d.trim().is_empty());
+                let copies = about.map_or(0, str::len).saturating_mul(members.len());
+                if members.len() > MAX_NAMESPACE_MEMBERS
+                    || copies > MAX_NAMESPACE_DESCRIPTION_COPIES
+                {
+                    return Err(ApiError::invalid(
+                        format!("{param}.tools"),
+                        format!(
+                            "{param} has {} tools with a {}-byte description, which each of them carries: at most {MAX_NAMESPACE_MEMBERS} tools, and {MAX_NAMESPACE_DESCRIPTION_COPIES} bytes of description over them all",
+                            members.len(),
+                            about.map_or(0, str::len)
+                        ),
+                    ));
+                }
                 for (member_index, member) in members.iter().enumerate() {
                     let member_param = format!("{param}.tools[{member_index}]");
                     let member_kind = member.get("type").and_then(Value::as_str);
@@ -307,7 +326,7 @@ fn handle_hosted(
 ) -> Result<(), ApiError> {
     match policy {
         HostedToolPolicy::Drop => {
-            tracing::info!(tool = %label, "dropping hosted tool: the engines behind this gateway cannot run it");
+            tracing::info!(tool = ?label, "dropping hosted tool: the engines behind this gateway cannot run it");
             dropped.push(label.to_string());
             Ok(())
         }
@@ -461,7 +480,7 @@ pub(crate) fn translate_tool_choice(
                 "" => Err(ApiError::invalid("tool_choice.type", "tool_choice.type is required")),
                 hosted => match policy {
                     HostedToolPolicy::Drop => {
-                        tracing::info!(tool_choice = %hosted, "ignoring tool_choice for a hosted tool the engines cannot run");
+                        tracing::info!(tool_choice = ?hosted, "ignoring tool_choice for a hosted tool the engines cannot run");
                         Ok(ChatToolChoice::default())
                     }
                     HostedToolPolicy::Reject => Err(ApiError::invalid(
@@ -557,6 +576,37 @@ mod tests {
         let clash = map.insert(ToolName::namespaced("ns", "x?3"));
         assert_eq!(clash, "ns__x_3_2", "a plain name already holds `ns__x_3`");
         assert_eq!(map.resolve("ns____4"), ToolName::namespaced("ns", "ñ"));
+    }
+
+    #[test]
+    fn a_namespace_whose_description_every_member_carries_is_bounded() {
+        let namespace = |members: usize, about: usize| {
+            let tools: Vec<Value> = (0..members)
+                .map(|i| json!({"type": "function", "name": format!("t{i}")}))
+                .collect();
+            json!([{"type": "namespace", "name": "ns", "description": "d".repeat(about),
+                    "tools": tools}])
+        };
+        let refused = |tools: Value| {
+            translate_tools(Some(&tools), Flavor::Vllm, HostedToolPolicy::Drop).unwrap_err()
+        };
+        // Too many members, or a description whose copies would take megabytes.
+        assert_eq!(
+            refused(namespace(MAX_NAMESPACE_MEMBERS + 1, 10))
+                .param
+                .as_deref(),
+            Some("tools[0].tools")
+        );
+        assert!(refused(namespace(5, 1 << 20))
+            .message
+            .contains("bytes of description"));
+        let fine = translate_tools(
+            Some(&namespace(100, 2000)),
+            Flavor::Vllm,
+            HostedToolPolicy::Drop,
+        )
+        .unwrap();
+        assert_eq!(fine.chat_tools.len(), 100);
     }
 
     #[test]

@@ -192,6 +192,7 @@ impl AppState {
             hosted_tools: self.hosted_tools,
             compaction: self.compaction.clone(),
             vision: pool.vision,
+            remote_images: pool.remote_images,
         }
     }
 }

@@ -502,6 +502,16 @@ pub struct PoolConfig {
     /// way.
     #[serde(default)]
     pub vision: bool,
+    /// Images may be given by `http(s)` URL, which the engine fetches (vLLM, SGLang); false:
+    /// only inline `data:` URLs are taken, so clients cannot make the engines fetch addresses
+    /// inside their network (a user's other image is refused with 400, a tool's is named
+    /// `[image]`).
+    #[serde(default = "default_true")]
+    pub remote_images: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// The label carrying an SGLang prefill endpoint's bootstrap port (an endpoints-file entry

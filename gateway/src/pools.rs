@@ -67,6 +67,8 @@ pub struct Pool {
     pub engine_priority: bool,
     /// `[[pools]] vision`: images in tool outputs are sent as images.
     pub vision: bool,
+    /// `[[pools]] remote_images`: images may be fetched by URL.
+    pub remote_images: bool,
     /// Held across one placement: see [`Pool::place`].
     placing: Mutex<()>,
     /// An engine of the pool has reported cached prompt tokens: see [`Pool::cached_tokens`].
@@ -444,6 +446,7 @@ impl Pools {
                 disaggregation,
                 engine_priority: pc.engine_priority,
                 vision: pc.vision,
+                remote_images: pc.remote_images,
                 placing: Mutex::new(()),
                 engines_report_cached: AtomicBool::new(false),
             });

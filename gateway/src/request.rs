@@ -378,6 +378,9 @@ pub fn parse_json(headers: &axum::http::HeaderMap, bytes: &[u8]) -> Result<Value
     Ok(body)
 }
 
+/// Longest `user`, `prompt_cache_key` or `safety_identifier`, in characters.
+pub const MAX_IDENTIFIER_CHARS: usize = 512;
+
 /// Chat Completions parameters the Responses API does not take, and what takes their place.
 /// A client moved over from Chat Completions sends them; ignored, they would silently do
 /// nothing (an answer without its token limit or its JSON format), so they are refused, as
@@ -438,6 +441,22 @@ pub fn validate_common(body: &Value) -> Result<(), HttpError> {
         Value::is_string,
         "a string",
     )?;
+    // Identifiers, echoed into every stored response and event: bounded as OpenAI bounds
+    // metadata values.
+    for key in ["user", "prompt_cache_key", "safety_identifier"] {
+        if let Some(value) = body.get(key).and_then(Value::as_str) {
+            if value.chars().count() > MAX_IDENTIFIER_CHARS {
+                return Err(HttpError::invalid(
+                    format!(
+                        "Invalid '{key}': string too long. Expected a string with maximum length {MAX_IDENTIFIER_CHARS}, but got a string with length {}.",
+                        value.chars().count()
+                    ),
+                    Some(key),
+                    Some("string_above_max_length"),
+                ));
+            }
+        }
+    }
     if let Some(reasoning) = opt_object(body, "reasoning", "reasoning")? {
         one_of(reasoning, "reasoning", "effort", &REASONING_EFFORTS)?;
         one_of(
@@ -574,6 +593,9 @@ mod tests {
             "{}",
             e.error.message
         );
+        let e = refused(serde_json::json!({"input": "hi", "user": "u".repeat(513)}));
+        assert_eq!(e.error.code.as_deref(), Some("string_above_max_length"));
+        assert_eq!(e.error.param.as_deref(), Some("user"));
         for harmless in [
             serde_json::json!({"input": "hi", "n": 1, "stop": [], "max_tokens": null,
                                "logprobs": false, "response_format": {"type": "text"}}),
