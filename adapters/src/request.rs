@@ -68,6 +68,10 @@ pub struct TranslateOptions {
     /// only (a user's other image is refused, a tool's is named `[image]`), so clients cannot
     /// make the engines fetch addresses inside their network.
     pub remote_images: bool,
+    /// The `reasoning_effort` values the engines take (vLLM and SGLang releases before late
+    /// 2025 take `low`, `medium` and `high` only): another effort is sent as the nearest one
+    /// they take (see [`engine_effort`]). None: every effort is sent as asked.
+    pub reasoning_efforts: Option<Vec<String>>,
 }
 
 impl TranslateOptions {
@@ -80,8 +84,42 @@ impl TranslateOptions {
             compaction: CompactionOptions::default(),
             vision: false,
             remote_images: true,
+            reasoning_efforts: None,
         }
     }
+}
+
+/// OpenAI's reasoning efforts, least to most.
+const EFFORTS: [&str; 7] = ["none", "minimal", "low", "medium", "high", "xhigh", "max"];
+
+/// The effort to send for `asked` to engines that take `accepted` (None: any): `asked` if
+/// they take it, else the nearest they take, the lower of two equally near (`minimal` is
+/// `low`, `xhigh` and `max` are `high` on engines that take those three), and `None` (the
+/// field left out, the engine's default) when they take none of OpenAI's or `asked` is
+/// unknown. `none` is never raised to an effort: left out, the model does not think more than
+/// its default.
+pub fn engine_effort<'a>(asked: &'a str, accepted: Option<&'a [String]>) -> Option<&'a str> {
+    let Some(accepted) = accepted else {
+        return Some(asked);
+    };
+    if accepted.iter().any(|a| a == asked) {
+        return Some(asked);
+    }
+    let at = EFFORTS.iter().position(|e| *e == asked)?;
+    if at == 0 {
+        return None;
+    }
+    let distance = |effort: &&str| {
+        EFFORTS
+            .iter()
+            .position(|e| e == effort)
+            .map(|p| (p.abs_diff(at), p))
+    };
+    EFFORTS
+        .iter()
+        .filter(|e| **e != "none" && accepted.iter().any(|a| a == *e))
+        .min_by_key(|e| distance(e))
+        .copied()
 }
 
 /// The Chat Completions body for one turn plus what the stream translator needs to map back.
@@ -256,7 +294,12 @@ pub fn build_chat_request(
         .and_then(|r| r.get("effort"))
         .filter(|e| e.is_string())
     {
-        body.insert("reasoning_effort".into(), effort.clone());
+        let sent = effort
+            .as_str()
+            .and_then(|asked| engine_effort(asked, opts.reasoning_efforts.as_deref()));
+        if let Some(sent) = sent {
+            body.insert("reasoning_effort".into(), json!(sent));
+        }
     }
     // Log probabilities of the answer's text, when `include` asks for them (`top_logprobs`
     // alternatives at each position); a compaction's summary is never shown.
@@ -1070,6 +1113,37 @@ mod tests {
         for opts in [vllm(), vision(Flavor::Openai)] {
             assert_eq!(tool_message(&opts)["content"], "screenshot:\n[image]");
         }
+    }
+
+    #[test]
+    fn reasoning_efforts_an_engine_does_not_take_go_as_the_nearest_it_does() {
+        let three: Vec<String> = ["low", "medium", "high"].map(String::from).to_vec();
+        let sent = |asked| engine_effort(asked, Some(&three));
+        assert_eq!(sent("minimal"), Some("low"));
+        assert_eq!(sent("medium"), Some("medium"));
+        assert_eq!(sent("xhigh"), Some("high"));
+        assert_eq!(sent("max"), Some("high"));
+        assert_eq!(sent("none"), None, "left out, never raised");
+        assert_eq!(sent("turbo"), None);
+        assert_eq!(engine_effort("max", None), Some("max"));
+        // In a request.
+        let input = normalize_input(&json!("hi")).unwrap();
+        let opts = TranslateOptions {
+            reasoning_efforts: Some(three.clone()),
+            ..vllm()
+        };
+        let body = |effort: &str| {
+            build_chat_request(
+                &json!({"reasoning": {"effort": effort}}),
+                &[],
+                &input,
+                &opts,
+            )
+            .unwrap()
+            .body
+        };
+        assert_eq!(body("xhigh")["reasoning_effort"], "high");
+        assert!(body("none").get("reasoning_effort").is_none());
     }
 
     #[test]

@@ -193,6 +193,7 @@ impl AppState {
             compaction: self.compaction.clone(),
             vision: pool.vision,
             remote_images: pool.remote_images,
+            reasoning_efforts: pool.reasoning_efforts.clone(),
         }
     }
 }

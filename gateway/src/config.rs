@@ -508,6 +508,12 @@ pub struct PoolConfig {
     /// `[image]`).
     #[serde(default = "default_true")]
     pub remote_images: bool,
+    /// The `reasoning_effort` values the pool's engines take, for releases that take fewer
+    /// than OpenAI's seven (vLLM and SGLang before late 2025: `["low", "medium", "high"]`):
+    /// another effort is sent as the nearest of these (`minimal` as `low`, `xhigh` as
+    /// `high`; `none` is left out). Unset: every effort is sent as asked.
+    #[serde(default)]
+    pub reasoning_efforts: Option<Vec<String>>,
 }
 
 fn default_true() -> bool {
@@ -1301,6 +1307,19 @@ impl Config {
                 .picker(agentgate_scheduler::PrefixIndexConfig::default(), &scoring)
                 .map_err(|reason| err(at("scoring"), reason))?;
             Role::parse(&pool.role).map_err(|reason| err(at("role"), reason))?;
+            for (j, effort) in pool.reasoning_efforts.iter().flatten().enumerate() {
+                const EFFORTS: [&str; 7] =
+                    ["none", "minimal", "low", "medium", "high", "xhigh", "max"];
+                if !EFFORTS.contains(&effort.as_str()) {
+                    return Err(err(
+                        at(&format!("reasoning_efforts[{j}]")),
+                        format!(
+                            "`{effort}` is not a reasoning effort (one of {})",
+                            EFFORTS.join(", ")
+                        ),
+                    ));
+                }
+            }
             if pool.engine_priority && pool.flavor == Flavor::Openai {
                 return Err(err(
                     at("engine_priority"),
@@ -2425,6 +2444,14 @@ endpoints = ["http://127.0.0.1:8000"]
                 "labels = { \"llm-d.ai/role\" = \"decode\" }\nendpoints = [",
             ),
             "pools[0].labels",
+        );
+        // An effort no engine knows.
+        refused(
+            MINIMAL.replace(
+                "endpoints = [",
+                "reasoning_efforts = [\"low\", \"turbo\"]\nendpoints = [",
+            ),
+            "pools[0].reasoning_efforts[1]",
         );
         // Priorities only vLLM and SGLang take.
         refused(

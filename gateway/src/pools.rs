@@ -69,6 +69,8 @@ pub struct Pool {
     pub vision: bool,
     /// `[[pools]] remote_images`: images may be fetched by URL.
     pub remote_images: bool,
+    /// `[[pools]] reasoning_efforts`: the efforts the engines take (None: any).
+    pub reasoning_efforts: Option<Vec<String>>,
     /// Held across one placement: see [`Pool::place`].
     placing: Mutex<()>,
     /// An engine of the pool has reported cached prompt tokens: see [`Pool::cached_tokens`].
@@ -447,6 +449,7 @@ impl Pools {
                 engine_priority: pc.engine_priority,
                 vision: pc.vision,
                 remote_images: pc.remote_images,
+                reasoning_efforts: pc.reasoning_efforts.clone(),
                 placing: Mutex::new(()),
                 engines_report_cached: AtomicBool::new(false),
             });
