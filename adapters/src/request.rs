@@ -21,7 +21,11 @@
 //!   images goes to vLLM and SGLang as text and `image_url` parts when the pool's model takes
 //!   images (`vision`), else, and to an `openai`-flavor server, whose tool messages hold text
 //!   only, with each image named `[image]`).
-//! - `system` / `developer` messages hold text: an image, file or audio part in one is refused.
+//! - images given by URL: a pool with `remote_images` off takes `data:` URLs only (a user's
+//!   other image is refused, a tool's named `[image]`), so the engines fetch nothing.
+//! - `system` / `developer` messages hold text: an image, file or audio part in one is refused
+//!   in the request's input; in its history (a chain or a conversation stored before such
+//!   parts were refused) it is dropped, as it was then, and the text kept.
 //! - `reasoning` items: for vLLM / SGLang the reasoning text (from `content`, else from this
 //!   gateway's `encrypted_content` blob, else from `summary`) is attached to the next assistant
 //!   message (as `reasoning_content` for SGLang; as `reasoning` and `reasoning_content` for vLLM,
@@ -93,11 +97,11 @@ impl TranslateOptions {
 const EFFORTS: [&str; 7] = ["none", "minimal", "low", "medium", "high", "xhigh", "max"];
 
 /// The effort to send for `asked` to engines that take `accepted` (None: any): `asked` if
-/// they take it, else the nearest they take, the lower of two equally near (`minimal` is
-/// `low`, `xhigh` and `max` are `high` on engines that take those three), and `None` (the
-/// field left out, the engine's default) when they take none of OpenAI's or `asked` is
-/// unknown. `none` is never raised to an effort: left out, the model does not think more than
-/// its default.
+/// they take it, else the nearest they take, the lower of two equally near (`none` and
+/// `minimal` are `low`, `xhigh` and `max` are `high` on engines that take those three), and
+/// `None` (the field left out, the engine's default) when they take none of OpenAI's or
+/// `asked` is unknown. (Left out, `none` would get the engine's default, more thinking than
+/// `minimal` gets.)
 pub fn engine_effort<'a>(asked: &'a str, accepted: Option<&'a [String]>) -> Option<&'a str> {
     let Some(accepted) = accepted else {
         return Some(asked);
@@ -106,9 +110,6 @@ pub fn engine_effort<'a>(asked: &'a str, accepted: Option<&'a [String]>) -> Opti
         return Some(asked);
     }
     let at = EFFORTS.iter().position(|e| *e == asked)?;
-    if at == 0 {
-        return None;
-    }
     let distance = |effort: &&str| {
         EFFORTS
             .iter()
@@ -780,7 +781,11 @@ fn is_data_url(part: &Value) -> bool {
         Some(Value::Object(obj)) => obj.get("url").and_then(Value::as_str),
         _ => None,
     };
-    url.is_some_and(|url| url.trim_start().to_ascii_lowercase().starts_with("data:"))
+    url.is_some_and(|url| {
+        url.trim_start()
+            .get(..5)
+            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("data:"))
+    })
 }
 
 /// The Chat Completions `image_url` part for an `input_image` part that gives a URL (a
@@ -1123,7 +1128,11 @@ mod tests {
         assert_eq!(sent("medium"), Some("medium"));
         assert_eq!(sent("xhigh"), Some("high"));
         assert_eq!(sent("max"), Some("high"));
-        assert_eq!(sent("none"), None, "left out, never raised");
+        assert_eq!(
+            sent("none"),
+            Some("low"),
+            "the least there is, not the default"
+        );
         assert_eq!(sent("turbo"), None);
         assert_eq!(engine_effort("max", None), Some("max"));
         // In a request.
@@ -1143,7 +1152,7 @@ mod tests {
             .body
         };
         assert_eq!(body("xhigh")["reasoning_effort"], "high");
-        assert!(body("none").get("reasoning_effort").is_none());
+        assert_eq!(body("none")["reasoning_effort"], "low");
     }
 
     #[test]

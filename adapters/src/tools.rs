@@ -200,9 +200,10 @@ fn flattened_name(tool: &ToolName) -> String {
     format!("{}_{hash:016x}", prefix_within(&flat, MAX_NAME_LEN - 17))
 }
 
-/// Most tools one `namespace` groups.
+/// Most tools the `namespace` tools of one request group, together.
 pub const MAX_NAMESPACE_MEMBERS: usize = 1024;
-/// Most bytes of namespace description its members carry together (each carries a copy).
+/// Most bytes of namespace description the members of one request's namespaces carry
+/// together (each carries a copy of its namespace's).
 pub const MAX_NAMESPACE_DESCRIPTION_COPIES: usize = 4 << 20;
 
 /// The result of translating a request's `tools`.
@@ -225,6 +226,8 @@ pub(crate) fn translate_tools(
         Some(Value::Array(tools)) => tools,
         Some(_) => return Err(ApiError::invalid("tools", "`tools` must be an array")),
     };
+    // Namespace members and the description copies they carry, over the whole request.
+    let (mut members_total, mut copies_total) = (0usize, 0usize);
     for (index, tool) in tools.iter().enumerate() {
         let param = format!("tools[{index}]");
         let kind = tool.get("type").and_then(Value::as_str).unwrap_or("");
@@ -249,16 +252,16 @@ pub(crate) fn translate_tools(
                     .get("description")
                     .and_then(Value::as_str)
                     .filter(|d| !d.trim().is_empty());
-                let copies = about.map_or(0, str::len).saturating_mul(members.len());
-                if members.len() > MAX_NAMESPACE_MEMBERS
-                    || copies > MAX_NAMESPACE_DESCRIPTION_COPIES
+                members_total = members_total.saturating_add(members.len());
+                copies_total = copies_total
+                    .saturating_add(about.map_or(0, str::len).saturating_mul(members.len()));
+                if members_total > MAX_NAMESPACE_MEMBERS
+                    || copies_total > MAX_NAMESPACE_DESCRIPTION_COPIES
                 {
                     return Err(ApiError::invalid(
                         format!("{param}.tools"),
                         format!(
-                            "{param} has {} tools with a {}-byte description, which each of them carries: at most {MAX_NAMESPACE_MEMBERS} tools, and {MAX_NAMESPACE_DESCRIPTION_COPIES} bytes of description over them all",
-                            members.len(),
-                            about.map_or(0, str::len)
+                            "{param} brings the request's namespace tools to {members_total}, carrying {copies_total} bytes of namespace description (each member carries its namespace's): at most {MAX_NAMESPACE_MEMBERS} tools, and {MAX_NAMESPACE_DESCRIPTION_COPIES} bytes of description over them all"
                         ),
                     ));
                 }
@@ -607,6 +610,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(fine.chat_tools.len(), 100);
+        // The bound holds over the request, not each namespace: many namespaces, each under
+        // it, are refused together.
+        let mut many = Vec::new();
+        for _ in 0..3 {
+            many.extend(namespace(400, 10).as_array().unwrap().iter().cloned());
+        }
+        assert_eq!(
+            refused(Value::Array(many)).param.as_deref(),
+            Some("tools[2].tools")
+        );
     }
 
     #[test]

@@ -510,8 +510,8 @@ pub struct PoolConfig {
     pub remote_images: bool,
     /// The `reasoning_effort` values the pool's engines take, for releases that take fewer
     /// than OpenAI's seven (vLLM and SGLang before late 2025: `["low", "medium", "high"]`):
-    /// another effort is sent as the nearest of these (`minimal` as `low`, `xhigh` as
-    /// `high`; `none` is left out). Unset: every effort is sent as asked.
+    /// another effort is sent as the nearest of these (`none` and `minimal` as `low`, `xhigh`
+    /// as `high`). Unset: every effort is sent as asked.
     #[serde(default)]
     pub reasoning_efforts: Option<Vec<String>>,
 }

@@ -320,9 +320,9 @@ fn schemas() -> Value {
                         "verbosity": {"type": "string", "enum": ["low", "medium", "high"]}
                     }},
                     "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 512}, "description": "at most 16 pairs, keys of at most 64 characters, values of at most 512"},
-                    "prompt_cache_key": {"type": "string"},
-                    "user": {"type": "string"},
-                    "safety_identifier": {"type": "string"},
+                    "prompt_cache_key": {"type": "string", "maxLength": 512},
+                    "user": {"type": "string", "maxLength": 512},
+                    "safety_identifier": {"type": "string", "maxLength": 512},
                     "include": {"type": "array", "items": {"type": "string"}, "description": "reasoning.encrypted_content (reasoning items carry it), message.output_text.logprobs (the answer's log probabilities, with top_logprobs alternatives); other values are accepted and ignored"},
                     "reasoning": {"type": "object", "properties": {
                         "effort": {"type": "string", "enum": ["none", "minimal", "low", "medium", "high", "xhigh", "max"]},

@@ -1344,6 +1344,15 @@ mod tests {
             .await
             .unwrap());
         assert_eq!(store.events("bg", 1).await.unwrap(), frames[1..]);
+        // Counted by what each append added, the log's bytes are what measuring it whole says.
+        {
+            let records = store.lock();
+            let entry = &records.by_id["bg"];
+            assert_eq!(
+                entry.bytes,
+                record_bytes(&entry.rec) + events_bytes(&entry.events)
+            );
+        }
         tokio::time::sleep(Duration::from_millis(80)).await;
         assert!(store.events("bg", 0).await.unwrap().is_empty());
         assert!(

@@ -1105,14 +1105,13 @@ fn reasoning_field(flavor: Flavor) -> &'static str {
     }
 }
 
-/// The chunk choice revealing piece `index`; `None` for a hidden piece that does not end the
-/// output.
 /// Whether this stream is SGLang's chat stream (its own shape: see [`piece_choice`]).
 fn sglang_chat(state: &AppState, prepared: &Prepared) -> bool {
     state.config.flavor == Flavor::Sglang && prepared.api == Api::Chat
 }
 
-/// One streamed piece as a choice. SGLang's chat deltas carry `tool_calls: null` beside text
+/// The chunk choice revealing piece `index`; `None` for a hidden piece that does not end the
+/// output. SGLang's chat deltas carry `tool_calls: null` beside text
 /// (the gateway must not read it as a call), and SGLang ends its stream with a chunk of its
 /// own for the finish reason (the caller sends it: `finish` is None then).
 fn piece_choice(

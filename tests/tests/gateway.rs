@@ -2241,6 +2241,22 @@ async fn a_background_response_streams_again_from_any_gateway() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_in_instructions_added_to_a_conversation_is_refused() {
+    let fleet = Fleet::of(1).start().await;
+    let base = fleet.base_url();
+    let (s, e) = post_json(
+        format!("{base}/v1/conversations"),
+        json!({"items": [{"type": "message", "role": "developer", "content": [
+            {"type": "input_text", "text": "style guide"},
+            {"type": "input_image", "image_url": "https://x/y.png"}]}]}),
+    )
+    .await;
+    assert_eq!(s, 400, "{e}");
+    assert_eq!(e["error"]["param"], "items[0].content[1].type", "{e}");
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_conversation_takes_no_more_items_and_no_more_turns() {
     let fleet = Fleet::of(1)
         .extra("[store]\nconversation_max_items = 20\n")

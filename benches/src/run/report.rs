@@ -140,14 +140,15 @@ pub fn reading(summary: &RunSummary) -> String {
             .map(|p| (p.label.clone(), key(p)))
     };
     if policies.len() > 1 {
-        // Latencies count answered requests only: a row that failed or refused more of them
-        // dropped its slowest, so only the rows that lost the fewest are ranked on them.
-        let lost = |p: &PolicySummary| p.errors + p.shed + p.rate_limited;
-        let fewest = policies.iter().map(lost).min().unwrap_or(0);
-        let ranked: Vec<&PolicySummary> = policies
-            .iter()
-            .filter(|p| lost(p) == fewest && p.successes > 0)
-            .collect();
+        // Latencies count answered requests only: a row that failed or refused a larger share
+        // of them dropped its slowest, so only the rows that lost the smallest share are
+        // ranked on them (rows send different numbers of requests).
+        let lost = |p: &PolicySummary| {
+            (p.errors + p.shed + p.rate_limited) as f64 / p.requests.max(1) as f64
+        };
+        let answered = || policies.iter().filter(|p| p.successes > 0);
+        let fewest = answered().map(lost).fold(f64::INFINITY, f64::min);
+        let ranked: Vec<&PolicySummary> = answered().filter(|p| lost(p) <= fewest).collect();
         let fastest = |key: fn(&PolicySummary) -> f64| {
             ranked
                 .iter()

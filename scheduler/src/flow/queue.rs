@@ -249,6 +249,8 @@ impl BandQueue {
         let flow = self.flows.entry(team.to_string()).or_default();
         if flow.is_empty() && !std::mem::take(&mut flow.was_backlogged) {
             flow.finish = flow.finish.max(vtime);
+            // (Caught up already: an old hold must not clip it again later.)
+            flow.held_back.set(false);
         }
         flow.queue(kind).push_back(id);
         self.queued += 1;
@@ -274,6 +276,10 @@ impl BandQueue {
             return false;
         };
         queue.remove(position);
+        if flow.is_empty() {
+            // Idle from now on: its next request starts at the band's time anyway.
+            flow.held_back.set(false);
+        }
         self.queued = self.queued.saturating_sub(1);
         self.queued_bytes = self.queued_bytes.saturating_sub(bytes);
         true
