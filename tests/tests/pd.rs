@@ -506,6 +506,22 @@ async fn sglang_prefill_failing_with(fault: Value, reported: &str) {
     whole.shutdown().await;
 }
 
+/// A simulated vLLM decode replica (`pd/1`) behind a gateway whose prefill endpoint (`pd/0`)
+/// is `prefill` (a fake engine's URL).
+async fn vllm_decode_behind(prefill: String) -> (SimHandle, Gateway) {
+    let decode = sim(Flavor::Vllm, Role::Decode, 0.0).await;
+    let gw = start_gateway(&pd_config(
+        Flavor::Vllm,
+        &[
+            (prefill, "prefill", String::new()),
+            entry(&decode, "decode"),
+        ],
+        "",
+    ))
+    .await;
+    (decode, gw)
+}
+
 /// A port nothing listens on.
 /// A vLLM prefill engine whose KV connector hands out blocks nobody can fetch: every prefill
 /// leg answers with `kv_transfer_params` pointing at `dead_port`, where nothing listens. Anything else gets 404.
@@ -596,16 +612,7 @@ fn assert_transfer_retried(m: &str) {
 async fn vllm_lost_kv_transfer_is_retried_once_without_disaggregation() {
     let (_closed, dead_port) = closed_port();
     let prefill = lost_transfer_prefill_engine(dead_port).await;
-    let decode = sim(Flavor::Vllm, Role::Decode, 0.0).await;
-    let gw = start_gateway(&pd_config(
-        Flavor::Vllm,
-        &[
-            (prefill, "prefill", String::new()),
-            entry(&decode, "decode"),
-        ],
-        "",
-    ))
-    .await;
+    let (decode, gw) = vllm_decode_behind(prefill).await;
     let m = two_turns_survive(&gw.base_url(), &decode, "pd/1").await;
     assert_transfer_retried(&m);
     gw.shutdown().await;
@@ -681,16 +688,7 @@ async fn a_prefill_leg_that_finished_the_answer_hands_the_request_to_the_decode_
         "kv_transfer_params": null
     }))
     .await;
-    let decode = sim(Flavor::Vllm, Role::Decode, 0.0).await;
-    let gw = start_gateway(&pd_config(
-        Flavor::Vllm,
-        &[
-            (prefill, "prefill", String::new()),
-            entry(&decode, "decode"),
-        ],
-        "",
-    ))
-    .await;
+    let (decode, gw) = vllm_decode_behind(prefill).await;
     let (response, served) = create(
         &gw.base_url(),
         json!({"model": "sim-model", "input": long_text("s", 6000), "max_output_tokens": 16}),

@@ -656,16 +656,7 @@ async fn a_request_refused_for_a_full_queue_costs_its_team_nothing() {
     }
     assert_eq!(flow.snapshot().team("bulk").unwrap().queue_full, 3);
     // A band that never queues refuses as freely, however empty its queue.
-    for _ in 0..3 {
-        let refused = flow
-            .admit(Ticket::new("bulk", 10).band("direct"))
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(refused, Rejection::QueueFull { .. }),
-            "{refused:?}"
-        );
-    }
+    refused_three_times_in_direct(&flow).await;
     capacity.set_limit(2);
     flow.notify();
     let (label, _permit) = rx.recv().await.unwrap();
@@ -676,6 +667,20 @@ async fn a_request_refused_for_a_full_queue_costs_its_team_nothing() {
         0,
         "the second request of the minute"
     );
+}
+
+/// Three requests of `bulk` in the band `direct`, which never queues: each refused as full.
+async fn refused_three_times_in_direct(flow: &FlowController) {
+    for _ in 0..3 {
+        let refused = flow
+            .admit(Ticket::new("bulk", 10).band("direct"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(refused, Rejection::QueueFull { .. }),
+            "{refused:?}"
+        );
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -691,16 +696,7 @@ async fn a_request_refused_for_a_full_queue_after_its_charge_gets_it_back() {
     // request back.
     let (flow, _capacity) = controller(config, 10);
     let running = flow.admit(Ticket::new("bulk", 10)).await.unwrap();
-    for _ in 0..3 {
-        let refused = flow
-            .admit(Ticket::new("bulk", 10).band("direct"))
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(refused, Rejection::QueueFull { .. }),
-            "{refused:?}"
-        );
-    }
+    refused_three_times_in_direct(&flow).await;
     drop(running);
     let second = flow.admit(Ticket::new("bulk", 10)).await.unwrap();
     assert_eq!(
