@@ -56,7 +56,7 @@ use agentgate_sessions::{AnyStore, ConversationRecord, Store};
 use crate::app::AppState;
 use crate::auth::Team;
 use crate::error::HttpError;
-use crate::request::{invalid_type, parse_json, validate_metadata};
+use crate::request::{invalid_type, parse_json_body, validate_metadata};
 use crate::response_object::{new_id, now_secs};
 use crate::responses::{
     as_listed, body_error, duplicate_item, item_list, item_page, store_error, ListQuery,
@@ -328,7 +328,7 @@ async fn body_of(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<serde_json::Map<String, Value>, HttpError> {
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
-    match parse_json(headers, &bytes)? {
+    match parse_json_body(headers, &bytes).await? {
         Value::Object(fields) => Ok(fields),
         _ => Err(HttpError::invalid(
             "The request body must be a JSON object.",

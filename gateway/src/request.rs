@@ -329,6 +329,31 @@ fn json_values_at_most(bytes: &[u8]) -> usize {
     count
 }
 
+/// Bodies larger than this are parsed on a blocking thread ([`parse_json_body`]).
+const PARSE_INLINE_BYTES: usize = 256 * 1024;
+
+/// [`parse_json`] for a handler: a large body (an agent history of megabytes takes tens to
+/// hundreds of milliseconds to scan and parse) is parsed on the blocking pool, so the runtime
+/// thread goes on serving other requests' streams meanwhile.
+pub async fn parse_json_body(
+    headers: &axum::http::HeaderMap,
+    bytes: &axum::body::Bytes,
+) -> Result<Value, HttpError> {
+    if bytes.len() <= PARSE_INLINE_BYTES {
+        return parse_json(headers, bytes);
+    }
+    let (headers, bytes) = (headers.clone(), bytes.clone());
+    tokio::task::spawn_blocking(move || parse_json(&headers, &bytes))
+        .await
+        .unwrap_or_else(|e| {
+            Err(HttpError::server(
+                500,
+                format!("could not parse the request body: {e}"),
+                "server_error",
+            ))
+        })
+}
+
 /// Parse a request body into JSON, with OpenAI's error for malformed bodies. A body sent with
 /// a `Content-Encoding` other than `identity` is refused with 415 rather than misread as
 /// malformed JSON, and one of more than [`MAX_JSON_VALUES`] values with 413 before it is
@@ -575,6 +600,20 @@ impl CreateRequest {
 
 #[cfg(test)]
 mod tests {
+    #[tokio::test]
+    async fn a_large_body_parses_off_the_runtime_with_the_same_answers() {
+        let headers = axum::http::HeaderMap::new();
+        let text = "w ".repeat(200_000);
+        let big =
+            axum::body::Bytes::from(serde_json::json!({"model": "m", "input": text}).to_string());
+        assert!(big.len() > super::PARSE_INLINE_BYTES);
+        let body = super::parse_json_body(&headers, &big).await.unwrap();
+        assert_eq!(body["input"].as_str().map(str::len), Some(400_000));
+        let zeros = axum::body::Bytes::from(format!("[{}0]", "0,".repeat(1_100_000)));
+        let e = super::parse_json_body(&headers, &zeros).await.unwrap_err();
+        assert_eq!(e.error.status, 413);
+    }
+
     #[test]
     fn chat_completions_parameters_are_refused_with_their_replacement() {
         let refused = |body: serde_json::Value| super::validate_common(&body).unwrap_err();

@@ -34,7 +34,7 @@ use crate::error::HttpError;
 use crate::flow;
 use crate::pools::{Endpoint, Pool};
 
-use crate::request::{parse_json, validate_common, CreateRequest};
+use crate::request::{parse_json_body, validate_common, CreateRequest};
 use crate::response_object::{new_id, now_secs, skeleton};
 use crate::turn::{self, Turn};
 
@@ -434,7 +434,7 @@ pub async fn create(
 ) -> Result<Response, HttpError> {
     let team = state.keys.authenticate(&headers)?;
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
-    let req = CreateRequest::from_body(parse_json(&headers, &bytes)?)?;
+    let req = CreateRequest::from_body(parse_json_body(&headers, &bytes).await?)?;
     match run(&state, &headers, team, req, bytes.len() as u64).await? {
         Started::Answered(resp) => Ok(resp),
         Started::Finished(done) => {
@@ -459,7 +459,7 @@ pub async fn compact(
 ) -> Result<Response, HttpError> {
     let team = state.keys.authenticate(&headers)?;
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
-    let mut body = parse_json(&headers, &bytes)?;
+    let mut body = parse_json_body(&headers, &bytes).await?;
     let Some(fields) = body.as_object_mut() else {
         return Err(HttpError::invalid(
             "The request body must be a JSON object.",
@@ -1597,7 +1597,7 @@ pub async fn input_tokens(
 ) -> Result<Response, HttpError> {
     let team = state.keys.authenticate(&headers)?;
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
-    let body = parse_json(&headers, &bytes)?;
+    let body = parse_json_body(&headers, &bytes).await?;
     validate_common(&body)?;
     let model = match crate::request::opt_str(&body, "model")? {
         Some(m) => m.to_string(),
