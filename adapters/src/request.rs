@@ -74,7 +74,8 @@ pub struct TranslateOptions {
     pub remote_images: bool,
     /// The `reasoning_effort` values the engines take (vLLM and SGLang releases before late
     /// 2025 take `low`, `medium` and `high` only): another effort is sent as the nearest one
-    /// they take (see [`engine_effort`]). None: every effort is sent as asked.
+    /// they take (`none` and `minimal` as `low`, `xhigh` and `max` as `high` on engines that
+    /// take those three). None: every effort is sent as asked.
     pub reasoning_efforts: Option<Vec<String>>,
 }
 
