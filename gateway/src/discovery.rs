@@ -94,12 +94,22 @@ pub struct DiscoveredEndpoint {
 }
 
 impl DiscoveredEndpoint {
-    /// `http://address:port` (IPv6 addresses in brackets).
+    /// `http://address:port` (IPv6 addresses in brackets), the address in its one written
+    /// form (a host name in lower case, an IPv6 address compressed), so the same engine
+    /// written two ways in two versions of the file is one endpoint: it keeps its slot, its
+    /// load and its pinned sessions.
     pub fn base_url(&self) -> String {
-        if self.address.contains(':') && !self.address.starts_with('[') {
+        let written = if self.address.contains(':') && !self.address.starts_with('[') {
             format!("http://[{}]:{}", self.address, self.port)
         } else {
             format!("http://{}:{}", self.address, self.port)
+        };
+        match reqwest::Url::parse(&written) {
+            Ok(url) => match url.host_str() {
+                Some(host) => format!("http://{}:{}", host.to_ascii_lowercase(), self.port),
+                None => written,
+            },
+            Err(_) => written,
         }
     }
 
@@ -870,6 +880,24 @@ mod tests {
         .unwrap();
         assert!(!third.changed());
         assert_eq!(third.kept, 1);
+    }
+
+    #[test]
+    fn one_engine_written_two_ways_is_one_endpoint() {
+        let defaults = Defaults::default();
+        let at = |address: &str| DiscoveredEndpoint {
+            address: address.into(),
+            ..entry("a", 8000)
+        };
+        let first = diff("p", &[], &[], &[at("fd00:0:0::5")], &defaults, &[]).unwrap();
+        let second = diff("p", &[], &first.endpoints, &[at("fd00::5")], &defaults, &[]).unwrap();
+        assert_eq!(second.kept, 1, "{second:?}");
+        assert!(Arc::ptr_eq(&second.endpoints[0], &first.endpoints[0]));
+        assert_eq!(first.endpoints[0].base_url, "http://[fd00::5]:8000");
+        assert_eq!(
+            at("Engine-1.Internal").base_url(),
+            "http://engine-1.internal:8000"
+        );
     }
 
     #[test]
