@@ -31,7 +31,7 @@
 //! pin went is routed afresh, as after its TTL; [`MemoryStore::pins_dropped`] counts them.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -51,7 +51,8 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
 
 /// A stored record and when it stops being visible.
 struct Entry {
-    rec: ResponseRecord,
+    /// Shared, so reads take it under the lock and copy its items after releasing it.
+    rec: Arc<ResponseRecord>,
     expires_at: Instant,
     /// Estimated size (`record_bytes`).
     bytes: u64,
@@ -302,8 +303,7 @@ impl Records {
 
     /// Store `rec` (replacing a record with its id), then drop the least recently used records
     /// while over the bound.
-    fn insert(&mut self, rec: ResponseRecord, expires_at: Instant) {
-        let bytes = record_bytes(&rec);
+    fn insert(&mut self, rec: Arc<ResponseRecord>, bytes: u64, expires_at: Instant) {
         self.tick += 1;
         let id = rec.id.clone();
         let now = Instant::now();
@@ -719,16 +719,22 @@ impl Store for MemoryStore {
     async fn put(&self, rec: &ResponseRecord) -> Result<(), StoreError> {
         let now = Instant::now();
         let expires_at = self.expiry_from(now);
+        // Copied and measured before the lock: other store calls do not wait for it.
+        let rec = Arc::new(rec.clone());
+        let bytes = record_bytes(&rec);
         let mut records = self.lock();
         records.maybe_sweep(now);
-        records.insert(rec.clone(), expires_at);
+        records.insert(rec, bytes, expires_at);
         Ok(())
     }
 
     async fn get(&self, team: &str, id: &str) -> Result<Option<ResponseRecord>, StoreError> {
         let now = Instant::now();
-        let mut records = self.lock();
-        Ok(records.live_mut(team, id, now).map(|e| e.rec.clone()))
+        let rec = {
+            let mut records = self.lock();
+            records.live_mut(team, id, now).map(|e| Arc::clone(&e.rec))
+        };
+        Ok(rec.map(|rec| (*rec).clone()))
     }
 
     async fn status(&self, team: &str, id: &str) -> Result<Option<String>, StoreError> {
@@ -743,8 +749,9 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let expires_at = self.expiry_from(now);
         let mut records = self.lock();
-        // Walk newest to oldest, collecting each response's items in reverse, then flip once.
-        let mut reversed: Vec<Value> = Vec::new();
+        // Walk newest to oldest under the lock, taking each record (shared, no copy); their
+        // items are copied, oldest first, once the lock is released.
+        let mut walked_records: Vec<Arc<ResponseRecord>> = Vec::new();
         let mut next = Some(id.to_string());
         let mut walked = 0usize;
         let mut root_id = id.to_string();
@@ -785,8 +792,7 @@ impl Store for MemoryStore {
             if walked == 1 {
                 status = entry.rec.status().to_string();
             }
-            reversed.extend(entry.rec.output_items.iter().rev().cloned());
-            reversed.extend(entry.rec.input_items.iter().rev().cloned());
+            walked_records.push(Arc::clone(&entry.rec));
             next = entry.rec.previous_response_id.clone();
             chain.push(current);
         }
@@ -794,9 +800,14 @@ impl Store for MemoryStore {
         for used in chain.iter().rev() {
             records.mark_used(used);
         }
-        reversed.reverse();
+        drop(records);
+        let mut items = Vec::new();
+        for rec in walked_records.iter().rev() {
+            items.extend(rec.input_items.iter().cloned());
+            items.extend(rec.output_items.iter().cloned());
+        }
         Ok(Some(History {
-            items: reversed,
+            items,
             root_id,
             status,
         }))
@@ -819,8 +830,9 @@ impl Store for MemoryStore {
         if !is_active_status(response_status(&entry.rec.response)) {
             return Ok(false);
         }
-        entry.rec.response = response.clone();
-        entry.rec.output_items = output_items.to_vec();
+        let rec = Arc::make_mut(&mut entry.rec);
+        rec.response = response.clone();
+        rec.output_items = output_items.to_vec();
         entry.expires_at = expires_at;
         if !is_active_status(response_status(response)) {
             entry.log_until = Some(expiry_after(now, ended_log_ttl));
