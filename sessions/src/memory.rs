@@ -75,7 +75,8 @@ struct Entry {
 /// A conversation, its items, and when it stops being visible.
 struct ConversationEntry {
     record: ConversationRecord,
-    items: Vec<Value>,
+    /// Shared, so a read takes them under the lock and copies them after releasing it.
+    items: Arc<Vec<Value>>,
     expires_at: Instant,
     /// Responses whose items were appended (a retried append adds nothing twice).
     joined: HashSet<String>,
@@ -911,7 +912,7 @@ impl Store for MemoryStore {
             conversation.id.clone(),
             ConversationEntry {
                 record: conversation.clone(),
-                items: items.to_vec(),
+                items: Arc::new(items.to_vec()),
                 expires_at,
                 joined,
                 bytes,
@@ -969,7 +970,8 @@ impl Store for MemoryStore {
         team: &str,
         id: &str,
     ) -> Result<Option<Vec<Value>>, StoreError> {
-        Ok(self.read_conversation(team, id, |e| e.items.clone()))
+        let items = self.read_conversation(team, id, |e| Arc::clone(&e.items));
+        Ok(items.map(|items| (*items).clone()))
     }
 
     async fn append_conversation_items(
@@ -985,11 +987,20 @@ impl Store for MemoryStore {
         let Some(entry) = records.conversation_mut(team, id, now) else {
             return Ok(false);
         };
+        // Measured by what this append adds: a conversation's whole list is not walked on
+        // every turn.
+        let mut added = 0;
         if response.is_empty() || entry.joined.insert(response.to_string()) {
-            entry.items.extend_from_slice(items);
+            Arc::make_mut(&mut entry.items).extend_from_slice(items);
+            added += items.iter().map(value_bytes).sum::<u64>();
+            if !response.is_empty() {
+                added += std::mem::size_of::<String>() as u64 + response.len() as u64;
+            }
         }
+        entry.bytes += added;
+        records.bytes += added;
         records.touch_conversation(id, expires_at);
-        records.resize_conversation(id);
+        records.evict();
         Ok(true)
     }
 
@@ -1008,7 +1019,8 @@ impl Store for MemoryStore {
                 .items
                 .iter()
                 .position(|item| item.get("id").and_then(Value::as_str) == Some(item_id));
-            at.map(|at| e.items.remove(at)).is_some()
+            at.map(|at| Arc::make_mut(&mut e.items).remove(at))
+                .is_some()
         });
         if removed.is_some() {
             records.touch_conversation(id, expires_at);
@@ -1504,6 +1516,40 @@ mod tests {
         assert_eq!(store.evicted(), 3);
         let sum: u64 = store.lock().by_id.values().map(|e| e.bytes).sum();
         assert_eq!(store.memory_bytes(), sum);
+    }
+
+    #[tokio::test]
+    async fn a_conversation_measured_by_its_appends_weighs_what_measuring_it_whole_says() {
+        let store = MemoryStore::default();
+        let record = ConversationRecord {
+            id: "c".into(),
+            team: "t".into(),
+            created_at: 1,
+            metadata: json!({"topic": "sizes"}),
+        };
+        let items =
+            |n: usize| vec![json!({"type": "message", "role": "user", "content": "x".repeat(n)})];
+        store
+            .create_conversation(&record, &items(10))
+            .await
+            .unwrap();
+        for (response, n) in [("resp_1", 100), ("", 7), ("resp_1", 5), ("resp_2", 900)] {
+            store
+                .append_conversation_items("t", "c", response, &items(n))
+                .await
+                .unwrap();
+        }
+        store
+            .delete_conversation_item("t", "c", "none")
+            .await
+            .unwrap();
+        let records = store.lock();
+        let entry = &records.conversations["c"];
+        assert_eq!(entry.items.len(), 4, "a response's items join once");
+        assert_eq!(
+            entry.bytes,
+            conversation_bytes(&entry.record, &entry.items, &entry.joined)
+        );
     }
 
     #[tokio::test]
