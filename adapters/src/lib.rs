@@ -29,7 +29,8 @@ pub use input::normalize_input;
 pub use prompt_text::prompt_text;
 pub use reasoning_blob::{decode_reasoning_blob, encode_reasoning_blob};
 pub use request::{
-    build_chat_request, includes_encrypted_reasoning, ChatPlan, HostedToolPolicy, TranslateOptions,
+    build_chat_request, includes_encrypted_reasoning, instruction_media, ChatPlan,
+    HostedToolPolicy, TranslateOptions, REASONING_EFFORTS,
 };
 pub use stream::{
     carries_output, context_overflow_in_chunk, failure_without_output, ResponseStream, SseEvent,

@@ -94,8 +94,10 @@ impl TranslateOptions {
     }
 }
 
-/// OpenAI's reasoning efforts, least to most.
-const EFFORTS: [&str; 7] = ["none", "minimal", "low", "medium", "high", "xhigh", "max"];
+/// OpenAI's reasoning efforts, least to most (vLLM's latest releases take the same set; an
+/// engine that takes fewer is given the nearest: [`TranslateOptions::reasoning_efforts`]).
+pub const REASONING_EFFORTS: [&str; 7] =
+    ["none", "minimal", "low", "medium", "high", "xhigh", "max"];
 
 /// The effort to send for `asked` to engines that take `accepted` (None: any): `asked` if
 /// they take it, else the nearest they take, the lower of two equally near (`none` and
@@ -110,14 +112,14 @@ pub fn engine_effort<'a>(asked: &'a str, accepted: Option<&'a [String]>) -> Opti
     if accepted.iter().any(|a| a == asked) {
         return Some(asked);
     }
-    let at = EFFORTS.iter().position(|e| *e == asked)?;
+    let at = REASONING_EFFORTS.iter().position(|e| *e == asked)?;
     let distance = |effort: &&str| {
-        EFFORTS
+        REASONING_EFFORTS
             .iter()
             .position(|e| e == effort)
             .map(|p| (p.abs_diff(at), p))
     };
-    EFFORTS
+    REASONING_EFFORTS
         .iter()
         .filter(|e| **e != "none" && accepted.iter().any(|a| a == *e))
         .min_by_key(|e| distance(e))
@@ -545,16 +547,11 @@ impl<'a> MessageBuilder<'a> {
                 // word, so it is refused, as a file in a user message is. (One stored in a
                 // chain before it was refused stays dropped: the client cannot take it back.)
                 let stored = param == "previous_response_id";
-                if let Some(Value::Array(parts)) = item.get("content").filter(|_| !stored) {
-                    for (index, part) in parts.iter().enumerate() {
-                        let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
-                        if matches!(kind, "input_image" | "input_file" | "input_audio") {
-                            return Err(ApiError::invalid(
-                                format!("{param}.content[{index}].type"),
-                                format!("{param}: a {role} message holds text only; send the {kind} in a user message"),
-                            ));
-                        }
-                    }
+                if let Some((index, kind)) = instruction_media(item).filter(|_| !stored) {
+                    return Err(ApiError::invalid(
+                        format!("{param}.content[{index}].type"),
+                        format!("{param}: a {role} message holds text only; send the {kind} in a user message"),
+                    ));
                 }
                 let text = text_of_parts(item.get("content"));
                 self.push_system(text);
@@ -670,6 +667,20 @@ fn attach_reasoning(flavor: Flavor, reasoning: Option<String>, message: &mut Map
     }
 }
 
+/// The first image, file or audio part of a `system` or `developer` message (its index and
+/// type): instructions hold text only, so such a part would be dropped.
+pub fn instruction_media(item: &Value) -> Option<(usize, &str)> {
+    let role = item.get("role").and_then(Value::as_str);
+    if !matches!(role, Some("system" | "developer")) {
+        return None;
+    }
+    let parts = item.get("content").and_then(Value::as_array)?;
+    parts.iter().enumerate().find_map(|(index, part)| {
+        let kind = part.get("type").and_then(Value::as_str)?;
+        matches!(kind, "input_image" | "input_file" | "input_audio").then_some((index, kind))
+    })
+}
+
 fn str_field<'v>(item: &'v Value, field: &str) -> &'v str {
     item.get(field).and_then(Value::as_str).unwrap_or("")
 }
@@ -775,14 +786,18 @@ fn tool_output(output: Option<&Value>, flavor: Flavor, vision: bool, remote_imag
     Value::Array(chat_parts)
 }
 
-/// Whether an `input_image` part gives its image inline, as a `data:` URL.
-fn is_data_url(part: &Value) -> bool {
-    let url = match part.get("image_url") {
+/// The URL an image part gives in `image_url` (a string or `{url}`).
+fn image_url_of(part: &Value) -> Option<&str> {
+    match part.get("image_url") {
         Some(Value::String(url)) => Some(url.as_str()),
         Some(Value::Object(obj)) => obj.get("url").and_then(Value::as_str),
         _ => None,
-    };
-    url.is_some_and(|url| {
+    }
+}
+
+/// Whether an `input_image` part gives its image inline, as a `data:` URL.
+fn is_data_url(part: &Value) -> bool {
+    image_url_of(part).is_some_and(|url| {
         url.trim_start()
             .get(..5)
             .is_some_and(|scheme| scheme.eq_ignore_ascii_case("data:"))
@@ -795,12 +810,7 @@ fn chat_image(part: &Value) -> Option<Value> {
     if part.get("type").and_then(Value::as_str) != Some("input_image") {
         return None;
     }
-    let url = match part.get("image_url") {
-        Some(Value::String(url)) => Some(url.as_str()),
-        Some(Value::Object(obj)) => obj.get("url").and_then(Value::as_str),
-        _ => None,
-    }
-    .filter(|url| !url.is_empty())?;
+    let url = image_url_of(part).filter(|url| !url.is_empty())?;
     let mut image_url = Map::new();
     image_url.insert("url".into(), json!(url));
     // Chat Completions takes auto, low and high; the Responses API's `original` (full

@@ -1308,8 +1308,7 @@ impl Config {
                 .map_err(|reason| err(at("scoring"), reason))?;
             Role::parse(&pool.role).map_err(|reason| err(at("role"), reason))?;
             for (j, effort) in pool.reasoning_efforts.iter().flatten().enumerate() {
-                const EFFORTS: [&str; 7] =
-                    ["none", "minimal", "low", "medium", "high", "xhigh", "max"];
+                use agentgate_adapters::REASONING_EFFORTS as EFFORTS;
                 if !EFFORTS.contains(&effort.as_str()) {
                     return Err(err(
                         at(&format!("reasoning_efforts[{j}]")),

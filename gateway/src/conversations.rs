@@ -402,20 +402,13 @@ fn items_of(
     // Instructions hold text: an image, file or audio part in one would be dropped at every
     // turn, so it is refused here, as in a request's input.
     for (index, item) in items.iter().enumerate() {
-        let role = item.get("role").and_then(Value::as_str);
-        if !matches!(role, Some("system" | "developer")) {
-            continue;
-        }
-        let parts = item.get("content").and_then(Value::as_array);
-        for (part, content) in parts.into_iter().flatten().enumerate() {
-            let kind = content.get("type").and_then(Value::as_str).unwrap_or("");
-            if matches!(kind, "input_image" | "input_file" | "input_audio") {
-                return Err(HttpError::invalid(
-                    format!("Invalid 'items[{index}]': a {} message holds text only; add the {kind} in a user message.", role.unwrap_or("system")),
-                    Some(&format!("items[{index}].content[{part}].type")),
-                    Some("invalid_value"),
-                ));
-            }
+        if let Some((part, kind)) = agentgate_adapters::instruction_media(item) {
+            let role = item.get("role").and_then(Value::as_str).unwrap_or("system");
+            return Err(HttpError::invalid(
+                format!("Invalid 'items[{index}]': a {role} message holds text only; add the {kind} in a user message."),
+                Some(&format!("items[{index}].content[{part}].type")),
+                Some("invalid_value"),
+            ));
         }
     }
     check_new_ids(&[], &items)?;

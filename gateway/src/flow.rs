@@ -443,6 +443,34 @@ impl StoreRateLimiter {
     }
 
     /// The store keys of `team`'s two buckets.
+    /// `team`'s limits as the store checks them, `cost` charged to each, with the kind of
+    /// each (requests per minute first).
+    fn store_limits(
+        team: &str,
+        limits: RateLimits,
+        cost: RateCost,
+    ) -> (Vec<RateKind>, Vec<RateLimit>) {
+        let (rpm_key, tpm_key) = Self::keys(team);
+        [
+            (RateKind::Requests, rpm_key, limits.rpm, cost.requests),
+            (RateKind::Tokens, tpm_key, limits.tpm, cost.tokens),
+        ]
+        .into_iter()
+        .filter_map(|(kind, key, limit, cost)| {
+            let limit = limit?;
+            Some((
+                kind,
+                RateLimit {
+                    key,
+                    limit,
+                    period: RATE_PERIOD,
+                    cost,
+                },
+            ))
+        })
+        .unzip()
+    }
+
     pub fn keys(team: &str) -> (String, String) {
         (
             format!("team:{{{team}}}:rpm"),
@@ -544,27 +572,7 @@ fn rate_result(
 impl RateLimiter for StoreRateLimiter {
     fn check<'a>(&'a self, team: &'a str, limits: RateLimits, cost: RateCost) -> RateCheck<'a> {
         Box::pin(async move {
-            let (rpm_key, tpm_key) = Self::keys(team);
-            let mut kinds = Vec::new();
-            let mut checks = Vec::new();
-            if let Some(limit) = limits.rpm {
-                kinds.push(RateKind::Requests);
-                checks.push(RateLimit {
-                    key: rpm_key,
-                    limit,
-                    period: RATE_PERIOD,
-                    cost: cost.requests,
-                });
-            }
-            if let Some(limit) = limits.tpm {
-                kinds.push(RateKind::Tokens);
-                checks.push(RateLimit {
-                    key: tpm_key,
-                    limit,
-                    period: RATE_PERIOD,
-                    cost: cost.tokens,
-                });
-            }
+            let (kinds, checks) = Self::store_limits(team, limits, cost);
             if checks.is_empty() {
                 return Ok(RateStatus::default());
             }
@@ -626,24 +634,7 @@ impl RateLimiter for StoreRateLimiter {
             if !self.use_store() {
                 return self.local.refund(team, limits, cost).await;
             }
-            let (rpm_key, tpm_key) = Self::keys(team);
-            let mut back = Vec::new();
-            if let Some(limit) = limits.rpm {
-                back.push(RateLimit {
-                    key: rpm_key,
-                    limit,
-                    period: RATE_PERIOD,
-                    cost: cost.requests,
-                });
-            }
-            if let Some(limit) = limits.tpm {
-                back.push(RateLimit {
-                    key: tpm_key,
-                    limit,
-                    period: RATE_PERIOD,
-                    cost: cost.tokens,
-                });
-            }
+            let (_, back) = Self::store_limits(team, limits, cost);
             // (A refund the store does not take is lost: the team paid for a refusal, as
             // before refunds. It is not worth failing anything over.)
             match tokio::time::timeout(RATE_LIMIT_TIMEOUT, self.store.rate_refund(&back)).await {

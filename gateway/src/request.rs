@@ -4,6 +4,7 @@
 //! request untouched. These views read and check only the fields the gateway acts on, and every
 //! problem becomes a 400 naming the field in `param`.
 
+use agentgate_adapters::REASONING_EFFORTS;
 use serde_json::Value;
 
 use crate::error::HttpError;
@@ -160,10 +161,6 @@ fn one_of(body: &Value, at: &str, key: &str, allowed: &[&str]) -> Result<(), Htt
         Some("invalid_value"),
     ))
 }
-
-/// OpenAI's reasoning efforts (vLLM takes the same set; an engine that supports fewer maps
-/// the rest to its nearest, or refuses them).
-const REASONING_EFFORTS: [&str; 7] = ["none", "minimal", "low", "medium", "high", "xhigh", "max"];
 
 /// OpenAI's rule for function and schema names: 1 to 64 of `[a-zA-Z0-9_-]`.
 fn check_name(name: &Value, param: &str) -> Result<(), HttpError> {

@@ -2217,6 +2217,7 @@ pub async fn run_background(
     let mut sink = Sink::new(&state, &turn, tx, Some(stops.clone()));
     sink.send(&state, rs.queued(), false).await;
     let announced = Announced { rs, sink };
+    let (team, id) = (turn.team.clone(), turn.id.clone());
     turn.background_slot = match state.background_slots.clone().try_acquire_owned() {
         Ok(permit) => Some(permit),
         Err(_) => {
@@ -2224,12 +2225,8 @@ pub async fn run_background(
             turn.admission_pin = None;
             tokio::select! {
                 permit = state.background_slots.clone().acquire_owned() => permit.ok(),
-                stop = stops.stopped() => {
+                stop = waiting_stopped(&mut stops, &state, &team, &id) => {
                     stop_queued(&state, &mut turn, announced, stop).await;
-                    return;
-                }
-                () = ended_in_store(&state, &turn.team, &turn.id) => {
-                    stop_queued(&state, &mut turn, announced, Stop::Cancelled).await;
                     return;
                 }
             }
@@ -2238,12 +2235,8 @@ pub async fn run_background(
     if let Some(pending) = admission {
         let admitted = tokio::select! {
             admitted = pending.admit() => admitted,
-            stop = stops.stopped() => {
+            stop = waiting_stopped(&mut stops, &state, &team, &id) => {
                 stop_queued(&state, &mut turn, announced, stop).await;
-                return;
-            }
-            () = ended_in_store(&state, &turn.team, &turn.id) => {
-                stop_queued(&state, &mut turn, announced, Stop::Cancelled).await;
                 return;
             }
         };
@@ -2274,15 +2267,10 @@ pub async fn run_background(
     turn.skeleton = in_progress;
     // Opening waits for the engine's first byte (queueing and prefill there): a cancel or the
     // shutdown stops that wait too, and dropping it drops the engine request.
-    let (team, id) = (turn.team.clone(), turn.id.clone());
     let opened = tokio::select! {
         opened = open_turn(&state, &mut turn) => opened,
-        stop = stops.stopped() => {
+        stop = waiting_stopped(&mut stops, &state, &team, &id) => {
             stop_queued(&state, &mut turn, announced, stop).await;
-            return;
-        }
-        () = ended_in_store(&state, &team, &id) => {
-            stop_queued(&state, &mut turn, announced, Stop::Cancelled).await;
             return;
         }
     };
@@ -2309,6 +2297,16 @@ async fn ended_in_store(state: &AppState, team: &str, id: &str) {
             Ok(_) => return,
             Err(e) => tracing::debug!(response = %id, "cannot read the run's status: {e}"),
         }
+    }
+}
+
+/// Resolves with why a background run that waits (for a run slot, admission or its engine's
+/// first byte) must stop: a signal of this process, or its stored status no longer active
+/// (cancelled or deleted through any gateway replica).
+async fn waiting_stopped(stops: &mut StopSignals, state: &AppState, team: &str, id: &str) -> Stop {
+    tokio::select! {
+        stop = stops.stopped() => stop,
+        () = ended_in_store(state, team, id) => Stop::Cancelled,
     }
 }
 
