@@ -57,6 +57,10 @@
 //!   the others' requests as of their last publication, so gateways admitting at the same
 //!   moment can pass the cap together, by at most a cap each.
 //!
+//! The same round also shares the gateway's routing decisions with the others through the
+//! pool's route feed, so each gateway's prefix index learns where every gateway sent which
+//! prompt ([`crate::route_feed`]).
+//!
 //! Instants travel as ages ("how long ago") measured by the publisher, plus the state's age
 //! measured by the store, so the gateways' clocks need not agree; the reader counts them back
 //! from the middle of its round trip to the store, which errs by half that round trip at
@@ -85,6 +89,7 @@ use tokio::time::Instant;
 
 use crate::app::AppState;
 use crate::pools::Pool;
+use crate::route_feed;
 
 /// States older than this many intervals (and than [`MIN_FRESH`]) are not read.
 const FRESH_INTERVALS: u32 = 10;
@@ -331,6 +336,9 @@ impl Exchange {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut last_warning: Option<Instant> = None;
+            let mut last_feed_warning: Option<Instant> = None;
+            // Each pool's position in its route feed.
+            let mut cursors: HashMap<String, Option<u64>> = HashMap::new();
             loop {
                 tokio::select! {
                     _ = tick.tick() => {}
@@ -340,6 +348,19 @@ impl Exchange {
                     }
                 }
                 for pool in state.pools.all() {
+                    let cursor = cursors.entry(pool.name.clone()).or_default();
+                    if let Err(e) = route_feed::share(&state, pool, &gateway, cursor).await {
+                        let now = Instant::now();
+                        if last_feed_warning.is_none_or(|at| now.duration_since(at) >= WARN_EVERY) {
+                            last_feed_warning = Some(now);
+                            tracing::warn!(
+                                pool = %pool.name,
+                                "sharing routing decisions with the other gateways failed: \
+                                 {e}; until it works again, this gateway's prefix index learns \
+                                 only from its own"
+                            );
+                        }
+                    }
                     if let Err(e) = exchange_pool(&state, pool, &gateway, every).await {
                         let now = Instant::now();
                         if last_warning.is_none_or(|at| now.duration_since(at) >= WARN_EVERY) {

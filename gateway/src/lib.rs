@@ -51,6 +51,7 @@ pub mod reload;
 pub mod request;
 pub mod response_object;
 pub mod responses;
+pub mod route_feed;
 pub mod turn;
 
 pub use app::{AppState, Gateway};

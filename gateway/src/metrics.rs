@@ -26,7 +26,10 @@
 //!   whose client left; empty otherwise), routing decisions and
 //!   their reason, session pin moves and their cause, discovery reloads, endpoint health
 //!   transitions, probe failures and probe latency, config reloads, response writes the store
-//!   refused (`agentgate_store_write_errors_total`, each try), rate-limit store errors. The
+//!   refused (`agentgate_store_write_errors_total`, each try), rate-limit store errors,
+//!   routing decisions shared with the other gateways
+//!   (`agentgate_prefix_routes_shared_total{pool,direction}`, `sent`, `received`, `dropped`;
+//!   `agentgate_prefix_feed_skipped_total{pool}`, see [`crate::route_feed`]). The
 //!   series naming an endpoint go when discovery removes it for good
 //!   ([`Metrics::forget_endpoint`]);
 //! - **the in-memory store**, read at scrape time: `agentgate_store_memory_bytes` and
@@ -390,6 +393,10 @@ pub struct Metrics {
     pub pd_sub_agent_calls: CounterVec<2>,
     /// `agentgate_pd_leg_duration_seconds{pool,leg}`.
     pub pd_leg_duration: HistogramVec<2>,
+    /// `agentgate_prefix_routes_shared_total{pool,direction}`.
+    pub prefix_routes_shared: CounterVec<2>,
+    /// `agentgate_prefix_feed_skipped_total{pool}`.
+    pub prefix_feed_skipped: CounterVec<1>,
     /// `agentgate_http_requests_total{route,method,status,code}`.
     pub http_requests: CounterVec<4>,
     /// `agentgate_http_request_duration_seconds{route,method}`.
@@ -497,6 +504,16 @@ impl Metrics {
                 "agentgate_http_requests_total",
                 "HTTP requests answered, by route template, method, status and the error code of an error answer (empty on success).",
                 ["route", "method", "status", "code"],
+            ),
+            prefix_routes_shared: CounterVec::new(
+                "agentgate_prefix_routes_shared_total",
+                "Routing decisions shared with the other gateways through the store's route feed, by direction: sent, received (recorded in this gateway's prefix index), dropped (over the per-interval bound).",
+                ["pool", "direction"],
+            ),
+            prefix_feed_skipped: CounterVec::new(
+                "agentgate_prefix_feed_skipped_total",
+                "Route feed entries the store trimmed before this gateway read them (it fell behind).",
+                ["pool"],
             ),
             http_duration: HistogramVec::new(
                 "agentgate_http_request_duration_seconds",
@@ -640,6 +657,8 @@ impl Metrics {
         self.pd_prefill_pin_moves.encode(&mut out);
         self.pd_sub_agent_calls.encode(&mut out);
         self.pd_leg_duration.encode(&mut out);
+        self.prefix_routes_shared.encode(&mut out);
+        self.prefix_feed_skipped.encode(&mut out);
         self.http_requests.encode(&mut out);
         self.http_duration.encode(&mut out);
         out

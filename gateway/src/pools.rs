@@ -75,6 +75,8 @@ pub struct Pool {
     placing: Mutex<()>,
     /// An engine of the pool has reported cached prompt tokens: see [`Pool::cached_tokens`].
     engines_report_cached: AtomicBool,
+    /// Its routing decisions waiting for the other gateways ([`crate::route_feed`]).
+    pub routes: crate::route_feed::Outbox,
 }
 
 /// A pool's prefill/decode settings (`[pools.disaggregation]`).
@@ -129,6 +131,19 @@ impl Pool {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// The prompt with chunk hashes `prefix` was sent to `endpoint`: the picker learns it
+    /// (the engine will hold the prompt once it has run it), and so will the other gateways
+    /// ([`crate::route_feed`]).
+    pub fn routed(&self, endpoint: &Endpoint, prefix: &[u64]) {
+        self.picker.routed(endpoint.slot, prefix);
+        if let Some(index) = self.picker.prefix_index() {
+            let keep = prefix
+                .len()
+                .min(index.capacity_chunks(endpoint.slot).max(1));
+            self.routes.push(endpoint, &prefix[..keep]);
+        }
     }
 
     /// Replace the endpoint list (requests already routed keep their endpoint).
@@ -452,6 +467,7 @@ impl Pools {
                 reasoning_efforts: pc.reasoning_efforts.clone(),
                 placing: Mutex::new(()),
                 engines_report_cached: AtomicBool::new(false),
+                routes: Default::default(),
             });
             let record_load = config.routing.scrape_interval().is_some();
             if pool.flavor != Flavor::Openai

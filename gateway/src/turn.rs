@@ -914,7 +914,7 @@ async fn open_local(
             .await
         {
             Ok(stream) => {
-                pool.picker.routed(ep.slot, &placement.prefix);
+                pool.routed(ep, &placement.prefix);
                 if let Some(window) = placement.room.spread_window {
                     ep.note_reserved_turn(sent, window);
                 }
@@ -1250,9 +1250,9 @@ async fn open_split(
             // its slot to another engine: that one is not credited with this prompt.)
             let credited = !p.is_retired();
             if credited {
-                pool.picker.routed(p.slot, &placement.prefix);
+                pool.routed(&p, &placement.prefix);
             }
-            pool.picker.routed(d.slot, &placement.prefix);
+            pool.routed(&d, &placement.prefix);
             // (An engine that leaves out the cached count, as vLLM does unless started with
             // `--enable-prompt-tokens-details`, told nothing about its cache.)
             if let Some(usage) = opened.prefill_usage.filter(|_| credited) {

@@ -12,6 +12,25 @@
 //! Redis keeps a pool's board in one hash, `{prefix}board:{pool}` (pool encoded as in
 //! [`crate::pins::pin_key`]), field = gateway id, value = `"<ms> <state>"`; the hash expires
 //! [`FORGET_AFTER`] after the last write, so a pool nobody serves leaves nothing behind.
+//!
+//! # The feed
+//!
+//! A state replaces the last one, so it suits what a gateway *holds*; what it *did* (the
+//! routing decisions the others' prefix indexes learn from) must reach every other gateway
+//! once, whether or not it reads between two writes. For that each pool also has a feed
+//! ([`crate::Store::feed`]): an append-only list of entries, each numbered when it is
+//! appended (1, 2, 3, ... per pool), of which the store keeps the last [`FEED_LEN`]. A reader
+//! keeps a cursor, the number of the last entry it has seen, and each call appends its own
+//! entries and returns the others' past its cursor with the new cursor, in one round trip:
+//!
+//! - a first call (no cursor) starts at the end: it returns nothing but the cursor;
+//! - entries trimmed before the reader came back for them are counted as `skipped`;
+//! - a cursor past the feed's end (the feed expired and was started again) starts at the end
+//!   again.
+//!
+//! Redis keeps it in a list, `{prefix}feed:{pool}`, of `"<number> <gateway> <entry>"`, and
+//! the last number in `{prefix}feed-seq:{pool}`; both expire [`FORGET_AFTER`] after the last
+//! append.
 
 use std::time::Duration;
 
@@ -19,6 +38,32 @@ use std::time::Duration;
 /// `fresh` a gateway asks for (ten intervals, and `[flow] exchange_interval_ms` is at most a
 /// minute). `exchange.lua` keeps the same figure.
 pub const FORGET_AFTER: Duration = Duration::from_secs(600);
+
+/// Entries a pool's feed keeps: at ten appends a second per gateway (the default exchange
+/// interval), a dozen seconds of two gateways' routing, so a reader that stalls for a few
+/// seconds misses nothing.
+pub const FEED_LEN: usize = 256;
+
+/// What one call to [`crate::Store::feed`] read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FeedRead {
+    /// The other gateways' entries past the cursor, oldest first: (gateway id, entry).
+    pub entries: Vec<(String, String)>,
+    /// The number of the feed's last entry: the cursor for the next call.
+    pub cursor: u64,
+    /// Entries past the cursor that were trimmed before this read (any gateway's).
+    pub skipped: u64,
+}
+
+/// The store key of `pool`'s feed (a list).
+pub fn feed_key(prefix: &str, pool: &str) -> String {
+    format!("{prefix}feed:{}", crate::pins::encode_key_part(pool))
+}
+
+/// The store key of the number of `pool`'s last feed entry.
+pub fn feed_seq_key(prefix: &str, pool: &str) -> String {
+    format!("{prefix}feed-seq:{}", crate::pins::encode_key_part(pool))
+}
 
 /// Another gateway's published state, as read from the board.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -33,7 +33,7 @@ pub mod store;
 pub mod testing;
 
 pub use error::StoreError;
-pub use exchange::PeerState;
+pub use exchange::{FeedRead, PeerState};
 pub use memory::MemoryStore;
 pub use pins::{PinSwap, SessionPin};
 pub use rate::{RateDecision, RateLimit};

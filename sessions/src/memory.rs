@@ -37,13 +37,13 @@ use tokio::time::Instant;
 
 use serde_json::Value;
 
-use crate::exchange::FORGET_AFTER;
+use crate::exchange::{FEED_LEN, FORGET_AFTER};
 use crate::pins::pin_key;
 use crate::rate::{gcra_step, RateDecision, RateLimit};
 use crate::record::{is_active_status, response_status};
 use crate::{
-    ConversationRecord, History, PeerState, PinSwap, ResponseRecord, SessionPin, Store, StoreError,
-    StoreOptions, MAX_CHAIN_LEN,
+    ConversationRecord, FeedRead, History, PeerState, PinSwap, ResponseRecord, SessionPin, Store,
+    StoreError, StoreOptions, MAX_CHAIN_LEN,
 };
 
 /// How often, at most, a write sweeps expired records out of the map.
@@ -574,13 +574,21 @@ fn value_bytes(value: &Value) -> u64 {
 /// One pool's exchange board: gateway id -> (published at, state).
 type Board = HashMap<String, (Instant, String)>;
 
+/// One pool's feed: the number of its last entry, and its last [`FEED_LEN`] entries
+/// (number, gateway, entry).
+#[derive(Default)]
+struct Feed {
+    last: u64,
+    entries: VecDeque<(u64, String, String)>,
+}
+
 /// In-process store; contents are lost when the process exits.
 pub struct MemoryStore {
     records: Mutex<Records>,
     /// GCRA counters: key -> theoretical arrival time in ms since `epoch`.
     rates: Mutex<HashMap<String, f64>>,
-    /// Exchange boards by pool.
-    boards: Mutex<HashMap<String, Board>>,
+    /// Exchange boards (`.0`) and feeds (`.1`) by pool.
+    exchanges: Mutex<(HashMap<String, Board>, HashMap<String, Feed>)>,
     /// Conversation locks: (team, conversation id) -> (owner, expiry).
     conversation_locks: Mutex<HashMap<(String, String), (String, Instant)>>,
     /// Background runs' leases: response id -> when the lease expires.
@@ -617,7 +625,7 @@ impl MemoryStore {
                 deleted_set: HashSet::new(),
             }),
             rates: Mutex::new(HashMap::new()),
-            boards: Mutex::new(HashMap::new()),
+            exchanges: Mutex::default(),
             conversation_locks: Mutex::new(HashMap::new()),
             run_leases: Mutex::new(HashMap::new()),
             prune_leases_at: std::sync::atomic::AtomicUsize::new(1024),
@@ -1264,8 +1272,8 @@ impl Store for MemoryStore {
         fresh: Duration,
     ) -> Result<Vec<PeerState>, StoreError> {
         let now = Instant::now();
-        let mut boards = self.boards.lock().unwrap_or_else(PoisonError::into_inner);
-        let board = boards.entry(pool.to_string()).or_default();
+        let mut exchanges = self.exchanges.lock().unwrap_or_else(PoisonError::into_inner);
+        let board = exchanges.0.entry(pool.to_string()).or_default();
         board.insert(gateway.to_string(), (now, state.to_string()));
         board.retain(|_, (at, _)| now.saturating_duration_since(*at) <= FORGET_AFTER);
         Ok(board
@@ -1278,6 +1286,41 @@ impl Store for MemoryStore {
                 state: state.clone(),
             })
             .collect())
+    }
+
+    async fn feed(
+        &self,
+        pool: &str,
+        gateway: &str,
+        entries: &[String],
+        cursor: Option<u64>,
+    ) -> Result<FeedRead, StoreError> {
+        let mut exchanges = self.exchanges.lock().unwrap_or_else(PoisonError::into_inner);
+        let feed = exchanges.1.entry(pool.to_string()).or_default();
+        for entry in entries {
+            feed.last += 1;
+            feed.entries
+                .push_back((feed.last, gateway.to_string(), entry.clone()));
+        }
+        while feed.entries.len() > FEED_LEN {
+            feed.entries.pop_front();
+        }
+        let mut read = FeedRead {
+            cursor: feed.last,
+            ..FeedRead::default()
+        };
+        let Some(after) = cursor.filter(|&c| c <= feed.last) else {
+            return Ok(read);
+        };
+        let first = feed.entries.front().map_or(feed.last + 1, |e| e.0);
+        read.skipped = first.saturating_sub(after + 1);
+        read.entries = feed
+            .entries
+            .iter()
+            .filter(|(n, by, _)| *n > after && by != gateway)
+            .map(|(_, by, entry)| (by.clone(), entry.clone()))
+            .collect();
+        Ok(read)
     }
 
     fn round_trips(&self) -> u64 {

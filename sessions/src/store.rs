@@ -8,8 +8,8 @@ use serde_json::Value;
 
 use crate::rate::{RateDecision, RateLimit};
 use crate::{
-    ConversationRecord, History, MemoryStore, PeerState, PinSwap, RedisStore, ResponseRecord,
-    SessionPin, StoreError, StoreOptions,
+    ConversationRecord, FeedRead, History, MemoryStore, PeerState, PinSwap, RedisStore,
+    ResponseRecord, SessionPin, StoreError, StoreOptions,
 };
 
 /// Stored responses, the conversation histories they form, and session -> endpoint pins.
@@ -263,6 +263,17 @@ pub trait Store: Send + Sync + 'static {
         state: &str,
         fresh: Duration,
     ) -> impl Future<Output = Result<Vec<PeerState>, StoreError>> + Send;
+
+    /// Append `entries`, written by gateway `gateway`, to `pool`'s feed, and read the other
+    /// gateways' entries past `cursor` (see [`crate::exchange`]'s "The feed"; `None`: start at
+    /// the end). One round trip.
+    fn feed(
+        &self,
+        pool: &str,
+        gateway: &str,
+        entries: &[String],
+        cursor: Option<u64>,
+    ) -> impl Future<Output = Result<FeedRead, StoreError>> + Send;
 
     /// Round trips to the backend made so far (Redis commands/scripts sent; 0 for memory).
     fn round_trips(&self) -> u64;
@@ -562,6 +573,19 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.exchange(pool, gateway, state, fresh).await,
             AnyStore::Redis(s) => s.exchange(pool, gateway, state, fresh).await,
+        }
+    }
+
+    async fn feed(
+        &self,
+        pool: &str,
+        gateway: &str,
+        entries: &[String],
+        cursor: Option<u64>,
+    ) -> Result<FeedRead, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.feed(pool, gateway, entries, cursor).await,
+            AnyStore::Redis(s) => s.feed(pool, gateway, entries, cursor).await,
         }
     }
 

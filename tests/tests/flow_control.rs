@@ -1338,6 +1338,74 @@ async fn two_gateways_handed_one_memory_store_exchange_as_over_redis() {
     exchange_working_sets_and_sessions(fleet).await;
 }
 
+/// Two gateways of `fleet` (policy `prefix`, two engines) share one store: a prompt the first
+/// routed is found by the second's prefix index, which sends the next prompt sharing it to
+/// the same engine for its prefix, though it never routed it itself.
+async fn share_routing_decisions(fleet: Fleet) {
+    let (a, b) = (&fleet.gateways()[0], &fleet.gateways()[1]);
+    let shared = "You are a careful coding agent working in a large repository. ".repeat(120);
+    let prompt = |tail: &str| json!({"model": "sim-model", "input": format!("{shared}{tail}"), "max_output_tokens": 16});
+    let first = call(&a.base_url(), None, prompt("first question"), &[]).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let endpoint = first.header("x-agentgate-endpoint").unwrap().to_string();
+    let received = || async {
+        let text = metrics_text(&b.base_url()).await;
+        has_line(
+            &text,
+            "agentgate_prefix_routes_shared_total{pool=\"sim\",direction=\"received\"} 1",
+        )
+    };
+    for _ in 0..1500 {
+        if received().await {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(received().await, "b never received a's route");
+    let sent = metric_sum(
+        &metrics_text(&a.base_url()).await,
+        "agentgate_prefix_routes_shared_total",
+    );
+    assert!(sent >= 1.0, "a counts what it sent");
+    let second = call(&b.base_url(), None, prompt("second question"), &[]).await;
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(
+        (
+            second.header("x-agentgate-endpoint"),
+            second.header("x-agentgate-route-reason")
+        ),
+        (Some(endpoint.as_str()), Some("prefix")),
+        "b places the prompt where a sent its prefix"
+    );
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_on_one_redis_share_their_routing_decisions() {
+    let redis = TestRedis::start();
+    let prefix = unique_prefix("route_feed");
+    let fleet = Fleet::of(2)
+        .policy("prefix")
+        .store(redis.url(), &prefix)
+        .extra(&exchange_every_200_ms())
+        .gateways(2)
+        .start()
+        .await;
+    share_routing_decisions(fleet).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_handed_one_memory_store_share_their_routing_decisions() {
+    let fleet = Fleet::of(2)
+        .policy("prefix")
+        .shared_memory()
+        .extra(&exchange_every_200_ms())
+        .gateways(2)
+        .start()
+        .await;
+    share_routing_decisions(fleet).await;
+}
+
 /// Gateways whose configs list the same engines in another order (as during a rolling config
 /// change; configured endpoints are named by their position) still exchange about the same
 /// engines: the board names endpoints by their engine's URL.

@@ -67,13 +67,13 @@ use ::redis::{
 };
 use serde_json::Value;
 
-use crate::exchange::board_key;
+use crate::exchange::{board_key, feed_key, feed_seq_key, FEED_LEN};
 use crate::pins::{decode_pin, encode_pin, pin_key};
 use crate::rate::{RateDecision, RateLimit};
 use crate::record::response_status;
 use crate::{
-    ConversationRecord, History, PeerState, PinSwap, ResponseRecord, SessionPin, Store, StoreError,
-    StoreOptions, MAX_CHAIN_LEN,
+    ConversationRecord, FeedRead, History, PeerState, PinSwap, ResponseRecord, SessionPin, Store,
+    StoreError, StoreOptions, MAX_CHAIN_LEN,
 };
 
 /// A Lua script with its SHA1, ready for EVALSHA.
@@ -258,6 +258,7 @@ pub struct RedisStore {
     get_pin_script: LuaScript,
     rate_script: LuaScript,
     exchange_script: LuaScript,
+    feed_script: LuaScript,
     conversation_lock_script: LuaScript,
 }
 
@@ -330,6 +331,7 @@ impl RedisStore {
             get_pin_script: LuaScript::new(include_str!("get_pin.lua")),
             rate_script: LuaScript::new(include_str!("rate_limit.lua")),
             exchange_script: LuaScript::new(include_str!("exchange.lua")),
+            feed_script: LuaScript::new(include_str!("feed.lua")),
             conversation_lock_script: LuaScript::new(include_str!("conversation_lock.lua")),
         };
         store.load_scripts().await?;
@@ -438,6 +440,7 @@ impl RedisStore {
             &self.get_pin_script,
             &self.rate_script,
             &self.exchange_script,
+            &self.feed_script,
             &self.conversation_lock_script,
         ] {
             pipe.cmd("SCRIPT").arg("LOAD").arg(script.source).ignore();
@@ -1114,6 +1117,43 @@ impl Store for RedisStore {
                 })
             })
             .collect()
+    }
+
+    async fn feed(
+        &self,
+        pool: &str,
+        gateway: &str,
+        entries: &[String],
+        cursor: Option<u64>,
+    ) -> Result<FeedRead, StoreError> {
+        let key = feed_key(&self.key_prefix, pool);
+        let seq_key = feed_seq_key(&self.key_prefix, pool);
+        let cursor = cursor.map_or_else(|| "-1".to_string(), |c| c.to_string());
+        let keep = FEED_LEN.to_string();
+        let mut args: Vec<&[u8]> = vec![gateway.as_bytes(), cursor.as_bytes(), keep.as_bytes()];
+        args.extend(entries.iter().map(|e| e.as_bytes()));
+        let reply: Vec<Vec<u8>> = self
+            .run_script_keys(&self.feed_script, &[&key, &seq_key], &args)
+            .await?;
+        let unreadable = || StoreError::Backend(format!("feed {key}: unreadable reply"));
+        let number = |bytes: &[u8]| {
+            std::str::from_utf8(bytes)
+                .ok()
+                .and_then(|n| n.parse::<u64>().ok())
+                .ok_or_else(unreadable)
+        };
+        let [cursor, skipped, rest @ ..] = reply.as_slice() else {
+            return Err(unreadable());
+        };
+        let text = |bytes: &[u8]| String::from_utf8(bytes.to_vec()).map_err(|_| unreadable());
+        Ok(FeedRead {
+            cursor: number(cursor)?,
+            skipped: number(skipped)?,
+            entries: rest
+                .chunks_exact(2)
+                .map(|pair| Ok((text(&pair[0])?, text(&pair[1])?)))
+                .collect::<Result<_, StoreError>>()?,
+        })
     }
 
     fn round_trips(&self) -> u64 {
