@@ -349,7 +349,12 @@ impl Exchange {
                 }
                 for pool in state.pools.all() {
                     let cursor = cursors.entry(pool.name.clone()).or_default();
-                    if let Err(e) = route_feed::share(&state, pool, &gateway, cursor).await {
+                    // Independent round trips: neither waits on the other.
+                    let (shared, exchanged) = tokio::join!(
+                        route_feed::share(&state, pool, &gateway, cursor),
+                        exchange_pool(&state, pool, &gateway, every)
+                    );
+                    if let Err(e) = shared {
                         let now = Instant::now();
                         if last_feed_warning.is_none_or(|at| now.duration_since(at) >= WARN_EVERY) {
                             last_feed_warning = Some(now);
@@ -361,7 +366,7 @@ impl Exchange {
                             );
                         }
                     }
-                    if let Err(e) = exchange_pool(&state, pool, &gateway, every).await {
+                    if let Err(e) = exchanged {
                         let now = Instant::now();
                         if last_warning.is_none_or(|at| now.duration_since(at) >= WARN_EVERY) {
                             last_warning = Some(now);

@@ -146,6 +146,27 @@ impl Pool {
         }
     }
 
+    /// Another gateway sent the prompt with chunk hashes `prefix` to the engine at `url`:
+    /// record it as this gateway's own routing would. False when no endpoint of the pool has
+    /// that URL. Taken with discovery held off, so a slot that discovery hands to a new engine
+    /// is not credited with its old engine's prompts.
+    pub fn learn_route(&self, url: &str, prefix: &[u64]) -> bool {
+        let Some(index) = self.picker.prefix_index() else {
+            return false;
+        };
+        let _no_discovery = self.placing.lock().unwrap_or_else(PoisonError::into_inner);
+        let endpoints = self.endpoints();
+        let Some(e) = endpoints
+            .iter()
+            .find(|e| e.base_url == url && !e.is_retired())
+        else {
+            return false;
+        };
+        let keep = prefix.len().min(index.capacity_chunks(e.slot).max(1));
+        self.picker.routed(e.slot, &prefix[..keep]);
+        true
+    }
+
     /// Replace the endpoint list (requests already routed keep their endpoint).
     pub fn set_endpoints(&self, endpoints: Vec<Arc<Endpoint>>) {
         *self

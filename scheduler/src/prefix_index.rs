@@ -1,8 +1,9 @@
 //! The prefix index: which leading chunks of a prompt each endpoint's KV cache probably holds.
 //!
 //! The gateway never sees the engines' KV blocks (that needs KV events), so it keeps its own
-//! approximate model of each replica's prefix cache, fed by its routing decisions and trimmed by
-//! what the engines report back, and turns it into a prefix-match score in [0, 1] per endpoint.
+//! approximate model of each replica's prefix cache, fed by its routing decisions (and, behind
+//! several gateways sharing a store, by theirs: the gateway's route feed) and trimmed by what the
+//! engines report back, and turns it into a prefix-match score in [0, 1] per endpoint.
 //!
 //! # Slots
 //!
@@ -88,9 +89,10 @@
 //! it at routing, so the report says nothing wrong about this prompt. It does check the
 //! prediction: when the request was picked the index believed the endpoint held `matched`
 //! leading chunks, and the engine had only `reported` of them. Those it had lost were evicted
-//! by traffic the index did not see (other gateway replicas, a smaller cache than modelled, a
-//! restart), and an LRU evicts the coldest first, so [`PrefixIndex::correct`] forgets as many
-//! of the slot's least recently used chunks, sparing the prompt just run (its most recent ones):
+//! by traffic the index did not see (other gateway replicas, or their routes not yet received,
+//! a smaller cache than modelled, a restart), and an LRU evicts the coldest first, so
+//! [`PrefixIndex::correct`] forgets as many of the slot's least recently used chunks, sparing
+//! the prompt just run (its most recent ones):
 //!
 //! ```text
 //! reported = floor(n * cached_tokens / prompt_tokens)      (the engine's own token counts)

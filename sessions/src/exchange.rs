@@ -40,9 +40,12 @@ use std::time::Duration;
 pub const FORGET_AFTER: Duration = Duration::from_secs(600);
 
 /// Entries a pool's feed keeps: at ten appends a second per gateway (the default exchange
-/// interval), a dozen seconds of two gateways' routing, so a reader that stalls for a few
-/// seconds misses nothing.
-pub const FEED_LEN: usize = 256;
+/// interval), three seconds of two gateways' routing (under a second of eight's), so a reader
+/// late by a few intervals misses nothing, while a pool's feed stays within tens of megabytes
+/// however much its gateways route (the gateway bounds an entry; `agentgate::route_feed`).
+/// The memory store keeps a pool's feed for the process's lifetime (bounded the same way);
+/// Redis lets it expire.
+pub const FEED_LEN: usize = 64;
 
 /// What one call to [`crate::Store::feed`] read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -1272,7 +1272,10 @@ impl Store for MemoryStore {
         fresh: Duration,
     ) -> Result<Vec<PeerState>, StoreError> {
         let now = Instant::now();
-        let mut exchanges = self.exchanges.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut exchanges = self
+            .exchanges
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let board = exchanges.0.entry(pool.to_string()).or_default();
         board.insert(gateway.to_string(), (now, state.to_string()));
         board.retain(|_, (at, _)| now.saturating_duration_since(*at) <= FORGET_AFTER);
@@ -1295,7 +1298,10 @@ impl Store for MemoryStore {
         entries: &[String],
         cursor: Option<u64>,
     ) -> Result<FeedRead, StoreError> {
-        let mut exchanges = self.exchanges.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut exchanges = self
+            .exchanges
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let feed = exchanges.1.entry(pool.to_string()).or_default();
         for entry in entries {
             feed.last += 1;

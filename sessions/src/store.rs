@@ -266,7 +266,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Append `entries`, written by gateway `gateway`, to `pool`'s feed, and read the other
     /// gateways' entries past `cursor` (see [`crate::exchange`]'s "The feed"; `None`: start at
-    /// the end). One round trip.
+    /// the end). A gateway id holds no space. One round trip.
     fn feed(
         &self,
         pool: &str,

@@ -1362,11 +1362,15 @@ async fn share_routing_decisions(fleet: Fleet) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(received().await, "b never received a's route");
-    let sent = metric_sum(
-        &metrics_text(&a.base_url()).await,
-        "agentgate_prefix_routes_shared_total",
+    let on_a = metrics_text(&a.base_url()).await;
+    assert!(
+        has_line(
+            &on_a,
+            "agentgate_prefix_routes_shared_total{pool=\"sim\",direction=\"sent\"} 1"
+        ),
+        "a counts what it sent, and receives nothing of its own back: {on_a}"
     );
-    assert!(sent >= 1.0, "a counts what it sent");
+    assert!(!on_a.contains("direction=\"received\"} 1"), "{on_a}");
     let second = call(&b.base_url(), None, prompt("second question"), &[]).await;
     assert_eq!(second.status, 200, "{}", second.body);
     assert_eq!(

@@ -27,12 +27,14 @@ local first = last - held + 1
 local from = math.max(cursor + 1, first)
 local out = {tostring(last), tostring(from - (cursor + 1))}
 local items = redis.call('LRANGE', KEYS[1], from - first, -1)
+-- Each item is checked against the cursor by its own number, so a list that outlived its
+-- number key (or the other way round) never passes off old entries as new.
 for _, item in ipairs(items) do
   local space = string.find(item, ' ', 1, true)
   local rest = string.sub(item, space + 1)
   local gap = string.find(rest, ' ', 1, true)
   local by = string.sub(rest, 1, gap - 1)
-  if by ~= ARGV[1] then
+  if tonumber(string.sub(item, 1, space - 1)) > cursor and by ~= ARGV[1] then
     out[#out + 1] = by
     out[#out + 1] = string.sub(rest, gap + 1)
   end
