@@ -31,7 +31,10 @@
 //! `finish_reason: "abort"` or `"error"` (vLLM: the engine aborted or failed the request) ends as
 //! `failed`, code `server_error`. `finish_reason: "length"` ends as `incomplete` with `incomplete_details.reason =
 //! "max_output_tokens"` (`content_filter` -> `"content_filter"`); items still open then get status
-//! `incomplete`. When the engine reports no `completion_tokens_details.reasoning_tokens` (nor
+//! `incomplete`. A stream that fails or is cancelled closes an open message or reasoning item
+//! the same way, but sends no `done` event for an open tool call: clients run a call once its
+//! item is done (Codex does whatever its status says), and its arguments were cut short; the
+//! call is `incomplete` in the final response. When the engine reports no `completion_tokens_details.reasoning_tokens` (nor
 //! SGLang's top-level `reasoning_tokens`), or 0 while reasoning streamed, the number of
 //! reasoning deltas is used as the count.
 
@@ -59,6 +62,10 @@ impl SseEvent {
         format!("event: {}\ndata: {}\n\n", self.event, self.data)
     }
 }
+
+/// The status [`ResponseStream::close_calls`] takes for calls cut off by a failed or cancelled
+/// stream (not a status any item carries).
+const CUT_OFF: &str = "cut off";
 
 /// The text-like item currently being streamed.
 #[derive(Debug)]
@@ -425,8 +432,10 @@ impl ResponseStream {
         events
     }
 
-    /// Ends the stream with `response.failed` (`error: {code, message}`) as the last event; items
-    /// still open are closed first with status `incomplete` so the event log stays consistent.
+    /// Ends the stream with `response.failed` (`error: {code, message}`) as the last event; a
+    /// message or reasoning item still open is closed first with status `incomplete` so the
+    /// event log stays consistent; a tool call still open gets no `done` event (clients would
+    /// run it), and is `incomplete` in the final response.
     pub fn fail(&mut self, code: &str, message: &str) -> Vec<SseEvent> {
         self.end_unsuccessful("failed", code, message)
     }
@@ -448,7 +457,7 @@ impl ResponseStream {
         if !self.created {
             self.start_into(&mut events);
         }
-        self.close_all("incomplete", &mut events);
+        self.close_cut_off(&mut events);
         self.ended = true;
         self.finalize_response();
         self.set_field("status", json!(status));
@@ -884,6 +893,20 @@ impl ResponseStream {
                 continue;
             };
             let item_id = call.item_id.clone();
+            if status == CUT_OFF {
+                // The stream failed or was cancelled while the call's arguments were still
+                // coming: no `*.done` event, since clients run a tool call when its item is
+                // done (Codex does, whatever its status) and these arguments are cut short.
+                // The final response lists it `incomplete`.
+                let arguments = if call.custom {
+                    custom_input(&call.arguments)
+                } else {
+                    call.arguments.clone()
+                };
+                let item = self.call_item(slot, "incomplete", &arguments);
+                self.store_item(output_index, item);
+                continue;
+            }
             if call.custom {
                 let input = custom_input(&call.arguments);
                 let item = self.call_item(slot, status, &input);
@@ -929,6 +952,13 @@ impl ResponseStream {
     fn close_all(&mut self, status: &str, events: &mut Vec<SseEvent>) {
         self.close_current(status, events);
         self.close_calls(status, events);
+    }
+
+    /// Close what is open as a stream that failed or was cancelled: a message or reasoning
+    /// item is done `incomplete`; a tool call is left without a `done` event ([`CUT_OFF`]).
+    fn close_cut_off(&mut self, events: &mut Vec<SseEvent>) {
+        self.close_current("incomplete", events);
+        self.close_calls(CUT_OFF, events);
     }
 
     fn store_item(&mut self, output_index: usize, item: Value) {
@@ -1304,10 +1334,28 @@ mod tests {
                 other => panic!("unexpected event {other}"),
             }
         }
-        assert!(
-            done.iter().all(|d| *d),
-            "every item is closed before the terminal event"
-        );
+        // A failed stream leaves a tool call open (clients would run it once done); the final
+        // response lists it `incomplete`.
+        for (n, (item, done)) in output.iter_mut().zip(&done).enumerate() {
+            let call = matches!(
+                item["type"].as_str(),
+                Some("function_call" | "custom_tool_call")
+            );
+            if !done && call && last.event == "response.failed" {
+                let listed = &last.data["response"]["output"][n];
+                assert_eq!(listed["status"], "incomplete");
+                assert_eq!(
+                    (&listed["type"], &listed["id"]),
+                    (&item["type"], &item["id"])
+                );
+                if item["type"] == "function_call" {
+                    assert_eq!(listed["arguments"], item["arguments"], "the deltas sent");
+                }
+                *item = listed.clone();
+                continue;
+            }
+            assert!(*done, "every item is closed before the terminal event");
+        }
         assert_eq!(
             last.data["response"]["output"],
             json!(output),
@@ -1987,6 +2035,40 @@ mod tests {
             json!({"code": "server_error", "message": "engine connection lost"})
         );
         assert_eq!(response["usage"]["output_tokens"], 0);
+    }
+
+    #[test]
+    fn a_tool_call_cut_off_by_a_failure_is_never_done() {
+        for cancel in [false, true] {
+            let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+            let mut events = stream.start();
+            events.extend(stream.on_chunk(&chunk(json!({"content": "Running it."}), None)));
+            events.extend(stream.on_chunk(&chunk(
+                json!({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                       "function": {"name": "shell", "arguments": "{\"cmd\": \"rm -r"}}]}),
+                None,
+            )));
+            events.extend(if cancel {
+                stream.cancel("cancelled", "cancelled")
+            } else {
+                stream.fail("server_error", "engine connection lost")
+            });
+            let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+            assert!(
+                !kinds.contains(&"response.function_call_arguments.done"),
+                "{kinds:?}"
+            );
+            let done: Vec<&str> = events
+                .iter()
+                .filter(|e| e.event == "response.output_item.done")
+                .map(|e| e.data["item"]["type"].as_str().unwrap())
+                .collect();
+            assert_eq!(done, ["message"], "the message is done, the call never");
+            let output = replay(&events);
+            assert_eq!(output[1]["type"], "function_call");
+            assert_eq!(output[1]["status"], "incomplete");
+            assert_eq!(output[1]["arguments"], "{\"cmd\": \"rm -r");
+        }
     }
 
     #[test]
