@@ -1813,8 +1813,15 @@ async fn drive_announced(
                     }
                     Err(err) => {
                         tracing::warn!(response = %turn.id, "no endpoint could take the request again: {}", agentgate_adapters::OneLine(&err.error.message));
+                        // The retry's answer that the prompt is over the context window is
+                        // the one a client acts on (Codex compacts its history on this code
+                        // and retries on any other).
+                        let code = match err.error.code.as_deref() {
+                            Some(overflow @ "context_length_exceeded") => overflow,
+                            _ => e.failure_code(),
+                        };
                         break rs.fail(
-                            e.failure_code(),
+                            code,
                             &format!(
                                 "The model backend failed before generating the response: {e}; \
                                  trying it again elsewhere failed: {}",
