@@ -725,7 +725,8 @@ pub struct FlowRequest<'a> {
     pub body: &'a Value,
     /// Estimated prompt tokens of the engine request.
     pub prompt_tokens: u64,
-    /// Request body size.
+    /// What the request holds while it waits, for `max_queued_bytes`: its body's size, or
+    /// its engine request's when larger.
     pub bytes: u64,
     /// The session key.
     pub session: Option<String>,

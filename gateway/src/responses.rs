@@ -652,6 +652,14 @@ async fn refuse_conversation_response(
     }
 }
 
+/// What a request waiting in a band's queue counts against its `max_queued_bytes`: its body,
+/// or its engine request when that is larger (four bytes per estimated prompt token, the
+/// estimate's own ratio). A turn continuing a stored chain, or a conversation, sends a small
+/// body but holds the whole history, loaded from the store, while it waits.
+fn queued_bytes(body_bytes: u64, prompt_tokens: u64) -> u64 {
+    body_bytes.max(prompt_tokens.saturating_mul(4))
+}
+
 /// Prepare, admit, place and run one Responses request from its parsed body.
 async fn run(
     state: &Arc<AppState>,
@@ -775,13 +783,14 @@ async fn run_turn(
     turn.lineage = turn::lineage_of(&turn.pool, &turn.team, headers, turn.session.as_deref());
     // Admission comes after the request is prepared (its token estimate exists) and before
     // an endpoint is picked; a band the team may not use is refused here.
+    let prompt_tokens = agentgate_adapters::estimate_prompt_tokens(&turn.plan.body);
     let admission = state.flow.pending(flow::FlowRequest {
         team: &turn.team,
         pool: &turn.pool.name,
         headers,
         body: &req.body,
-        prompt_tokens: agentgate_adapters::estimate_prompt_tokens(&turn.plan.body),
-        bytes: body_bytes,
+        prompt_tokens,
+        bytes: queued_bytes(body_bytes, prompt_tokens),
         session: turn.session.clone(),
         continuing,
         background: req.background,

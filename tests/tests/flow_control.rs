@@ -313,6 +313,38 @@ async fn a_full_queue_is_429_and_a_queue_ttl_is_503_with_retry_after() {
     fleet.shutdown().await;
 }
 
+/// A turn continuing a stored chain sends a few bytes but holds the chain's history, loaded
+/// from the store, while it waits: the queue's byte cap counts that, not the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_turn_counts_the_history_it_holds_against_the_byte_cap() {
+    let extra = format!(
+        "{STILL}[[bands]]\nname = \"small\"\npriority = 1\nmax_queued_bytes = 100000\n\
+         queue_ttl_ms = 3000\n{}",
+        team("chain", "default_band = \"small\""),
+    );
+    let fleet = Fleet::of(1).extra(&extra).start().await;
+    let gw = fleet.gateway();
+    let base = fleet.base_url();
+    let mut long = hello();
+    long["input"] = json!("a long history of tool output ".repeat(8_000));
+    let first = call(&base, Some("chain"), long, &[]).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let id = first.body["id"].as_str().unwrap().to_string();
+    saturate(gw, true);
+    let mut next = hello();
+    next["previous_response_id"] = json!(id);
+    let refused = call(&base, Some("chain"), next.clone(), &[]).await;
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.code(), "queue_full");
+    // A turn of its own, as small as the chained one's body, still waits for room.
+    let waiting = spawn_call(&base, Some("chain"), hello(), &[]);
+    eventually("the short turn waits", || queued(gw, "small") == 1).await;
+    saturate(gw, false);
+    assert_eq!(waiting.await.unwrap().status, 200);
+    assert_eq!(call(&base, Some("chain"), next, &[]).await.status, 200);
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_may_ask_for_a_lower_band_never_a_higher_one() {
     let extra = format!(

@@ -24,8 +24,9 @@ pub struct BandSpec {
     /// Most requests waiting in this band; more are rejected with [`Rejection::QueueFull`].
     /// `0` means the band never queues: a request is dispatched at once or rejected.
     pub max_queued: usize,
-    /// Most request-body bytes waiting in this band; more are rejected with
-    /// [`Rejection::QueueFull`].
+    /// Most bytes of requests waiting in this band (each request's size as the caller
+    /// counts it: the gateway counts its body, or its engine request when larger); more are
+    /// rejected with [`Rejection::QueueFull`].
     pub max_queued_bytes: u64,
     /// Longest a request waits in the queue before it is answered with [`Rejection::Timeout`].
     pub queue_ttl: Duration,

@@ -40,7 +40,7 @@ pub struct Ticket {
     pub band: Option<String>,
     /// Estimated input tokens + max output tokens: the cost for fairness and the tokens limit.
     pub cost_tokens: u64,
-    /// Request body size, for `max_queued_bytes`.
+    /// The request's size while it waits, for `max_queued_bytes`.
     pub bytes: u64,
     /// The agent session this request belongs to, if known.
     pub session: Option<String>,
