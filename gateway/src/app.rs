@@ -130,6 +130,45 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Flow control: one controller per pool, admission before routing.
     pub flow: FlowControl,
+    /// Streams following background responses' events, per team
+    /// (`[background] max_follows_per_team`).
+    pub follows: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+/// One team's place among the streams following background responses: given back when
+/// dropped.
+pub struct FollowSlot {
+    follows: Arc<Mutex<HashMap<String, usize>>>,
+    team: String,
+}
+
+impl FollowSlot {
+    /// A place for `team`, unless it holds `limit` already (0: no bound).
+    pub fn take(state: &AppState, team: &str) -> Option<FollowSlot> {
+        let limit = state.config.background.max_follows_per_team;
+        let mut follows = state.follows.lock().unwrap_or_else(PoisonError::into_inner);
+        let held = follows.entry(team.to_string()).or_insert(0);
+        if limit > 0 && *held >= limit {
+            return None;
+        }
+        *held += 1;
+        Some(FollowSlot {
+            follows: state.follows.clone(),
+            team: team.to_string(),
+        })
+    }
+}
+
+impl Drop for FollowSlot {
+    fn drop(&mut self) {
+        let mut follows = self.follows.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(held) = follows.get_mut(&self.team) {
+            *held = held.saturating_sub(1);
+            if *held == 0 {
+                follows.remove(&self.team);
+            }
+        }
+    }
 }
 
 impl AppState {
@@ -180,6 +219,7 @@ impl AppState {
             draining: tokio::sync::watch::Sender::new(false),
             metrics,
             flow,
+            follows: Arc::default(),
         }))
     }
 }

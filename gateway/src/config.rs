@@ -421,6 +421,10 @@ pub struct BackgroundConfig {
     /// stream from) is kept this long once the response has ended, at most `store.ttl_days`;
     /// a stream resumed later ends with the stored response.
     pub event_log_ttl_s: f64,
+    /// Streams one team may hold open at once per gateway process following background
+    /// responses' events (`GET /v1/responses/{id}?stream=true`); one more is refused with 429
+    /// `too_many_follows`. Each polls the store every 200 ms; 0: no bound.
+    pub max_follows_per_team: usize,
 }
 
 impl BackgroundConfig {
@@ -438,6 +442,7 @@ impl Default for BackgroundConfig {
             max_per_team: 0,
             orphaned_after_s: 30.0,
             event_log_ttl_s: 3600.0,
+            max_follows_per_team: 64,
         }
     }
 }

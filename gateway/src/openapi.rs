@@ -39,10 +39,10 @@ pub const ROUTES: &[RouteDoc] = &[
     RouteDoc {
         method: "get",
         path: "/v1/responses/{id}",
-        summary: "Retrieve a stored response; with stream=true, a background response's events (replayed, then followed until the terminal event).",
+        summary: "Retrieve a stored response; with stream=true, a background response's events (replayed, then followed until the terminal event); a team holding [background] max_follows_per_team such streams on the gateway gets 429 too_many_follows for one more.",
         request: None,
         response: "Response",
-        errors: &[400, 401, 404, 503],
+        errors: &[400, 401, 404, 429, 503],
         query: &[
             (
                 "stream",

@@ -1105,8 +1105,25 @@ pub async fn retrieve(
             Some("unsupported_parameter"),
         ));
     }
+    let Some(slot) = crate::app::FollowSlot::take(&state, &team.0) else {
+        return Err(HttpError::new(
+            429,
+            "rate_limit_error",
+            format!(
+                "Your team already follows {} background responses on this gateway \
+                 ([background] max_follows_per_team); close a stream or retry shortly.",
+                state.config.background.max_follows_per_team
+            ),
+            None,
+            Some("too_many_follows"),
+        )
+        .with_retry_after(1));
+    };
     let (tx, rx) = mpsc::channel(256);
-    tokio::spawn(stream_stored(state.clone(), team, id, starting_after, tx));
+    tokio::spawn(async move {
+        let _slot = slot;
+        stream_stored(state.clone(), team, id, starting_after, tx).await;
+    });
     Ok(sse_response(rx, None, None))
 }
 

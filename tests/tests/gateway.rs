@@ -890,6 +890,43 @@ async fn one_team_cannot_take_every_background_place() {
     sim.shutdown().await;
 }
 
+/// Streams following background responses are bounded per team: one past the bound is a
+/// 429 with Retry-After, and a stream the client closes gives its place back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_team_may_follow_only_so_many_background_responses_at_once() {
+    let (sim, gw) = one_stalled_background_slot("max_follows_per_team = 1\n", None).await;
+    let base = gw.base_url();
+    let job = json!({"model": "sim-model", "input": "job", "background": true});
+    let (s, created) = create(&base, job).await;
+    assert_eq!(s, 200, "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+    let open_follow = || {
+        client()
+            .get(format!("{base}/v1/responses/{id}?stream=true"))
+            .send()
+    };
+    let first = open_follow().await.unwrap();
+    assert_eq!(first.status(), 200);
+    let refused = open_follow().await.unwrap();
+    assert_eq!(refused.status(), 429);
+    assert_eq!(header(&refused, "retry-after"), "1");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "too_many_follows", "{body}");
+    drop(first);
+    let mut status = 429;
+    for _ in 0..150 {
+        let again = open_follow().await.unwrap();
+        status = again.status().as_u16();
+        if status == 200 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(status, 200, "the closed stream gave its place back");
+    gw.shutdown().await;
+    sim.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn least_loaded_pool_serves_concurrent_turns_and_releases_its_counts() {
     let fleet = Fleet::of(2).policy("least_loaded").start().await;
