@@ -872,7 +872,9 @@ pub struct BandConfig {
     /// Most requests waiting in the band; more get 429 `queue_full`. 0: never queue.
     #[serde(default = "default_max_queued")]
     pub max_queued: usize,
-    /// Most request-body bytes waiting in the band; more get 429 `queue_full`.
+    /// Most bytes of requests waiting in the band (each counts its body, or its engine
+    /// request when larger, which holds a stored chain's history); more get 429
+    /// `queue_full`, except a request that would wait alone.
     #[serde(default = "default_max_queued_bytes")]
     pub max_queued_bytes: u64,
     /// Longest wait in the queue, in milliseconds, before 503 `queue_timeout`.

@@ -330,6 +330,11 @@ impl Exchange {
             return None;
         }
         state.flow.set_yield_limit(every * YIELD_INTERVALS);
+        for pool in state.pools.all() {
+            if pool.picker.prefix_index().is_some() {
+                pool.routes.enable();
+            }
+        }
         let (stop, mut rx) = watch::channel(false);
         let state = state.clone();
         let task = tokio::spawn(async move {

@@ -796,7 +796,7 @@ pub fn flow_state(flow: &FlowControl, out: &mut String) {
     );
     let queued_bytes = GaugeVec::new(
         "agentgate_flow_queued_bytes",
-        "Request-body bytes waiting in the band's queue.",
+        "Bytes of the requests waiting in the band's queue (each its body, or its engine request when larger).",
         ["pool", "band"],
     );
     let band_requests = CounterVec::new(

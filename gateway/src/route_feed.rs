@@ -49,7 +49,8 @@ use crate::pools::{Endpoint, Pool};
 /// line per route).
 pub const OUTBOX_HASHES: usize = 32 * 1024;
 
-/// Routing decisions of one pool waiting to go on its feed.
+/// Routing decisions of one pool waiting to go on its feed (kept once the exchange starts,
+/// [`Outbox::enable`]; a pool a reload adds, from its first round).
 #[derive(Debug, Default)]
 pub struct Outbox {
     inner: Mutex<OutboxState>,
@@ -79,6 +80,11 @@ impl Outbox {
         state
             .routes
             .push((endpoint.base_url.clone(), prefix.to_vec()));
+    }
+
+    /// Keep routes from now on (the feed runs).
+    pub fn enable(&self) {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).on = true;
     }
 
     /// The routes kept since the last call and how many were dropped; from now on routes are

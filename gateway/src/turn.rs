@@ -1813,11 +1813,12 @@ async fn drive_announced(
                     }
                     Err(err) => {
                         tracing::warn!(response = %turn.id, "no endpoint could take the request again: {}", agentgate_adapters::OneLine(&err.error.message));
-                        // The retry's answer that the prompt is over the context window is
-                        // the one a client acts on (Codex compacts its history on this code
-                        // and retries on any other).
+                        // A fault of the request that the retry found (a prompt over the
+                        // context window, an output budget that fills it) is the answer a
+                        // client acts on: Codex compacts its history on
+                        // `context_length_exceeded` and retries on an engine failure.
                         let code = match err.error.code.as_deref() {
-                            Some(overflow @ "context_length_exceeded") => overflow,
+                            Some(code) if err.error.status == 400 => code,
                             _ => e.failure_code(),
                         };
                         break rs.fail(

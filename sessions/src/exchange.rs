@@ -20,13 +20,17 @@
 //! once, whether or not it reads between two writes. For that each pool also has a feed
 //! ([`crate::Store::feed`]): an append-only list of entries, each numbered when it is
 //! appended (1, 2, 3, ... per pool), of which the store keeps the last [`FEED_LEN`]. A reader
-//! keeps a cursor, the number of the last entry it has seen, and each call appends its own
-//! entries and returns the others' past its cursor with the new cursor, in one round trip:
+//! keeps a cursor, the number of the last entry it has read, and each call appends its own
+//! entries and reads the next [`FEED_READ_MAX`] past its cursor (the others' are returned,
+//! its own passed over) with the new cursor, in one round trip:
 //!
-//! - a first call (no cursor) starts at the end: it returns nothing but the cursor;
+//! - a first call (no cursor) reads from the oldest entry kept, so a gateway that starts
+//!   learns the last few seconds of the others' routing;
 //! - entries trimmed before the reader came back for them are counted as `skipped`;
-//! - a cursor past the feed's end (the feed expired and was started again) starts at the end
-//!   again.
+//! - a cursor past the feed's end (the feed expired and was started again) reads from the
+//!   oldest entry kept, as a first call does;
+//! - a reader behind by more than [`FEED_READ_MAX`] entries catches up over the next calls,
+//!   so no reply carries more than that many entries.
 //!
 //! Redis keeps it in a list, `{prefix}feed:{pool}`, of `"<number> <gateway> <entry>"`, and
 //! the last number in `{prefix}feed-seq:{pool}`; both expire [`FORGET_AFTER`] after the last
@@ -47,12 +51,16 @@ pub const FORGET_AFTER: Duration = Duration::from_secs(600);
 /// Redis lets it expire.
 pub const FEED_LEN: usize = 64;
 
+/// Most entries one read goes through: a reader that fell behind catches up over several
+/// calls instead of taking the whole feed (tens of megabytes) in one reply.
+pub const FEED_READ_MAX: usize = 16;
+
 /// What one call to [`crate::Store::feed`] read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FeedRead {
     /// The other gateways' entries past the cursor, oldest first: (gateway id, entry).
     pub entries: Vec<(String, String)>,
-    /// The number of the feed's last entry: the cursor for the next call.
+    /// The number of the last entry this read went through: the cursor for the next call.
     pub cursor: u64,
     /// Entries past the cursor that were trimmed before this read (any gateway's).
     pub skipped: u64,

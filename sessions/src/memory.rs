@@ -37,7 +37,7 @@ use tokio::time::Instant;
 
 use serde_json::Value;
 
-use crate::exchange::{FEED_LEN, FORGET_AFTER};
+use crate::exchange::{FEED_LEN, FEED_READ_MAX, FORGET_AFTER};
 use crate::pins::pin_key;
 use crate::rate::{gcra_step, RateDecision, RateLimit};
 use crate::record::{is_active_status, response_status};
@@ -1311,21 +1311,30 @@ impl Store for MemoryStore {
         while feed.entries.len() > FEED_LEN {
             feed.entries.pop_front();
         }
+        let counted = cursor.filter(|&c| c <= feed.last);
+        let after = counted.unwrap_or(0);
+        let first = feed.entries.front().map_or(feed.last + 1, |e| e.0);
         let mut read = FeedRead {
-            cursor: feed.last,
+            // Nothing kept: nothing to read up to the end.
+            cursor: if first > feed.last {
+                after.max(feed.last)
+            } else {
+                after
+            },
+            skipped: counted.map_or(0, |after| first.saturating_sub(after + 1)),
             ..FeedRead::default()
         };
-        let Some(after) = cursor.filter(|&c| c <= feed.last) else {
-            return Ok(read);
-        };
-        let first = feed.entries.front().map_or(feed.last + 1, |e| e.0);
-        read.skipped = first.saturating_sub(after + 1);
-        read.entries = feed
+        for (n, by, entry) in feed
             .entries
             .iter()
-            .filter(|(n, by, _)| *n > after && by != gateway)
-            .map(|(_, by, entry)| (by.clone(), entry.clone()))
-            .collect();
+            .filter(|(n, _, _)| *n > after)
+            .take(FEED_READ_MAX)
+        {
+            read.cursor = *n;
+            if by != gateway {
+                read.entries.push((by.clone(), entry.clone()));
+            }
+        }
         Ok(read)
     }
 

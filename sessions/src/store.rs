@@ -265,8 +265,9 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<PeerState>, StoreError>> + Send;
 
     /// Append `entries`, written by gateway `gateway`, to `pool`'s feed, and read the other
-    /// gateways' entries past `cursor` (see [`crate::exchange`]'s "The feed"; `None`: start at
-    /// the end). A gateway id holds no space. One round trip.
+    /// gateways' entries past `cursor`, at most [`crate::exchange::FEED_READ_MAX`] (see
+    /// [`crate::exchange`]'s "The feed"; `None`: from the oldest kept). A gateway id holds
+    /// no space. One round trip.
     fn feed(
         &self,
         pool: &str,

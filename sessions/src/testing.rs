@@ -332,28 +332,29 @@ pub async fn suite<S: Store>(store: &S) {
     feed_suite(store).await;
 }
 
-/// A pool's feed: a first call starts at the end; each gateway then reads every other
-/// gateway's entries once, in order, never its own, one round trip per call; entries trimmed
-/// before a reader came back are counted; pools have separate feeds.
+/// A pool's feed: a first call reads what is kept; each gateway then reads every other
+/// gateway's entries once, in order, never its own, at most `FEED_READ_MAX` a call, one round
+/// trip per call; entries trimmed before a reader came back are counted; pools have separate
+/// feeds.
 pub async fn feed_suite<S: Store>(store: &S) {
-    use crate::exchange::FEED_LEN;
+    use crate::exchange::{FEED_LEN, FEED_READ_MAX};
     let feed = |pool: &'static str, gateway: &'static str, entries: Vec<String>, cursor| async move {
         at_most_one_round_trip(store, "feed", store.feed(pool, gateway, &entries, cursor))
             .await
             .expect("feed")
     };
     let strings = |items: &[&str]| items.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    // g1 writes before g2 has ever read: g2 starts after it.
+    let pair = |g: &str, e: &str| (g.to_string(), e.to_string());
+    // g1 writes before g2 has ever read: g2's first read has it.
     let first = feed("feed-p", "g1", strings(&["a 1", "b"]), None).await;
-    assert_eq!((first.entries.len(), first.skipped), (0, 0));
+    assert_eq!((first.entries.len(), first.skipped), (0, 0), "its own");
     let g2 = feed("feed-p", "g2", Vec::new(), None).await;
+    assert_eq!(g2.entries, [pair("g1", "a 1"), pair("g1", "b")]);
     assert_eq!(g2.cursor, first.cursor);
-    assert!(g2.entries.is_empty());
     let g1 = feed("feed-p", "g1", strings(&["c", "d e"]), Some(first.cursor)).await;
     assert!(g1.entries.is_empty(), "its own entries are not read back");
     let _ = feed("feed-q", "g1", strings(&["other pool"]), None).await;
     let read = feed("feed-p", "g2", strings(&["x"]), Some(g2.cursor)).await;
-    let pair = |g: &str, e: &str| (g.to_string(), e.to_string());
     assert_eq!(read.entries, [pair("g1", "c"), pair("g1", "d e")]);
     assert_eq!((read.skipped, read.cursor), (0, g1.cursor + 1));
     // Nothing new: nothing read, the cursor stays.
@@ -361,16 +362,35 @@ pub async fn feed_suite<S: Store>(store: &S) {
     assert_eq!((again.entries.len(), again.cursor), (0, read.cursor));
     let g1 = feed("feed-p", "g1", Vec::new(), Some(g1.cursor)).await;
     assert_eq!(g1.entries, [pair("g2", "x")]);
-    // g2 away while g1 writes more than the feed keeps: the oldest are skipped.
+    // g2 away while g1 writes more than the feed keeps: the oldest are skipped, and the rest
+    // come FEED_READ_MAX at a time.
     let many: Vec<String> = (0..FEED_LEN + 5).map(|i| i.to_string()).collect();
-    let g1 = feed("feed-p", "g1", many, Some(g1.cursor)).await;
-    let back = feed("feed-p", "g2", Vec::new(), Some(read.cursor)).await;
-    assert_eq!((back.entries.len(), back.skipped), (FEED_LEN, 5));
+    let _ = feed("feed-p", "g1", many, Some(g1.cursor)).await;
+    let end = read.cursor + (FEED_LEN + 5) as u64;
+    let mut cursor = read.cursor;
+    let mut caught_up = Vec::new();
+    let back = feed("feed-p", "g2", Vec::new(), Some(cursor)).await;
+    assert_eq!((back.entries.len(), back.skipped), (FEED_READ_MAX, 5));
     assert_eq!(back.entries[0], pair("g1", "5"));
-    assert_eq!(back.cursor, g1.cursor);
-    // A cursor from a feed that has since started again starts at the end.
-    let ahead = feed("feed-p", "g2", Vec::new(), Some(back.cursor + 100)).await;
-    assert_eq!((ahead.entries.len(), ahead.cursor), (0, back.cursor));
+    caught_up.extend(back.entries);
+    cursor = back.cursor;
+    while cursor < end {
+        let more = feed("feed-p", "g2", Vec::new(), Some(cursor)).await;
+        assert!(more.entries.len() <= FEED_READ_MAX);
+        assert_eq!(more.skipped, 0);
+        assert!(more.cursor > cursor, "each read moves on");
+        caught_up.extend(more.entries);
+        cursor = more.cursor;
+    }
+    let expected: Vec<_> = (5..FEED_LEN + 5)
+        .map(|i| pair("g1", &i.to_string()))
+        .collect();
+    assert_eq!(caught_up, expected);
+    // A cursor from a feed that has since started again reads from the oldest kept.
+    let ahead = feed("feed-p", "g2", Vec::new(), Some(cursor + 100)).await;
+    assert_eq!(ahead.entries.len(), FEED_READ_MAX);
+    assert_eq!(ahead.entries[0], pair("g1", "5"));
+    assert_eq!(ahead.skipped, 0);
 }
 
 /// The exchange board: each gateway reads the others' fresh states, never its own, one round

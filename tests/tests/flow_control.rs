@@ -314,7 +314,8 @@ async fn a_full_queue_is_429_and_a_queue_ttl_is_503_with_retry_after() {
 }
 
 /// A turn continuing a stored chain sends a few bytes but holds the chain's history, loaded
-/// from the store, while it waits: the queue's byte cap counts that, not the body.
+/// from the store, while it waits: the queue's byte cap counts that, not the body (and lets
+/// it wait when nothing else does: it could never wait otherwise).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_turn_counts_the_history_it_holds_against_the_byte_cap() {
     let extra = format!(
@@ -333,15 +334,20 @@ async fn a_queued_turn_counts_the_history_it_holds_against_the_byte_cap() {
     saturate(gw, true);
     let mut next = hello();
     next["previous_response_id"] = json!(id);
+    // Behind a turn of its own, as small as the chained one's body, it does not fit.
+    let waiting = spawn_call(&base, Some("chain"), hello(), &[]);
+    eventually("the short turn waits", || queued(gw, "small") == 1).await;
     let refused = call(&base, Some("chain"), next.clone(), &[]).await;
     assert_eq!(refused.status, 429, "{}", refused.body);
     assert_eq!(refused.code(), "queue_full");
-    // A turn of its own, as small as the chained one's body, still waits for room.
-    let waiting = spawn_call(&base, Some("chain"), hello(), &[]);
-    eventually("the short turn waits", || queued(gw, "small") == 1).await;
     saturate(gw, false);
     assert_eq!(waiting.await.unwrap().status, 200);
-    assert_eq!(call(&base, Some("chain"), next, &[]).await.status, 200);
+    // Alone it waits for room.
+    saturate(gw, true);
+    let alone = spawn_call(&base, Some("chain"), next, &[]);
+    eventually("the chained turn waits", || queued(gw, "small") == 1).await;
+    saturate(gw, false);
+    assert_eq!(alone.await.unwrap().status, 200);
     fleet.shutdown().await;
 }
 
@@ -1402,7 +1408,18 @@ async fn share_routing_decisions(fleet: Fleet) {
         ),
         "a counts what it sent, and receives nothing of its own back: {on_a}"
     );
-    assert!(!on_a.contains("direction=\"received\"} 1"), "{on_a}");
+    assert_eq!(
+        metric_sum(
+            &on_a
+                .lines()
+                .filter(|l| l.contains("direction=\"received\""))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            "agentgate_prefix_routes_shared_total"
+        ),
+        0.0,
+        "{on_a}"
+    );
     let second = call(&b.base_url(), None, prompt("second question"), &[]).await;
     assert_eq!(second.status, 200, "{}", second.body);
     assert_eq!(

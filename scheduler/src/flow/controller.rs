@@ -913,10 +913,15 @@ fn ticket_band<'c>(config: &'c FlowConfig, ticket: &Ticket) -> Result<&'c BandSp
 }
 
 /// The cap `queue` passes with `requests` more requests of `bytes` more bytes waiting in it.
+/// The byte cap never refuses a request the queue would hold alone: one larger than the cap
+/// (a long history) could otherwise never wait, and would be refused for as long as the pool
+/// is busy.
 fn over_caps(queue: &BandQueue, requests: usize, bytes: u64) -> Option<QueueLimit> {
-    if queue.queued.saturating_add(requests) > queue.spec.max_queued {
+    let waiting = queue.queued.saturating_add(requests);
+    if waiting > queue.spec.max_queued {
         Some(QueueLimit::Requests)
-    } else if queue.queued_bytes.saturating_add(bytes) > queue.spec.max_queued_bytes {
+    } else if waiting > 1 && queue.queued_bytes.saturating_add(bytes) > queue.spec.max_queued_bytes
+    {
         Some(QueueLimit::Bytes)
     } else {
         None
@@ -1083,7 +1088,7 @@ impl State {
 
     /// The cap of `band`'s queue that a request of `bytes` more would pass (a band with
     /// `max_queued = 0` has no room for one: while the pool takes no work, it refuses each
-    /// request as it comes, and so does a queue whose byte cap one request exceeds).
+    /// request as it comes).
     fn full_queue(&self, band: &str, bytes: u64) -> Option<QueueLimit> {
         let queue = &self.bands[*self.band_index.get(band)?];
         over_caps(queue, 1, bytes)

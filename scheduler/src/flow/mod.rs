@@ -26,7 +26,9 @@
 //! 4. **Queue.** The request joins its band's queue and dispatch runs at once, so an idle pool
 //!    admits without waiting. If it is still queued and the band holds more than
 //!    `max_queued` requests or `max_queued_bytes` bytes, it is refused
-//!    ([`Rejection::QueueFull`]); a band with `max_queued = 0` dispatches or refuses.
+//!    ([`Rejection::QueueFull`]); a band with `max_queued = 0` dispatches or refuses. The byte
+//!    cap never refuses a request that would wait alone (one larger than the cap could
+//!    otherwise never wait).
 //! 5. **Wait.** The future resolves with a [`Permit`] when the request is dispatched, or with
 //!    [`Rejection::Timeout`] when its band's `queue_ttl` passes. The TTL is a timer in the
 //!    future itself, so the answer comes at the TTL, not at the next dispatch. Dropping the

@@ -593,6 +593,11 @@ async fn queue_caps_refuse_what_does_not_fit() {
     config.teams.push(team);
     let (flow, capacity) = controller(config, 0);
     let (tx, _rx) = mpsc::unbounded_channel();
+    // Alone in the queue a request over the byte cap waits (it could never wait otherwise).
+    let lone = spawn_admit(&flow, Ticket::new("t", 1).bytes(5000), "lone", &tx);
+    wait_queued(&flow, 1).await;
+    lone.abort();
+    wait_queued(&flow, 0).await;
     let _a = spawn_admit(&flow, Ticket::new("t", 1).bytes(600), "a", &tx);
     wait_queued(&flow, 1).await;
     let too_big = poll_once(flow.admit(Ticket::new("t", 1).bytes(500))).await;

@@ -67,7 +67,7 @@ use ::redis::{
 };
 use serde_json::Value;
 
-use crate::exchange::{board_key, feed_key, feed_seq_key, FEED_LEN};
+use crate::exchange::{board_key, feed_key, feed_seq_key, FEED_LEN, FEED_READ_MAX};
 use crate::pins::{decode_pin, encode_pin, pin_key};
 use crate::rate::{RateDecision, RateLimit};
 use crate::record::response_status;
@@ -1130,7 +1130,13 @@ impl Store for RedisStore {
         let seq_key = feed_seq_key(&self.key_prefix, pool);
         let cursor = cursor.map_or_else(|| "-1".to_string(), |c| c.to_string());
         let keep = FEED_LEN.to_string();
-        let mut args: Vec<&[u8]> = vec![gateway.as_bytes(), cursor.as_bytes(), keep.as_bytes()];
+        let most = FEED_READ_MAX.to_string();
+        let mut args: Vec<&[u8]> = vec![
+            gateway.as_bytes(),
+            cursor.as_bytes(),
+            keep.as_bytes(),
+            most.as_bytes(),
+        ];
         args.extend(entries.iter().map(|e| e.as_bytes()));
         let reply: Vec<Vec<u8>> = self
             .run_script_keys(&self.feed_script, &[&key, &seq_key], &args)
