@@ -31,7 +31,8 @@
 //! `finish_reason: "abort"` or `"error"` (vLLM: the engine aborted or failed the request) ends as
 //! `failed`, code `server_error`. `finish_reason: "length"` ends as `incomplete` with `incomplete_details.reason =
 //! "max_output_tokens"` (`content_filter` -> `"content_filter"`); items still open then get status
-//! `incomplete`. A stream that fails or is cancelled closes an open message or reasoning item
+//! `incomplete` and their `done` events, tool calls included (the model ended them, and the
+//! response carries them to its end, as an incomplete OpenAI response does). A stream that fails or is cancelled closes an open message or reasoning item
 //! the same way, but sends no `done` event for an open tool call: clients run a call once its
 //! item is done (Codex does whatever its status says), and its arguments were cut short; the
 //! call is `incomplete` in the final response. When the engine reports no `completion_tokens_details.reasoning_tokens` (nor

@@ -26,8 +26,10 @@
 //! 50 KB for a prompt of 200,000 tokens, written once and read by each other gateway.
 //!
 //! Bounds: an outbox holds at most [`OUTBOX_HASHES`] hashes per interval (a route past that
-//! is dropped and counted); the store keeps the feed's last `FEED_LEN` entries, and a gateway
-//! that stalls long enough to miss some counts them and goes on (`agentgate_sessions::exchange`).
+//! is dropped and counted); the store keeps the feed's last `FEED_LEN` entries and a read
+//! takes at most `FEED_READ_MAX` (a gateway behind catches up over the next rounds), and a
+//! gateway that stalls long enough to miss some counts them and goes on
+//! (`agentgate_sessions::exchange`). A gateway that starts reads what the feed keeps.
 //! A miss only costs precision: the index's corrections from the engines' cached-token
 //! reports, and the next routing decision, repair it.
 //!
