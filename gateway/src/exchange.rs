@@ -117,6 +117,17 @@ const MAX_SESSION_KEY_BYTES: usize = 1024;
 /// Least time between two warnings about failing exchanges.
 const WARN_EVERY: Duration = Duration::from_secs(30);
 
+/// Whether a warning whose last one went out at `last` is due (at most one per
+/// [`WARN_EVERY`]); if so, it is noted as sent now.
+fn warning_due(last: &mut Option<Instant>) -> bool {
+    let now = Instant::now();
+    if last.is_some_and(|at| now.duration_since(at) < WARN_EVERY) {
+        return false;
+    }
+    *last = Some(now);
+    true
+}
+
 /// One gateway's state for one pool, as published.
 #[derive(Debug, Default, Serialize, Deserialize, PartialEq)]
 struct Published {
@@ -360,9 +371,7 @@ impl Exchange {
                         exchange_pool(&state, pool, &gateway, every)
                     );
                     if let Err(e) = shared {
-                        let now = Instant::now();
-                        if last_feed_warning.is_none_or(|at| now.duration_since(at) >= WARN_EVERY) {
-                            last_feed_warning = Some(now);
+                        if warning_due(&mut last_feed_warning) {
                             tracing::warn!(
                                 pool = %pool.name,
                                 "sharing routing decisions with the other gateways failed: \
@@ -372,9 +381,7 @@ impl Exchange {
                         }
                     }
                     if let Err(e) = exchanged {
-                        let now = Instant::now();
-                        if last_warning.is_none_or(|at| now.duration_since(at) >= WARN_EVERY) {
-                            last_warning = Some(now);
+                        if warning_due(&mut last_warning) {
                             tracing::warn!(
                                 pool = %pool.name,
                                 "exchange with the other gateways failed: {e}; until it \

@@ -9,9 +9,10 @@
 //! that gateway A placed on engine E is unknown to gateway B, which places the next prompt
 //! sharing that prefix by load, and the prefix is computed again elsewhere. On the Mooncake
 //! conversation trace (no session keys, so every placement is the index's), `prefix` routing
-//! split over two gateways captured 0.72 of the pooled oracle's reuse against 0.93 for one
-//! gateway (0.97 with the feed); sessions lost less (their pins are in the store), but their
-//! first turns and the index's view of each engine's occupancy suffered the same way.
+//! split over two gateways captured 0.73 of the pooled oracle's reuse against 0.97 for one
+//! gateway (means of seeds 1 to 5; 0.96 with the feed); sessions lost less (their pins are in
+//! the store), but their first turns and the index's view of each engine's occupancy suffered
+//! the same way.
 //!
 //! # What
 //!
@@ -60,7 +61,8 @@ pub struct Outbox {
 
 #[derive(Debug, Default)]
 struct OutboxState {
-    /// Set by the first exchange: until then (and without one) nothing is kept.
+    /// Set when the exchange starts (or by its first round for a pool a reload adds): until
+    /// then, and without an exchange, nothing is kept.
     on: bool,
     routes: Vec<(String, Vec<u64>)>,
     hashes: usize,
