@@ -143,7 +143,8 @@ pub struct FollowSlot {
 }
 
 impl FollowSlot {
-    /// A place for `team`, unless it holds `limit` already (0: no bound).
+    /// A place for `team`, unless it holds `[background] max_follows_per_team` already (0: no
+    /// bound).
     pub fn take(state: &AppState, team: &str) -> Option<FollowSlot> {
         let limit = state.config.background.max_follows_per_team;
         let mut follows = state.follows.lock().unwrap_or_else(PoisonError::into_inner);

@@ -139,10 +139,8 @@ impl Pool {
     pub fn routed(&self, endpoint: &Endpoint, prefix: &[u64]) {
         self.picker.routed(endpoint.slot, prefix);
         if let Some(index) = self.picker.prefix_index() {
-            let keep = prefix
-                .len()
-                .min(index.capacity_chunks(endpoint.slot).max(1));
-            self.routes.push(endpoint, &prefix[..keep]);
+            self.routes
+                .push(endpoint, within_capacity(index, endpoint.slot, prefix));
         }
     }
 
@@ -162,8 +160,8 @@ impl Pool {
         else {
             return false;
         };
-        let keep = prefix.len().min(index.capacity_chunks(e.slot).max(1));
-        self.picker.routed(e.slot, &prefix[..keep]);
+        self.picker
+            .routed(e.slot, within_capacity(index, e.slot, prefix));
         true
     }
 
@@ -330,6 +328,12 @@ impl Pool {
         self.set_endpoints(next);
         Ok(diff)
     }
+}
+
+/// The leading chunks of `prefix` that `slot`'s share of the index can hold (what recording
+/// it keeps; at least one).
+fn within_capacity<'a>(index: &PrefixIndex, slot: usize, prefix: &'a [u64]) -> &'a [u64] {
+    &prefix[..prefix.len().min(index.capacity_chunks(slot).max(1))]
 }
 
 /// A new endpoint takes `e.slot`: drop whatever the prefix index learnt for that slot, and
