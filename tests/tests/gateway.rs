@@ -2742,18 +2742,30 @@ async fn a_follow_closes_when_shutdown_starts_and_the_run_finishes() {
     let (s, created) = create(&base, body).await;
     assert_eq!(s, 200, "{created}");
     let id = created["id"].as_str().unwrap().to_string();
-    let resp = client()
+    let mut resp = client()
         .get(format!("{base}/v1/responses/{id}?stream=true"))
         .send()
         .await
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
-    let follow = tokio::spawn(read_sse(resp));
+    // The follow is under way (its first event is out) before the shutdown starts.
+    let mut text = String::new();
+    while !text.contains("\n\n") {
+        let chunk = resp
+            .chunk()
+            .await
+            .unwrap()
+            .expect("the follow's first event");
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
     let state = fleet.gateway().state().clone();
     let shutdown = tokio::spawn(fleet.shutdown());
     // The follow ends at the start of the shutdown, before the run's terminal event (it would
     // otherwise follow to the end: the grace is two minutes); the run still finishes.
-    let events = follow.await.unwrap();
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let events = parse_sse(&text);
     let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
     assert_eq!(kinds.first(), Some(&"response.created"), "{kinds:?}");
     let terminal = [
