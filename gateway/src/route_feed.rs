@@ -53,7 +53,7 @@ use crate::pools::{Endpoint, Pool};
 pub const OUTBOX_HASHES: usize = 32 * 1024;
 
 /// Routing decisions of one pool waiting to go on its feed (kept once the exchange starts,
-/// [`Outbox::enable`]; a pool a reload adds, from its first round).
+/// [`Outbox::enable`]).
 #[derive(Debug, Default)]
 pub struct Outbox {
     inner: Mutex<OutboxState>,
@@ -61,8 +61,7 @@ pub struct Outbox {
 
 #[derive(Debug, Default)]
 struct OutboxState {
-    /// Set when the exchange starts (or by its first round for a pool a reload adds): until
-    /// then, and without an exchange, nothing is kept.
+    /// Set when the exchange starts: until then, and without an exchange, nothing is kept.
     on: bool,
     routes: Vec<(String, Vec<u64>)>,
     hashes: usize,
@@ -91,11 +90,9 @@ impl Outbox {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner).on = true;
     }
 
-    /// The routes kept since the last call and how many were dropped; from now on routes are
-    /// kept.
+    /// The routes kept since the last call and how many were dropped.
     fn take(&self) -> (Vec<(String, Vec<u64>)>, u64) {
         let mut state = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        state.on = true;
         state.hashes = 0;
         (
             std::mem::take(&mut state.routes),
@@ -222,6 +219,7 @@ mod tests {
             (Vec::new(), 0),
             "nothing before the feed runs"
         );
+        outbox.enable();
         outbox.push(&endpoint, &[1, 2]);
         outbox.push(&endpoint, &[]);
         outbox.push(&endpoint, &vec![3; OUTBOX_HASHES]);

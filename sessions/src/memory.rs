@@ -1316,8 +1316,8 @@ impl Store for MemoryStore {
         let first = feed.entries.front().map_or(feed.last + 1, |e| e.0);
         let mut read = FeedRead {
             // Nothing kept: nothing to read up to the end.
-            cursor: if first > feed.last {
-                after.max(feed.last)
+            cursor: if feed.entries.is_empty() {
+                feed.last
             } else {
                 after
             },

@@ -35,7 +35,8 @@ if counted then
 end
 local out = {tostring(cursor), tostring(skipped)}
 if from > last then
-  out[1] = tostring(math.max(cursor, last))
+  -- Nothing past the cursor is kept: nothing to read up to the end.
+  out[1] = tostring(last)
   return out
 end
 local items = redis.call('LRANGE', KEYS[1], from - first, from - first + most - 1)
