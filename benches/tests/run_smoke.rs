@@ -436,6 +436,47 @@ async fn two_gateways_on_one_memory_store_follow_the_virtual_clock_and_repeat_a_
     assert!(message.contains("exclude each other"), "{message}");
 }
 
+/// Twelve prompts of 64k tokens (about 300 KB of request body each) sent at the same instant:
+/// they reach routing and the replicas in the order they were sent, so two runs match request
+/// for request. A gateway parsing such bodies on its blocking pool finishes them in real-time
+/// order, and runs parted here.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn concurrent_large_prompts_replay_the_same_on_the_virtual_clock() {
+    let _cores = CORES.read().await;
+    let dir = out_dir("large_prompts");
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("burst.jsonl");
+    let blocks = 125; // 512 tokens each
+    let lines: Vec<String> = (0..12)
+        .map(|i| {
+            let ids: Vec<usize> = (i * blocks..(i + 1) * blocks).collect();
+            serde_json::json!({"timestamp": 0, "input_length": blocks * 512,
+                "output_length": 16, "hash_ids": ids})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let mut records = Vec::new();
+    for name in ["large_prompts_a", "large_prompts_b"] {
+        let mut args = tiny_args(&["least_loaded"], out_dir(name));
+        args.workload = format!("trace:{}", trace.display());
+        args.time_scale = None;
+        args.duration = Duration::from_secs(30);
+        assert_eq!(args.clock(), ClockMode::Virtual);
+        let summary = execute(&args, "agentgate-bench run (test)", false)
+            .await
+            .expect("the run succeeds");
+        assert_eq!(summary.policies[0].successes, 12);
+        records.push(request_timings(&args.out));
+        let _ = std::fs::remove_dir_all(&args.out);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        records[0], records[1],
+        "same burst, same run, request for request"
+    );
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_seed_list_repeats_each_seeds_own_run_and_sets_the_figures_side_by_side() {
     let _cores = CORES.read().await;

@@ -117,6 +117,13 @@ pub struct ServerConfig {
     /// (agent histories of several hundred KB) can complete in a different order from run to
     /// run; a fixed buffer larger than the largest request keeps them in send order.
     pub socket_buffer_bytes: u32,
+    /// Request bodies up to this size, in bytes, are parsed on the request's own task; larger
+    /// ones (agent histories of megabytes take tens to hundreds of milliseconds to parse) on
+    /// the blocking pool, so the runtime threads go on serving streams meanwhile. Bodies parsed
+    /// there finish in real-time order, so concurrent large requests can reach routing in a
+    /// different order from run to run; a limit above `max_body_bytes` parses every body on
+    /// its own task, in the order the bodies arrived.
+    pub parse_inline_bytes: usize,
     /// On shutdown (SIGTERM, Ctrl-C), how long turns in flight (streams, waiting requests,
     /// background runs) may take to finish once no new connection is accepted; those still
     /// going then end as failed with code `server_shutdown`, and the failure is stored.
@@ -148,6 +155,7 @@ impl Default for ServerConfig {
             max_body_bytes: 32 * 1024 * 1024,
             reload_interval_ms: 1_000,
             socket_buffer_bytes: 0,
+            parse_inline_bytes: 256 * 1024,
             shutdown_grace_s: 25.0,
             client_stall_timeout_s: 60.0,
             header_read_timeout_s: 120.0,

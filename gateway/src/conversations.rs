@@ -328,7 +328,7 @@ async fn body_of(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<serde_json::Map<String, Value>, HttpError> {
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
-    match parse_json_body(headers, &bytes).await? {
+    match parse_json_body(headers, &bytes, state.config.server.parse_inline_bytes).await? {
         Value::Object(fields) => Ok(fields),
         _ => Err(HttpError::invalid(
             "The request body must be a JSON object.",

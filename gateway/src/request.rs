@@ -326,17 +326,16 @@ fn json_values_at_most(bytes: &[u8]) -> usize {
     count
 }
 
-/// Bodies larger than this are parsed on a blocking thread ([`parse_json_body`]).
-const PARSE_INLINE_BYTES: usize = 256 * 1024;
-
-/// [`parse_json`] for a handler: a large body (an agent history of megabytes takes tens to
-/// hundreds of milliseconds to scan and parse) is parsed on the blocking pool, so the runtime
-/// thread goes on serving other requests' streams meanwhile.
+/// [`parse_json`] for a handler: a body larger than `inline_bytes` (`server.parse_inline_bytes`;
+/// an agent history of megabytes takes tens to hundreds of milliseconds to scan and parse) is
+/// parsed on the blocking pool, so the runtime thread goes on serving other requests' streams
+/// meanwhile.
 pub async fn parse_json_body(
     headers: &axum::http::HeaderMap,
     bytes: &axum::body::Bytes,
+    inline_bytes: usize,
 ) -> Result<Value, HttpError> {
-    if bytes.len() <= PARSE_INLINE_BYTES {
+    if bytes.len() <= inline_bytes {
         return parse_json(headers, bytes);
     }
     let (headers, bytes) = (headers.clone(), bytes.clone());
@@ -603,12 +602,18 @@ mod tests {
         let text = "w ".repeat(200_000);
         let big =
             axum::body::Bytes::from(serde_json::json!({"model": "m", "input": text}).to_string());
-        assert!(big.len() > super::PARSE_INLINE_BYTES);
-        let body = super::parse_json_body(&headers, &big).await.unwrap();
-        assert_eq!(body["input"].as_str().map(str::len), Some(400_000));
         let zeros = axum::body::Bytes::from(format!("[{}0]", "0,".repeat(1_100_000)));
-        let e = super::parse_json_body(&headers, &zeros).await.unwrap_err();
-        assert_eq!(e.error.status, 413);
+        // off the runtime (the default limit) and on the request's own task (a limit above the body)
+        let inline_limit = crate::config::ServerConfig::default().parse_inline_bytes;
+        assert!(big.len() > inline_limit);
+        for limit in [inline_limit, usize::MAX] {
+            let body = super::parse_json_body(&headers, &big, limit).await.unwrap();
+            assert_eq!(body["input"].as_str().map(str::len), Some(400_000));
+            let e = super::parse_json_body(&headers, &zeros, limit)
+                .await
+                .unwrap_err();
+            assert_eq!(e.error.status, 413);
+        }
     }
 
     #[test]

@@ -434,7 +434,9 @@ pub async fn create(
 ) -> Result<Response, HttpError> {
     let team = state.keys.authenticate(&headers)?;
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
-    let req = CreateRequest::from_body(parse_json_body(&headers, &bytes).await?)?;
+    let req = CreateRequest::from_body(
+        parse_json_body(&headers, &bytes, state.config.server.parse_inline_bytes).await?,
+    )?;
     match run(&state, &headers, team, req, bytes.len() as u64).await? {
         Started::Answered(resp) => Ok(resp),
         Started::Finished(done) => {
@@ -459,7 +461,8 @@ pub async fn compact(
 ) -> Result<Response, HttpError> {
     let team = state.keys.authenticate(&headers)?;
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
-    let mut body = parse_json_body(&headers, &bytes).await?;
+    let mut body =
+        parse_json_body(&headers, &bytes, state.config.server.parse_inline_bytes).await?;
     let Some(fields) = body.as_object_mut() else {
         return Err(HttpError::invalid(
             "The request body must be a JSON object.",
@@ -1623,7 +1626,7 @@ pub async fn input_tokens(
 ) -> Result<Response, HttpError> {
     let team = state.keys.authenticate(&headers)?;
     let bytes = body.map_err(|r| body_error(r, state.config.server.max_body_bytes))?;
-    let body = parse_json_body(&headers, &bytes).await?;
+    let body = parse_json_body(&headers, &bytes, state.config.server.parse_inline_bytes).await?;
     validate_common(&body)?;
     let model = match crate::request::opt_str(&body, "model")? {
         Some(m) => m.to_string(),

@@ -11,9 +11,11 @@
 //! - `virtual`: one thread on a paused clock at time scale 1. Whenever every task waits, the
 //!   clock jumps to the next timer; it never moves while a task computes. The simulated engines'
 //!   step times are then the only time that passes and the gateway's CPU time counts as zero.
-//!   On an otherwise idle machine same-seed runs repeat each other to the request. Under heavy
-//!   CPU load (a parallel build) the kernel may deliver loopback data after the runtime found
-//!   nothing to do and jumped the clock, and a run can then part from the others. Everything must
+//!   Same-seed runs repeat each other to the request, given two settings the replay makes:
+//!   fixed socket buffers (the kernel's autotuning follows real time) and request bodies parsed
+//!   on their own tasks (the gateway's blocking pool finishes parses in real-time order).
+//!   Under heavy CPU load (a parallel build) the kernel may deliver loopback data after the
+//!   runtime found nothing to do and jumped the clock, and a run can then part from the others. Everything must
 //!   run in this process: a Redis server (`--gateways` above 1 without `--store memory`,
 //!   `--redis-url`, `--store redis`) answers on its own clock, so those runs need `wall`.
 

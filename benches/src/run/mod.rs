@@ -859,6 +859,11 @@ async fn run_row(
         &flow_setup,
     )?;
     config.server.socket_buffer_bytes = socket_buffer_bytes(args.clock());
+    // The blocking pool finishes parses in real-time order: on the virtual clock every body is
+    // parsed on its request's task, so concurrent large prompts are routed in arrival order.
+    if args.clock() == ClockMode::Virtual {
+        config.server.parse_inline_bytes = usize::MAX;
+    }
     let threshold = topology::configure(&mut config, &roles, row.threshold)?;
     let shared_memory = (args.gateways > 1 && args.store_kind() == StoreKind::Memory).then(|| {
         Arc::new(agentgate_sessions::AnyStore::shared_in_process(
