@@ -14,8 +14,8 @@
 //!   Same-seed runs repeat each other to the request, given two settings the replay makes:
 //!   fixed socket buffers (the kernel's autotuning follows real time) and request bodies parsed
 //!   on their own tasks (the gateway's blocking pool finishes parses in real-time order).
-//!   Under heavy CPU load (a parallel build) the kernel may deliver loopback data after the
-//!   runtime found nothing to do and jumped the clock, and a run can then part from the others. Everything must
+//!   Rarely (one seed run in about forty) a run parts from the others, probably because the
+//!   kernel delivered loopback data after the runtime found nothing to do and jumped the clock. Everything must
 //!   run in this process: a Redis server (`--gateways` above 1 without `--store memory`,
 //!   `--redis-url`, `--store redis`) answers on its own clock, so those runs need `wall`.
 
