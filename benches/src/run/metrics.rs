@@ -114,6 +114,8 @@ pub struct FleetMetrics {
     pub prefill_counter_exposed: bool,
     /// Simulated engine busy seconds summed over replicas (None when the sim does not expose it).
     pub busy_seconds: Option<f64>,
+    /// Sequences preempted for lack of KV blocks (`vllm:num_preemptions_total`), summed.
+    pub preemptions: u64,
     /// Per replica, in replica order.
     pub replicas: Vec<ReplicaMetrics>,
 }
@@ -150,6 +152,7 @@ pub fn fleet_totals(replicas: Vec<ReplicaMetrics>) -> FleetMetrics {
         prefill_tokens_computed,
         prefill_counter_exposed: exposed,
         busy_seconds,
+        preemptions: sum(|r| r.preemptions).round() as u64,
         replicas,
     }
 }
@@ -256,6 +259,7 @@ vllm:prompt_tokens_total{engine=\"0\",model_name=\"m\"} 1000.0
 vllm:prompt_tokens_total_extra{engine=\"0\"} 5.0
 vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 600.0
 vllm:generation_tokens_total{engine=\"0\",model_name=\"m\"} 50.0
+vllm:num_preemptions_total{engine=\"0\",model_name=\"m\"} 2.0
 ";
 
     #[test]
@@ -284,5 +288,6 @@ vllm:generation_tokens_total{engine=\"0\",model_name=\"m\"} 50.0
         assert_eq!(fleet.prefill_tokens_computed, 800);
         assert!(!fleet.prefill_counter_exposed);
         assert_eq!(fleet.busy_seconds, None);
+        assert_eq!(fleet.preemptions, 4);
     }
 }

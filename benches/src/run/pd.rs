@@ -992,6 +992,7 @@ agentgate_pd_leg_duration_seconds_count{pool=\"bench\",leg=\"decode\"} 10
                 generation_tokens: 0,
                 busy_seconds: None,
                 prefill_counter_exposed: true,
+                preemptions: 0,
             },
             requests_per_gateway: vec![10],
             requests_per_replica: vec![0, 10],

@@ -26,10 +26,10 @@ fn pct(value: f64) -> String {
 pub fn table(policies: &[PolicySummary]) -> String {
     let mut out = String::new();
     out.push_str(
-        "| row | requests | errors | shed | cache hit | available reuse | infinite reuse | captured | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | output tok/s | prefill computed | GPU s / M tok |\n",
+        "| row | requests | errors | shed | cache hit | available reuse | infinite reuse | captured | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | output tok/s | prefill computed | preempted | GPU s / M tok |\n",
     );
     out.push_str(
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for p in policies {
         let gpu = p
@@ -37,7 +37,7 @@ pub fn table(policies: &[PolicySummary]) -> String {
             .map_or_else(|| "n/a".to_string(), |v| format!("{v:.1}"));
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {} | {} | {} | {} | {} | {:.0} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} |",
             p.label,
             p.requests,
             p.errors,
@@ -53,6 +53,7 @@ pub fn table(policies: &[PolicySummary]) -> String {
             ms(p.e2e_p99_ms),
             p.output_tokens_per_s,
             p.prefill_tokens_computed,
+            p.engine.preemptions,
             gpu,
         );
     }
@@ -230,6 +231,10 @@ pub fn reading(summary: &RunSummary) -> String {
             );
         }
     }
+    text.push_str(
+        "\"Preempted\" counts running sequences the engines preempted for lack of KV blocks \
+         (`vllm:num_preemptions_total`); each computes its tokens again once readmitted. ",
+    );
     if !summary.engine_busy_counter {
         text.push_str(
             "The replicas do not expose simulated engine busy time, so GPU seconds are not \

@@ -191,6 +191,9 @@ pub struct EngineSummary {
     pub busy_seconds: Option<f64>,
     /// Whether `prefill_tokens_computed` is the sim's counter (else prompt - hits).
     pub prefill_counter_exposed: bool,
+    /// `vllm:num_preemptions_total` over the fleet: running sequences an engine preempted for
+    /// lack of KV blocks (their blocks freed, their tokens computed again once readmitted).
+    pub preemptions: u64,
 }
 
 /// One row's results: every field `summary.json` promises.
@@ -595,6 +598,7 @@ impl PolicySummary {
                 generation_tokens: engine.generation_tokens,
                 busy_seconds: engine.busy_seconds,
                 prefill_counter_exposed: engine.prefill_counter_exposed,
+                preemptions: engine.preemptions,
             },
             requests_per_gateway,
             requests_per_replica,
@@ -674,6 +678,7 @@ mod tests {
             prefill_tokens_computed: 1100,
             prefill_counter_exposed: false,
             busy_seconds: Some(2.12),
+            preemptions: 0,
             replicas: Vec::new(),
         };
         let team_bands = BTreeMap::new();
