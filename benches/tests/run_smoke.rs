@@ -436,10 +436,11 @@ async fn two_gateways_on_one_memory_store_follow_the_virtual_clock_and_repeat_a_
     assert!(message.contains("exclude each other"), "{message}");
 }
 
-/// Twelve prompts of 64k tokens (about 300 KB of request body each) sent at the same instant:
-/// they reach routing and the replicas in the order they were sent, so two runs match request
-/// for request. A gateway parsing such bodies on its blocking pool finishes them in real-time
-/// order, and runs parted here.
+/// Twelve prompts of 64k tokens (about 330 KB of request body each) sent at the same instant:
+/// they reach routing and the replicas in the order they were sent, so runs match request for
+/// request. A gateway parsing such bodies on its blocking pool finishes them in real-time order,
+/// and every run took its own path here (three failures in three without the setting; fifteen
+/// passes in fifteen with it).
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn concurrent_large_prompts_replay_the_same_on_the_virtual_clock() {
     let _cores = CORES.read().await;
@@ -456,7 +457,13 @@ async fn concurrent_large_prompts_replay_the_same_on_the_virtual_clock() {
         })
         .collect();
     std::fs::write(&trace, lines.join("\n")).unwrap();
-    let mut records = Vec::new();
+    // Each prompt is larger than what the gateway parses inline by default.
+    let prompt_bytes: usize = (0..blocks as u64)
+        .map(|id| agentgate_bench::workload::trace::block_text(id).len() + 1)
+        .sum();
+    let inline_limit = agentgate::config::ServerConfig::default().parse_inline_bytes;
+    assert!(prompt_bytes > inline_limit, "{prompt_bytes} B");
+    let mut records: Vec<Vec<_>> = Vec::new();
     for name in ["large_prompts_a", "large_prompts_b"] {
         let mut args = tiny_args(&["least_loaded"], out_dir(name));
         args.workload = format!("trace:{}", trace.display());

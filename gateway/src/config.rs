@@ -119,10 +119,11 @@ pub struct ServerConfig {
     pub socket_buffer_bytes: u32,
     /// Request bodies up to this size, in bytes, are parsed on the request's own task; larger
     /// ones (agent histories of megabytes take tens to hundreds of milliseconds to parse) on
-    /// the blocking pool, so the runtime threads go on serving streams meanwhile. Bodies parsed
-    /// there finish in real-time order, so concurrent large requests can reach routing in a
-    /// different order from run to run; a limit above `max_body_bytes` parses every body on
-    /// its own task, in the order the bodies arrived.
+    /// the blocking pool, so the runtime threads go on serving streams meanwhile (0: every
+    /// body there). Bodies parsed there finish in real-time order, so concurrent large
+    /// requests can reach routing in a different order from run to run; a limit at or above
+    /// `max_body_bytes` parses every body on its own task, which on a single-threaded runtime
+    /// (the benchmark's virtual clock) keeps them in the order they arrived.
     pub parse_inline_bytes: usize,
     /// On shutdown (SIGTERM, Ctrl-C), how long turns in flight (streams, waiting requests,
     /// background runs) may take to finish once no new connection is accepted; those still

@@ -9,8 +9,8 @@
 //! that gateway A placed on engine E is unknown to gateway B, which places the next prompt
 //! sharing that prefix by load, and the prefix is computed again elsewhere. On the Mooncake
 //! conversation trace (no session keys, so every placement is the index's), `prefix` routing
-//! split over two gateways captured 0.73 of the pooled oracle's reuse against about 0.97 for
-//! one gateway (means of seeds 1 to 5; 0.98 with the feed, as one gateway); sessions lost less (their pins are in
+//! split over two gateways captured 0.73 of the pooled oracle's reuse against 0.98 for one
+//! gateway (means of seeds 1 to 5; 0.98 with the feed too); sessions lost less (their pins are in
 //! the store), but their first turns and the index's view of each engine's occupancy suffered
 //! the same way.
 //!

@@ -248,9 +248,9 @@ fn time_scale_section(summary: &RunSummary) -> String {
     if summary.clock == "virtual" {
         return "This run followed the virtual clock (`--clock virtual`): one thread on a paused \
                 clock that jumps to the next timer whenever every task waits. Only the simulated \
-                engines' step times pass and the gateway's own CPU time counts as zero. On an \
-                otherwise idle machine a run with the same seed gives the same figures; heavy CPU \
-                load can part it (see benches/README.md). On the wall clock, \
+                engines' step times pass and the gateway's own CPU time counts as zero. A run with \
+                the same seed gives the same figures, but for rare exceptions (see \
+                benches/README.md). On the wall clock, \
                 `--compare-time-scale` shows how much they move between two time scales.\n"
             .to_string();
     }
