@@ -30,12 +30,13 @@
 //! answer, so it never becomes a message of its own between two calls.
 //! `finish_reason: "abort"` or `"error"` (vLLM: the engine aborted or failed the request) ends as
 //! `failed`, code `server_error`. `finish_reason: "length"` ends as `incomplete` with `incomplete_details.reason =
-//! "max_output_tokens"` (`content_filter` -> `"content_filter"`); items still open then get status
-//! `incomplete` and their `done` events, tool calls included (the model ended them, and the
-//! response carries them to its end, as an incomplete OpenAI response does). A stream that fails or is cancelled closes an open message or reasoning item
-//! the same way, but sends no `done` event for an open tool call: clients run a call once its
-//! item is done (Codex does whatever its status says), and its arguments were cut short; the
-//! call is `incomplete` in the final response. When the engine reports no `completion_tokens_details.reasoning_tokens` (nor
+//! "max_output_tokens"` (`content_filter` -> `"content_filter"`); a message or reasoning item
+//! still open then gets status `incomplete` and its `done` events. A stream that fails or is
+//! cancelled closes an open message or reasoning item the same way. In all three cases an open
+//! tool call gets no `done` event: clients run a call once its item is done (Codex does
+//! whatever its status says), and its arguments were cut short; the call is `incomplete` in
+//! the final response's output, as an OpenAI response cut off mid-call lists it without a
+//! `done` event. When the engine reports no `completion_tokens_details.reasoning_tokens` (nor
 //! SGLang's top-level `reasoning_tokens`), or 0 while reasoning streamed, the number of
 //! reasoning deltas is used as the count.
 
@@ -411,7 +412,17 @@ impl ResponseStream {
         if !held.is_empty() && !answered {
             self.append_text(&held, held_logprobs, &mut events);
         }
-        self.close_all(item_status, &mut events);
+        self.close_current(item_status, &mut events);
+        // A call still open when the output budget ran out (or a filter stopped the model) was
+        // cut off mid-arguments, as by a failure: no `done` event for it.
+        self.close_calls(
+            if incomplete_reason.is_some() {
+                CUT_OFF
+            } else {
+                item_status
+            },
+            &mut events,
+        );
         self.ended = true;
         self.finalize_response();
         let (event, status) = match incomplete_reason {
@@ -948,11 +959,6 @@ impl ResponseStream {
                 json!({"output_index": output_index, "item": item}),
             );
         }
-    }
-
-    fn close_all(&mut self, status: &str, events: &mut Vec<SseEvent>) {
-        self.close_current(status, events);
-        self.close_calls(status, events);
     }
 
     /// Close what is open as a stream that failed or was cancelled: a message or reasoning
@@ -2036,6 +2042,43 @@ mod tests {
             json!({"code": "server_error", "message": "engine connection lost"})
         );
         assert_eq!(response["usage"]["output_tokens"], 0);
+    }
+
+    #[test]
+    fn a_tool_call_cut_off_by_the_output_budget_is_never_done() {
+        let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
+        let events = run(
+            &mut stream,
+            &[
+                chunk(json!({"content": "Editing."}), None),
+                chunk(
+                    json!({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                           "function": {"name": "edit", "arguments": "{\"path\": \"src/"}}]}),
+                    Some("length"),
+                ),
+                usage_chunk(3, 9, 0),
+            ],
+        );
+        let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+        assert!(
+            !kinds.contains(&"response.function_call_arguments.done"),
+            "{kinds:?}"
+        );
+        let done: Vec<&str> = events
+            .iter()
+            .filter(|e| e.event == "response.output_item.done")
+            .map(|e| e.data["item"]["type"].as_str().unwrap())
+            .collect();
+        assert_eq!(done, ["message"], "the message is done, the call never");
+        assert_eq!(events.last().unwrap().event, "response.incomplete");
+        let response = stream.response();
+        assert_eq!(response["output"][1]["type"], "function_call");
+        assert_eq!(response["output"][1]["status"], "incomplete");
+        assert_eq!(response["output"][1]["arguments"], "{\"path\": \"src/");
+        assert_eq!(
+            response["output"][0]["status"], "completed",
+            "the message ended when the call began"
+        );
     }
 
     #[test]
