@@ -89,10 +89,10 @@ pub const ROUTES: &[RouteDoc] = &[
     RouteDoc {
         method: "post",
         path: "/v1/responses/input_tokens",
-        summary: "Count the input tokens a create request would use (one request of the team's requests-per-minute budget, no tokens).",
+        summary: "Count the input tokens a create request would use: the engine's tokenizer counts them, or, when it cannot (an openai-flavor pool, a failure, a timeout), an estimate from the prompt's length (one request of the team's requests-per-minute budget, no tokens).",
         request: Some("CountInputTokens"),
         response: "InputTokens",
-        errors: &[400, 401, 404, 413, 415, 429, 502, 503],
+        errors: &[400, 401, 404, 413, 415, 429, 503],
         query: &[],
     },
     RouteDoc {
@@ -354,7 +354,7 @@ fn schemas() -> Value {
             },
             "CompactResponse": {
                 "type": "object",
-                "description": "What to compact: the previous_response_id chain, then input. Other CreateResponse fields (instructions, tools, reasoning, prompt_cache_key, service_tier) shape the summarizing turn, which is never stored; stream, background and conversation are refused.",
+                "description": "What to compact: the previous_response_id chain, then input. Other CreateResponse fields (instructions, tools, reasoning, prompt_cache_key, service_tier) shape the summarizing turn, which is never stored (a store field is ignored); the gateway adds the compaction_trigger item itself; stream, background and conversation are refused.",
                 "required": ["model"],
                 "additionalProperties": true,
                 "properties": {
@@ -402,7 +402,7 @@ fn schemas() -> Value {
                 "last_id": {"type": "string", "nullable": true},
                 "has_more": {"type": "boolean"}
             }), &["object", "data", "has_more"]),
-            "InputTokens": obj(json!({"object": {"type": "string"}, "input_tokens": {"type": "integer"}}), &["object", "input_tokens"]),
+            "InputTokens": obj(json!({"object": {"type": "string", "enum": ["response.input_tokens"]}, "input_tokens": {"type": "integer"}}), &["object", "input_tokens"]),
             "Model": obj(json!({"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"}, "owned_by": {"type": "string"}}), &["id", "object"]),
             "ModelList": obj(json!({"object": {"type": "string"}, "data": {"type": "array", "items": schema_ref("Model")}}), &["object", "data"]),
             "Health": obj(json!({

@@ -450,6 +450,18 @@ pub fn validate_common(body: &Value) -> Result<(), HttpError> {
     }
     opt_str(body, "instructions")?;
     opt_str(body, "previous_response_id")?;
+    opt_bool(body, "parallel_tool_calls")?;
+    match body.get("truncation") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "auto" || s == "disabled" => {}
+        Some(_) => {
+            return Err(HttpError::invalid(
+                "Invalid 'truncation': expected 'auto' or 'disabled'.",
+                Some("truncation"),
+                Some("invalid_value"),
+            ))
+        }
+    }
     match body.get("tools") {
         None | Some(Value::Null) => {}
         Some(Value::Array(tools)) => validate_tools(tools)?,
@@ -537,7 +549,6 @@ impl CreateRequest {
         let stream = opt_bool(&body, "stream")?.unwrap_or(false);
         let store = opt_bool(&body, "store")?.unwrap_or(true);
         let background = opt_bool(&body, "background")?.unwrap_or(false);
-        opt_bool(&body, "parallel_tool_calls")?;
         if background && !store {
             return Err(HttpError::invalid(
                 "Background responses must be stored: set 'store' to true or drop 'background'.",
@@ -569,17 +580,6 @@ impl CreateRequest {
             }
         }
         validate_metadata(body.get("metadata"))?;
-        match body.get("truncation") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) if s == "auto" || s == "disabled" => {}
-            Some(_) => {
-                return Err(HttpError::invalid(
-                    "Invalid 'truncation': expected 'auto' or 'disabled'.",
-                    Some("truncation"),
-                    Some("invalid_value"),
-                ))
-            }
-        }
         let previous_response_id = opt_str(&body, "previous_response_id")?.map(str::to_string);
         let conversation = conversation_id(&body)?;
         Ok(CreateRequest {

@@ -2149,6 +2149,20 @@ async fn a_compaction_turn_streams_one_item_that_later_turns_read_back() {
         resp.json::<Value>().await.unwrap()["error"]["param"],
         "model"
     );
+    // Fields a create would refuse are refused by the count too, naming the field.
+    for (field, value) in [
+        ("truncation", json!("bogus")),
+        ("parallel_tool_calls", json!("yes")),
+    ] {
+        let resp = client()
+            .post(format!("{base}/v1/responses/input_tokens"))
+            .json(&json!({"model": "sim-model", "input": "x", field: value}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400, "{field}");
+        assert_eq!(resp.json::<Value>().await.unwrap()["error"]["param"], field);
+    }
     let (s, shrunk) = create(
         &base,
         json!({"model": "sim-model", "input": input, "tools": tools, "store": false}),
