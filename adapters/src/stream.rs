@@ -14,9 +14,9 @@
 //!                      output_text.delta*, output_text.done, content_part.done, output_item.done
 //! per tool call:       output_item.added (function_call), function_call_arguments.delta*,
 //!                      function_call_arguments.done, output_item.done
-//! per custom tool call: output_item.added (custom_tool_call), custom_tool_call_input.delta
-//!                      (the whole input, once the call is complete), custom_tool_call_input.done,
-//!                      output_item.done
+//! per custom tool call: output_item.added (custom_tool_call), custom_tool_call_input.delta*
+//!                      (the `input` argument decoded as it is written),
+//!                      custom_tool_call_input.done, output_item.done
 //! response.completed | response.incomplete | response.failed   (always last)
 //! ```
 //!
@@ -97,6 +97,8 @@ struct OpenCall {
     closed: bool,
     /// A custom tool's call: a `custom_tool_call` item whose input is the `input` argument.
     custom: bool,
+    /// Of a custom call: the input sent so far in `custom_tool_call_input.delta` events.
+    input_sent: String,
 }
 
 /// Chat chunks -> Responses events for one response (see the module doc).
@@ -738,6 +740,7 @@ impl ResponseStream {
                     arguments: String::new(),
                     closed: false,
                     custom: false,
+                    input_sent: String::new(),
                 });
                 self.call_by_index.insert(index, self.calls.len() - 1);
                 self.calls.len() - 1
@@ -774,8 +777,9 @@ impl ResponseStream {
                 "response.output_item.added",
                 json!({"output_index": output_index, "item": item}),
             );
-            // A custom call's input is inside its JSON arguments: it is sent whole at the end.
-            if !buffered.is_empty() && !custom {
+            if custom {
+                self.send_custom_input(slot, events);
+            } else if !buffered.is_empty() {
                 self.emit(
                     events,
                     "response.function_call_arguments.delta",
@@ -791,12 +795,39 @@ impl ResponseStream {
         }
         open.arguments.push_str(arguments);
         if open.custom {
+            self.send_custom_input(slot, events);
             return;
         }
         let fields = json!({
             "item_id": open.item_id, "output_index": open.output_index, "delta": arguments,
         });
         self.emit(events, "response.function_call_arguments.delta", fields);
+    }
+
+    /// A custom call's input is the `input` string of its JSON arguments (`{"input": "..."}`):
+    /// what of it has been written so far and not sent goes out as a
+    /// `custom_tool_call_input.delta`. Arguments of another shape are sent whole at the end.
+    fn send_custom_input(&mut self, slot: usize, events: &mut Vec<SseEvent>) {
+        let Some(call) = self.calls.get_mut(slot) else {
+            return;
+        };
+        let Some(output_index) = call.output_index else {
+            return;
+        };
+        let Some(written) = cut_input(&call.arguments) else {
+            return;
+        };
+        let Some(delta) = written.strip_prefix(call.input_sent.as_str()) else {
+            return;
+        };
+        if delta.is_empty() {
+            return;
+        }
+        let fields = json!({
+            "item_id": call.item_id, "output_index": output_index, "delta": delta,
+        });
+        call.input_sent = written;
+        self.emit(events, "response.custom_tool_call_input.delta", fields);
     }
 
     /// The output item of call `slot`: a `function_call` with `arguments`, or for a custom
@@ -921,13 +952,19 @@ impl ResponseStream {
             }
             if call.custom {
                 let input = custom_input(&call.arguments);
+                // What the deltas have not carried yet (all of it when the arguments were not
+                // `{"input": ...}`); the done event carries the whole input either way.
+                let rest = input
+                    .strip_prefix(call.input_sent.as_str())
+                    .unwrap_or_default()
+                    .to_string();
                 let item = self.call_item(slot, status, &input);
-                if !input.is_empty() {
+                if !rest.is_empty() {
                     self.emit(
                         events,
                         "response.custom_tool_call_input.delta",
                         json!({
-                            "item_id": item_id, "output_index": output_index, "delta": input,
+                            "item_id": item_id, "output_index": output_index, "delta": rest,
                         }),
                     );
                 }
@@ -1665,6 +1702,64 @@ mod tests {
         assert_eq!(custom_input(r#"{"input": "#), r#"{"input": "#);
         assert_eq!(custom_input("*** Begin Patch"), "*** Begin Patch");
         assert_eq!(custom_input(r#"{"other": 1}"#), r#"{"other": 1}"#);
+    }
+
+    #[test]
+    fn a_custom_calls_input_streams_as_it_is_written() {
+        let mut names = ToolNameMap::new();
+        let engine_name = names.insert_custom(ToolName::plain("apply_patch"));
+        let piece = |name: Option<&str>, arguments: &str| {
+            let mut function = json!({"arguments": arguments});
+            if let Some(name) = name {
+                function["name"] = json!(name);
+            }
+            json!({"tool_calls": [{"index": 0, "id": "call_p", "type": "function", "function": function}]})
+        };
+        let mut stream = ResponseStream::new(skeleton(), names);
+        let events = run(
+            &mut stream,
+            &[
+                chunk(piece(Some(&engine_name), r#"{"inp"#), None),
+                chunk(piece(None, r#"ut": "*** Begin"#), None),
+                chunk(piece(None, r#" Patch\n-x = \"caf\u00"#), None),
+                chunk(piece(None, r#"e9\"\n*** End Patch"}"#), Some("tool_calls")),
+            ],
+        );
+        let input = "*** Begin Patch\n-x = \"caf\u{e9}\"\n*** End Patch";
+        let deltas: Vec<&str> = events
+            .iter()
+            .filter(|e| e.event == "response.custom_tool_call_input.delta")
+            .map(|e| e.data["delta"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            deltas,
+            ["*** Begin", " Patch\n-x = \"caf", "\u{e9}\"\n*** End Patch"],
+            "each piece as it is written; a half-written escape waits for its end"
+        );
+        let done: Vec<&Value> = events
+            .iter()
+            .filter(|e| e.event == "response.custom_tool_call_input.done")
+            .map(|e| &e.data["input"])
+            .collect();
+        assert_eq!(done, [&json!(input)]);
+        assert_eq!(stream.response()["output"][0]["input"], input);
+        // Arguments that are not `{"input": ...}` are sent whole once the call ends.
+        let mut names = ToolNameMap::new();
+        let engine_name = names.insert_custom(ToolName::plain("apply_patch"));
+        let mut stream = ResponseStream::new(skeleton(), names);
+        let events = run(
+            &mut stream,
+            &[
+                chunk(piece(Some(&engine_name), "*** Begin"), None),
+                chunk(piece(None, " Patch"), Some("tool_calls")),
+            ],
+        );
+        let deltas: Vec<&str> = events
+            .iter()
+            .filter(|e| e.event == "response.custom_tool_call_input.delta")
+            .map(|e| e.data["delta"].as_str().unwrap())
+            .collect();
+        assert_eq!(deltas, ["*** Begin Patch"]);
     }
 
     #[test]
