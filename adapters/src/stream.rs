@@ -2139,6 +2139,25 @@ mod tests {
         assert_eq!(response["usage"]["output_tokens"], 0);
     }
 
+    /// A message then a call cut off while its arguments came: the message is done, the call
+    /// has no done event, and `output` lists it `incomplete` with the `arguments` written.
+    fn assert_cut_off(events: &[SseEvent], output: &[Value], arguments: &str) {
+        let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+        assert!(
+            !kinds.contains(&"response.function_call_arguments.done"),
+            "{kinds:?}"
+        );
+        let done: Vec<&str> = events
+            .iter()
+            .filter(|e| e.event == "response.output_item.done")
+            .map(|e| e.data["item"]["type"].as_str().unwrap())
+            .collect();
+        assert_eq!(done, ["message"], "the message is done, the call never");
+        assert_eq!(output[1]["type"], "function_call");
+        assert_eq!(output[1]["status"], "incomplete");
+        assert_eq!(output[1]["arguments"], arguments);
+    }
+
     #[test]
     fn a_tool_call_cut_off_by_the_output_budget_is_never_done() {
         let mut stream = ResponseStream::new(skeleton(), ToolNameMap::new());
@@ -2154,22 +2173,10 @@ mod tests {
                 usage_chunk(3, 9, 0),
             ],
         );
-        let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
-        assert!(
-            !kinds.contains(&"response.function_call_arguments.done"),
-            "{kinds:?}"
-        );
-        let done: Vec<&str> = events
-            .iter()
-            .filter(|e| e.event == "response.output_item.done")
-            .map(|e| e.data["item"]["type"].as_str().unwrap())
-            .collect();
-        assert_eq!(done, ["message"], "the message is done, the call never");
+        let output = stream.response()["output"].as_array().cloned().unwrap();
+        assert_cut_off(&events, &output, "{\"path\": \"src/");
         assert_eq!(events.last().unwrap().event, "response.incomplete");
         let response = stream.response();
-        assert_eq!(response["output"][1]["type"], "function_call");
-        assert_eq!(response["output"][1]["status"], "incomplete");
-        assert_eq!(response["output"][1]["arguments"], "{\"path\": \"src/");
         assert_eq!(
             response["output"][0]["status"], "completed",
             "the message ended when the call began"
@@ -2192,21 +2199,7 @@ mod tests {
             } else {
                 stream.fail("server_error", "engine connection lost")
             });
-            let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
-            assert!(
-                !kinds.contains(&"response.function_call_arguments.done"),
-                "{kinds:?}"
-            );
-            let done: Vec<&str> = events
-                .iter()
-                .filter(|e| e.event == "response.output_item.done")
-                .map(|e| e.data["item"]["type"].as_str().unwrap())
-                .collect();
-            assert_eq!(done, ["message"], "the message is done, the call never");
-            let output = replay(&events);
-            assert_eq!(output[1]["type"], "function_call");
-            assert_eq!(output[1]["status"], "incomplete");
-            assert_eq!(output[1]["arguments"], "{\"cmd\": \"rm -r");
+            assert_cut_off(&events, &replay(&events), "{\"cmd\": \"rm -r");
         }
     }
 
