@@ -385,6 +385,21 @@ pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     panic!("timed out waiting until {what}");
 }
 
+/// [`eventually`] for a check that awaits (a metrics scrape, a store read).
+pub async fn eventually_async<F, Fut>(what: &str, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..1500 {
+        if done().await {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
 /// Write `text` to `path` atomically (write, then rename), as operators are told to.
 pub fn write_atomically(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp");

@@ -1393,13 +1393,7 @@ async fn share_routing_decisions(fleet: Fleet) {
             "agentgate_prefix_routes_shared_total{pool=\"sim\",direction=\"received\"} 1",
         )
     };
-    for _ in 0..1500 {
-        if received().await {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(received().await, "b never received a's route");
+    eventually_async("b received a's route", received).await;
     let on_a = metrics_text(&a.base_url()).await;
     assert!(
         has_line(
